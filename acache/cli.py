@@ -1,0 +1,132 @@
+"""The ``acache`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from acache.models.config import ConfigError
+from acache.models.loader import CheckpointError
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--gen-length", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--block-length", type=int, default=32, help="block size (default 32)")
+    g.add_argument("--steps", type=int, default=None, help="low-confidence steps in all (default gen-length)")
+    g.add_argument("--remasking", default="threshold", choices=["threshold", "low_confidence", "factor"])
+    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold (default 0.9)")
+    g.add_argument("--factor", type=float, default=1.0, help="factor of the factor rule (default 1.0)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = argmax (default)")
+    g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
+    g.add_argument("--refresh-interval", type=int, default=None, help="also refresh every N steps in a block")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from acache import LLM, SamplingParams
+
+    params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                            remasking=args.remasking, threshold=args.threshold, factor=args.factor,
+                            temperature=args.temperature, cache=args.cache,
+                            refresh_interval=args.refresh_interval, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size)
+    outputs = llm.generate(args.prompt, params, chat=args.chat)
+    for out in outputs:
+        s = out.stats
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
+                              "nfe": s.nfe, "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}))
+            continue
+        print(f"> {out.prompt}")
+        print(out.text)
+        print(f"[{s.num_generated_tokens} tokens, NFE {s.nfe} ({s.refreshes} refreshes), "
+              f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}]\n")
+    return 0
+
+
+def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
+    from acache.models.checkpoint import make_random_checkpoint
+
+    out = make_random_checkpoint(
+        args.family, args.out, layers=args.layers, hidden_size=args.hidden_size, heads=args.heads,
+        kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
+        max_seq_len=args.max_seq_len, seed=args.seed, shards=args.shards, dtype=args.dtype, std=args.std)
+    print(f"wrote a random {args.family} checkpoint to {out}")
+    return 0
+
+
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    from acache.bench.decode import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acache", description="Diffusion LLM inference with the affix cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="one JSON object per output")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("make-random-checkpoint", help="write a random-weight checkpoint in the upstream layout")
+    p.add_argument("--family", required=True, choices=["llada", "dream"])
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: as many as query heads")
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: tokenizer size rounded up to 64")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    p.add_argument("--shards", type=int, default=1, help="split the weights over this many files")
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(func=_cmd_make_random_checkpoint)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
+    p.add_argument("--family", default="llada", choices=["llada", "dream"])
+    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--caches", default="none,prefix,dual")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_bench_decode)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"acache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Turns logits into proposed tokens and their confidences."""
+
+from __future__ import annotations
+
+import torch
+
+
+def propose(logits: torch.Tensor, temperature: float,
+            generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposed tokens ``x0`` and confidences ``p(x0)`` for ``logits [B, L, V]``.
+
+    Temperature 0 takes the argmax; otherwise Gumbel-max sampling from ``softmax(logits / T)``, with
+    noise from each row's own generator so a request's draw does not depend on its batch. Confidence is
+    the clean softmax probability of the proposed token, as LLaDA scores it.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        scores = logits.double() / temperature
+        noise = torch.empty_like(scores)
+        for row in range(scores.shape[0]):
+            gen = generators[row] if generators is not None else None
+            noise[row].exponential_(generator=gen)
+        x0 = (scores - noise.log()).argmax(-1)
+    else:
+        x0 = logits.argmax(-1)
+    conf = (logits.gather(-1, x0[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()
+    return x0, conf

@@ -1,0 +1,151 @@
+"""The transformer shared by LLaDA and Dream: pre-norm blocks, RoPE, SwiGLU, bidirectional attention.
+
+Families differ only in how their upstream config and tensors are named, whether q/k/v carry a bias,
+and whether logits are shifted (Dream). Those differences live in the family subclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from acache.models.config import ModelConfig
+from acache.models.kv import KVCache
+from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [B, T, hidden] after the final norm
+    kv: KVCache | None  # pre-RoPE K/V of the fed tokens, when asked for
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
+                past_v: torch.Tensor | None, key_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
+        keys, values = k, v
+        if past_k is not None:
+            keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
+        out = attend(apply_rope(q, *rope_q), apply_rope(keys, *rope_k), values, key_mask)
+        x = x + self.o_proj(out.reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, k, v
+
+
+class DiffusionLM(nn.Module):
+    """A masked-diffusion LM whose forward runs any subset of positions against an explicit key set."""
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    architectures: ClassVar[tuple[str, ...]]
+    #: Dream predicts token ``i`` from the hidden state at ``i - 1``.
+    shifted_logits: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+
+    # -- upstream format, one implementation per family -------------------------------------------
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    @classmethod
+    def config_to_hf(cls, config: ModelConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def hf_tensor_names(cls, config: ModelConfig) -> dict[str, str]:
+        """Maps every upstream tensor name to this module's parameter name."""
+        raise NotImplementedError
+
+    # -- compute ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, past: KVCache | None = None,
+                return_kv: bool = False) -> ForwardOutput:
+        """Runs the fed tokens ``input_ids [B, T]`` at absolute ``positions [B, T]``.
+
+        Each fed token attends to every valid fed token and every valid slot of ``past``. Padding
+        (``attention_mask`` False) is never attended. Returns final hidden states of the fed tokens and,
+        with ``return_kv``, their pre-RoPE K/V so callers can cache them.
+        """
+        if input_ids.shape != positions.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must have the same shape")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        rope_q = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        if past is not None:
+            if past.num_layers != len(self.layers):
+                raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
+            key_positions = torch.cat((past.positions, positions), dim=1)
+            key_mask = torch.cat((past.mask, attention_mask), dim=1)
+            rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
+        else:
+            key_mask, rope_k = attention_mask, rope_q
+        x = self.embed(input_ids)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            past_k = past.keys[i] if past is not None else None
+            past_v = past.values[i] if past is not None else None
+            x, k, v = layer(x, rope_q, rope_k, past_k, past_v, key_mask)
+            if return_kv:
+                keys.append(k)
+                values.append(v)
+        kv = KVCache(keys, values, positions, attention_mask) if return_kv else None
+        return ForwardOutput(self.norm(x), kv)
+
+    def logits(self, hidden: torch.Tensor, cols: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 predictions for the fed columns ``cols`` (default: all) of ``hidden``.
+
+        For a shifted family the prediction of column ``c`` comes from column ``c - 1``; column 0 uses
+        its own state, as upstream does, so callers must not rely on it in a partial forward.
+        """
+        t = hidden.shape[1]
+        index = torch.arange(t, device=hidden.device)
+        if cols is not None:
+            index = index[cols]
+        if self.shifted_logits:
+            index = (index - 1).clamp_min(0)
+        h = hidden[:, index]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()

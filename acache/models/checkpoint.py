@@ -1,0 +1,162 @@
+"""Writes checkpoints in the exact upstream layout: random-weight ones for tests and benchmarks, and
+any model the project trains. What is written here goes back through the public loader unchanged."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from acache.models.base import DiffusionLM
+from acache.models.config import ModelConfig
+from acache.models.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, parse_dtype
+from acache.models.registry import family_class
+from acache.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+# Special tokens of each family's tokenizer, in the upstream spelling; ids are assigned at build time.
+SPECIAL_TOKENS = {
+    "llada": {"bos": "<|startoftext|>", "eos": "<|endoftext|>", "mask": "<|mdm_mask|>",
+              "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "stop": "<|eot_id|>"},
+    "dream": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "mask": "<|mask|>",
+              "extra": ["<|im_start|>", "<|im_end|>"], "stop": "<|im_end|>"},
+}
+
+CHAT_TEMPLATES = {
+    "llada": (
+        "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+        "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+        "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+    "dream": (
+        "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+}
+
+
+def build_byte_tokenizer(family: str) -> HFTokenizer:
+    """A byte-level tokenizer (every byte a token, no merges) with the family's special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    spec = SPECIAL_TOKENS[family]
+    specials = list(dict.fromkeys([spec["bos"], spec["eos"], *spec["extra"], spec["mask"]]))
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def tokenizer_config(family: str, tokenizer: HFTokenizer) -> dict:
+    spec = SPECIAL_TOKENS[family]
+    return {
+        "bos_token": spec["bos"],
+        "eos_token": spec["stop"],
+        "pad_token": spec["eos"],
+        "mask_token": spec["mask"],
+        "chat_template": CHAT_TEMPLATES[family],
+        "model_max_length": None,
+        "added_tokens_decoder": {
+            str(tokenizer.token_to_id(t)): {"content": t, "special": True}
+            for t in dict.fromkeys([spec["bos"], spec["eos"], *spec["extra"], spec["mask"]])
+        },
+    }
+
+
+def save_checkpoint(model: DiffusionLM, out: str | Path, tokenizer: HFTokenizer | None = None,
+                    tok_config: dict | None = None, shards: int = 1, dtype: str | torch.dtype | None = None) -> Path:
+    """Writes ``model`` (and a tokenizer) to ``out`` under the family's upstream tensor names."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    target = parse_dtype(dtype) if dtype is not None else None
+    params = dict(model.named_parameters())
+    tensors = {}
+    for hf_name, ours in model.hf_tensor_names(model.config).items():
+        t = params[ours].detach().to("cpu")
+        tensors[hf_name] = (t.to(target) if target is not None else t).contiguous()
+    hf_config = model.config_to_hf(model.config)
+    if target is not None:
+        hf_config["torch_dtype"] = str(target).removeprefix("torch.")
+    (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, root / WEIGHTS_FILE, metadata={"format": "pt"})
+    else:
+        per_shard = -(-len(names) // shards)
+        weight_map = {}
+        for s in range(shards):
+            part = names[s * per_shard:(s + 1) * per_shard]
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in part}, root / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(root / TOKENIZER_FILE))
+        (root / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config or {}, indent=2) + "\n")
+    return root
+
+
+def random_config(family: str, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int = 2,
+                  hidden_size: int = 64, heads: int = 4, kv_heads: int | None = None,
+                  intermediate_size: int | None = None, max_seq_len: int = 4096,
+                  rope_theta: float | None = None) -> ModelConfig:
+    cls = family_class(family)
+    return ModelConfig(
+        family=cls.family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads or heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        rope_theta=rope_theta or (500000.0 if cls.family == "llada" else 1000000.0),
+        rms_norm_eps=1e-5 if cls.family == "llada" else 1e-6,
+        max_position_embeddings=max_seq_len, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id, qkv_bias=cls.family == "dream",
+    )
+
+
+def init_random_(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights: normal linears and embeddings, norms near one, small biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+
+
+def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hidden_size: int = 64,
+                           heads: int = 4, kv_heads: int | None = None, intermediate_size: int | None = None,
+                           vocab_size: int | None = None, max_seq_len: int = 4096, seed: int = 0,
+                           shards: int = 1, dtype: str = "float32", std: float = 0.02) -> Path:
+    """A random-weight checkpoint in the family's upstream layout, with a byte-level tokenizer."""
+    cls = family_class(family)
+    tokenizer = build_byte_tokenizer(cls.family)
+    n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = vocab_size or -(-n_tok // 64) * 64
+    if vocab < n_tok:
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {n_tok} tokens")
+    spec = SPECIAL_TOKENS[cls.family]
+    config = random_config(cls.family, vocab, tokenizer.token_to_id(spec["mask"]),
+                           tokenizer.token_to_id(spec["eos"]), layers=layers, hidden_size=hidden_size,
+                           heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
+                           max_seq_len=max_seq_len)
+    model = cls(config)
+    init_random_(model, seed, std)
+    return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,
+                           dtype=dtype)
+
+
+def clone_config(config: ModelConfig, **changes) -> ModelConfig:
+    return replace(config, **changes)

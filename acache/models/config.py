@@ -1,0 +1,64 @@
+"""The one internal model configuration, read from an upstream ``config.json``.
+
+Each family (LLaDA, Dream) knows its own upstream field names and turns them into a
+:class:`ModelConfig`; nothing downstream reads the raw JSON again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` that is missing a field or holds a value the engine cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    mask_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{self.family} config: {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"{self.family} config: hidden size {self.hidden_size} is not divisible by "
+                f"{self.num_heads} attention heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{self.family} config: {self.num_heads} query heads are not a multiple of "
+                f"{self.num_kv_heads} key/value heads")
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{self.family} config: {name}={value} is outside the vocabulary "
+                                  f"of {self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def require(raw: dict[str, Any], key: str, family: str) -> Any:
+    """Reads a mandatory field, naming it when it is absent."""
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"{family} config.json is missing the field '{key}'")
+    return raw[key]

@@ -1,0 +1,72 @@
+"""The explicit key set a forward pass attends to: per-layer pre-RoPE K/V at given absolute positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Pre-RoPE keys and values of a set of tokens, for every layer.
+
+    ``keys[l]`` and ``values[l]`` are ``[B, S, Hkv, D]``; ``positions`` ``[B, S]`` are the absolute
+    positions the keys are rotated to when attended; ``mask`` ``[B, S]`` marks the slots that exist
+    (False for padding). Rows of a batch may hold different positions.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"KVCache has {len(self.keys)} key layers but {len(self.values)} value layers")
+        if self.positions.shape != self.mask.shape:
+            raise ValueError(f"KVCache positions {tuple(self.positions.shape)} and mask "
+                             f"{tuple(self.mask.shape)} differ in shape")
+        for k, v in zip(self.keys, self.values, strict=True):
+            if k.shape != v.shape or k.shape[:2] != self.positions.shape:
+                raise ValueError(f"KVCache layer shapes {tuple(k.shape)}/{tuple(v.shape)} do not match "
+                                 f"positions {tuple(self.positions.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in zip(self.keys, self.values, strict=True))
+
+    def columns(self, cols: slice | torch.Tensor) -> KVCache:
+        """The same columns of every row (a slice or a 1-D index tensor)."""
+        return KVCache([k[:, cols] for k in self.keys], [v[:, cols] for v in self.values],
+                       self.positions[:, cols], self.mask[:, cols])
+
+    def gather(self, index: torch.Tensor) -> KVCache:
+        """Per-row columns: ``index`` ``[B, S']`` selects different columns in each row."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            expanded = index[:, :, None, None].expand(-1, -1, t.shape[2], t.shape[3])
+            return torch.gather(t, 1, expanded)
+
+        return KVCache([take(k) for k in self.keys], [take(v) for v in self.values],
+                       torch.gather(self.positions, 1, index), torch.gather(self.mask, 1, index))
+
+    @staticmethod
+    def cat(parts: list[KVCache]) -> KVCache:
+        """Concatenates key sets along the token axis."""
+        if len(parts) == 1:
+            return parts[0]
+        layers = range(parts[0].num_layers)
+        return KVCache(
+            [torch.cat([p.keys[i] for p in parts], dim=1) for i in layers],
+            [torch.cat([p.values[i] for p in parts], dim=1) for i in layers],
+            torch.cat([p.positions for p in parts], dim=1),
+            torch.cat([p.mask for p in parts], dim=1),
+        )

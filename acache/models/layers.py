@@ -1,0 +1,61 @@
+"""Building blocks shared by every model family: RMSNorm, RoPE and attention over an explicit key set.
+
+Keys are cached *before* RoPE, so attention rotates every key at the absolute position it is attended
+at. That is what lets a cached span be placed at any offset (the affix cache) and lets the caller pass
+any subset of query positions against any set of cached keys (dual cache, anchors, paged gathers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as both upstream families do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape ``[B, T, 1, head_dim]`` in fp32 for absolute ``positions`` ``[B, T]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (NeoX) RoPE on ``[B, T, H, D]``, in fp32, returned in the input dtype."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention of ``q [B, Tq, H, D]`` over ``k, v [B, S, Hkv, D]`` (already rotated).
+
+    ``key_mask [B, S]`` is True for keys that may be attended (padding and absent slots are False).
+    Returns ``[B, Tq, H, D]``.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=2)
+        v = v.repeat_interleave(n_rep, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=key_mask[:, None, None, :],
+    )
+    return out.transpose(1, 2)

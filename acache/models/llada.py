@@ -1,0 +1,108 @@
+"""LLaDA (OLMo-derived): upstream config fields and tensor names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from acache.models.base import DiffusionLM
+from acache.models.config import ConfigError, ModelConfig, require
+
+_FAMILY = "LLaDA"
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "q_proj.weight": "q_proj.weight",
+    "k_proj.weight": "k_proj.weight",
+    "v_proj.weight": "v_proj.weight",
+    "attn_out.weight": "o_proj.weight",
+    "ff_norm.weight": "mlp_norm.weight",
+    "ff_proj.weight": "gate_proj.weight",
+    "up_proj.weight": "up_proj.weight",
+    "ff_out.weight": "down_proj.weight",
+}
+
+
+class LLaDAModel(DiffusionLM):
+    family = "llada"
+    model_types = ("llada",)
+    architectures = ("LLaDAModelLM",)
+    shifted_logits = False
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        if raw.get("include_bias"):
+            raise ConfigError("LLaDA config: include_bias=true (biases on every linear layer) is not supported")
+        if raw.get("alibi"):
+            raise ConfigError("LLaDA config: alibi positional bias is not supported, only RoPE")
+        if raw.get("rope") is False:
+            raise ConfigError("LLaDA config: rope=false is not supported")
+        for key, expected in (("block_type", "llama"), ("activation_type", "silu"), ("layer_norm_type", "rms")):
+            if key in raw and raw[key] != expected:
+                raise ConfigError(f"LLaDA config: {key}={raw[key]!r} is not supported (expected {expected!r})")
+        d_model = int(require(raw, "d_model", _FAMILY))
+        n_heads = int(require(raw, "n_heads", _FAMILY))
+        mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model
+        vocab = int(raw.get("embedding_size") or require(raw, "vocab_size", _FAMILY))
+        eos = int(require(raw, "eos_token_id", _FAMILY))
+        return ModelConfig(
+            family=cls.family,
+            vocab_size=vocab,
+            hidden_size=d_model,
+            num_layers=int(require(raw, "n_layers", _FAMILY)),
+            num_heads=n_heads,
+            num_kv_heads=int(raw.get("n_kv_heads") or n_heads),
+            intermediate_size=int(mlp),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(require(raw, "max_sequence_length", _FAMILY)),
+            mask_token_id=int(require(raw, "mask_token_id", _FAMILY)),
+            eos_token_id=eos,
+            pad_token_id=int(raw.get("pad_token_id", eos)),
+            qkv_bias=bool(raw.get("include_qkv_bias", False)),
+            tie_word_embeddings=bool(raw.get("weight_tying", False)),
+            raw=dict(raw),
+        )
+
+    @classmethod
+    def config_to_hf(cls, config: ModelConfig) -> dict[str, Any]:
+        return {
+            "architectures": list(cls.architectures),
+            "model_type": "llada",
+            "activation_type": "silu",
+            "alibi": False,
+            "block_type": "llama",
+            "d_model": config.hidden_size,
+            "embedding_size": config.vocab_size,
+            "vocab_size": config.vocab_size,
+            "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id,
+            "mask_token_id": config.mask_token_id,
+            "include_bias": False,
+            "include_qkv_bias": config.qkv_bias,
+            "layer_norm_type": "rms",
+            "max_sequence_length": config.max_position_embeddings,
+            "mlp_hidden_size": config.intermediate_size,
+            "n_heads": config.num_heads,
+            "n_kv_heads": config.num_kv_heads,
+            "n_layers": config.num_layers,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope": True,
+            "rope_full_precision": True,
+            "rope_theta": config.rope_theta,
+            "weight_tying": config.tie_word_embeddings,
+            "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def hf_tensor_names(cls, config: ModelConfig) -> dict[str, str]:
+        names = {"model.transformer.wte.weight": "embed.weight",
+                 "model.transformer.ln_f.weight": "norm.weight"}
+        if not config.tie_word_embeddings:
+            names["model.transformer.ff_out.weight"] = "lm_head.weight"
+        layer_names = dict(_LAYER_NAMES)
+        if config.qkv_bias:
+            layer_names.update({f"{p}.bias": f"{p}.bias" for p in ("q_proj", "k_proj", "v_proj")})
+        for i in range(config.num_layers):
+            for hf, ours in layer_names.items():
+                names[f"model.transformer.blocks.{i}.{hf}"] = f"layers.{i}.{ours}"
+        return names

@@ -1,0 +1,137 @@
+"""Loads a model from a local Hugging Face checkpoint directory in the upstream layout.
+
+``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every
+problem is reported with the file, tensor or field it concerns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from acache.models.base import DiffusionLM
+from acache.models.config import ConfigError
+from acache.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files or tensors do not match what its config describes."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(DTYPES))}") from None
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return dev
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"model directory not found: {root}")
+    if not root.is_dir():
+        raise NotADirectoryError(f"model path is not a directory: {root}")
+    return root
+
+
+def read_config(path: str | Path) -> tuple[type[DiffusionLM], object]:
+    """The model class and parsed :class:`ModelConfig` of a checkpoint directory."""
+    config_path = checkpoint_dir(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"missing {CONFIG_FILE} in model directory {config_path.parent}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_path} is not valid JSON: {exc}") from None
+    cls = resolve_model_class(raw, str(config_path))
+    try:
+        return cls, cls.config_from_hf(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+
+
+def tensor_files(root: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor name."""
+    single, index = root / WEIGHTS_FILE, root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
+        files = {name: root / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"weight shard {shard.name} listed in {INDEX_FILE} is missing from {root}")
+        return files
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)  # noqa: SIM118 (safe_open is not iterable)
+    raise FileNotFoundError(f"no weights in {root}: expected {WEIGHTS_FILE} or {INDEX_FILE}")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> DiffusionLM:
+    """Builds the model of a checkpoint directory and fills it with its weights."""
+    root = checkpoint_dir(path)
+    dtype, device = parse_dtype(dtype), parse_device(device)
+    cls, config = read_config(root)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    names = cls.hf_tensor_names(config)
+    files = tensor_files(root)
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise CheckpointError(f"checkpoint {root} lacks tensor {missing[0]}"
+                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = sorted(set(files) - set(names))
+    if unexpected:
+        logger.warning("ignoring %d tensors the %s model does not use, e.g. %s", len(unexpected),
+                       cls.family, unexpected[0])
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                stored = set(f.keys())
+                for name in file_names:
+                    if name not in stored:
+                        raise CheckpointError(f"tensor {name} is listed for {file.name} but is not in it")
+                    tensor = f.get_tensor(name)
+                    target = params[names[name]]
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise CheckpointError(
+                            f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"the config implies {tuple(target.shape)}")
+                    target.copy_(tensor)
+    model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,35 @@
+"""Maps a checkpoint's ``model_type`` / ``architectures`` to the model class that runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from acache.models.base import DiffusionLM
+from acache.models.config import ConfigError
+from acache.models.dream import DreamModel
+from acache.models.llada import LLaDAModel
+
+MODEL_CLASSES: tuple[type[DiffusionLM], ...] = (LLaDAModel, DreamModel)
+
+
+def family_class(name: str) -> type[DiffusionLM]:
+    """The class of a family name such as ``llada`` or ``dream``."""
+    for cls in MODEL_CLASSES:
+        if cls.family == name.lower():
+            return cls
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(c.family for c in MODEL_CLASSES)}")
+
+
+def resolve_model_class(raw: dict[str, Any], source: str = "config.json") -> type[DiffusionLM]:
+    """Picks the class from ``model_type`` first, then ``architectures``; names the type when unknown."""
+    model_type = str(raw.get("model_type", "")).lower()
+    archs = raw.get("architectures") or []
+    for cls in MODEL_CLASSES:
+        if model_type in cls.model_types:
+            return cls
+    for cls in MODEL_CLASSES:
+        if any(a in cls.architectures for a in archs):
+            return cls
+    known = ", ".join(t for c in MODEL_CLASSES for t in c.model_types)
+    raise ConfigError(f"{source}: unknown model type {raw.get('model_type')!r} "
+                      f"(architectures {archs}); supported model types: {known}")

@@ -1,0 +1,87 @@
+"""Tokenizer of a checkpoint directory: ``tokenizer.json`` plus ``tokenizer_config.json`` (chat template)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+class Tokenizer:
+    """Encodes, decodes, and renders chat messages with the checkpoint's own template."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any] | None = None) -> None:
+        self._tok = tokenizer
+        self.config = config or {}
+        template = self.config.get("chat_template")
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        root = Path(path)
+        file = root / TOKENIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"missing {TOKENIZER_FILE} in model directory {root}")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+            raise ValueError(f"{file} could not be read as a tokenizer: {exc}") from None
+        config_file = root / TOKENIZER_CONFIG_FILE
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return cls(tok, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        known = [i for i in ids if 0 <= i < self.vocab_size]
+        return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Renders messages through the checkpoint's Jinja chat template, in a sandbox."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content'")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template could not be rendered: {exc}") from None

@@ -1,0 +1,79 @@
+"""How one request is decoded. Validated once, at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COMMIT_RULES = ("threshold", "low_confidence", "factor")
+CACHE_POLICIES = ("none", "prefix", "dual")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Diffusion decoding parameters (LLaDA / Fast-dLLM semantics).
+
+    ``gen_length`` masks are appended to the prompt and decoded in blocks of ``block_length``, left to
+    right. ``remasking`` picks the commit rule: ``threshold`` (Fast-dLLM parallel decoding, commit
+    every masked token whose confidence reaches ``threshold``, at least one a step), ``factor``
+    (Fast-dLLM's factor rule) or ``low_confidence`` (LLaDA: ``steps`` split evenly over blocks, a
+    fixed quota a step). ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
+    ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts.
+    """
+
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None
+    remasking: str = "threshold"
+    threshold: float = 0.9
+    factor: float = 1.0
+    temperature: float = 0.0
+    cache: str = "dual"
+    refresh_interval: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("gen_length", "block_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.gen_length % self.block_length:
+            raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of block_length "
+                             f"({self.block_length})")
+        blocks = self.num_blocks
+        if self.steps is not None:
+            if not isinstance(self.steps, int) or isinstance(self.steps, bool):
+                raise ValueError(f"steps must be an integer, got {self.steps!r}")
+            if self.steps < blocks:
+                raise ValueError(f"steps ({self.steps}) must be at least the number of blocks ({blocks} = "
+                                 f"gen_length {self.gen_length} / block_length {self.block_length})")
+            if self.steps % blocks:
+                raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks ({blocks}) "
+                                 "so that every block gets the same number of steps")
+            if self.steps > self.gen_length:
+                raise ValueError(f"steps ({self.steps}) cannot exceed gen_length ({self.gen_length})")
+        if self.remasking not in COMMIT_RULES:
+            raise ValueError(f"remasking must be one of {', '.join(COMMIT_RULES)}, got {self.remasking!r}")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if not self.factor > 0.0:
+            raise ValueError(f"factor must be positive, got {self.factor}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.cache not in CACHE_POLICIES:
+            raise ValueError(f"cache must be one of {', '.join(CACHE_POLICIES)}, got {self.cache!r}")
+        if self.refresh_interval is not None and (
+                not isinstance(self.refresh_interval, int) or self.refresh_interval <= 0):
+            raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        """Steps of the low-confidence schedule in each block (``steps`` defaults to ``gen_length``)."""
+        return (self.steps or self.gen_length) // self.num_blocks

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random checkpoints written in the upstream layout by the project itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acache.models.checkpoint import make_random_checkpoint
+from acache.models.loader import load_model
+
+torch.set_num_threads(2)
+
+# Large enough weights that attention is sharp and greedy decoding varies from token to token.
+TEST_STD = 0.15
+
+
+def tiny_checkpoint(root, family: str, **kw):
+    opts = {"layers": 2, "hidden_size": 64, "heads": 4, "kv_heads": 2, "seed": 1, "std": TEST_STD,
+            "max_seq_len": 512}
+    opts.update(kw)
+    return make_random_checkpoint(family, root, **opts)
+
+
+@pytest.fixture(scope="session")
+def llada_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("llada"), "llada")
+
+
+@pytest.fixture(scope="session")
+def dream_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("dream"), "dream")
+
+
+@pytest.fixture(scope="session", params=["llada", "dream"])
+def family_dir(request, llada_dir, dream_dir):
+    return {"llada": llada_dir, "dream": dream_dir}[request.param]
+
+
+@pytest.fixture(scope="session")
+def family_model(family_dir):
+    return load_model(family_dir)
+
+
+def random_prompts(lengths, vocab=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]

@@ -1,0 +1,59 @@
+"""The public API: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import pytest
+
+from acache import LLM, SamplingParams
+from acache.decoding.generate import generate
+
+
+@pytest.fixture(scope="module")
+def llm(llada_dir):
+    return LLM(llada_dir, max_batch_size=2)
+
+
+def test_generate_returns_text_ids_and_stats(llm):
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5)
+    outs = llm.generate(["Where is Mary?", "Hi", "A longer prompt than the others"], params, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Where is Mary?", "Hi", "A longer prompt than the others"]
+    for out in outs:
+        assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt)
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+        assert out.stats.num_generated_tokens == len(out.token_ids)
+        assert out.stats.nfe >= 1 and out.stats.forward_time_s > 0
+        assert not set(out.token_ids) & llm.stop_token_ids
+    direct = generate(llm.model, [outs[2].prompt_token_ids], params, llm.stop_token_ids)
+    assert outs[2].token_ids == direct.token_ids[0]
+    assert outs[2].stats.batch_size == 1 and outs[0].stats.batch_size == 2
+    assert len({o.request_id for o in outs}) == 3
+
+
+def test_token_id_prompts_and_chat(llm):
+    params = SamplingParams(gen_length=8, block_length=8, threshold=0.5)
+    by_ids = llm.generate([[10, 20, 30]], params, use_tqdm=False)[0]
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == [10, 20, 30]
+    chat = llm.generate("hi", params, chat=True, use_tqdm=False)[0]
+    assert chat.prompt_token_ids[0] == llm.tokenizer.token_to_id("<|startoftext|>")
+    assert llm.tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(gen_length=16, block_length=8, temperature=0.8, threshold=0.5, seed=7)
+    a = llm.generate(["abc", "defgh"], params, use_tqdm=False)
+    b = llm.generate(["defgh"], params, use_tqdm=False)
+    assert a[1].token_ids == b[0].token_ids
+
+
+def test_bad_inputs(llm, tmp_path):
+    with pytest.raises(ValueError, match="prompt 0 is too long"):
+        llm.generate("x" * 600, SamplingParams(gen_length=16, block_length=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt token id 100000"):
+        llm.generate([[1, 100000]], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate("x", {"gen_length": 8})
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        LLM(tmp_path / "missing")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        LLM(tmp_path, max_batch_size=0)
