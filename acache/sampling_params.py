@@ -18,6 +18,12 @@ class SamplingParams:
     (Fast-dLLM's factor rule) or ``low_confidence`` (LLaDA: ``steps`` split evenly over blocks, a
     fixed quota a step). ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
     ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts.
+
+    ``affix_policy`` turns on cross-request affix reuse for prompts that mark affixes: the anchor
+    selector (``attention`` is ACache; ``none`` is direct reuse, ``all`` full recompute; baselines
+    ``kv-deviation``, ``query-attention``, ``first-k``, ``random``), recomputing ``anchor_ratio`` of each
+    affix's tokens; ``anchor_query`` is where ACache's queries come from (``probe`` or ``full``).
+    ``None`` computes affix tokens like any other prompt tokens.
     """
 
     gen_length: int = 128
@@ -31,6 +37,9 @@ class SamplingParams:
     refresh_interval: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    affix_policy: str | None = None
+    anchor_ratio: float = 0.2
+    anchor_query: str = "probe"
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "block_length"):
@@ -68,6 +77,18 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.affix_policy is not None:
+            from acache.affix.selectors import SELECTORS
+
+            if self.affix_policy not in SELECTORS:
+                raise ValueError(f"affix_policy must be one of {', '.join(SELECTORS)} or None, "
+                                 f"got {self.affix_policy!r}")
+            if self.cache != "dual":
+                raise ValueError(f"affix reuse runs on the dual cache: set cache='dual' (got {self.cache!r})")
+        if not 0.0 <= self.anchor_ratio <= 1.0:
+            raise ValueError(f"anchor_ratio must be in [0, 1], got {self.anchor_ratio}")
+        if self.anchor_query not in ("probe", "full"):
+            raise ValueError(f"anchor_query must be 'probe' or 'full', got {self.anchor_query!r}")
 
     @property
     def num_blocks(self) -> int:

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from acache.models.kv import KVCache
 
 
 @dataclass
 class StepPlan:
-    cols: slice  # canvas columns fed to the model this step
+    """What one forward feeds. ``cols`` is a slice of canvas columns shared by all rows, or a per-row
+    index ``[B, F]`` (then ``cols_valid`` marks the real entries); ``block`` locates the current block's
+    columns among the fed ones, as a slice or a per-row ``[B, L]`` index."""
+
+    cols: slice | torch.Tensor
     past: KVCache | None  # cached K/V the fed columns attend to besides themselves
     refresh: bool  # whether the step's K/V is to be handed back through ``store``
+    block: slice | torch.Tensor
+    cols_valid: torch.Tensor | None = None
 
 
 class CachePolicy:
@@ -30,11 +38,15 @@ class CachePolicy:
             return True
         return self.refresh_interval is not None and step % self.refresh_interval == 0
 
-    def plan(self, step: int, start: int, end: int, total: int) -> StepPlan:
-        return StepPlan(slice(0, total), None, False)
+    def begin(self, model, canvas) -> None:
+        """Called once per batch before the first block, on the all-mask canvas."""
+        self.kv = None
 
-    def store(self, kv: KVCache, start: int, end: int) -> None:
-        """Keeps what later steps of block ``[start, end)`` reuse from a refresh of the whole canvas."""
+    def plan(self, step: int, start: int, end: int, total: int) -> StepPlan:
+        return StepPlan(slice(0, total), None, False, slice(start, end))
+
+    def store(self, kv: KVCache, plan: StepPlan, start: int, end: int) -> None:
+        """Keeps what later steps of block ``[start, end)`` reuse from the refresh that ``plan`` fed."""
 
 
 class NoCache(CachePolicy):
@@ -50,10 +62,10 @@ class PrefixCache(CachePolicy):
 
     def plan(self, step: int, start: int, end: int, total: int) -> StepPlan:
         if self.is_refresh(step):
-            return StepPlan(slice(0, total), None, True)
-        return StepPlan(slice(start, total), self.kv, False)
+            return StepPlan(slice(0, total), None, True, slice(start, end))
+        return StepPlan(slice(start, total), self.kv, False, slice(0, end - start))
 
-    def store(self, kv: KVCache, start: int, end: int) -> None:
+    def store(self, kv: KVCache, plan: StepPlan, start: int, end: int) -> None:
         self.kv = kv.columns(slice(0, start))
 
 
@@ -64,10 +76,10 @@ class DualCache(CachePolicy):
 
     def plan(self, step: int, start: int, end: int, total: int) -> StepPlan:
         if self.is_refresh(step):
-            return StepPlan(slice(0, total), None, True)
-        return StepPlan(slice(start, end), self.kv, False)
+            return StepPlan(slice(0, total), None, True, slice(start, end))
+        return StepPlan(slice(start, end), self.kv, False, slice(0, end - start))
 
-    def store(self, kv: KVCache, start: int, end: int) -> None:
+    def store(self, kv: KVCache, plan: StepPlan, start: int, end: int) -> None:
         self.kv = KVCache.cat([kv.columns(slice(0, start)), kv.columns(slice(end, kv.length))])
 
 

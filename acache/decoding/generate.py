@@ -1,8 +1,7 @@
 """The one diffusion generation loop. Commit rule and cache policy are plugged in; nothing is copied.
 
-Prompts of different lengths are left-padded so every row's generation region starts at the same
-column; padding is never attended and positions count from each row's first real token, so a row's
-result does not depend on its batch.
+Rows of a batch share one canvas (see :mod:`acache.decoding.canvas`); padding is never attended and
+positions count each row's own tokens, so a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from acache.decoding.cache_policy import make_cache_policy
+from acache.decoding.cache_policy import CachePolicy, make_cache_policy
+from acache.decoding.canvas import Canvas, Layout, build_canvas
 from acache.decoding.commit import make_commit_rule
 from acache.decoding.sampler import propose
 from acache.models.base import DiffusionLM
@@ -25,6 +25,8 @@ class GenerationStats:
     nfe: int = 0  # forward evaluations of the model
     refreshes: int = 0  # forwards that refreshed the cache (full canvas)
     forward_time_s: float = 0.0  # wall time inside model forwards and logits
+    refresh_times_s: list[float] = field(default_factory=list)  # each refresh forward
+    recomputed_tokens: list[int] = field(default_factory=list)  # tokens fed by each refresh (all rows)
     wall_time_s: float = 0.0
 
 
@@ -32,30 +34,7 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[list[int]]  # generated ids of each prompt, cut at the first stop token
     stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-@dataclass
-class Canvas:
-    tokens: torch.Tensor  # [B, T]
-    positions: torch.Tensor  # [B, T]
-    valid: torch.Tensor  # [B, T] False on padding
-    gen_start: int  # first column of the generation region
-
-
-def build_canvas(prompts: Sequence[Sequence[int]], gen_length: int, mask_id: int, pad_id: int,
-                 device: torch.device) -> Canvas:
-    width = max(len(p) for p in prompts)
-    b, total = len(prompts), width + gen_length
-    tokens = torch.full((b, total), pad_id, dtype=torch.long)
-    valid = torch.ones((b, total), dtype=torch.bool)
-    pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt):width] = torch.as_tensor(list(prompt), dtype=torch.long)
-    tokens[:, width:] = mask_id
-    cols = torch.arange(total)[None, :]
-    valid = cols >= pads[:, None]
-    positions = (cols - pads[:, None]).clamp_min(0)
-    return Canvas(tokens.to(device), positions.to(device), valid.to(device), width)
+    canvas: Canvas | None = None  # the final canvas
 
 
 def truncate_at_stop(ids: list[int], stop_token_ids: set[int]) -> list[int]:
@@ -71,26 +50,31 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def generate(model: DiffusionLM, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             stop_token_ids: Sequence[int] = (),
-             generators: list[torch.Generator | None] | None = None) -> GenerationResult:
-    """Decodes ``params.gen_length`` tokens after each prompt, block by block."""
+def generate(model: DiffusionLM, prompts: Sequence[Sequence[int] | Layout], params: SamplingParams,
+             stop_token_ids: Sequence[int] = (), generators: list[torch.Generator | None] | None = None,
+             policy: CachePolicy | None = None) -> GenerationResult:
+    """Decodes ``params.gen_length`` tokens in each prompt's generation region, block by block.
+
+    ``policy`` overrides the cache policy named by ``params.cache`` (the affix cache plugs in here).
+    """
     if not prompts:
         return GenerationResult([])
     config = model.config
     limit = config.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if len(p) + params.gen_length > limit:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; with gen_length {params.gen_length} that "
-                             f"exceeds the model's context of {limit} positions")
+    layouts = [Layout.of(p) for p in prompts]
+    for i, lay in enumerate(layouts):
+        if len(lay.token_ids) + params.gen_length > limit:
+            raise ValueError(f"prompt {i} has {len(lay.token_ids)} tokens; with gen_length {params.gen_length} "
+                             f"that exceeds the model's context of {limit} positions")
     device = model.device
     mask_id = config.mask_token_id
-    canvas = build_canvas(prompts, params.gen_length, mask_id, config.pad_token_id, device)
-    x, total = canvas.tokens, canvas.tokens.shape[1]
+    canvas = build_canvas(layouts, params.gen_length, mask_id, config.pad_token_id, device)
+    x = canvas.tokens
     rule = make_commit_rule(params)
-    policy = make_cache_policy(params.cache, params.refresh_interval)
+    policy = policy or make_cache_policy(params.cache, params.refresh_interval)
     stats = GenerationStats()
     started = time.perf_counter()
+    policy.begin(model, canvas)
     for b in range(params.num_blocks):
         start = canvas.gen_start + b * params.block_length
         end = start + params.block_length
@@ -98,19 +82,26 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int]], params: Sampl
         rule.begin_block(masked.sum(-1))
         step = 0
         while masked.any():
-            plan = policy.plan(step, start, end, total)
+            plan = policy.plan(step, start, end, canvas.total)
             _sync(device)
             t0 = time.perf_counter()
-            out = model(x[:, plan.cols], canvas.positions[:, plan.cols], canvas.valid[:, plan.cols],
-                        past=plan.past, return_kv=plan.refresh)
-            logits = model.logits(out.hidden, slice(start - plan.cols.start, end - plan.cols.start))
+            if isinstance(plan.cols, slice):
+                ids, pos, valid = x[:, plan.cols], canvas.positions[:, plan.cols], canvas.valid[:, plan.cols]
+            else:
+                ids, pos = x.gather(1, plan.cols), canvas.positions.gather(1, plan.cols)
+                valid = canvas.valid.gather(1, plan.cols) & plan.cols_valid
+            out = model(ids, pos, valid, past=plan.past, return_kv=plan.refresh)
+            logits = model.logits(out.hidden, plan.block)
             x0, conf = propose(logits, params.temperature, generators)
             _sync(device)
-            stats.forward_time_s += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            stats.forward_time_s += elapsed
             stats.nfe += 1
             if plan.refresh:
                 stats.refreshes += 1
-                policy.store(out.kv, start, end)
+                stats.refresh_times_s.append(elapsed)
+                stats.recomputed_tokens.append(int(valid.sum()))
+                policy.store(out.kv, plan, start, end)
             conf = torch.where(masked, conf, float("-inf"))
             if step == 0 and model.shifted_logits:
                 # A shifted model cannot predict a block's first token from the block alone, so it is
@@ -122,5 +113,5 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int]], params: Sampl
             step += 1
     stats.wall_time_s = time.perf_counter() - started
     stops = {config.eos_token_id, *stop_token_ids}
-    generated = x[:, canvas.gen_start:].tolist()
-    return GenerationResult([truncate_at_stop(row, stops) for row in generated], stats)
+    generated = x[:, canvas.gen_start:canvas.gen_start + params.gen_length].tolist()
+    return GenerationResult([truncate_at_stop(row, stops) for row in generated], stats, canvas)

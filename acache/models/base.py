@@ -20,8 +20,12 @@ from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
 
 @dataclass
 class ForwardOutput:
-    hidden: torch.Tensor  # [B, T, hidden] after the final norm
-    kv: KVCache | None  # pre-RoPE K/V of the fed tokens, when asked for
+    """What a forward hands back besides the final states; the lists hold one entry per layer run."""
+
+    hidden: torch.Tensor  # [B, T, hidden]: after the final norm for ``forward``, raw for ``run_layers``
+    kv: KVCache | None = None  # pre-RoPE K/V of the fed tokens, with ``return_kv``
+    queries: list[torch.Tensor] | None = None  # pre-RoPE queries [B, T, H, D], with ``capture_queries``
+    layer_inputs: list[torch.Tensor] | None = None  # each layer's input states, with ``capture_inputs``
 
 
 class DecoderLayer(nn.Module):
@@ -42,7 +46,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
                 past_v: torch.Tensor | None, key_mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns the new states and the fed tokens' pre-RoPE q, k, v."""
         b, t, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
@@ -55,7 +60,7 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(out.reshape(b, t, -1))
         h = self.mlp_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x, k, v
+        return x, q, k, v
 
 
 class DiffusionLM(nn.Module):
@@ -101,18 +106,31 @@ class DiffusionLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, past: KVCache | None = None,
-                return_kv: bool = False) -> ForwardOutput:
-        """Runs the fed tokens ``input_ids [B, T]`` at absolute ``positions [B, T]``.
+                return_kv: bool = False, capture_queries: bool = False) -> ForwardOutput:
+        """Runs the fed tokens ``input_ids [B, T]`` at absolute ``positions [B, T]`` through all layers.
 
         Each fed token attends to every valid fed token and every valid slot of ``past``. Padding
         (``attention_mask`` False) is never attended. Returns final hidden states of the fed tokens and,
         with ``return_kv``, their pre-RoPE K/V so callers can cache them.
         """
-        if input_ids.shape != positions.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+        out = self.run_layers(self.embed(input_ids), positions, attention_mask, past,
+                              range(len(self.layers)), return_kv, capture_queries)
+        out.hidden = self.norm(out.hidden)
+        return out
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None,
+                   past: KVCache | None, layers: range, return_kv: bool = False,
+                   capture_queries: bool = False, capture_inputs: bool = False) -> ForwardOutput:
+        """Runs states ``x [B, T, hidden]`` through ``layers`` only (no final norm).
+
+        ``past`` holds every layer of the model and is read at the absolute layer index, so a caller
+        can run the shallow layers on one token set and the deep layers on another (BiCache).
+        """
+        if x.shape[:2] != positions.shape:
+            raise ValueError(f"input_ids {tuple(x.shape[:2])} and positions {tuple(positions.shape)} "
                              "must have the same shape")
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+            attention_mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         rope_q = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         if past is not None:
             if past.num_layers != len(self.layers):
@@ -122,30 +140,44 @@ class DiffusionLM(nn.Module):
             rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
         else:
             key_mask, rope_k = attention_mask, rope_q
-        x = self.embed(input_ids)
-        keys, values = [], []
-        for i, layer in enumerate(self.layers):
+        keys, values, queries, inputs = [], [], [], []
+        for i in layers:
+            if capture_inputs:
+                inputs.append(x)
             past_k = past.keys[i] if past is not None else None
             past_v = past.values[i] if past is not None else None
-            x, k, v = layer(x, rope_q, rope_k, past_k, past_v, key_mask)
+            x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask)
             if return_kv:
                 keys.append(k)
                 values.append(v)
-        kv = KVCache(keys, values, positions, attention_mask) if return_kv else None
-        return ForwardOutput(self.norm(x), kv)
+            if capture_queries:
+                queries.append(q)
+        if capture_inputs:
+            inputs.append(x)
+        return ForwardOutput(
+            hidden=x,
+            kv=KVCache(keys, values, positions, attention_mask) if return_kv else None,
+            queries=queries if capture_queries else None,
+            layer_inputs=inputs if capture_inputs else None,
+        )
 
     def logits(self, hidden: torch.Tensor, cols: slice | torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 predictions for the fed columns ``cols`` (default: all) of ``hidden``.
+        """fp32 predictions for the fed columns ``cols`` of ``hidden``: all (None), a slice, a 1-D index
+        shared by every row, or a per-row ``[B, K]`` index.
 
-        For a shifted family the prediction of column ``c`` comes from column ``c - 1``; column 0 uses
-        its own state, as upstream does, so callers must not rely on it in a partial forward.
+        For a shifted family the prediction of fed column ``c`` comes from fed column ``c - 1``; column 0
+        uses its own state, as upstream does, so callers must not rely on it in a partial forward.
         """
-        t = hidden.shape[1]
-        index = torch.arange(t, device=hidden.device)
-        if cols is not None:
-            index = index[cols]
+        b, t = hidden.shape[:2]
+        if isinstance(cols, torch.Tensor) and cols.dim() == 2:
+            index = cols
+        else:
+            index = torch.arange(t, device=hidden.device)
+            if cols is not None:
+                index = index[cols]
+            index = index.expand(b, -1)
         if self.shifted_logits:
             index = (index - 1).clamp_min(0)
-        h = hidden[:, index]
+        h = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()

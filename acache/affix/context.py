@@ -1,0 +1,140 @@
+"""What an anchor selector sees: the request's all-mask canvas with its affix K/V placed, and the
+forwards it may ask for (computed once, on demand, and shared between score terms)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from acache.decoding.canvas import Canvas
+from acache.models.base import DiffusionLM, ForwardOutput
+from acache.models.kv import KVCache
+from acache.models.layers import apply_rope, rope_tables
+
+
+def compact_index(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns where ``mask [B, T]`` holds, in order, per row: ``index [B, F]`` padded with ``fill``
+    and ``valid [B, F]``; ``F`` is the largest count of any row."""
+    b, t = mask.shape
+    cols = torch.arange(t, device=mask.device).expand(b, -1)
+    keyed = torch.where(mask, cols, cols + t)
+    width = int(mask.sum(-1).max()) if b else 0
+    index = keyed.sort(-1).values[:, :width]
+    valid = index < t
+    return torch.where(valid, index, torch.full_like(index, fill)), valid
+
+
+@dataclass
+class CanvasKV:
+    """Per-layer K/V of every canvas column plus one trash column (``T``) that padded writes land in."""
+
+    keys: list[torch.Tensor]  # [B, T + 1, Hkv, D]
+    values: list[torch.Tensor]
+    positions: torch.Tensor  # [B, T + 1]
+    valid: torch.Tensor  # [B, T + 1]
+
+    @classmethod
+    def empty(cls, model: DiffusionLM, canvas: Canvas) -> CanvasKV:
+        b, t = canvas.tokens.shape
+        cfg = model.config
+        shape = (b, t + 1, cfg.num_kv_heads, cfg.head_dim)
+        zeros = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_layers)]
+        zeros_v = [torch.zeros_like(z) for z in zeros]
+        pad = torch.zeros((b, 1), dtype=canvas.positions.dtype, device=canvas.positions.device)
+        return cls(zeros, zeros_v, torch.cat((canvas.positions, pad), 1),
+                   torch.cat((canvas.valid, pad.bool()), 1))
+
+    def gather(self, index: torch.Tensor, valid: torch.Tensor | None = None) -> KVCache:
+        kv = KVCache(self.keys, self.values, self.positions, self.valid).gather(index)
+        if valid is not None:
+            kv.mask = kv.mask & valid
+        return kv
+
+    def scatter(self, index: torch.Tensor, kv: KVCache, layers: range | None = None) -> None:
+        """Writes ``kv`` (one entry per layer of ``layers``) into columns ``index [B, F]``."""
+        layers = layers if layers is not None else range(len(self.keys))
+        for j, layer in enumerate(layers):
+            idx = index[:, :, None, None].expand_as(kv.keys[j])
+            self.keys[layer].scatter_(1, idx, kv.keys[j].to(self.keys[layer].dtype))
+            self.values[layer].scatter_(1, idx, kv.values[j].to(self.values[layer].dtype))
+
+    def outside(self, start: int, end: int) -> KVCache:
+        """Every real column but ``[start, end)``, for the steps inside a block."""
+        t = self.positions.shape[1] - 1
+        cols = torch.cat((torch.arange(0, start), torch.arange(end, t))).to(self.positions.device)
+        return KVCache(self.keys, self.values, self.positions, self.valid).columns(cols)
+
+
+@dataclass
+class SelectionContext:
+    model: DiffusionLM
+    canvas: Canvas  # all-mask canvas of the batch
+    affix_slot: torch.Tensor  # [B, T]: which affix of its row a column belongs to, -1 outside affixes
+    kv: CanvasKV  # cached affix K/V placed at the affix columns
+    generator: torch.Generator | None = None
+    _probe: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _full: ForwardOutput | None = field(default=None, repr=False)
+
+    @property
+    def affix_mask(self) -> torch.Tensor:
+        return self.affix_slot >= 0
+
+    @property
+    def gen_mask(self) -> torch.Tensor:
+        """The masked generation region (every mask of the all-mask canvas)."""
+        c = self.canvas
+        mask = torch.zeros_like(c.valid)
+        mask[:, c.gen_start:c.gen_start + c.gen_length] = True
+        return mask
+
+    def probe(self) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
+        """The serving-path probe: non-affix tokens (question and masks) against the stale shared affix
+        K/V. Returns the forward (queries captured) and the fed column index and validity."""
+        if self._probe is None:
+            c = self.canvas
+            t = c.total
+            fed, fed_valid = compact_index(c.valid & ~self.affix_mask, fill=t)
+            cached, cached_valid = compact_index(self.affix_mask, fill=t)
+            gather = fed.clamp_max(t - 1)
+            out = self.model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid,
+                             past=self.kv.gather(cached, cached_valid), capture_queries=True)
+            self._probe = (out, fed, fed_valid)
+        return self._probe
+
+    def full(self) -> ForwardOutput:
+        """A no-cache forward of the whole canvas, affix tokens included (queries and K/V captured)."""
+        if self._full is None:
+            c = self.canvas
+            self._full = self.model(c.tokens, c.positions, c.valid, return_kv=True, capture_queries=True)
+        return self._full
+
+    def attention_mass(self, queries: list[torch.Tensor], q_cols: torch.Tensor,
+                       q_valid: torch.Tensor) -> torch.Tensor:
+        """``I(j) = sum_{l,h,i} softmax_{j in affix}(q_{l,h,i} . k_{l,h,j} / sqrt(d))`` for every column.
+
+        ``queries[l]`` are pre-RoPE ``[B, M, H, D]`` of the canvas columns ``q_cols [B, M]`` (rotated
+        here at their absolute positions); keys are the cached affix keys rotated at the affix's
+        absolute positions. The softmax runs over each affix's own columns. Returns ``[B, T]`` (zero
+        outside affixes).
+        """
+        c, cfg = self.canvas, self.model.config
+        t, d = c.total, cfg.head_dim
+        rep = cfg.num_heads // cfg.num_kv_heads
+        q_pos = self.kv.positions.gather(1, q_cols)
+        q_rope = rope_tables(q_pos, d, cfg.rope_theta)
+        k_rope = rope_tables(c.positions, d, cfg.rope_theta)
+        n_slots = int(self.affix_slot.max()) + 1
+        scores = torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
+        weight = q_valid[:, None, :, None].float()
+        for layer, q in enumerate(queries):
+            qr = apply_rope(q, *q_rope).float()
+            kr = apply_rope(self.kv.keys[layer][:, :t], *k_rope).float().repeat_interleave(rep, dim=2)
+            logits = torch.einsum("bmhd,bthd->bhmt", qr, kr) / math.sqrt(d)
+            for slot in range(n_slots):
+                member = (self.affix_slot == slot)[:, None, None, :]
+                probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
+                probs = torch.nan_to_num(probs, nan=0.0) * weight
+                scores += probs.sum(dim=(1, 2))
+        return scores

@@ -1,0 +1,24 @@
+"""Anchor selectors, by name. Adding one is one class in one file plus a line here."""
+
+from __future__ import annotations
+
+from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnchors
+from acache.affix.selectors.base import AnchorSelector, anchor_count
+from acache.affix.selectors.kv_deviation import KVDeviationAnchors
+from acache.affix.selectors.simple import AllAnchors, FirstK, NoAnchors, RandomAnchors
+
+SELECTORS: dict[str, type[AnchorSelector]] = {
+    cls.name: cls for cls in (AttentionAnchors, KVDeviationAnchors, QueryAttentionAnchors, FirstK,
+                              RandomAnchors, NoAnchors, AllAnchors)
+}
+
+
+def make_selector(name: str, query: str = "probe") -> AnchorSelector:
+    if name not in SELECTORS:
+        raise ValueError(f"unknown anchor selector {name!r}; known: {', '.join(SELECTORS)}")
+    if name == "attention":
+        return AttentionAnchors(query)
+    return SELECTORS[name]()
+
+
+__all__ = ["SELECTORS", "AnchorSelector", "anchor_count", "make_selector"]

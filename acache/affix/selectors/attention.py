@@ -1,0 +1,52 @@
+"""Attention-based selectors: ACache's own, and the ProphetKV-style question-attention baseline."""
+
+from __future__ import annotations
+
+import torch
+
+from acache.affix.context import SelectionContext
+from acache.affix.selectors.base import AnchorSelector
+
+QUERY_SOURCES = ("probe", "full")
+
+
+class AttentionAnchors(AnchorSelector):
+    """ACache: the affix tokens the masked generation region attends to most (DESIGN §4.3).
+
+    ``query="probe"`` takes the masks' queries from the serving-path probe (non-affix tokens against
+    the stale shared affix K/V); ``query="full"`` from a no-cache forward of the whole request.
+    """
+
+    name = "attention"
+
+    def __init__(self, query: str = "probe") -> None:
+        if query not in QUERY_SOURCES:
+            raise ValueError(f"anchor query source must be one of {', '.join(QUERY_SOURCES)}, got {query!r}")
+        self.query = query
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        gen = ctx.gen_mask
+        if self.query == "full":
+            out = ctx.full()
+            t = ctx.canvas.total
+            cols = torch.arange(t, device=gen.device).expand_as(gen)
+            return ctx.attention_mass(out.queries, cols, gen & ctx.canvas.valid)
+        out, fed, fed_valid = ctx.probe()
+        t = ctx.canvas.total
+        is_mask = gen.gather(1, fed.clamp_max(t - 1)) & fed_valid
+        return ctx.attention_mass(out.queries, fed.clamp_max(t - 1), is_mask)
+
+
+class QueryAttentionAnchors(AnchorSelector):
+    """ProphetKV-style: the affix tokens the prompt's own non-affix, non-mask tokens attend to most.
+
+    A request with no such token scores every affix token zero, which degrades to the first tokens.
+    """
+
+    name = "query-attention"
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        out, fed, fed_valid = ctx.probe()
+        t = ctx.canvas.total
+        question = (~ctx.gen_mask).gather(1, fed.clamp_max(t - 1)) & fed_valid
+        return ctx.attention_mass(out.queries, fed.clamp_max(t - 1), question)

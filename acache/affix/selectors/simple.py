@@ -1,0 +1,45 @@
+"""Selectors that need no forward pass: direct reuse, full recompute, EPIC's first tokens, random."""
+
+from __future__ import annotations
+
+import torch
+
+from acache.affix.context import SelectionContext
+from acache.affix.selectors.base import AnchorSelector
+
+
+class NoAnchors(AnchorSelector):
+    """Direct reuse: no affix token is recomputed, whatever the ratio."""
+
+    name = "none"
+
+    def select(self, ctx: SelectionContext, ratio: float) -> torch.Tensor:
+        return torch.zeros_like(ctx.affix_mask)
+
+
+class AllAnchors(AnchorSelector):
+    """Full recompute: every affix token is recomputed, whatever the ratio."""
+
+    name = "all"
+
+    def select(self, ctx: SelectionContext, ratio: float) -> torch.Tensor:
+        return ctx.affix_mask.clone()
+
+
+class FirstK(AnchorSelector):
+    """EPIC-style: the first tokens of each affix."""
+
+    name = "first-k"
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        cols = torch.arange(ctx.canvas.total, device=ctx.affix_slot.device, dtype=torch.float32)
+        return -cols.expand_as(ctx.affix_slot)
+
+
+class RandomAnchors(AnchorSelector):
+    """Uniformly random affix tokens (seeded by the context's generator)."""
+
+    name = "random"
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.rand(ctx.affix_slot.shape, generator=ctx.generator).to(ctx.affix_slot.device)
