@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from acache.affix.chat import chat_prompt
+from acache.affix.generate import generate_with_affixes
+from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
+from acache.affix.store import AffixStore
 from acache.decoding.generate import generate
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import RequestOutput, RequestStats
 from acache.sampling_params import SamplingParams
 
-PromptInput = str | Sequence[int]
+PromptInput = str | Sequence[int] | AffixPrompt | Sequence[object]
+
+
+def _is_segment_list(prompt: object) -> bool:
+    return (isinstance(prompt, (list, tuple)) and bool(prompt)
+            and any(isinstance(s, (str, Affix)) or s is GEN or isinstance(s, (list, tuple)) for s in prompt))
 
 
 class LLM:
     """A diffusion LM loaded from a local checkpoint directory, ready to generate.
 
-    ``max_batch_size`` prompts are decoded together (left-padded); ``seed`` seeds the sampling noise
-    of requests whose :class:`SamplingParams` carry no seed of their own.
+    ``max_batch_size`` prompts are decoded together (padded); ``seed`` seeds the sampling noise of
+    requests whose :class:`SamplingParams` carry no seed of their own. ``affix_cache_bytes`` bounds the
+    shared affix store (None: unbounded); ``affix_cache_dir`` loads a saved affix cache at start.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_batch_size: int = 8, seed: int = 0) -> None:
+                 max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = None,
+                 affix_cache_dir: str | Path | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
@@ -35,6 +46,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
         self.max_batch_size = max_batch_size
+        self.affix_store = AffixStore(self.model, affix_cache_bytes)
+        if affix_cache_dir is not None:
+            self.affix_store.load(affix_cache_dir)
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
 
@@ -46,35 +60,63 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def encode_prompt(self, prompt: PromptInput, chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
+    def _encode_segment(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: PromptInput, chat: bool = False) -> AffixPrompt:
+        """Any accepted prompt form as an :class:`AffixPrompt` (which may hold no affix)."""
+        if isinstance(prompt, AffixPrompt):
+            ids = list(prompt.token_ids)
+            resolved = prompt
+        elif isinstance(prompt, str):
             if chat:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                return self.tokenizer.encode(text, add_special_tokens=False)
-            return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(prompt)
+            resolved = AffixPrompt(tuple(ids), len(ids))
+        elif _is_segment_list(prompt) and not all(isinstance(t, int) for t in prompt):
+            resolved = resolve_segments(prompt, self._encode_segment)
+            ids = list(resolved.token_ids)
+        else:
+            ids = list(prompt)
+            resolved = None
         vocab = self.config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is not in the model's vocabulary of {vocab}")
-        return ids
+        return resolved or AffixPrompt(tuple(ids), len(ids))
+
+    def chat_prompt(self, messages: list[dict[str, str]], affix_messages: Iterable[int] | None = None
+                    ) -> AffixPrompt:
+        """A chat rendered through the model's template, with the chosen messages (default: the system
+        prompt) as affixes; consecutive chosen messages share one affix."""
+        def render(msgs, add_generation_prompt):
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+
+        return chat_prompt(messages, render, self._encode_segment, affix_messages)
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | None = None, *, chat: bool = False,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generates for each prompt; outputs come back in prompt order.
+
+        A prompt is text, token ids, an :class:`AffixPrompt`, or a list of segments (text, token ids,
+        :class:`Affix`, ``GEN``). With ``SamplingParams.affix_policy`` set, affixes are taken from the
+        shared store and only anchors are recomputed; otherwise affix tokens are computed like the rest.
+        """
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, AffixPrompt)) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         limit = self.config.max_position_embeddings
-        for i, ids in enumerate(encoded):
-            if len(ids) + params.gen_length > limit:
-                raise ValueError(f"prompt {i} is too long: {len(ids)} tokens plus gen_length "
+        for i, p in enumerate(encoded):
+            if len(p.token_ids) + params.gen_length > limit:
+                raise ValueError(f"prompt {i} is too long: {len(p.token_ids)} tokens plus gen_length "
                                  f"{params.gen_length} exceed the model's context of {limit}")
         stops = self.stop_token_ids | set(params.stop_token_ids)
         outputs: list[RequestOutput] = []
@@ -82,14 +124,19 @@ class LLM:
         for first in range(0, len(encoded), self.max_batch_size):
             batch = encoded[first:first + self.max_batch_size]
             gens = [self._generator(params) for _ in batch] if params.temperature > 0 else None
-            result = generate(self.model, batch, params, stops, gens)
+            if params.affix_policy is not None:
+                result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops, gens)
+            else:
+                result = generate(self.model, [p.layout for p in batch], params, stops, gens)
+                affix_stats = [None] * len(batch)
             s = result.stats
             for offset, ids in enumerate(result.token_ids):
                 i = first + offset
                 outputs.append(RequestOutput(
-                    request_id=self._next_request_id, prompt=texts[i], prompt_token_ids=encoded[i],
+                    request_id=self._next_request_id, prompt=texts[i], prompt_token_ids=list(encoded[i].token_ids),
                     text=self.tokenizer.decode(ids), token_ids=ids,
-                    stats=RequestStats(len(ids), s.nfe, s.refreshes, s.forward_time_s, s.wall_time_s, len(batch)),
+                    stats=RequestStats(len(ids), s.nfe, s.refreshes, s.forward_time_s, s.wall_time_s, len(batch),
+                                       affix_stats[offset]),
                 ))
                 self._next_request_id += 1
             bar.update(len(batch))

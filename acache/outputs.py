@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from acache.affix.generate import AffixRequestStats
+
 
 @dataclass
 class RequestStats:
@@ -13,6 +15,7 @@ class RequestStats:
     forward_time_s: float  # time inside model forwards of that batch
     wall_time_s: float  # decoding time of that batch
     batch_size: int
+    affix: AffixRequestStats | None = None  # with SamplingParams.affix_policy
 
 
 @dataclass

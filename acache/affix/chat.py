@@ -1,0 +1,58 @@
+"""Chat messages to affix prompts: chosen messages (system prompt, few-shot turns, documents) become
+affixes, rendered through the model's own chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, resolve_segments
+
+
+def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
+                  affix_messages: Iterable[int] | None = None) -> list[Segment]:
+    """Splits the rendered conversation at message boundaries; consecutive chosen messages form one affix.
+
+    ``render(messages, add_generation_prompt)`` is the chat template. The template must render each
+    conversation as an extension of its shorter prefixes (Llama- and Qwen-style templates do); if it
+    does not, the messages cannot be cut into reusable spans and a ValueError says so.
+    """
+    if not messages:
+        raise ValueError("a chat needs at least one message")
+    chosen = set(affix_messages) if affix_messages is not None else {
+        i for i, m in enumerate(messages) if m.get("role") == "system"}
+    bad = [i for i in chosen if not 0 <= i < len(messages)]
+    if bad:
+        raise ValueError(f"affix message index {bad[0]} is outside the {len(messages)} messages")
+    pieces, previous = [], ""
+    for k in range(1, len(messages) + 1):
+        text = render(messages[:k], False)
+        if not text.startswith(previous):
+            raise ValueError("the chat template does not render a conversation as an extension of its first "
+                             f"{k - 1} messages, so its messages cannot be cut into affixes")
+        pieces.append(text[len(previous):])
+        previous = text
+    full = render(messages, True)
+    if not full.startswith(previous):
+        raise ValueError("the chat template's generation prompt does not extend the conversation")
+    segments: list[Segment] = []
+    run: list[str] = []
+    names: list[str] = []
+    for i, piece in enumerate(pieces):
+        if i in chosen:
+            run.append(piece)
+            names.append(messages[i].get("role", "message"))
+            continue
+        if run:
+            segments.append(Affix("".join(run), name="+".join(names)))
+            run, names = [], []
+        segments.append(piece)
+    if run:
+        segments.append(Affix("".join(run), name="+".join(names)))
+    segments.append(full[len(previous):])
+    segments.append(GEN)
+    return [s for s in segments if s != ""]
+
+
+def chat_prompt(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
+                encode: Callable[[str], list[int]], affix_messages: Iterable[int] | None = None) -> AffixPrompt:
+    return resolve_segments(chat_segments(messages, render, affix_messages), encode)

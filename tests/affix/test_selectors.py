@@ -1,0 +1,172 @@
+"""Anchor selectors: ACache's score against a naive loop of DESIGN §4.3, baselines on hand-built inputs."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from acache.affix.context import CanvasKV, SelectionContext
+from acache.affix.policy import place_affixes
+from acache.affix.selectors import SELECTORS, anchor_count, make_selector
+from acache.affix.store import AffixStore
+from acache.decoding.canvas import Layout, build_canvas
+from acache.models.base import ForwardOutput
+from acache.models.config import ModelConfig
+from acache.models.kv import KVCache
+from tests.affix.helpers import layouts
+
+
+def _rot(vec, pos, theta):
+    d = len(vec)
+    out = list(vec)
+    for i in range(d // 2):
+        a = pos * theta ** (-2 * i / d)
+        c, s = math.cos(a), math.sin(a)
+        out[i] = vec[i] * c - vec[i + d // 2] * s
+        out[i + d // 2] = vec[i + d // 2] * c + vec[i] * s
+    return out
+
+
+def naive_attention_scores(model, prompt, gen_length, query_source):
+    """I(j) = sum_{l,h,i in masks} softmax_{j in affix}(q.k/sqrt(d)) with explicit loops."""
+    cfg = model.config
+    span = prompt.affixes[0]
+    ids = list(prompt.token_ids[:prompt.gen_at]) + [cfg.mask_token_id] * gen_length + list(
+        prompt.token_ids[prompt.gen_at:])
+    t = len(ids)
+    shift = gen_length if span.start >= prompt.gen_at else 0
+    affix_cols = list(range(span.start + shift, span.end + shift))
+    gen_cols = list(range(prompt.gen_at, prompt.gen_at + gen_length))
+    alone = model(torch.tensor([prompt.affix_ids(span)]), torch.arange(span.length)[None], return_kv=True).kv
+    x = torch.tensor([ids])
+    if query_source == "probe":
+        fed = [c for c in range(t) if c not in affix_cols]
+        past = KVCache(alone.keys, alone.values, torch.tensor([affix_cols]), torch.ones(1, len(affix_cols)).bool())
+        out = model.run_layers(model.embed(x[:, fed]), torch.tensor([fed]), None, past, range(cfg.num_layers),
+                               capture_inputs=True)
+    else:
+        fed = list(range(t))
+        out = model.run_layers(model.embed(x), torch.arange(t)[None], None, None, range(cfg.num_layers),
+                               capture_inputs=True)
+    d, rep = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    scores = {j: 0.0 for j in affix_cols}
+    for layer_i, layer in enumerate(model.layers):
+        q = layer.q_proj(layer.attn_norm(out.layer_inputs[layer_i]))[0].view(len(fed), cfg.num_heads, d)
+        keys = alone.keys[layer_i][0]
+        for h in range(cfg.num_heads):
+            rotated_keys = [_rot(keys[n, h // rep].tolist(), affix_cols[n], cfg.rope_theta)
+                            for n in range(span.length)]
+            for i in gen_cols:
+                qi = _rot(q[fed.index(i), h].tolist(), i, cfg.rope_theta)
+                logits = [sum(a * b for a, b in zip(qi, k, strict=True)) / math.sqrt(d) for k in rotated_keys]
+                top = max(logits)
+                exps = [math.exp(v - top) for v in logits]
+                for n, e in enumerate(exps):
+                    scores[affix_cols[n]] += e / sum(exps)
+    return scores
+
+
+@pytest.mark.parametrize("query", ["probe", "full"])
+@pytest.mark.parametrize("position", ["prefix", "suffix"])
+def test_attention_score_matches_naive_formula(family_model, query, position):
+    model = family_model
+    prompt = layouts(affix_len=10, question_len=4)[position]
+    gen_length = 8
+    canvas = build_canvas([prompt.layout], gen_length, model.config.mask_token_id, model.config.pad_token_id,
+                          model.device)
+    entry = AffixStore(model).compute(prompt.affix_ids(prompt.affixes[0]))
+    kv, slot = place_affixes(model, canvas, [[(prompt.affixes[0].start, entry)]])
+    with torch.inference_mode():
+        got = make_selector("attention", query).scores(SelectionContext(model, canvas, slot, kv))
+    want = naive_attention_scores(model, prompt, gen_length, query)
+    for col, value in want.items():
+        assert got[0, col].item() == pytest.approx(value, rel=1e-4, abs=1e-4)
+    assert got[0][slot[0] < 0].abs().max() == 0
+    total = model.config.num_layers * model.config.num_heads * gen_length  # softmax rows sum to one
+    assert got.sum().item() == pytest.approx(total, rel=1e-4)
+
+
+# -- hand-built contexts: one layer, one head, d = 8, RoPE that barely turns dims 1..3 --------------------
+def hand_context(prompt_ids=(1, 2, 3, 4, 5), affixes=((0, 3),), gen_length=2, heads=1, layers=1):
+    cfg = ModelConfig(family="llada", vocab_size=16, hidden_size=8 * heads, num_layers=layers, num_heads=heads,
+                      num_kv_heads=heads, intermediate_size=8, rope_theta=1e16, rms_norm_eps=1e-5,
+                      max_position_embeddings=64, mask_token_id=15, eos_token_id=14, pad_token_id=14)
+    model = SimpleNamespace(config=cfg, dtype=torch.float32, device=torch.device("cpu"), shifted_logits=False)
+    canvas = build_canvas([Layout(tuple(prompt_ids), len(prompt_ids))], gen_length, 15, 14, torch.device("cpu"))
+    slot = torch.full(canvas.tokens.shape, -1)
+    for a, (s, e) in enumerate(affixes):
+        slot[0, s:e] = a
+    return SelectionContext(model, canvas, slot, CanvasKV.empty(model, canvas), torch.Generator().manual_seed(0))
+
+
+def unit(dim, scale=60.0, d=8):
+    v = torch.zeros(d)
+    v[dim] = scale
+    return v
+
+
+def test_attention_vs_query_attention_on_hand_built_queries():
+    """Masks attend to affix column 0, the question to column 2: each selector follows its own queries."""
+    ctx = hand_context()  # canvas: affix 0-2, question 3-4, masks 5-6
+    for col, dim in ((0, 1), (1, 2), (2, 3)):
+        ctx.kv.keys[0][0, col, 0] = unit(dim, 1.0)
+    fed = torch.tensor([[3, 4, 5, 6]])
+    q = torch.stack([unit(3), unit(3), unit(1), unit(1)])[None, :, None, :]  # [1, 4, 1, 8]
+    ctx._probe = (ForwardOutput(hidden=torch.zeros(1, 4, 8), queries=[q]), fed, torch.ones(1, 4, dtype=torch.bool))
+    acache = make_selector("attention").scores(ctx)[0]
+    prophet = make_selector("query-attention").scores(ctx)[0]
+    assert acache[0] == pytest.approx(2.0, abs=1e-3) and acache[2] == pytest.approx(0.0, abs=1e-3)
+    assert prophet[2] == pytest.approx(2.0, abs=1e-3) and prophet[0] == pytest.approx(0.0, abs=1e-3)
+    assert make_selector("attention").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [0]
+    assert make_selector("query-attention").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [2]
+
+
+def test_kv_deviation_definition():
+    ctx = hand_context(layers=2)
+    t = ctx.canvas.total
+    full_k = [torch.zeros(1, t, 1, 8) for _ in range(2)]
+    full_v = [torch.zeros(1, t, 1, 8) for _ in range(2)]
+    full_k[0][0, 1, 0, :2] = torch.tensor([3.0, 4.0])  # ||dK|| = 5 at column 1, layer 0
+    full_v[1][0, 2, 0, 0] = 2.0  # ||dV|| = 2 at column 2, layer 1
+    full_k[1][0, 2, 0, 0] = 2.5  # + ||dK|| = 2.5 at column 2, layer 1
+    ctx.kv.keys[0][0, 0, 0, 0] = 1.0  # cached differs from a zero full K by 1 at column 0
+    ctx._full = ForwardOutput(hidden=torch.zeros(1, t, 8),
+                              kv=KVCache(full_k, full_v, ctx.canvas.positions, ctx.canvas.valid))
+    scores = make_selector("kv-deviation").scores(ctx)[0]
+    assert scores[:3].tolist() == pytest.approx([1.0, 5.0, 4.5])
+    assert make_selector("kv-deviation").select(ctx, 0.5)[0, :3].tolist() == [False, True, True]
+
+
+def test_first_k_and_counts_per_affix():
+    ctx = hand_context(prompt_ids=tuple(range(1, 11)), affixes=((0, 3), (4, 9)))
+    anchors = make_selector("first-k").select(ctx, 0.4)[0]
+    # ceil(0.4 * 3) = 2 of the first affix, ceil(0.4 * 5) = 2 of the second
+    assert anchors.nonzero().flatten().tolist() == [0, 1, 4, 5]
+    assert anchor_count(0.3, 10) == 3 and anchor_count(0.2, 7) == 2 and anchor_count(1.0, 5) == 5
+    assert anchor_count(0.0, 9) == 0
+
+
+def test_random_none_all():
+    ctx = hand_context(prompt_ids=tuple(range(1, 11)), affixes=((0, 3), (4, 9)))
+    first = make_selector("random").select(ctx, 0.4)[0]
+    assert first[:3].sum() == 2 and first[4:9].sum() == 2 and not first[ctx.affix_slot[0] < 0].any()
+    ctx.generator = torch.Generator().manual_seed(0)
+    assert torch.equal(make_selector("random").select(ctx, 0.4)[0], first)
+    draws = set()
+    for seed in range(6):
+        ctx.generator = torch.Generator().manual_seed(seed)
+        draws.add(tuple(make_selector("random").select(ctx, 0.4)[0].tolist()))
+    assert len(draws) > 1
+    assert not make_selector("none").select(ctx, 0.9).any()
+    assert torch.equal(make_selector("all").select(ctx, 0.0), ctx.affix_mask)
+
+
+def test_selector_registry():
+    assert {"attention", "kv-deviation", "query-attention", "first-k", "random", "none", "all"} <= set(SELECTORS)
+    with pytest.raises(ValueError, match="unknown anchor selector 'best'"):
+        make_selector("best")
+    with pytest.raises(ValueError, match="query source"):
+        make_selector("attention", query="oracle")
