@@ -115,6 +115,10 @@ class LLM:
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         limit = self.config.max_position_embeddings
         for i, p in enumerate(encoded):
+            for span in p.affixes:
+                if span.length > limit:
+                    raise ValueError(f"affix {span.name or span.key[:12]!r} of prompt {i} has {span.length} tokens, "
+                                     f"more than the model's context of {limit}")
             if len(p.token_ids) + params.gen_length > limit:
                 raise ValueError(f"prompt {i} is too long: {len(p.token_ids)} tokens plus gen_length "
                                  f"{params.gen_length} exceed the model's context of {limit}")

@@ -1,0 +1,94 @@
+"""Prompt segments, spans and the chat helper; bad layouts raise ValueError naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from acache import GEN, LLM, Affix, AffixPrompt, SamplingParams
+from acache.affix.chat import chat_segments
+from acache.affix.prompt import affix_key, resolve_segments
+
+
+def encode(text):
+    return [ord(c) for c in text]
+
+
+def test_segments_resolve_to_spans():
+    p = resolve_segments(["Q: ", Affix("story", name="s"), "?", GEN, Affix(token_ids=[7, 8])], encode)
+    assert p.token_ids == tuple(encode("Q: story?")) + (7, 8)
+    assert p.gen_at == 9
+    assert [(a.start, a.end, a.name) for a in p.affixes] == [(3, 8, "s"), (9, 11, None)]
+    assert p.affixes[0].key == affix_key(encode("story"))
+    assert resolve_segments([Affix("ab"), "c"], encode).gen_at == 3  # GEN defaults to the end
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Affix(""), "empty"),
+    (lambda: Affix(token_ids=[]), "empty"),
+    (lambda: Affix(), "exactly one of text or token_ids"),
+    (lambda: AffixPrompt.from_spans([1, 2, 3, 4, 5], None, [(0, 3), (2, 5)]), "overlapping affix spans"),
+    (lambda: AffixPrompt.from_spans([1, 2, 3, 4, 5], 2, [(0, 4, "doc")]),
+     r"generation region \(at token 2\) is inside affix 'doc'"),
+    (lambda: AffixPrompt.from_spans([1, 2, 3], None, [(2, 2)]), "is empty"),
+    (lambda: AffixPrompt.from_spans([1, 2, 3], None, [(1, 9)]), "outside the prompt"),
+    (lambda: resolve_segments([GEN, "a", GEN], encode), "GEN appears twice"),
+    (lambda: resolve_segments([3.5], encode), "segment must be"),
+])
+def test_bad_layouts(build, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        build()
+
+
+def test_llm_rejects_affix_longer_than_context(llada_dir):
+    llm = LLM(llada_dir)
+    params = SamplingParams(gen_length=8, block_length=8, affix_policy="attention")
+    with pytest.raises(ValueError, match="more than the model's context"):
+        llm.generate([[Affix(token_ids=[5] * 600), "q", GEN]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate([[Affix(token_ids=[5] * 500), "q", GEN]], SamplingParams(gen_length=16, block_length=8),
+                     use_tqdm=False)
+
+
+def test_affix_params_validation():
+    with pytest.raises(ValueError, match="affix_policy must be one of"):
+        SamplingParams(affix_policy="magic")
+    with pytest.raises(ValueError, match="runs on the dual cache"):
+        SamplingParams(affix_policy="attention", cache="prefix")
+    with pytest.raises(ValueError, match=r"anchor_ratio must be in \[0, 1\]"):
+        SamplingParams(affix_policy="attention", anchor_ratio=1.5)
+
+
+def _render(msgs, add_generation_prompt):
+    text = "".join(f"<{m['role']}>{m['content']}</>" for m in msgs)
+    return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_chat_segments_mark_system_and_merge_consecutive_choices():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "example q"},
+            {"role": "assistant", "content": "example a"}, {"role": "user", "content": "real q"}]
+    segs = chat_segments(msgs, _render)
+    assert segs[0] == Affix("<system>be brief</>", name="system")
+    assert segs[1:] == ["<user>example q</>", "<assistant>example a</>", "<user>real q</>", "<assistant>", GEN]
+    few_shot = chat_segments(msgs, _render, affix_messages=[0, 1, 2])
+    assert few_shot[0] == Affix("<system>be brief</><user>example q</><assistant>example a</>",
+                                name="system+user+assistant")
+    with pytest.raises(ValueError, match="outside the 4 messages"):
+        chat_segments(msgs, _render, affix_messages=[7])
+
+    def unstable(msgs, add):
+        return str(len(msgs)) + _render(msgs, add)
+
+    with pytest.raises(ValueError, match="cannot be cut into affixes"):
+        chat_segments(msgs, unstable)
+
+
+def test_llm_chat_prompt_uses_the_template(llada_dir):
+    llm = LLM(llada_dir)
+    p = llm.chat_prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}])
+    text = llm.tokenizer.decode(list(p.token_ids), skip_special_tokens=False)
+    assert text == llm.tokenizer.apply_chat_template([{"role": "system", "content": "You are terse."},
+                                                      {"role": "user", "content": "hi"}])
+    span = p.affixes[0]
+    assert llm.tokenizer.decode(list(p.affix_ids(span)), skip_special_tokens=False).endswith(
+        "You are terse.<|eot_id|>")
+    assert p.gen_at == len(p.token_ids)

@@ -1,0 +1,104 @@
+"""The affix store: collision guard, refcounts and LRU under a byte budget, persistence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from acache import GEN, LLM, Affix, SamplingParams
+from acache.affix.store import AffixStore
+from tests.conftest import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(llada_dir):
+    from acache.models.loader import load_model
+
+    return load_model(llada_dir)
+
+
+def test_hit_miss_and_verification(model):
+    store = AffixStore(model)
+    a, hit = store.acquire([1, 2, 3, 4])
+    assert not hit and a.refcount == 1 and len(store) == 1
+    b, hit = store.acquire((1, 2, 3, 4))
+    assert hit and b is a and a.refcount == 2
+    store.release(a)
+    store.release(b)
+    assert a.refcount == 0 and store.stats.hits == 1 and store.stats.misses == 1
+    with pytest.raises(RuntimeError, match="released more often"):
+        store.release(a)
+
+
+def test_same_hash_different_ids_is_a_miss(model):
+    store = AffixStore(model, key_fn=lambda ids: "same-hash")
+    first, _ = store.acquire([5, 6, 7])
+    second, hit = store.acquire([8, 9])
+    assert not hit and second.transient and second.token_ids == (8, 9)
+    assert store.entries["same-hash"] is first and first.token_ids == (5, 6, 7)
+    assert store.stats.collisions == 1
+    again, hit = store.acquire([5, 6, 7])
+    assert hit and again is first
+
+
+def test_budget_lru_and_referenced_entries_survive(model):
+    one = AffixStore(model).compute([1] * 10).nbytes()
+    store = AffixStore(model, max_bytes=3 * one)
+    held, _ = store.acquire([1] * 10)
+    for t in (2, 3):
+        e, _ = store.acquire([t] * 10)
+        store.release(e)
+    assert store.nbytes == 3 * one
+    store.acquire([2] * 10)  # touch 2 so that 3 is the least recently used free entry
+    store.release(store.entries[store.key_fn([2] * 10)])
+    e4, hit = store.acquire([4] * 10)
+    assert not hit and not e4.transient
+    assert [1] * 10 in store and [2] * 10 in store and [3] * 10 not in store and [4] * 10 in store
+    assert store.nbytes <= 3 * one and store.stats.evictions == 1
+    # everything else held: a new affix cannot fit, and is handed out uncached rather than evicting
+    store.acquire([2] * 10)
+    e5, _ = store.acquire([5] * 10)
+    assert e5.transient and [5] * 10 not in store and held.refcount == 1 and [1] * 10 in store
+    assert store.nbytes <= 3 * one
+    store.release(e5)  # releasing a transient entry is harmless
+
+
+def test_affix_longer_than_context_and_empty(model):
+    store = AffixStore(model)
+    with pytest.raises(ValueError, match="more than the model's context of 512"):
+        store.compute([1] * 600, name="book")
+    with pytest.raises(ValueError, match="empty"):
+        store.compute([])
+
+
+def test_save_load_round_trip_gives_identical_generations(tmp_path, llada_dir):
+    story = Affix("Mary moved to the kitchen. John went to the garden. Mary took the apple. ", name="story")
+    prompts = [[story, "Where is Mary?", GEN], ["Where is John? ", story, "Answer:", GEN]]
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, affix_policy="attention")
+    first = LLM(llada_dir)
+    want = first.generate(prompts, params, use_tqdm=False)
+    saved = first.affix_store.save(tmp_path / "cache")
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert len(manifest["entries"]) == 1 and manifest["entries"][0]["name"] == "story"
+    restarted = LLM(llada_dir, affix_cache_dir=tmp_path / "cache")
+    assert len(restarted.affix_store) == 1
+    got = restarted.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.stats.affix.affix_hits == 1 and o.stats.affix.affix_misses == 0 for o in got)
+    stored = restarted.affix_store.entries[manifest["entries"][0]["key"]]
+    original = first.affix_store.entries[manifest["entries"][0]["key"]]
+    assert all((a == b).all() for a, b in zip(stored.keys, original.keys, strict=True))
+
+
+def test_loading_a_cache_of_another_model_is_refused(tmp_path, model):
+    store = AffixStore(model)
+    store.acquire([1, 2, 3])
+    store.save(tmp_path / "cache")
+    other = tiny_checkpoint(tmp_path / "other", "llada", seed=2)
+    from acache.models.loader import load_model
+
+    with pytest.raises(ValueError, match="was made with another model"):
+        AffixStore(load_model(other)).load(tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="no affix cache"):
+        AffixStore(model).load(tmp_path / "nothing")
