@@ -25,6 +25,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
     g.add_argument("--refresh-interval", type=int, default=None, help="also refresh every N steps in a block")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    a = p.add_argument_group("affix reuse")
+    a.add_argument("--affix", default=None, help="shared span (text) placed around each prompt by --layout")
+    a.add_argument("--affix-file", default=None, help="read the shared span from this file")
+    a.add_argument("--layout", default="prefix", choices=["prefix", "infix", "suffix"],
+                   help="prefix [affix][prompt][GEN], infix [prompt][affix][answer][GEN], suffix [prompt][GEN][affix]")
+    a.add_argument("--answer-prompt", default="", help="text between the affix and the generation region")
+    a.add_argument("--affix-policy", default=None,
+                   help="reuse the affix's shared K/V with this selector: attention (ACache), none (direct reuse), "
+                        "all, kv-deviation, query-attention, first-k, random, bicache-matched, bicache-profiled")
+    a.add_argument("--anchor-ratio", type=float, default=0.2, help="share of affix tokens recomputed (0.2)")
+    a.add_argument("--anchor-query", default="probe", choices=["probe", "full"])
+    a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
+    a.add_argument("--bicache-profile", default=None, help="depth table for --affix-policy bicache-profiled")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -33,24 +46,55 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from acache import LLM, SamplingParams
+    from pathlib import Path
+
+    from acache import LLM, Affix, SamplingParams
+    from acache.affix.prompt import layout_segments
 
     params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,
-                            refresh_interval=args.refresh_interval, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size)
-    outputs = llm.generate(args.prompt, params, chat=args.chat)
-    for out in outputs:
+                            refresh_interval=args.refresh_interval, seed=args.seed,
+                            affix_policy=args.affix_policy, anchor_ratio=args.anchor_ratio,
+                            anchor_query=args.anchor_query)
+    affix_text = args.affix
+    if args.affix_file:
+        path = Path(args.affix_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"affix file not found: {path}")
+        affix_text = path.read_text()
+    cache_dir = Path(args.affix_cache) if args.affix_cache else None
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+              affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,
+              bicache_profile=args.bicache_profile)
+    prompts = args.prompt
+    if affix_text is not None:
+        affix = Affix(affix_text, name="affix")
+        prompts = [layout_segments(args.layout, affix, p, args.answer_prompt) for p in args.prompt]
+    outputs = llm.generate(prompts, params, chat=args.chat)
+    if cache_dir is not None:
+        llm.affix_store.save(cache_dir)
+    for question, out in zip(args.prompt, outputs, strict=True):
         s = out.stats
+        affix = s.affix
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                              "nfe": s.nfe, "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}))
+            record = {"prompt": question, "text": out.text, "token_ids": out.token_ids, "nfe": s.nfe,
+                      "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
+            if affix is not None:
+                record["affix"] = {"anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
+                                   "hits": affix.affix_hits, "misses": affix.affix_misses,
+                                   "selection_time_s": affix.selection_time_s}
+            print(json.dumps(record))
             continue
-        print(f"> {out.prompt}")
+        print(f"> {question}")
         print(out.text)
-        print(f"[{s.num_generated_tokens} tokens, NFE {s.nfe} ({s.refreshes} refreshes), "
-              f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}]\n")
+        line = (f"[{s.num_generated_tokens} tokens, NFE {s.nfe} ({s.refreshes} refreshes), "
+                f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}")
+        if affix is not None:
+            line += (f"; affix {affix.selector} {'hit' if affix.affix_hits else 'miss'}, "
+                     f"{len(affix.anchors)}/{affix.affix_tokens} anchors, "
+                     f"{affix.recomputed_per_refresh} tokens a refresh")
+        print(line + "]\n")
     return 0
 
 
@@ -62,6 +106,25 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
         kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
         max_seq_len=args.max_seq_len, seed=args.seed, shards=args.shards, dtype=args.dtype, std=args.std)
     print(f"wrote a random {args.family} checkpoint to {out}")
+    return 0
+
+
+def _cmd_bicache_profile(args: argparse.Namespace) -> int:
+    from acache.affix.bicache import profile_bicache
+    from acache.affix.calibration import calibration_prompts
+    from acache.affix.store import AffixStore
+    from acache.models.loader import load_model
+    from acache.models.tokenizer import Tokenizer
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    tokenizer = Tokenizer.from_dir(args.model)
+    prompts = calibration_prompts(tokenizer, model.config, args.calibration, args.samples, args.seed)
+    profile = profile_bicache(AffixStore(model), prompts, args.gen_length, args.tau, args.bins)
+    profile.save(args.out)
+    print(f"profiled {len(prompts)} requests; safe shallow layers by affix share (tau {args.tau}):")
+    for edge, safe, n in zip(profile.max_share, profile.safe_layers, profile.samples, strict=True):
+        print(f"  share <= {edge:.2f}: {safe}/{profile.num_layers} layers reusable ({n} samples)")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -100,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=1, help="split the weights over this many files")
     p.add_argument("--dtype", default="float32")
     p.set_defaults(func=_cmd_make_random_checkpoint)
+
+    p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--calibration", default=None,
+                   help="JSONL of {affix, prompt, layout, answer_prompt}; default: random-token requests")
+    p.add_argument("--samples", type=int, default=64, help="random requests when no calibration file is given")
+    p.add_argument("--gen-length", type=int, default=32)
+    p.add_argument("--tau", type=float, default=0.97)
+    p.add_argument("--bins", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_bicache_profile)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")

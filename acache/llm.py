@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from acache.affix.bicache import BiCacheProfile
 from acache.affix.chat import chat_prompt
 from acache.affix.generate import generate_with_affixes
 from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
@@ -31,12 +32,13 @@ class LLM:
 
     ``max_batch_size`` prompts are decoded together (padded); ``seed`` seeds the sampling noise of
     requests whose :class:`SamplingParams` carry no seed of their own. ``affix_cache_bytes`` bounds the
-    shared affix store (None: unbounded); ``affix_cache_dir`` loads a saved affix cache at start.
+    shared affix store (None: unbounded); ``affix_cache_dir`` loads a saved affix cache at start;
+    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = None,
-                 affix_cache_dir: str | Path | None = None) -> None:
+                 affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
@@ -49,6 +51,7 @@ class LLM:
         self.affix_store = AffixStore(self.model, affix_cache_bytes)
         if affix_cache_dir is not None:
             self.affix_store.load(affix_cache_dir)
+        self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
 
@@ -129,7 +132,8 @@ class LLM:
             batch = encoded[first:first + self.max_batch_size]
             gens = [self._generator(params) for _ in batch] if params.temperature > 0 else None
             if params.affix_policy is not None:
-                result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops, gens)
+                result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops, gens,
+                                                            self.bicache_profile)
             else:
                 result = generate(self.model, [p.layout for p in batch], params, stops, gens)
                 affix_stats = [None] * len(batch)

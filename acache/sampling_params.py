@@ -23,6 +23,8 @@ class SamplingParams:
     selector (``attention`` is ACache; ``none`` is direct reuse, ``all`` full recompute; baselines
     ``kv-deviation``, ``query-attention``, ``first-k``, ``random``), recomputing ``anchor_ratio`` of each
     affix's tokens; ``anchor_query`` is where ACache's queries come from (``probe`` or ``full``).
+    ``bicache-matched`` recomputes the deepest ``ceil(anchor_ratio * layers)`` layers instead, and
+    ``bicache-profiled`` takes that depth from a profile (``LLM(bicache_profile=...)``).
     ``None`` computes affix tokens like any other prompt tokens.
     """
 
@@ -78,10 +80,10 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.affix_policy is not None:
-            from acache.affix.selectors import SELECTORS
+            from acache.affix.generate import AFFIX_POLICIES
 
-            if self.affix_policy not in SELECTORS:
-                raise ValueError(f"affix_policy must be one of {', '.join(SELECTORS)} or None, "
+            if self.affix_policy not in AFFIX_POLICIES:
+                raise ValueError(f"affix_policy must be one of {', '.join(AFFIX_POLICIES)} or None, "
                                  f"got {self.affix_policy!r}")
             if self.cache != "dual":
                 raise ValueError(f"affix reuse runs on the dual cache: set cache='dual' (got {self.cache!r})")

@@ -133,9 +133,25 @@ def resolve_segments(segments: Sequence[Segment], encode: Callable[[str], list[i
             spans.append(AffixSpan(len(ids), len(ids) + len(tokens), affix_key(tokens), seg.name))
             ids.extend(tokens)
         elif isinstance(seg, str):
-            ids.extend(encode(seg))
+            ids.extend(encode(seg) if seg else [])
         elif isinstance(seg, Sequence):
             ids.extend(int(t) for t in seg)
         else:
             raise TypeError(f"a prompt segment must be text, token ids, an Affix or GEN, got {type(seg).__name__}")
     return AffixPrompt(tuple(ids), len(ids) if gen_at is None else gen_at, tuple(spans))
+
+
+LAYOUTS = ("prefix", "infix", "suffix")
+
+
+def layout_segments(layout: str, affix: Affix, question: str | Sequence[int],
+                    answer_prompt: str | Sequence[int] = "") -> list[Segment]:
+    """The paper's three placements: prefix ``[affix][question][GEN]``, infix
+    ``[question][affix][answer prompt][GEN]``, suffix ``[question][GEN][affix]``."""
+    if layout == "prefix":
+        return [affix, question, answer_prompt, GEN]
+    if layout == "infix":
+        return [question, affix, answer_prompt, GEN]
+    if layout == "suffix":
+        return [question, answer_prompt, GEN, affix]
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")

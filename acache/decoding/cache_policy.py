@@ -6,6 +6,7 @@ is fed and the policy keeps the part of its K/V it will reuse until the next ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ class StepPlan:
     refresh: bool  # whether the step's K/V is to be handed back through ``store``
     block: slice | torch.Tensor
     cols_valid: torch.Tensor | None = None
+    # a policy that splits the refresh over layers (BiCache) runs it itself: (ids, positions, valid) -> output
+    forward: Callable | None = None
 
 
 class CachePolicy:

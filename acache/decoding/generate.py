@@ -90,7 +90,10 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int] | Layout], para
             else:
                 ids, pos = x.gather(1, plan.cols), canvas.positions.gather(1, plan.cols)
                 valid = canvas.valid.gather(1, plan.cols) & plan.cols_valid
-            out = model(ids, pos, valid, past=plan.past, return_kv=plan.refresh)
+            if plan.forward is not None:
+                out = plan.forward(ids, pos, valid)
+            else:
+                out = model(ids, pos, valid, past=plan.past, return_kv=plan.refresh)
             logits = model.logits(out.hidden, plan.block)
             x0, conf = propose(logits, params.temperature, generators)
             _sync(device)

@@ -1,0 +1,122 @@
+"""BiCache baselines: matched layers at both ends, the splice itself, and the profiled depth table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from acache.affix.bicache import BiCacheDualCache, BiCacheProfile, matched_depth, profile_bicache
+from acache.affix.calibration import calibration_prompts
+from acache.affix.generate import generate_with_affixes
+from acache.affix.staleness import measure_staleness
+from acache.affix.store import AffixStore
+from acache.decoding.canvas import build_canvas
+from acache.decoding.generate import generate
+from acache.models.tokenizer import Tokenizer
+from acache.sampling_params import SamplingParams
+from tests.affix.helpers import layouts
+
+BASE = dict(gen_length=16, block_length=8, threshold=0.5)
+
+
+@pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
+def test_matched_depth_ends(family_model, position):
+    prompt = layouts()[position]
+    store = AffixStore(family_model)
+    full = generate(family_model, [prompt.layout], SamplingParams(**BASE)).token_ids
+    direct, _ = generate_with_affixes(family_model, store, [prompt], SamplingParams(**BASE, affix_policy="none"))
+    deep, s1 = generate_with_affixes(family_model, store, [prompt],
+                                     SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=1.0))
+    shallow, s0 = generate_with_affixes(family_model, store, [prompt],
+                                        SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=0.0))
+    assert deep.token_ids == full and s1[0].bicache_depth == family_model.config.num_layers
+    assert shallow.token_ids == direct.token_ids and s0[0].bicache_depth == 0
+
+
+def test_matched_depth_rounding():
+    assert matched_depth(0.2, 30) == 6 and matched_depth(0.5, 2) == 1 and matched_depth(0.01, 4) == 1
+    assert matched_depth(0.0, 8) == 0 and matched_depth(1.0, 8) == 8
+
+
+def test_refresh_splices_affix_hidden_state_at_the_split(llada_dir):
+    """With D = 1 of 2 layers: own tokens run layer 0 against the cached affix K/V; the affix enters
+    layer 1 with its affix-alone layer-1 input; layer 1 then runs on everything."""
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    prompt = layouts(affix_len=6, question_len=4)["prefix"]  # affix columns 0..5, question 6..9
+    store = AffixStore(model, keep_hidden=True)
+    entry = store.compute(prompt.affix_ids(prompt.affixes[0]))
+    canvas = build_canvas([prompt.layout], 8, model.config.mask_token_id, model.config.pad_token_id, model.device)
+    policy = BiCacheDualCache([[(0, entry)]], depths=[1])
+    policy.begin(model, canvas)
+    plan = policy.plan(0, canvas.gen_start, canvas.gen_start + 8, canvas.total)
+    out = plan.forward(canvas.tokens, canvas.positions, canvas.valid)
+    own = torch.arange(6, canvas.total)
+    from acache.models.kv import KVCache
+
+    affix_kv = KVCache([k[None] for k in entry.keys], [v[None] for v in entry.values], torch.arange(6)[None],
+                       torch.ones(1, 6, dtype=torch.bool))
+    shallow = model.run_layers(model.embed(canvas.tokens[:, own]), canvas.positions[:, own], None, affix_kv,
+                               range(0, 1), return_kv=True)
+    h = torch.cat((entry.hidden[1][None], shallow.hidden), dim=1)
+    deep = model.run_layers(h, canvas.positions, None, None, range(1, 2), return_kv=True)
+    assert torch.allclose(out.hidden, model.norm(deep.hidden), atol=1e-5)
+    assert torch.allclose(out.kv.keys[0][:, :6], entry.keys[0][None])  # shallow affix K/V stay cached
+    assert torch.allclose(out.kv.keys[0][:, 6:], shallow.kv.keys[0], atol=1e-6)
+    assert torch.allclose(out.kv.keys[1], deep.kv.keys[0], atol=1e-5)
+
+
+def test_staleness_layer_zero_is_context_free(family_model):
+    s = measure_staleness(AffixStore(family_model), layouts()["infix"], gen_length=16)
+    n = family_model.config.num_layers
+    assert len(s.key_cosine) == len(s.value_cosine) == n
+    assert s.key_cosine[0] == pytest.approx(1.0, abs=1e-5) and s.value_cosine[0] == pytest.approx(1.0, abs=1e-5)
+    assert min(s.key_cosine[1:] + s.value_cosine[1:]) < 0.9999  # deeper layers see the context
+    assert s.affix_share == pytest.approx(20 / (26 + 16))
+    assert s.safe_layers(tau=2.0) == 0 and s.safe_layers(tau=-1.0) == n
+
+
+def test_profile_table_and_its_use(tmp_path, llada_dir):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    tok = Tokenizer.from_dir(llada_dir)
+    prompts = calibration_prompts(tok, model.config, None, samples=6, seed=1)
+    store = AffixStore(model)
+    lenient = profile_bicache(store, prompts, gen_length=16, tau=-1.0, bins=4)
+    strict = profile_bicache(store, prompts, gen_length=16, tau=2.0, bins=4)
+    assert lenient.safe_layers == [2, 2, 2, 2] and strict.safe_layers == [0, 0, 0, 0]
+    assert sum(lenient.samples) == 6 and lenient.depth(0.3) == 0 and strict.depth(0.3) == 2
+    mid = BiCacheProfile(num_layers=2, tau=0.97, max_share=[0.5, 1.0], safe_layers=[0, 2], samples=[1, 1])
+    assert mid.depth(0.2) == 2 and mid.depth(0.7) == 0
+    path = lenient.save(tmp_path / "profile.json")
+    assert BiCacheProfile.load(path, model) == lenient
+    bad = json.loads(path.read_text())
+    bad["num_layers"] = 5
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="made for 5 layers"):
+        BiCacheProfile.load(tmp_path / "bad.json", model)
+    prompt = layouts()["prefix"]
+    direct, _ = generate_with_affixes(model, store, [prompt], SamplingParams(**BASE, affix_policy="none"))
+    profiled_params = SamplingParams(**BASE, affix_policy="bicache-profiled")
+    profiled, stats = generate_with_affixes(model, store, [prompt], profiled_params, bicache_profile=lenient)
+    assert profiled.token_ids == direct.token_ids and stats[0].bicache_depth == 0
+    with pytest.raises(ValueError, match="needs a BiCache profile"):
+        generate_with_affixes(model, store, [prompt], SamplingParams(**BASE, affix_policy="bicache-profiled"))
+
+
+def test_calibration_file(tmp_path, llada_dir):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    tok = Tokenizer.from_dir(llada_dir)
+    path = tmp_path / "cal.jsonl"
+    path.write_text(json.dumps({"affix": "Mary went home.", "prompt": "Where is Mary?", "layout": "suffix"}) + "\n")
+    (prompt,) = calibration_prompts(tok, model.config, path, samples=0)
+    assert prompt.gen_at == len(tok.encode("Where is Mary?", add_special_tokens=False))
+    path.write_text("{not json}\n")
+    with pytest.raises(ValueError, match="cal.jsonl:1"):
+        calibration_prompts(tok, model.config, path, samples=0)
