@@ -22,8 +22,14 @@ $(DEMO_MODEL)/config.json: | install
 		--heads 4 --std 0.15
 
 run: install $(DEMO_MODEL)/config.json
+	@echo "== random-weight demo model: the text is noise, the mechanics are real =="
 	$(VENV)/bin/acache generate --model $(DEMO_MODEL) --gen-length 64 --block-length 16 --threshold 0.9 \
 		--cache dual --prompt "The affix cache computes a shared span once." --prompt "Where is Mary?"
+	@echo "== one shared story (the affix) in three requests; ACache recomputes 20% of it =="
+	$(VENV)/bin/acache generate --model $(DEMO_MODEL) --gen-length 16 --block-length 8 --layout infix \
+		--affix "Mary moved to the kitchen. John went to the garden. Sandra journeyed to the office." \
+		--answer-prompt " Answer:" --affix-policy attention --anchor-ratio 0.2 \
+		--prompt "Where is Mary?" --prompt "Where is John?" --prompt "Where is Sandra?"
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -30,3 +30,33 @@ def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):
     assert "gen_length (30) must be a multiple of block_length (32)" in capsys.readouterr().err
     assert main(["generate", "--model", str(llada_dir), "--prompt", "x", "--threshold", "2"]) == 2
     assert "threshold must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_dir):
+    cache = tmp_path / "affixes"
+    args = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--prompt", "Where is John?",
+            "--affix", "Mary moved to the kitchen. John went to the garden.", "--layout", "infix",
+            "--answer-prompt", " Answer:", "--affix-policy", "attention", "--anchor-ratio", "0.25",
+            "--gen-length", "16", "--block-length", "8", "--affix-cache", str(cache), "--json"]
+    assert main(args) == 0
+    first = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["affix"]["misses"] for r in first] == [1, 0] and [r["affix"]["hits"] for r in first] == [0, 1]
+    n_affix = len("Mary moved to the kitchen. John went to the garden.")  # byte-level tokenizer
+    assert all(len(r["affix"]["anchors"]) == -(-n_affix // 4) for r in first)
+    assert (cache / "manifest.json").exists()
+    assert main(args) == 0  # a restart: the affix comes from disk
+    second = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["affix"]["hits"] for r in second] == [1, 1]
+    assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
+
+
+def test_bicache_profile_command(tmp_path, capsys, llada_dir):
+    out = tmp_path / "profile.json"
+    assert main(["bicache-profile", "--model", str(llada_dir), "--out", str(out), "--samples", "4",
+                 "--bins", "2", "--gen-length", "8"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["num_layers"] == 2 and len(profile["safe_layers"]) == 2 and sum(profile["samples"]) == 4
+    assert "layers reusable" in capsys.readouterr().out
+    assert main(["generate", "--model", str(llada_dir), "--prompt", "q", "--affix", "shared", "--affix-policy",
+                 "bicache-profiled", "--gen-length", "8", "--block-length", "8"]) == 2
+    assert "needs a BiCache profile" in capsys.readouterr().err
