@@ -55,6 +55,28 @@ class StoreStats:
     transient: int = 0
 
 
+@torch.inference_mode()
+def compute_affix(model: DiffusionLM, token_ids: Sequence[int], name: str | None = None, keep_hidden: bool = False,
+                  key_fn: Callable[[Sequence[int]], str] = affix_key) -> AffixEntry:
+    """An affix's per-layer pre-RoPE K/V from running it alone at positions ``0..n-1``."""
+    ids = tuple(int(t) for t in token_ids)
+    label = f"affix {name!r}" if name else "affix"
+    limit = model.config.max_position_embeddings
+    if not ids:
+        raise ValueError(f"{label} is empty")
+    if len(ids) > limit:
+        raise ValueError(f"{label} has {len(ids)} tokens, more than the model's context of {limit}")
+    vocab = model.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"{label} holds a token id outside the vocabulary of {vocab}")
+    device = model.device
+    x = torch.tensor([ids], device=device)
+    out = model.run_layers(model.embed(x), torch.arange(len(ids), device=device)[None], None, None,
+                           range(len(model.layers)), return_kv=True, capture_inputs=keep_hidden)
+    hidden = [h[0] for h in out.layer_inputs] if keep_hidden else None
+    return AffixEntry(key_fn(ids), ids, [k[0] for k in out.kv.keys], [v[0] for v in out.kv.values], hidden, name)
+
+
 def model_fingerprint(model: DiffusionLM) -> str:
     """Identifies the weights an affix cache was computed with: config plus K/V projections' bytes."""
     h = hashlib.sha256()
@@ -99,27 +121,9 @@ class AffixStore:
         entry = self.entries.get(self.key_fn(token_ids))
         return entry is not None and entry.token_ids == tuple(token_ids)
 
-    @torch.inference_mode()
     def compute(self, token_ids: Sequence[int], name: str | None = None) -> AffixEntry:
         """Runs the affix alone at positions ``0..n-1`` and keeps its per-layer pre-RoPE K/V."""
-        ids = tuple(int(t) for t in token_ids)
-        limit = self.model.config.max_position_embeddings
-        if not ids:
-            raise ValueError(f"affix {name or ''} is empty".replace("  ", " "))
-        if len(ids) > limit:
-            raise ValueError(f"affix {name or ''} has {len(ids)} tokens, more than the model's context of "
-                             f"{limit}".replace("  ", " "))
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"affix {name or ''} holds a token id outside the vocabulary of {vocab}")
-        device = self.model.device
-        x = torch.tensor([ids], device=device)
-        out = self.model.run_layers(self.model.embed(x), torch.arange(len(ids), device=device)[None], None, None,
-                                    range(len(self.model.layers)), return_kv=True,
-                                    capture_inputs=self.keep_hidden)
-        hidden = [h[0] for h in out.layer_inputs] if self.keep_hidden else None
-        return AffixEntry(self.key_fn(ids), ids, [k[0] for k in out.kv.keys], [v[0] for v in out.kv.values],
-                          hidden, name)
+        return compute_affix(self.model, token_ids, name, self.keep_hidden, self.key_fn)
 
     def acquire(self, token_ids: Sequence[int], name: str | None = None) -> tuple[AffixEntry, bool]:
         """The entry of an affix, computed on a miss; the caller holds it until :meth:`release`.
@@ -155,11 +159,7 @@ class AffixStore:
     def ensure_hidden(self, entry: AffixEntry) -> AffixEntry:
         """Adds the affix-alone hidden states (BiCache needs them) to an entry made without them."""
         if entry.hidden is None:
-            keep, self.keep_hidden = self.keep_hidden, True
-            try:
-                entry.hidden = self.compute(entry.token_ids, entry.name).hidden
-            finally:
-                self.keep_hidden = keep
+            entry.hidden = compute_affix(self.model, entry.token_ids, entry.name, True, self.key_fn).hidden
         return entry
 
     def _transient(self, entry: AffixEntry) -> AffixEntry:
