@@ -73,7 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompts = [layout_segments(args.layout, affix, p, args.answer_prompt) for p in args.prompt]
     outputs = llm.generate(prompts, params, chat=args.chat)
     if cache_dir is not None:
-        llm.affix_store.save(cache_dir)
+        llm.save_affix_cache(cache_dir)
     for question, out in zip(args.prompt, outputs, strict=True):
         s = out.stats
         affix = s.affix

@@ -10,10 +10,12 @@ from tqdm.auto import tqdm
 
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.chat import chat_prompt
-from acache.affix.generate import generate_with_affixes
+from acache.affix.generate import AffixRequestStats, generate_with_affixes
 from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
+from acache.affix.selectors import SELECTORS
 from acache.affix.store import AffixStore
 from acache.decoding.generate import generate
+from acache.engine import EngineConfig, LLMEngine
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import RequestOutput, RequestStats
@@ -30,15 +32,20 @@ def _is_segment_list(prompt: object) -> bool:
 class LLM:
     """A diffusion LM loaded from a local checkpoint directory, ready to generate.
 
-    ``max_batch_size`` prompts are decoded together (padded); ``seed`` seeds the sampling noise of
-    requests whose :class:`SamplingParams` carry no seed of their own. ``affix_cache_bytes`` bounds the
-    shared affix store (None: unbounded); ``affix_cache_dir`` loads a saved affix cache at start;
-    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
+    Requests on the dual cache (with or without affix reuse by an anchor selector) run on the paged
+    engine, at most ``max_batch_size`` at a time, in a KV pool of ``kv_cache_memory`` bytes (default 1 GiB
+    on CPU, ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens; other
+    caches and the BiCache policies run on the single-request path in padded batches. ``seed`` seeds the
+    sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
+    ``affix_cache_bytes`` bounds the persistent affix store (None: unbounded); ``affix_cache_dir`` loads a
+    saved affix cache at start; ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = None,
-                 affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None) -> None:
+                 affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
+                 page_size: int = 16, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.5) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
@@ -54,6 +61,29 @@ class LLM:
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
+        self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size)
+        self._engine: LLMEngine | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The paged engine, built on first use."""
+        if self._engine is None:
+            self._engine = LLMEngine(self.model, self.engine_config, self.stop_token_ids, self.affix_store)
+        return self._engine
+
+    @staticmethod
+    def runs_on_engine(params: SamplingParams) -> bool:
+        return params.cache == "dual" and (params.affix_policy is None or params.affix_policy in SELECTORS)
+
+    def save_affix_cache(self, path: str | Path) -> Path:
+        """Saves every affix this LLM holds (the engine's shared pages and the store) for a later restart."""
+        merged = AffixStore(self.model)
+        merged.entries.update(self.affix_store.entries)
+        if self._engine is not None:
+            for key, shared in self._engine.affixes.entries.items():
+                merged.entries.setdefault(key, shared.entry(self._engine.pool))
+        return merged.save(path)
 
     @property
     def stop_token_ids(self) -> set[int]:
@@ -125,31 +155,68 @@ class LLM:
             if len(p.token_ids) + params.gen_length > limit:
                 raise ValueError(f"prompt {i} is too long: {len(p.token_ids)} tokens plus gen_length "
                                  f"{params.gen_length} exceed the model's context of {limit}")
-        stops = self.stop_token_ids | set(params.stop_token_ids)
-        outputs: list[RequestOutput] = []
-        bar = tqdm(total=len(encoded), desc="generate", unit="req", disable=not use_tqdm or len(encoded) < 2)
-        for first in range(0, len(encoded), self.max_batch_size):
-            batch = encoded[first:first + self.max_batch_size]
-            gens = [self._generator(params) for _ in batch] if params.temperature > 0 else None
-            if params.affix_policy is not None:
-                result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops, gens,
-                                                            self.bicache_profile)
-            else:
-                result = generate(self.model, [p.layout for p in batch], params, stops, gens)
-                affix_stats = [None] * len(batch)
-            s = result.stats
-            for offset, ids in enumerate(result.token_ids):
-                i = first + offset
-                outputs.append(RequestOutput(
-                    request_id=self._next_request_id, prompt=texts[i], prompt_token_ids=list(encoded[i].token_ids),
-                    text=self.tokenizer.decode(ids), token_ids=ids,
-                    stats=RequestStats(len(ids), s.nfe, s.refreshes, s.forward_time_s, s.wall_time_s, len(batch),
-                                       affix_stats[offset]),
-                ))
-                self._next_request_id += 1
-            bar.update(len(batch))
-        bar.close()
+        if self.runs_on_engine(params):
+            results = self._run_engine(encoded, params, use_tqdm)
+        else:
+            results = self._run_batches(encoded, params, use_tqdm)
+        outputs = []
+        for i, (ids, stats) in enumerate(results):
+            outputs.append(RequestOutput(request_id=self._next_request_id, prompt=texts[i],
+                                         prompt_token_ids=list(encoded[i].token_ids),
+                                         text=self.tokenizer.decode(ids), token_ids=ids, stats=stats))
+            self._next_request_id += 1
         return outputs
+
+    def _run_engine(self, prompts: list[AffixPrompt], params: SamplingParams,
+                    use_tqdm: bool) -> list[tuple[list[int], RequestStats]]:
+        engine = self.engine
+        ids = [engine.add_request(p, params, generator=self._generator(params) if params.temperature > 0 else None)
+               for p in prompts]
+        done = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            try:
+                while len(done) < len(ids):
+                    for out in engine.step():
+                        done[out.request_id] = out
+                        bar.update(1)
+            finally:  # an interrupted call leaves nothing behind in the engine
+                for rid in ids:
+                    if rid not in done:
+                        engine.abort(rid)
+        results = []
+        for rid in ids:
+            out = done[rid]
+            s = out.stats
+            affix = None
+            if params.affix_policy is not None:
+                affix = AffixRequestStats(params.affix_policy, params.anchor_ratio, out.affix_tokens, out.anchors,
+                                          out.recomputed_per_refresh, list(s.refresh_times_s), s.selection_time_s,
+                                          s.affix_hits, s.affix_queries - s.affix_hits)
+            wall = (s.finished or s.arrival) - s.arrival
+            results.append((out.token_ids, RequestStats(len(out.token_ids), s.nfe, len(s.refresh_times_s),
+                                                        s.forward_time_s, wall, s.max_batch, affix)))
+        return results
+
+    def _run_batches(self, prompts: list[AffixPrompt], params: SamplingParams,
+                     use_tqdm: bool) -> list[tuple[list[int], RequestStats]]:
+        stops = self.stop_token_ids | set(params.stop_token_ids)
+        results = []
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm or len(prompts) < 2) as bar:
+            for first in range(0, len(prompts), self.max_batch_size):
+                batch = prompts[first:first + self.max_batch_size]
+                gens = [self._generator(params) for _ in batch] if params.temperature > 0 else None
+                if params.affix_policy is not None:
+                    result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops,
+                                                                gens, self.bicache_profile)
+                else:
+                    result = generate(self.model, [p.layout for p in batch], params, stops, gens)
+                    affix_stats = [None] * len(batch)
+                s = result.stats
+                for offset, ids in enumerate(result.token_ids):
+                    results.append((ids, RequestStats(len(ids), s.nfe, s.refreshes, s.forward_time_s, s.wall_time_s,
+                                                      len(batch), affix_stats[offset])))
+                bar.update(len(batch))
+        return results
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))

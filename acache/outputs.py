@@ -14,7 +14,7 @@ class RequestStats:
     refreshes: int  # of which cache refreshes (full-canvas forwards)
     forward_time_s: float  # time inside model forwards of that batch
     wall_time_s: float  # decoding time of that batch
-    batch_size: int
+    batch_size: int  # requests decoded together with it (at most)
     affix: AffixRequestStats | None = None  # with SamplingParams.affix_policy
 
 

@@ -136,6 +136,8 @@ class LLMEngine:
             times.append(elapsed)
             for i, seq in enumerate(group):
                 seq.stats.nfe += 1
+                seq.stats.forward_time_s += elapsed
+                seq.stats.max_batch = max(seq.stats.max_batch, len(group))
                 if seq.stats.first_scheduled is None:
                     seq.stats.first_scheduled = time.perf_counter()
                 if phase is Phase.REFRESH:

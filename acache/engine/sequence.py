@@ -45,6 +45,8 @@ class SequenceStats:
     first_scheduled: float | None = None
     finished: float | None = None
     nfe: int = 0
+    forward_time_s: float = 0.0  # of the batched forwards this request ran in
+    max_batch: int = 0  # the most requests it shared a forward with (itself included)
     refresh_times_s: list[float] = field(default_factory=list)  # forwards this request's refreshes ran in
     selection_time_s: float = 0.0
     affix_hits: int = 0

@@ -78,7 +78,7 @@ def test_save_load_round_trip_gives_identical_generations(tmp_path, llada_dir):
     params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, affix_policy="attention")
     first = LLM(llada_dir)
     want = first.generate(prompts, params, use_tqdm=False)
-    saved = first.affix_store.save(tmp_path / "cache")
+    saved = first.save_affix_cache(tmp_path / "cache")
     manifest = json.loads((saved / "manifest.json").read_text())
     assert len(manifest["entries"]) == 1 and manifest["entries"][0]["name"] == "story"
     restarted = LLM(llada_dir, affix_cache_dir=tmp_path / "cache")
@@ -87,7 +87,7 @@ def test_save_load_round_trip_gives_identical_generations(tmp_path, llada_dir):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.stats.affix.affix_hits == 1 and o.stats.affix.affix_misses == 0 for o in got)
     stored = restarted.affix_store.entries[manifest["entries"][0]["key"]]
-    original = first.affix_store.entries[manifest["entries"][0]["key"]]
+    original = first.engine.affixes.entries[manifest["entries"][0]["key"]].entry(first.engine.pool)
     assert all((a == b).all() for a, b in zip(stored.keys, original.keys, strict=True))
 
 

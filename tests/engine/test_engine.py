@@ -1,0 +1,161 @@
+"""The engine against the single-request path, token for token; pages, admission, abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acache.affix.generate import generate_with_affixes
+from acache.affix.store import AffixStore
+from acache.engine import EngineConfig, LLMEngine
+from acache.engine.sequence import Status
+from acache.sampling_params import SamplingParams
+from tests.affix.helpers import layouts
+
+BASE = dict(gen_length=16, block_length=8, threshold=0.5)
+
+
+def run_all(engine, requests):
+    ids = [engine.add_request(p, params, generator=gen) for p, params, gen in requests]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    return [outs[i] for i in ids]
+
+
+def mixed_requests(n, params, seed=0):
+    kinds = ["prefix", "infix", "suffix", "two-affix"]
+    pool = [layouts(seed=seed)[k] for k in kinds] + [layouts(seed=seed + 1)[k] for k in kinds]
+    return [(pool[i % len(pool)], params, None) for i in range(n)]
+
+
+@pytest.mark.parametrize("selector", ["attention", "none", "all"])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_engine_matches_single_request_path(family_model, selector, batch):
+    params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)
+    requests = mixed_requests(16, params)
+    engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, max_num_seqs=batch))
+    outs = run_all(engine, requests)
+    store = AffixStore(family_model)
+    for (prompt, _, _), out in zip(requests, outs, strict=True):
+        ref, stats = generate_with_affixes(family_model, store, [prompt], params)
+        assert out.token_ids == ref.token_ids[0]
+        assert out.anchors == stats[0].anchors
+        assert out.recomputed_per_refresh == stats[0].recomputed_per_refresh
+    summary = engine.summary()
+    assert summary["requests_finished"] == 16 and summary["kv_pages_in_use"] == engine.affixes.pages_in_use
+    assert summary["affix_hits"] >= 16 and summary["affix_queries"] == 20
+
+
+def test_engine_without_reuse_is_the_dual_cache(family_model):
+    from acache.decoding.generate import generate
+
+    params = SamplingParams(**BASE)
+    requests = mixed_requests(6, params)
+    outs = run_all(LLMEngine(family_model, EngineConfig(page_size=8, kv_cache_memory=1 << 24)), requests)
+    for (prompt, _, _), out in zip(requests, outs, strict=True):
+        assert out.token_ids == generate(family_model, [prompt.layout], params).token_ids[0]
+
+
+def test_sampling_with_per_request_generators(llada_dir):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    params = SamplingParams(**BASE, temperature=1.0, affix_policy="attention")
+    prompts = [layouts()["prefix"], layouts()["suffix"]]
+    engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 22))
+    outs = run_all(engine, [(p, params, torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)])
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        ref, _ = generate_with_affixes(model, AffixStore(model), [p], params,
+                                       generators=[torch.Generator().manual_seed(i)])
+        assert out.token_ids == ref.token_ids[0]
+
+
+def test_memory_grows_by_private_tokens_not_by_the_affix(llada_dir):
+    """N requests sharing one affix: one copy of its pages, plus per request only its anchors and own tokens."""
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    page = 4
+    prompt = layouts(affix_len=40, question_len=6)["prefix"]  # 40-token affix, 6 own tokens, 16 generated
+    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.2)
+    shared_pages = -(-40 // page)
+    private_pages = -(-(8 + 6 + 16) // page)  # ceil(0.2 * 40) anchors + question + generation region
+    for n in (1, 3, 6):
+        engine = LLMEngine(model, EngineConfig(page_size=page, kv_cache_memory=1 << 24, max_num_seqs=n))
+        run_all(engine, [(prompt, params, None)] * n)
+        assert engine.pool.peak_pages_used == shared_pages + n * private_pages
+    no_reuse = LLMEngine(model, EngineConfig(page_size=page, kv_cache_memory=1 << 24, max_num_seqs=6))
+    run_all(no_reuse, [(prompt, SamplingParams(**BASE), None)] * 6)
+    assert no_reuse.pool.peak_pages_used == 6 * -(-(40 + 6 + 16) // page)
+
+
+def test_too_few_pages_still_completes_every_request(family_model):
+    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.3)
+    requests = mixed_requests(10, params)
+    roomy = run_all(LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24)), requests)
+    page_bytes = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 20)).pool.page_bytes
+    tight = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=40 * page_bytes))
+    assert tight.pool.num_pages == 40
+    outs = run_all(tight, requests)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert tight.pool.peak_pages_used <= 40 and tight.affixes.evictions > 0
+
+
+def test_request_larger_than_the_pool_is_refused(llada_dir):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    one_page = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 20)).pool.page_bytes
+    engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=one_page))
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        engine.add_request(layouts()["prefix"], SamplingParams(**BASE))
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_pages_and_shared_pages_are_never_written(llada_dir):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 22, max_num_seqs=1))
+    params = SamplingParams(**BASE, affix_policy="attention")
+    a = engine.add_request(layouts()["prefix"], params)
+    b = engine.add_request(layouts()["suffix"], params)
+    engine.step()
+    engine.step()
+    shared = next(iter(engine.affixes.entries.values()))
+    before = [k[shared.slots].clone() for k in engine.pool.keys]
+    engine.step()
+    assert all(torch.equal(k[shared.slots], b0) for k, b0 in zip(engine.pool.keys, before, strict=True))
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    assert engine.abort(b)  # waiting
+    assert engine.abort(a)  # running
+    assert not engine.abort("nope")
+    assert not engine.has_unfinished()
+    assert engine.pool.num_used == engine.affixes.pages_in_use  # only the (now unreferenced) affix remains
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
+    assert engine.step() == [] and engine.summary()["requests_aborted"] == 2
+
+
+def test_bad_requests(llada_dir):
+    from acache.models.loader import load_model
+
+    engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
+    with pytest.raises(ValueError, match="dual cache"):
+        engine.add_request([1, 2], SamplingParams(**BASE, cache="prefix"))
+    with pytest.raises(ValueError, match="single-request path"):
+        engine.add_request(layouts()["prefix"], SamplingParams(**BASE, affix_policy="bicache-matched"))
+    with pytest.raises(ValueError, match="too long"):
+        engine.add_request([1] * 600, SamplingParams(**BASE))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 99999], SamplingParams(**BASE))
+    engine.add_request([1, 2], SamplingParams(**BASE), request_id="x")
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request([1, 2], SamplingParams(**BASE), request_id="x")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=10))
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    assert [o.request_id for o in out] == ["x"] and out[0].status is Status.FINISHED
