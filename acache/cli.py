@@ -128,6 +128,30 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    from acache.bench.engine import main
+
+    return main(args)
+
+
+def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: random SmolLM2-135M-shaped LLaDA)")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--affix-len", type=int, default=700)
+    p.add_argument("--question-len", type=int, default=60)
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64, help="fixed steps (gen/4) so both modes do equal work")
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes of the KV page pool")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
+    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
 def _cmd_bench_decode(args: argparse.Namespace) -> int:
     from acache.bench.decode import main
 
@@ -177,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.set_defaults(func=_cmd_bicache_profile)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_parser = sub.add_parser("bench", help="benchmarks (default: the engine benchmark)")
+    _add_engine_bench_args(bench_parser)
+    bench_parser.set_defaults(func=_cmd_bench_engine)
+    bench = bench_parser.add_subparsers(dest="bench", required=False)
+    p = bench.add_parser("engine", help="dual cache alone vs ACache on the paged engine (the paper's Tables 2-4)")
+    _add_engine_bench_args(p)
+    p.set_defaults(func=_cmd_bench_engine)
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
     p.add_argument("--family", default="llada", choices=["llada", "dream"])

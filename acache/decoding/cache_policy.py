@@ -36,6 +36,13 @@ class CachePolicy:
         self.refresh_interval = refresh_interval
         self.kv: KVCache | None = None
 
+    @property
+    def commits_block_head(self) -> bool:
+        """Whether a shifted model must commit a block's first token on its first step: true when later
+        steps feed the block without the column before it (every cache but none, unless every step is a
+        refresh)."""
+        return self.refresh_interval != 1
+
     def is_refresh(self, step: int) -> bool:
         if step == 0:
             return True
@@ -56,6 +63,10 @@ class NoCache(CachePolicy):
     """Every step is a full forward of the whole canvas."""
 
     name = "none"
+
+    @property
+    def commits_block_head(self) -> bool:
+        return False
 
 
 class PrefixCache(CachePolicy):

@@ -94,8 +94,9 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int] | Layout], para
                 out = plan.forward(ids, pos, valid)
             else:
                 out = model(ids, pos, valid, past=plan.past, return_kv=plan.refresh)
-            logits = model.logits(out.hidden, plan.block)
-            x0, conf = propose(logits, params.temperature, generators)
+            logits = model.logits(out.hidden, plan.block, valid)
+            active = masked.any(-1).tolist() if params.temperature > 0 else None
+            x0, conf = propose(logits, params.temperature, generators, active, mask_id)
             _sync(device)
             elapsed = time.perf_counter() - t0
             stats.forward_time_s += elapsed
@@ -106,7 +107,7 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int] | Layout], para
                 stats.recomputed_tokens.append(int(valid.sum()))
                 policy.store(out.kv, plan, start, end)
             conf = torch.where(masked, conf, float("-inf"))
-            if step == 0 and model.shifted_logits:
+            if step == 0 and model.shifted_logits and policy.commits_block_head:
                 # A shifted model cannot predict a block's first token from the block alone, so it is
                 # committed on the block's first step, when the column before the block was fed too.
                 conf[:, 0] = torch.where(masked[:, 0], float("inf"), conf[:, 0])

@@ -5,19 +5,25 @@ from __future__ import annotations
 import torch
 
 
-def propose(logits: torch.Tensor, temperature: float,
-            generators: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Generator | None] | None = None,
+            active: list[bool] | None = None, mask_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Proposed tokens ``x0`` and confidences ``p(x0)`` for ``logits [B, L, V]``.
 
     Temperature 0 takes the argmax; otherwise Gumbel-max sampling from ``softmax(logits / T)``, with
-    noise from each row's own generator so a request's draw does not depend on its batch. Confidence is
-    the clean softmax probability of the proposed token, as LLaDA scores it.
+    noise from each row's own generator so a request's draw does not depend on its batch; rows that are
+    not ``active`` (their block is done) draw nothing, so each generator advances only on the request's
+    own steps. Confidence is the clean softmax probability of the proposed token, as LLaDA scores it.
+    ``mask_token_id`` is never proposed: committing ``[MASK]`` would leave a hole in the output.
     """
     logits = logits.float()
+    if mask_token_id is not None:
+        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
     if temperature > 0:
         scores = logits.double() / temperature
-        noise = torch.empty_like(scores)
+        noise = torch.ones_like(scores)
         for row in range(scores.shape[0]):
+            if active is not None and not active[row]:
+                continue
             gen = generators[row] if generators is not None else None
             noise[row].exponential_(generator=gen)
         x0 = (scores - noise.log()).argmax(-1)

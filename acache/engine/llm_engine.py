@@ -169,7 +169,7 @@ class LLMEngine:
         start, end = seq.block_cols
         masked = seq.masked
         conf = torch.where(masked, conf, float("-inf"))
-        if seq.step == 0 and seq.shifted:
+        if seq.step == 0 and seq.shifted and seq.params.refresh_interval != 1:
             conf[0] = float("inf") if bool(masked[0]) else conf[0]
         commit = seq.rule.select(conf[None], masked[None], seq.step)[0]
         seq.tokens[start:end] = torch.where(commit, x0, seq.tokens[start:end])

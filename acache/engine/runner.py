@@ -114,5 +114,6 @@ class ModelRunner:
         conf = torch.empty(logits.shape[:2], dtype=torch.float32, device=dev)
         for i, seq in enumerate(seqs):
             gens = [seq.generator] if seq.params.temperature > 0 else None
-            x0[i:i + 1], conf[i:i + 1] = propose(logits[i:i + 1], seq.params.temperature, gens)
+            x0[i:i + 1], conf[i:i + 1] = propose(logits[i:i + 1], seq.params.temperature, gens,
+                                                 mask_token_id=seq.mask_token_id)
         return x0, conf, elapsed

@@ -161,12 +161,14 @@ class DiffusionLM(nn.Module):
             layer_inputs=inputs if capture_inputs else None,
         )
 
-    def logits(self, hidden: torch.Tensor, cols: slice | torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, cols: slice | torch.Tensor | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 predictions for the fed columns ``cols`` of ``hidden``: all (None), a slice, a 1-D index
         shared by every row, or a per-row ``[B, K]`` index.
 
-        For a shifted family the prediction of fed column ``c`` comes from fed column ``c - 1``; column 0
-        uses its own state, as upstream does, so callers must not rely on it in a partial forward.
+        For a shifted family the prediction of fed column ``c`` comes from fed column ``c - 1``; a column
+        with no real token before it (column 0, or padding before it per ``valid [B, T]``) uses its own
+        state, as upstream does, so callers must not rely on it in a partial forward.
         """
         b, t = hidden.shape[:2]
         if isinstance(cols, torch.Tensor) and cols.dim() == 2:
@@ -177,7 +179,11 @@ class DiffusionLM(nn.Module):
                 index = index[cols]
             index = index.expand(b, -1)
         if self.shifted_logits:
-            index = (index - 1).clamp_min(0)
+            prev = (index - 1).clamp_min(0)
+            ok = index > 0
+            if valid is not None:
+                ok = ok & valid.gather(1, prev)
+            index = torch.where(ok, prev, index)
         h = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()

@@ -50,12 +50,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     ``key_mask [B, S]`` is True for keys that may be attended (padding and absent slots are False).
     Returns ``[B, Tq, H, D]``.
     """
-    n_rep = q.shape[2] // k.shape[2]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=2)
-        v = v.repeat_interleave(n_rep, dim=2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=key_mask[:, None, None, :],
+        attn_mask=key_mask[:, None, None, :], enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)

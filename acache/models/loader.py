@@ -101,7 +101,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     dtype, device = parse_dtype(dtype), parse_device(device)
     cls, config = read_config(root)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config).to(dtype)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     names = cls.hf_tensor_names(config)
@@ -131,7 +131,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
                             f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
                             f"the config implies {tuple(target.shape)}")
                     target.copy_(tensor)
-    model.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model

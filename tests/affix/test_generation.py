@@ -88,6 +88,7 @@ def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):
             else:
                 out = model(x[:, s:e], pos[:, s:e], past=cache)
                 logits = model.logits(out.hidden)
+            logits[..., cfg.mask_token_id] = float("-inf")  # [MASK] is never proposed
             probs = torch.softmax(logits, -1)
             conf, x0 = probs.max(-1)
             conf = torch.where(masked, conf, float("-inf"))

@@ -111,3 +111,54 @@ def test_prompt_too_long(family_model):
     too_long = [[1] * (family_model.config.max_position_embeddings - 10)]
     with pytest.raises(ValueError, match="exceeds the model's context"):
         generate(family_model, too_long, SamplingParams(gen_length=16, block_length=8))
+
+
+def test_dream_without_cache_commits_like_plain_decoding(dream_dir):
+    """No forced block-head commit without a cache: each step is the plain low-confidence rule."""
+    from acache.decoding.commit import LowConfidence
+    from acache.models.loader import load_model
+
+    model = load_model(dream_dir)
+    prompt = random_prompts([10], seed=9)[0]
+    params = SamplingParams(gen_length=16, block_length=8, steps=16, remasking="low_confidence", cache="none")
+    got = generate(model, [prompt], params).token_ids[0]
+    mask = model.config.mask_token_id
+    x = torch.tensor([prompt + [mask] * 16])
+    pos = torch.arange(x.shape[1])[None]
+    for b in range(2):
+        s, e = 10 + 8 * b, 18 + 8 * b
+        rule = LowConfidence(8)
+        rule.begin_block((x[:, s:e] == mask).sum(-1))
+        for step in range(8):
+            masked = x[:, s:e] == mask
+            logits = model.logits(model(x, pos).hidden)[:, s:e]
+            logits[..., mask] = float("-inf")  # [MASK] is never proposed
+            probs = torch.softmax(logits, -1)
+            conf, x0 = probs.max(-1)
+            commit = rule.select(torch.where(masked, conf, float("-inf")), masked, step)
+            x[:, s:e] = torch.where(commit, x0, x[:, s:e])
+    assert got == truncate_at_stop(x[0, 10:].tolist(), {model.config.eos_token_id})
+    assert len(got) > 4
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_infill_row_with_nothing_before_the_region_is_batch_independent(family_model, cache):
+    from acache.decoding.canvas import Layout
+
+    layouts = [Layout(tuple(random_prompts([6], seed=1)[0]), 0), Layout(tuple(random_prompts([9], seed=2)[0]), 5),
+               Layout(tuple(random_prompts([4], seed=3)[0]), 4)]
+    params = SamplingParams(gen_length=16, block_length=8, cache=cache, threshold=0.5)
+    batched = generate(family_model, layouts, params).token_ids
+    assert batched == [generate(family_model, [lay], params).token_ids[0] for lay in layouts]
+
+
+def test_sampling_noise_does_not_depend_on_batch_mates(family_model):
+    """Rows finish blocks at different steps; a finished row must not draw noise meanwhile."""
+    prompts = random_prompts([5, 9, 13], seed=8)
+    params = SamplingParams(gen_length=16, block_length=8, temperature=1.0, threshold=0.05)
+    for trial in range(3):
+        gens = [torch.Generator().manual_seed(10 * trial + i) for i in range(3)]
+        batched = generate(family_model, prompts, params, generators=gens).token_ids
+        for i, p in enumerate(prompts):
+            alone = generate(family_model, [p], params, generators=[torch.Generator().manual_seed(10 * trial + i)])
+            assert alone.token_ids[0] == batched[i]

@@ -1,0 +1,234 @@
+"""``acache bench`` (= ``acache bench engine``): the paper's system numbers in miniature.
+
+The same engine runs (a) the Fast-dLLM dual cache alone, every request computing its whole prompt, and
+(b) ACache, one shared copy of the affix and ``ratio`` of it recomputed per request, on the same
+requests, batch size by batch size, side by side in one process. Next to each measured ratio it prints
+its ideal: the token-count bound for recompute latency, the total token-passes ratio (selection probe
+included) for throughput, and the page-count ratio for peak KV memory.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import anchor_count
+from acache.bench.decode import random_model
+from acache.engine import EngineConfig, LLMEngine
+from acache.models.base import DiffusionLM
+from acache.models.loader import load_model, parse_device, parse_dtype
+from acache.sampling_params import SamplingParams
+
+# LLaDA layout at SmolLM2-135M size.
+SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
+              "vocab_size": 49152}
+
+
+@dataclass
+class Workload:
+    affix_len: int = 700
+    question_len: int = 60
+    gen_length: int = 256
+    block_length: int = 32
+    steps: int = 64
+    ratio: float = 0.2
+
+    @property
+    def blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    def token_passes(self, reuse: bool) -> int:
+        """Tokens fed per request over its whole decoding (what throughput is bound by)."""
+        in_block = (self.steps - self.blocks) * self.block_length
+        if not reuse:
+            return self.blocks * (self.affix_len + self.question_len + self.gen_length) + in_block
+        probe = self.question_len + self.gen_length
+        return probe + self.blocks * self.refresh_tokens(True) + in_block
+
+    def refresh_tokens(self, reuse: bool) -> int:
+        anchors = anchor_count(self.ratio, self.affix_len) if reuse else self.affix_len
+        return anchors + self.question_len + self.gen_length
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    batch: int
+    wall_time_s: float
+    generated_tokens: int
+    throughput_tokens_per_s: float
+    recompute_latency_s: float  # all refresh forwards of the run
+    step_time_s: float  # all in-block forwards
+    selection_time_s: float
+    peak_kv_pages: int
+    peak_kv_bytes: int
+
+
+@dataclass
+class Comparison:
+    batch: int
+    recompute_reduction: float
+    recompute_reduction_ideal: float
+    throughput_gain: float
+    throughput_gain_ideal: float
+    peak_kv_reduction: float
+    peak_kv_reduction_ideal: float
+
+    def fractions(self) -> dict[str, float]:
+        return {"recompute": self.recompute_reduction / self.recompute_reduction_ideal,
+                "throughput": self.throughput_gain / self.throughput_gain_ideal,
+                "memory": self.peak_kv_reduction / self.peak_kv_reduction_ideal}
+
+
+def make_requests(model: DiffusionLM, w: Workload, n: int, seed: int) -> list[AffixPrompt]:
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    special = {cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id}
+
+    def tokens(k: int) -> list[int]:
+        return [t if t not in special else 1 for t in torch.randint(0, cfg.vocab_size, (k,), generator=gen).tolist()]
+
+    affix = tokens(w.affix_len)
+    return [AffixPrompt.from_spans(affix + tokens(w.question_len), None, [(0, w.affix_len, "shots")])
+            for _ in range(n)]
+
+
+def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse: bool, batch: int,
+             page_size: int, kv_bytes: int) -> ModeResult:
+    params = SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
+                            remasking="low_confidence", affix_policy="attention" if reuse else None,
+                            anchor_ratio=w.ratio)
+    tokens_per_refresh = batch * w.refresh_tokens(reuse)
+    engine = LLMEngine(model, EngineConfig(page_size=page_size, kv_cache_memory=kv_bytes, max_num_seqs=batch,
+                                           max_num_batched_tokens=max(16384, tokens_per_refresh)))
+    if reuse:  # steady state: the shared affix is already cached, as it is for every request after the first
+        ids = prompts[0].affix_ids(prompts[0].affixes[0])
+        shared, _ = engine.affixes.acquire(ids, "shots")
+        engine.affixes.release(shared)
+    engine.pool.peak_pages_used = engine.pool.num_used
+    engine.affixes.hits = engine.affixes.queries = 0
+    from acache.engine.metrics import EngineMetrics
+
+    engine.metrics = EngineMetrics()
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - start
+    s = engine.summary()
+    return ModeResult("acache" if reuse else "dual", batch, wall, s["generated_tokens"],
+                      s["generated_tokens"] / wall, s["recompute_latency_total_s"], s["step_time_total_s"],
+                      s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"])
+
+
+def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int) -> Comparison:
+    def pages(tokens: int) -> int:
+        return -(-tokens // page_size)
+
+    b = dual.batch
+    ideal_pages_dual = b * pages(w.refresh_tokens(False))
+    ideal_pages_acache = pages(w.affix_len) + b * pages(w.refresh_tokens(True))
+    return Comparison(
+        batch=b,
+        recompute_reduction=1 - acache.recompute_latency_s / dual.recompute_latency_s,
+        recompute_reduction_ideal=1 - w.refresh_tokens(True) / w.refresh_tokens(False),
+        throughput_gain=acache.throughput_tokens_per_s / dual.throughput_tokens_per_s,
+        throughput_gain_ideal=w.token_passes(False) / w.token_passes(True),
+        peak_kv_reduction=1 - acache.peak_kv_pages / dual.peak_kv_pages,
+        peak_kv_reduction_ideal=1 - ideal_pages_acache / ideal_pages_dual,
+    )
+
+
+def markdown(results: list[ModeResult], comparisons: list[Comparison]) -> str:
+    lines = ["| batch | mode | wall s | tokens/s | recompute s | in-block s | selection s | peak KV pages "
+             "| peak KV MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r.batch} | {r.mode} | {r.wall_time_s:.1f} | {r.throughput_tokens_per_s:.2f} | "
+                     f"{r.recompute_latency_s:.2f} | {r.step_time_s:.2f} | {r.selection_time_s:.2f} | "
+                     f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} |")
+    lines += ["", "| batch | recompute latency (ideal) | throughput (ideal) | peak KV (ideal) "
+              "| % of ideal (r / t / m) |", "|---:|---:|---:|---:|---:|"]
+    for c in comparisons:
+        f = c.fractions()
+        lines.append(f"| {c.batch} | {-100 * c.recompute_reduction:+.1f}% "
+                     f"({-100 * c.recompute_reduction_ideal:+.1f}%) | "
+                     f"{c.throughput_gain:.2f}x ({c.throughput_gain_ideal:.2f}x) | "
+                     f"{-100 * c.peak_kv_reduction:+.1f}% ({-100 * c.peak_kv_reduction_ideal:+.1f}%) | "
+                     f"{100 * f['recompute']:.0f}% / {100 * f['throughput']:.0f}% / {100 * f['memory']:.0f}% |")
+    return "\n".join(lines)
+
+
+def plot(comparisons: list[Comparison], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    batches = [str(c.batch) for c in comparisons]
+    panels = [("recompute latency reduction (%)", [100 * c.recompute_reduction for c in comparisons],
+               [100 * c.recompute_reduction_ideal for c in comparisons]),
+              ("throughput gain (x)", [c.throughput_gain for c in comparisons],
+               [c.throughput_gain_ideal for c in comparisons]),
+              ("peak KV reduction (%)", [100 * c.peak_kv_reduction for c in comparisons],
+               [100 * c.peak_kv_reduction_ideal for c in comparisons])]
+    for ax, (title, measured, ideal) in zip(axes, panels, strict=True):
+        x = range(len(batches))
+        ax.bar([i - 0.2 for i in x], measured, width=0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], ideal, width=0.4, label="ideal", alpha=0.5)
+        ax.set_xticks(list(x), batches)
+        ax.set_xlabel("batch size")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend()
+    fig.suptitle("ACache (ratio 0.2) vs dual cache alone, same engine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(args) -> int:
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if args.model:
+        model = load_model(args.model, dtype=dtype, device=device)
+        described = str(args.model)
+    else:
+        model = random_model("llada", SMOL_SHAPE, dtype, device, args.seed)
+        described = "random LLaDA at SmolLM2-135M shape (" + ", ".join(f"{k}={v}" for k, v in SMOL_SHAPE.items()) + ")"
+    w = Workload(args.affix_len, args.question_len, args.gen_length, args.block_length, args.steps, args.ratio)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    results, comparisons = [], []
+    n_params = sum(p.numel() for p in model.parameters())
+    with tqdm(total=2 * len(batches), desc="bench engine", unit="run") as bar:
+        for b in batches:
+            prompts = make_requests(model, w, b, args.seed + b)
+            pair = {}
+            for reuse in (False, True):
+                pair[reuse] = run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory)
+                results.append(pair[reuse])
+                bar.update(1)
+            comparisons.append(compare(pair[False], pair[True], w, args.page_size))
+    header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {dtype}, {device}; affix {w.affix_len}, "
+              f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
+              f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    table = markdown(results, comparisons)
+    print(header)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"setup": header, "workload": asdict(w),
+                                               "results": [asdict(r) for r in results],
+                                               "comparisons": [asdict(c) for c in comparisons]}, indent=2))
+    if args.plot and plot(comparisons, Path(args.plot)):
+        print(f"plot: {args.plot}")
+    return 0
