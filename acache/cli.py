@@ -64,6 +64,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"affix file not found: {path}")
         affix_text = path.read_text()
     cache_dir = Path(args.affix_cache) if args.affix_cache else None
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        raise NotADirectoryError(f"--affix-cache {cache_dir} exists and is not a directory")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,
               bicache_profile=args.bicache_profile)

@@ -29,6 +29,24 @@ def _is_segment_list(prompt: object) -> bool:
             and any(isinstance(s, (str, Affix)) or s is GEN or isinstance(s, (list, tuple)) for s in prompt))
 
 
+def _as_prompt_list(prompts: object) -> list:
+    """One prompt or a list of prompts, as a list. A list holding an Affix or GEN at its top level is one
+    segment prompt; a list of ints (or an array of token ids) is one token-id prompt."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, AffixPrompt)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            return []
+        if any(isinstance(p, Affix) or p is GEN for p in prompts) or all(
+                isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [prompts]
+        return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
+    raise TypeError(f"prompts must be text, token ids, an AffixPrompt, segments, or a list of these; "
+                    f"got {type(prompts).__name__}")
+
+
 class LLM:
     """A diffusion LM loaded from a local checkpoint directory, ready to generate.
 
@@ -46,7 +64,7 @@ class LLM:
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5) -> None:
-        if not isinstance(max_batch_size, int) or max_batch_size <= 0:
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
         self.dtype = parse_dtype(dtype)
@@ -98,6 +116,9 @@ class LLM:
 
     def encode_prompt(self, prompt: PromptInput, chat: bool = False) -> AffixPrompt:
         """Any accepted prompt form as an :class:`AffixPrompt` (which may hold no affix)."""
+        if chat and not isinstance(prompt, str):
+            raise ValueError("chat=True applies to text prompts; for a chat with affixes build the prompt with "
+                             "LLM.chat_prompt(messages)")
         if isinstance(prompt, AffixPrompt):
             ids = list(prompt.token_ids)
             resolved = prompt
@@ -111,9 +132,12 @@ class LLM:
         elif _is_segment_list(prompt) and not all(isinstance(t, int) for t in prompt):
             resolved = resolve_segments(prompt, self._encode_segment)
             ids = list(resolved.token_ids)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             resolved = None
+        else:
+            raise TypeError(f"a prompt must be text, token ids, an AffixPrompt or a segment list, "
+                            f"got {type(prompt).__name__}")
         vocab = self.config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
@@ -141,9 +165,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompts, (str, AffixPrompt)) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         limit = self.config.max_position_embeddings

@@ -44,6 +44,15 @@ class SamplingParams:
     anchor_query: str = "probe"
 
     def __post_init__(self) -> None:
+        for name in ("threshold", "factor", "temperature", "anchor_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for name in ("gen_length", "block_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -74,9 +83,10 @@ class SamplingParams:
         if self.cache not in CACHE_POLICIES:
             raise ValueError(f"cache must be one of {', '.join(CACHE_POLICIES)}, got {self.cache!r}")
         if self.refresh_interval is not None and (
-                not isinstance(self.refresh_interval, int) or self.refresh_interval <= 0):
+                not isinstance(self.refresh_interval, int) or isinstance(self.refresh_interval, bool)
+                or self.refresh_interval <= 0):
             raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.affix_policy is not None:

@@ -57,3 +57,19 @@ def test_bad_inputs(llm, tmp_path):
         LLM(tmp_path / "missing")
     with pytest.raises(ValueError, match="max_batch_size"):
         LLM(tmp_path, max_batch_size=0)
+
+
+def test_prompt_forms(llm):
+    import numpy as np
+
+    from acache import GEN, Affix
+
+    params = SamplingParams(gen_length=8, block_length=8, threshold=0.5)
+    one = llm.generate(["question ", Affix("doc"), GEN], params, use_tqdm=False)
+    assert len(one) == 1 and one[0].prompt is None
+    arr = llm.generate(np.array([10, 20, 30]), params, use_tqdm=False)
+    assert len(arr) == 1 and arr[0].prompt_token_ids == [10, 20, 30]
+    with pytest.raises(ValueError, match="chat=True applies to text prompts"):
+        llm.generate([["q", Affix("doc"), GEN]], params, chat=True)
+    with pytest.raises(TypeError, match="prompts must be"):
+        llm.generate(3.5, params)

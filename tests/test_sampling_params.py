@@ -33,3 +33,16 @@ def test_defaults_and_schedule():
     assert p.num_blocks == 4 and p.steps_per_block == 32
     assert SamplingParams(gen_length=256, block_length=32, steps=64).steps_per_block == 8
     assert SamplingParams(threshold=1.0).threshold == 1.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed="7"), "seed must be an integer"),
+    (dict(seed=2**70), "seed must be an integer"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list"),
+    (dict(threshold="0.9"), "threshold must be a number"),
+    (dict(refresh_interval=True), "refresh_interval must be a positive integer"),
+    (dict(anchor_ratio=None), "anchor_ratio must be a number"),
+])
+def test_wrong_types_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

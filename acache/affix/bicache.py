@@ -24,7 +24,7 @@ from acache.affix.context import compact_index
 from acache.affix.policy import Placements, place_affixes
 from acache.affix.prompt import AffixPrompt
 from acache.affix.staleness import measure_staleness
-from acache.affix.store import AffixStore
+from acache.affix.store import AffixStore, model_fingerprint
 from acache.decoding.cache_policy import CachePolicy, StepPlan
 from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
@@ -65,6 +65,9 @@ class BiCacheProfile:
         if model is not None and profile.num_layers != len(model.layers):
             raise ValueError(f"BiCache profile {path} was made for {profile.num_layers} layers, the model has "
                              f"{len(model.layers)}")
+        if model is not None and profile.model_fingerprint and profile.model_fingerprint != model_fingerprint(model):
+            raise ValueError(f"BiCache profile {path} was made with another model; profile this one with "
+                             "`acache bicache-profile`")
         return profile
 
 
@@ -72,11 +75,14 @@ def profile_bicache(store: AffixStore, prompts: Sequence[AffixPrompt], gen_lengt
                     bins: int = 10) -> BiCacheProfile:
     """Builds the depth table from calibration prompts. Each share bin keeps its most cautious (smallest)
     safe depth; a bin without samples borrows from the nearest bin that has some."""
+    if not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be a positive integer, got {bins!r}")
     layers = len(store.model.layers)
     found: list[list[int]] = [[] for _ in range(bins)]
     for prompt in prompts:
         s = measure_staleness(store, prompt, gen_length)
-        found[min(bins - 1, int(s.affix_share * bins))].append(s.safe_layers(tau))
+        # bin k holds shares in (k/bins, (k+1)/bins], as depth() reads them
+        found[min(bins - 1, max(0, math.ceil(s.affix_share * bins - 1e-12) - 1))].append(s.safe_layers(tau))
     if not any(found):
         raise ValueError("BiCache profiling needs at least one calibration prompt with an affix")
     safe = [min(v) if v else None for v in found]
@@ -87,7 +93,6 @@ def profile_bicache(store: AffixStore, prompts: Sequence[AffixPrompt], gen_lengt
             continue
         near = min((j for j in range(bins) if safe[j] is not None), key=lambda j: (abs(j - i), j))
         filled.append(safe[near])
-    from acache.affix.store import model_fingerprint
 
     return BiCacheProfile(layers, tau, [(i + 1) / bins for i in range(bins)], filled, [len(v) for v in found],
                           model_fingerprint(store.model))

@@ -20,9 +20,9 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
         raise ValueError("a chat needs at least one message")
     chosen = set(affix_messages) if affix_messages is not None else {
         i for i, m in enumerate(messages) if m.get("role") == "system"}
-    bad = [i for i in chosen if not 0 <= i < len(messages)]
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(messages)]
     if bad:
-        raise ValueError(f"affix message index {bad[0]} is outside the {len(messages)} messages")
+        raise ValueError(f"affix message index {bad[0]!r} is not a message index (0..{len(messages) - 1})")
     pieces, previous = [], ""
     for k in range(1, len(messages) + 1):
         text = render(messages[:k], False)

@@ -4,6 +4,8 @@ forwards it may ask for (computed once, on demand, and shared between score term
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +14,12 @@ from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.kv import KVCache
 from acache.models.layers import apply_rope, rope_tables
+
+
+def request_seed(seed: int | None, token_ids: Sequence[int]) -> int:
+    """A request's own seed: its sampling seed mixed with its token ids, the same in any batch."""
+    data = ",".join(map(str, (seed if seed is not None else 0, *token_ids))).encode()
+    return zlib.crc32(data)
 
 
 def compact_index(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +81,7 @@ class SelectionContext:
     canvas: Canvas  # all-mask canvas of the batch
     affix_slot: torch.Tensor  # [B, T]: which affix of its row a column belongs to, -1 outside affixes
     kv: CanvasKV  # cached affix K/V placed at the affix columns
-    generator: torch.Generator | None = None
+    row_seeds: list[int] | None = None  # per request, for selectors that draw at random
     _probe: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _full: ForwardOutput | None = field(default=None, repr=False)
 
@@ -114,27 +122,36 @@ class SelectionContext:
                        q_valid: torch.Tensor) -> torch.Tensor:
         """``I(j) = sum_{l,h,i} softmax_{j in affix}(q_{l,h,i} . k_{l,h,j} / sqrt(d))`` for every column.
 
-        ``queries[l]`` are pre-RoPE ``[B, M, H, D]`` of the canvas columns ``q_cols [B, M]`` (rotated
-        here at their absolute positions); keys are the cached affix keys rotated at the affix's
-        absolute positions. The softmax runs over each affix's own columns. Returns ``[B, T]`` (zero
-        outside affixes).
+        ``queries[l]`` are pre-RoPE ``[B, M, H, D]`` of the canvas columns ``q_cols [B, M]``; only those
+        with ``q_valid`` count, rotated at their absolute positions. Keys are the cached affix keys rotated
+        at the affix's absolute positions. The softmax runs over each affix's own columns (anchors are
+        chosen per affix). Returns ``[B, T]`` (zero outside affixes).
         """
         c, cfg = self.canvas, self.model.config
         t, d = c.total, cfg.head_dim
         rep = cfg.num_heads // cfg.num_kv_heads
-        q_pos = self.kv.positions.gather(1, q_cols)
-        q_rope = rope_tables(q_pos, d, cfg.rope_theta)
-        k_rope = rope_tables(c.positions, d, cfg.rope_theta)
-        n_slots = int(self.affix_slot.max()) + 1
         scores = torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
-        weight = q_valid[:, None, :, None].float()
+        if not bool(self.affix_mask.any()):
+            return scores
+        pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])  # the queries that count
+        pick = pick.clamp_max(q_valid.shape[1] - 1)
+        cols = q_cols.gather(1, pick)
+        keys_at, keys_valid = compact_index(self.affix_mask, fill=t)  # the affix columns
+        keys_at = keys_at.clamp_max(t - 1)
+        slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
+        q_rope = rope_tables(self.kv.positions.gather(1, cols), d, cfg.rope_theta)
+        k_rope = rope_tables(c.positions.gather(1, keys_at), d, cfg.rope_theta)
+        weight = pick_valid[:, None, :, None].float()
+        k_index = keys_at[:, :, None, None]
         for layer, q in enumerate(queries):
+            q = q.gather(1, pick[:, :, None, None].expand(-1, -1, *q.shape[2:]))
             qr = apply_rope(q, *q_rope).float()
-            kr = apply_rope(self.kv.keys[layer][:, :t], *k_rope).float().repeat_interleave(rep, dim=2)
+            k = self.kv.keys[layer].gather(1, k_index.expand(-1, -1, *self.kv.keys[layer].shape[2:]))
+            kr = apply_rope(k, *k_rope).float().repeat_interleave(rep, dim=2)
             logits = torch.einsum("bmhd,bthd->bhmt", qr, kr) / math.sqrt(d)
-            for slot in range(n_slots):
-                member = (self.affix_slot == slot)[:, None, None, :]
+            for affix in range(int(self.affix_slot.max()) + 1):
+                member = (slot == affix)[:, None, None, :]
                 probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
-                probs = torch.nan_to_num(probs, nan=0.0) * weight
-                scores += probs.sum(dim=(1, 2))
+                mass = (torch.nan_to_num(probs, nan=0.0) * weight).sum(dim=(1, 2))
+                scores.scatter_add_(1, keys_at, mass * keys_valid)
         return scores

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from acache.affix.bicache import BiCacheDualCache, BiCacheProfile, matched_depth
+from acache.affix.context import request_seed
 from acache.affix.policy import AffixDualCache
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import SELECTORS, make_selector
@@ -67,8 +68,8 @@ def generate_with_affixes(model: DiffusionLM, store: AffixStore, prompts: Sequen
                     store.ensure_hidden(entry)
             policy = BiCacheDualCache(placements, depths, params.refresh_interval)
         else:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-            policy = AffixDualCache(placements, selector, params.anchor_ratio, gen, params.refresh_interval)
+            seeds = [request_seed(params.seed, p.token_ids) for p in prompts]
+            policy = AffixDualCache(placements, selector, params.anchor_ratio, seeds, params.refresh_interval)
         result = generate(model, [p.layout for p in prompts], params, stop_token_ids, generators, policy=policy)
     finally:
         for hold in holds:

@@ -5,6 +5,9 @@ and let the selector choose anchors. At every refresh (each block start): feed t
 non-affix token (the prompt's own tokens and the whole generation region) against the cached K/V of
 the other affix tokens, which are never recomputed. Inside a block: feed only the block, as the dual
 cache does. With every affix token an anchor this is exactly the dual cache; with none, direct reuse.
+
+One exception, for shifted models (Dream) only: when an affix ends right before the generation region,
+its last token's state predicts the first generated token, so that token is refreshed like an anchor.
 """
 
 from __future__ import annotations
@@ -57,19 +60,19 @@ class AffixDualCache(CachePolicy):
     name = "affix"
 
     def __init__(self, placements: Placements, selector: AnchorSelector, ratio: float,
-                 generator: torch.Generator | None = None, refresh_interval: int | None = None) -> None:
+                 row_seeds: list[int] | None = None, refresh_interval: int | None = None) -> None:
         super().__init__(refresh_interval)
         self.placements = placements
         self.selector = selector
         self.ratio = ratio
-        self.generator = generator
+        self.row_seeds = row_seeds
         self.anchor_plan: AnchorPlan | None = None
 
     def begin(self, model: DiffusionLM, canvas: Canvas) -> None:
         self.kv = None
         self.total = canvas.total
         self.buf, slot = place_affixes(model, canvas, self.placements)
-        ctx = SelectionContext(model, canvas, slot, self.buf, self.generator)
+        ctx = SelectionContext(model, canvas, slot, self.buf, self.row_seeds)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from acache.affix.context import SelectionContext
+from acache.affix.context import SelectionContext, request_seed
 from acache.affix.policy import place_affixes
 from acache.affix.selectors import make_selector
 from acache.decoding.canvas import build_canvas
@@ -62,8 +62,8 @@ class ModelRunner:
             placements = [[(s.prompt.affixes[i].start, a.entry(self.pool)) for i, a in s.shared_affixes()]
                           for s in group]
             kv, slot = place_affixes(self.model, canvas, placements)
-            gen = torch.Generator().manual_seed(group[0].params.seed if group[0].params.seed is not None else 0)
-            anchors = make_selector(name, query).select(SelectionContext(self.model, canvas, slot, kv, gen), ratio)
+            seeds = [request_seed(s.params.seed, s.prompt.token_ids) for s in group]
+            anchors = make_selector(name, query).select(SelectionContext(self.model, canvas, slot, kv, seeds), ratio)
             for row, seq in enumerate(group):
                 pad = canvas.pad_left[row]
                 seq.set_anchors(anchors[row, pad:pad + seq.length] & (slot[row, pad:pad + seq.length] >= 0))

@@ -120,3 +120,25 @@ def test_calibration_file(tmp_path, llada_dir):
     path.write_text("{not json}\n")
     with pytest.raises(ValueError, match="cal.jsonl:1"):
         calibration_prompts(tok, model.config, path, samples=0)
+
+
+def test_profile_bins_match_depth_lookup_at_the_edges(llada_dir, monkeypatch):
+    """A share of exactly k/bins is profiled into the bin that depth() reads it from."""
+    from acache.affix import bicache
+    from acache.affix.staleness import Staleness
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    shares = iter([0.25, 0.5, 0.75, 1.0])
+    safe = {0.25: 0, 0.5: 1, 0.75: 2, 1.0: 2}
+
+    def fake(store, prompt, gen_length):
+        s = next(shares)
+        return Staleness([1.0] * safe[s] + [0.0] * (2 - safe[s]), [1.0] * 2, s)
+
+    monkeypatch.setattr(bicache, "measure_staleness", fake)
+    profile = bicache.profile_bicache(AffixStore(model), [layouts()["prefix"]] * 4, 8, tau=0.5, bins=4)
+    assert profile.safe_layers == [0, 1, 2, 2] and profile.samples == [1, 1, 1, 1]
+    assert [profile.depth(s) for s in (0.25, 0.5, 0.75, 1.0)] == [2, 1, 0, 0]
+    with pytest.raises(ValueError, match="bins must be a positive integer"):
+        bicache.profile_bicache(AffixStore(model), [layouts()["prefix"]], 8, bins=0)

@@ -29,9 +29,10 @@ def test_full_recompute_matches_dual_cache(family_model, position, how):
     assert len(stats[0].anchors) == sum(a.length for a in prompt.affixes)
 
 
-def test_mixed_batch_matches_each_alone(family_model):
+@pytest.mark.parametrize("selector", ["attention", "random", "kv-deviation", "query-attention"])
+def test_mixed_batch_matches_each_alone(family_model, selector):
     prompts = list(layouts().values())
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.3)
+    params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)
     store = AffixStore(family_model)
     batched, stats = generate_with_affixes(family_model, store, prompts, params)
     for i, p in enumerate(prompts):

@@ -30,7 +30,7 @@ def mixed_requests(n, params, seed=0):
     return [(pool[i % len(pool)], params, None) for i in range(n)]
 
 
-@pytest.mark.parametrize("selector", ["attention", "none", "all"])
+@pytest.mark.parametrize("selector", ["attention", "none", "all", "random"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_engine_matches_single_request_path(family_model, selector, batch):
     params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)

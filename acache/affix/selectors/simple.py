@@ -37,9 +37,16 @@ class FirstK(AnchorSelector):
 
 
 class RandomAnchors(AnchorSelector):
-    """Uniformly random affix tokens (seeded by the context's generator)."""
+    """Uniformly random affix tokens, drawn from each request's own seed (``ctx.row_seeds``) over its own
+    tokens, so a request's anchors do not depend on its batch."""
 
     name = "random"
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        return torch.rand(ctx.affix_slot.shape, generator=ctx.generator).to(ctx.affix_slot.device)
+        valid = ctx.canvas.valid
+        scores = torch.zeros(valid.shape, dtype=torch.float32)
+        seeds = ctx.row_seeds or [0] * valid.shape[0]
+        for row, seed in enumerate(seeds):
+            gen = torch.Generator().manual_seed(seed)
+            scores[row, valid[row].cpu()] = torch.rand(int(valid[row].sum()), generator=gen)
+        return scores.to(valid.device)
