@@ -168,15 +168,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
         encoded = [self.encode_prompt(p, chat) for p in prompts]
-        limit = self.config.max_position_embeddings
         for i, p in enumerate(encoded):
-            for span in p.affixes:
-                if span.length > limit:
-                    raise ValueError(f"affix {span.name or span.key[:12]!r} of prompt {i} has {span.length} tokens, "
-                                     f"more than the model's context of {limit}")
-            if len(p.token_ids) + params.gen_length > limit:
-                raise ValueError(f"prompt {i} is too long: {len(p.token_ids)} tokens plus gen_length "
-                                 f"{params.gen_length} exceed the model's context of {limit}")
+            p.check_fits(self.config.vocab_size, self.config.max_position_embeddings, params.gen_length, f"prompt {i}")
         if self.runs_on_engine(params):
             results = self._run_engine(encoded, params, use_tqdm)
         else:

@@ -108,6 +108,19 @@ class AffixPrompt:
             spans.append(AffixSpan(start, end, affix_key(ids[max(start, 0):max(end, 0)]), name))
         return cls(ids, len(ids) if gen_at is None else gen_at, tuple(spans))
 
+    def check_fits(self, vocab_size: int, context: int, gen_length: int, label: str = "prompt") -> None:
+        """Raises a ValueError naming the problem when the request cannot run on a model."""
+        if any(isinstance(t, bool) or not 0 <= t < vocab_size for t in self.token_ids):
+            bad = next(t for t in self.token_ids if isinstance(t, bool) or not 0 <= t < vocab_size)
+            raise ValueError(f"{label} token id {bad!r} is not in the model's vocabulary of {vocab_size}")
+        for span in self.affixes:
+            if span.length > context:
+                raise ValueError(f"affix {span.name or span.key[:12]!r} of {label} has {span.length} tokens, "
+                                 f"more than the model's context of {context}")
+        if len(self.token_ids) + gen_length > context:
+            raise ValueError(f"{label} is too long: {len(self.token_ids)} tokens plus gen_length {gen_length} "
+                             f"exceed the model's context of {context}")
+
     @property
     def layout(self) -> Layout:
         return Layout(self.token_ids, self.gen_at)

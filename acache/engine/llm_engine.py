@@ -83,16 +83,7 @@ class LLMEngine:
             ids = tuple(int(t) for t in prompt)
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
-        if any(not 0 <= t < cfg.vocab_size for t in prompt.token_ids):
-            raise ValueError(f"a prompt token id is outside the model's vocabulary of {cfg.vocab_size}")
-        limit = cfg.max_position_embeddings
-        for span in prompt.affixes:
-            if span.length > limit:
-                raise ValueError(f"affix {span.name or span.key[:12]!r} has {span.length} tokens, more than the "
-                                 f"model's context of {limit}")
-        if len(prompt.token_ids) + params.gen_length > limit:
-            raise ValueError(f"prompt is too long: {len(prompt.token_ids)} tokens plus gen_length "
-                             f"{params.gen_length} exceed the model's context of {limit}")
+        prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in the engine")
