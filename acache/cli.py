@@ -130,6 +130,31 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import uvicorn
+
+    from acache import LLM
+    from acache.server.app import create_app
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
+              page_size=args.page_size, kv_cache_memory=args.kv_cache_memory)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = create_app(llm, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     min_document_tokens=args.min_document_tokens)
+    print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
+          f"/v1/chat/completions)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from acache.bench.serve import main
+
+    return main(args)
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from acache.bench.engine import main
 
@@ -190,6 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.set_defaults(func=_cmd_make_random_checkpoint)
 
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes (CPU default 1 GiB)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    p.add_argument("--min-document-tokens", type=int, default=128,
+                   help="user messages at least this long are affix candidates")
+    p.add_argument("--log-level", default="warning")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_serve)
+
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -210,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("engine", help="dual cache alone vs ACache on the paged engine (the paper's Tables 2-4)")
     _add_engine_bench_args(p)
     p.set_defaults(func=_cmd_bench_engine)
+    p = bench.add_parser("serve", help="load a running server: throughput, latency, time to first block")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--system-prompt", default=None, help="shared system prompt (default: a built-in one)")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=_cmd_bench_serve)
+
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
     p.add_argument("--family", default="llada", choices=["llada", "dream"])

@@ -9,8 +9,9 @@ from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, resolve_segmen
 
 
 def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
-                  affix_messages: Iterable[int] | None = None) -> list[Segment]:
-    """Splits the rendered conversation at message boundaries; consecutive chosen messages form one affix.
+                  affix_messages: Iterable[int] | None = None, split_before: Iterable[int] = ()) -> list[Segment]:
+    """Splits the rendered conversation at message boundaries; consecutive chosen messages form one affix
+    (a new one starts at each index of ``split_before``).
 
     ``render(messages, add_generation_prompt)`` is the chat template. The template must render each
     conversation as an extension of its shorter prefixes (Llama- and Qwen-style templates do); if it
@@ -37,7 +38,11 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
     segments: list[Segment] = []
     run: list[str] = []
     names: list[str] = []
+    splits = set(split_before)
     for i, piece in enumerate(pieces):
+        if i in splits and run:
+            segments.append(Affix("".join(run), name="+".join(names)))
+            run, names = [], []
         if i in chosen:
             run.append(piece)
             names.append(messages[i].get("role", "message"))

@@ -40,12 +40,14 @@ class EngineConfig:
 @dataclass
 class EngineOutput:
     request_id: str
-    token_ids: list[int]  # cut at the first stop token
+    token_ids: list[int]  # cut at the first stop token; for a partial output, the finished blocks so far
     status: Status
     anchors: list[int]  # absolute positions of the recomputed affix tokens
     affix_tokens: int  # shared affix tokens of the request
     recomputed_per_refresh: int
     stats: object  # SequenceStats
+    finished: bool = True
+    stopped: bool = False  # a stop token ended the output before gen_length
 
 
 class LLMEngine:
@@ -69,8 +71,9 @@ class LLMEngine:
 
     # -- API --------------------------------------------------------------------------------------
     def add_request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams, request_id: str | None = None,
-                    generator: torch.Generator | None = None) -> str:
-        """Queues a request; errors in it are raised here, before anything is queued."""
+                    generator: torch.Generator | None = None, stream: bool = False) -> str:
+        """Queues a request; errors in it are raised here, before anything is queued. With ``stream``,
+        :meth:`step` also returns a partial output each time one of its blocks is complete."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.cache != "dual":
@@ -89,6 +92,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         seq = Sequence(request_id, prompt, params, cfg, self.model.device, generator)
         seq.shifted = self.model.shifted_logits
+        seq.stream = stream
         self.scheduler.add(seq)
         self._live.add(request_id)
         return request_id
@@ -114,7 +118,8 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[EngineOutput]:
-        """One scheduling round: batched selections, refreshes and in-block steps; returns what finished."""
+        """One scheduling round: batched selections, refreshes and in-block steps; returns what finished
+        (and, for streaming requests, partial outputs of blocks just completed)."""
         batch = self.scheduler.schedule()
         finished: list[EngineOutput] = []
         if batch.select:
@@ -134,8 +139,11 @@ class LLMEngine:
                 if phase is Phase.REFRESH:
                     seq.stats.refresh_times_s.append(elapsed)
                     self.metrics.refreshed_tokens += int(seq.recompute.sum())
+                block = seq.block
                 if self._commit(seq, x0[i], conf[i]):
                     finished.append(self._finish(seq))
+                elif seq.stream and seq.block != block:
+                    finished.append(self._partial(seq))
         return finished
 
     def summary(self) -> dict:
@@ -167,6 +175,12 @@ class LLMEngine:
         seq.masked = masked & ~commit
         return seq.advance()
 
+    def _partial(self, seq: Sequence) -> EngineOutput:
+        done = seq.tokens[seq.gen_start:seq.gen_start + seq.block * seq.params.block_length].tolist()
+        ids = truncate_at_stop(done, self.stop_token_ids | set(seq.params.stop_token_ids))
+        return EngineOutput(seq.request_id, ids, Status.RUNNING, [], seq.affix_tokens, int(seq.recompute.sum()),
+                            seq.stats, finished=False, stopped=len(ids) < len(done))
+
     def _finish(self, seq: Sequence) -> EngineOutput:
         seq.stats.finished = time.perf_counter()
         generated = seq.tokens[seq.gen_start:seq.gen_start + seq.params.gen_length].tolist()
@@ -174,7 +188,7 @@ class LLMEngine:
         seq.output = truncate_at_stop(generated, stops)
         anchors = seq.positions[seq.anchors].tolist()
         out = EngineOutput(seq.request_id, seq.output, Status.FINISHED, anchors, seq.affix_tokens,
-                           int(seq.recompute.sum()), seq.stats)
+                           int(seq.recompute.sum()), seq.stats, stopped=len(seq.output) < len(generated))
         self.scheduler.finish(seq)
         self._live.discard(seq.request_id)
         self.metrics.requests_finished += 1

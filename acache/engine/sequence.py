@@ -72,6 +72,7 @@ class Sequence:
         self.mask_token_id = config.mask_token_id
         self.reuse = params.affix_policy is not None and bool(prompt.affixes)
         self.shifted = False
+        self.stream = False
         self.status = Status.WAITING
         self.phase = Phase.SELECT
         self.affixes: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared affix)

@@ -1,0 +1,309 @@
+"""The FastAPI application: OpenAI-compatible completions and chat, affix registration, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from acache.affix.prompt import AffixPrompt
+from acache.llm import LLM
+from acache.sampling_params import SamplingParams
+from acache.server.affix_reuse import AffixRegistry, AutoAffixer
+from acache.server.async_engine import AsyncEngine
+from acache.server.metrics import render_metrics
+from acache.server.protocol import (
+    AffixRegistration,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DiffusionFields,
+    TokenizeRequest,
+    error_body,
+)
+
+DEFAULT_GEN_LENGTH = 128
+DEFAULT_BLOCK_LENGTH = 32
+DEFAULT_SELECTOR = "attention"
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400."""
+
+
+def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
+    """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length."""
+    if body.n != 1:
+        raise BadRequest("only n=1 is supported")
+    block = body.block_length or DEFAULT_BLOCK_LENGTH
+    gen = body.gen_length
+    if gen is None and body.max_tokens is not None:
+        if body.max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be positive, got {body.max_tokens}")
+        block = min(block, body.max_tokens) if body.block_length is None else block
+        gen = -(-body.max_tokens // block) * block
+    gen = gen or DEFAULT_GEN_LENGTH
+    selector = body.selector or DEFAULT_SELECTOR
+    kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
+              "temperature": body.temperature if body.temperature is not None else 0.0,
+              "affix_policy": selector if reuse and selector != "off" else None}
+    for name in ("threshold", "remasking", "factor", "anchor_ratio"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
+               min_document_tokens: int = 128) -> FastAPI:
+    engine = AsyncEngine(llm.engine)
+    registry = AffixRegistry()
+    affixer = AutoAffixer(llm, min_document_tokens)
+    counters: Counter[str] = Counter()
+    app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache")
+    app.state.engine = engine
+    app.state.counters = counters
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        engine.start()
+
+    @app.on_event("shutdown")
+    async def _stop() -> None:
+        engine.shutdown()
+
+    def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        counters[f"http_errors_{status}_total"] += 1
+        return JSONResponse(error_body(message, kind, code=code), status_code=status)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        protected = api_key is not None and (path.startswith("/v1") or path == "/tokenize")
+        if protected and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                         "authentication_error", "invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            return error(413, f"request body of {length} bytes exceeds the limit of {max_request_bytes}")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+        elif kind == "extra_forbidden":
+            message = f"unknown field '{where}'"
+        else:
+            message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid body")
+        return error(400, message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                     "invalid_request_error")
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest):
+        return error(400, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "acache"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(llm.engine, dict(counters)))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt or messages")
+        if body.prompt is not None:
+            ids = llm.tokenizer.encode(body.prompt)
+        else:
+            text = llm.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+            ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.max_position_embeddings}
+
+    @app.post("/v1/affixes")
+    async def register_affix(body: AffixRegistration):
+        if (body.text is None) == (body.messages is None):
+            raise BadRequest("give exactly one of text or messages")
+        messages = None
+        if body.text is not None:
+            ids = llm.tokenizer.encode(body.text, add_special_tokens=False)
+        else:
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            ids = _leading_affix_ids(llm, messages)
+        if len(ids) > llm.config.max_position_embeddings:
+            raise BadRequest(f"affix has {len(ids)} tokens, more than the model's context of "
+                             f"{llm.config.max_position_embeddings}")
+        try:
+            affix_id = registry.register(ids, messages, body.name)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        counters["affixes_registered_total"] += 1
+        return {"id": affix_id, "object": "affix", "tokens": len(ids), "name": body.name}
+
+    def check_model(body: DiffusionFields) -> None:
+        if body.model is not None and body.model != model_name:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}")
+
+    def prompt_fits(prompt: AffixPrompt, params: SamplingParams) -> None:
+        try:
+            prompt.check_fits(llm.config.vocab_size, llm.config.max_position_embeddings, params.gen_length)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def generator(params: SamplingParams) -> torch.Generator | None:
+        if params.temperature <= 0:
+            return None
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        return torch.Generator(device=llm.device).manual_seed(seed)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        affix_ids, name = None, None
+        if body.affix is not None:
+            try:
+                affix_ids, _, name = registry.get(body.affix)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        params = sampling_params(body, reuse=affix_ids is not None)
+        raw = body.prompt
+        texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not texts:
+            raise BadRequest("prompt must not be empty")
+        if body.stream and len(texts) > 1:
+            raise BadRequest("stream=true takes a single prompt")
+        prompts = [affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts]
+        for p in prompts:
+            prompt_fits(p, params)
+        counters["requests_total"] += len(prompts)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.stream:
+            return StreamingResponse(stream_events(prompts[0], params, body, rid, created, chat=False),
+                                     media_type="text/event-stream")
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, p in enumerate(prompts):
+            out = await final_output(p, params)
+            text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
+            choices.append({"index": i, "text": text, "logprobs": None, "token_ids": out.token_ids,
+                            "finish_reason": finish_reason(out, params, text, body.stop, llm)})
+            usage["prompt_tokens"] += len(p.token_ids)
+            usage["completion_tokens"] += len(out.token_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        registered_count = 0
+        if body.affix is not None:
+            try:
+                _, registered, _ = registry.get(body.affix)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            if registered is None:
+                raise BadRequest(f"affix {body.affix!r} was registered as text; chat requests take affixes "
+                                 "registered as messages")
+            messages = registered + messages
+            registered_count = len(registered)
+        reuse = body.selector != "off"
+        try:
+            prompt = affixer.chat_prompt(messages, reuse, registered_count)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        params = sampling_params(body, reuse=bool(prompt.affixes))
+        prompt_fits(prompt, params)
+        counters["requests_total"] += 1
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.stream:
+            return StreamingResponse(stream_events(prompt, params, body, rid, created, chat=True),
+                                     media_type="text/event-stream")
+        out = await final_output(prompt, params)
+        text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": finish_reason(out, params, text, body.stop, llm),
+                             "token_ids": out.token_ids}],
+                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(out.token_ids),
+                          "total_tokens": len(prompt.token_ids) + len(out.token_ids)}}
+
+    async def final_output(prompt: AffixPrompt, params: SamplingParams):
+        outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
+        return outputs[-1]
+
+    async def stream_events(prompt: AffixPrompt, params: SamplingParams, body: DiffusionFields, rid: str,
+                            created: int, chat: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent = ""
+
+        def event(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else (
+                    {"content": delta_text} if delta_text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
+                                          "choices": [choice]}) + "\n\n"
+
+        if chat:
+            yield event(None, None, first=True)
+        try:
+            async for out in engine.generate(prompt, params, stream=True, generator=generator(params)):
+                text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
+                delta = text[len(sent):] if text.startswith(sent) else text
+                sent = text
+                if out.finished:
+                    yield event(delta, finish_reason(out, params, text, body.stop, llm))
+                elif delta:
+                    yield event(delta, None)
+        except RuntimeError as exc:
+            yield "data: " + json.dumps(error_body(str(exc), "server_error")) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered as the start of a conversation (what a chat will reuse)."""
+    prompt = llm.chat_prompt(messages + [{"role": "user", "content": ""}], affix_messages=range(len(messages)))
+    return list(prompt.affix_ids(prompt.affixes[0]))
+
+
+def cut_at_stop_strings(text: str, stop: str | list[str] | None) -> str:
+    if not stop:
+        return text
+    for s in [stop] if isinstance(stop, str) else stop:
+        if s and s in text:
+            text = text[:text.index(s)]
+    return text
+
+
+def finish_reason(out, params: SamplingParams, text: str, stop, llm: LLM) -> str:
+    if out.stopped or len(out.token_ids) < params.gen_length:
+        return "stop"
+    return "stop" if stop and text != llm.tokenizer.decode(out.token_ids) else "length"

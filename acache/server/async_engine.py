@@ -1,0 +1,111 @@
+"""Runs the engine in one background thread and hands its outputs to asyncio request handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue as queue_module
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from acache.affix.prompt import AffixPrompt
+from acache.engine import EngineOutput, LLMEngine
+from acache.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    """The engine is not thread-safe: every call into it holds ``lock``; the loop thread steps it while
+    it has work and sleeps on ``wake`` otherwise."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._aborts: queue_module.SimpleQueue[str] = queue_module.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="acache-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self.lock:
+                while not self._aborts.empty():
+                    self.engine.abort(self._aborts.get())
+                busy = self.engine.has_unfinished()
+                outputs = []
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                    except BaseException as exc:  # keep serving: fail the requests in flight, not the server
+                        self.error = exc
+                        outputs = self._fail_all(exc)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if not busy:
+                self.wake.wait(timeout=0.5)
+                self.wake.clear()
+
+    def _fail_all(self, exc: BaseException) -> list:
+        failed = []
+        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort(seq.request_id)
+            failed.append((seq.request_id, exc))
+        for rid, err in failed:
+            self._deliver(rid, err)
+        return []
+
+    def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _add(self, prompt: AffixPrompt, params: SamplingParams, request_id: str, stream: bool,
+             generator: torch.Generator | None) -> None:
+        with self.lock:
+            self.engine.add_request(prompt, params, request_id, generator, stream)
+        self.wake.set()
+
+    async def generate(self, prompt: AffixPrompt, params: SamplingParams, stream: bool = False,
+                       generator: torch.Generator | None = None) -> AsyncIterator[EngineOutput]:
+        """Adds a request and yields its outputs (partial ones with ``stream``) until it finishes. A caller
+        that stops iterating (a client that disconnected) aborts the request and frees its pages."""
+        request_id = f"srv-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        finished = False
+        try:
+            await asyncio.to_thread(self._add, prompt, params, request_id, stream, generator)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise RuntimeError(f"the engine failed while serving this request: {item}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # no await here: a cancelled task may not get to run another one
+                self.request_abort(request_id)
+
+    def request_abort(self, request_id: str) -> None:
+        """Asks the loop thread to abort a request (and free its pages) before its next step."""
+        self._aborts.put(request_id)
+        self.wake.set()

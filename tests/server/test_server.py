@@ -1,0 +1,220 @@
+"""A real server process driven by the official openai client: answers, streaming, load, bad input."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from acache import LLM, SamplingParams  # noqa: E402
+
+KEY = "test-key"
+SYSTEM = "You answer in one word. Mary moved to the kitchen. John went to the garden."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(llada_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", "--model", str(llada_dir), "--port",
+                             str(port), "--api-key", KEY, "--max-num-seqs", "16", "--page-size", "8",
+                             "--max-request-bytes", "200000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                break
+        except OSError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode())
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield port
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(llada_dir):
+    return LLM(llada_dir, page_size=8)
+
+
+def raw(port: int, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode()
+
+
+def metric(port: int, name: str) -> float:
+    _, text = raw(port, "GET", "/metrics")
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"acache_{name} ")))
+
+
+def extra(choice, name):
+    return getattr(choice, name, None) if getattr(choice, name, None) is not None else choice.model_extra[name]
+
+
+def test_completion_matches_llm_generate(client, llm):
+    out = client.completions.create(model="llada0", prompt="Where is Mary?", max_tokens=16,
+                                    extra_body={"block_length": 8, "threshold": 0.5})
+    want = llm.generate("Where is Mary?", SamplingParams(gen_length=16, block_length=8, threshold=0.5),
+                        use_tqdm=False)[0]
+    choice = out.choices[0]
+    assert extra(choice, "token_ids") == want.token_ids and choice.text == want.text
+    assert out.usage.completion_tokens == len(want.token_ids) and out.model == "llada0"
+
+
+def test_chat_matches_llm_generate_and_reuses_the_system_prompt(client, llm, server):
+    messages = [{"role": "system", "content": SYSTEM + " (chat test)"}, {"role": "user", "content": "Where is John?"}]
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5)
+    hits = metric(server, "affix_hits_total")
+    first = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
+                                           extra_body={"block_length": 8, "threshold": 0.5})
+    plain = llm.generate([list(llm.chat_prompt(messages, affix_messages=[]).token_ids)], params, use_tqdm=False)[0]
+    assert extra(first.choices[0], "token_ids") == plain.token_ids
+    second = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
+                                            extra_body={"block_length": 8, "threshold": 0.5})
+    reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=16, block_length=8, threshold=0.5,
+                                                                     affix_policy="attention"), use_tqdm=False)[0]
+    assert extra(second.choices[0], "token_ids") == reused.token_ids
+    assert second.choices[0].message.content == reused.text
+    assert metric(server, "affix_queries_total") >= 1 and metric(server, "affix_hits_total") == hits
+
+
+def test_streaming_chat(client):
+    messages = [{"role": "user", "content": "Tell me where Sandra is."}]
+    body = {"block_length": 8, "threshold": 0.5}
+    whole = client.chat.completions.create(model="llada0", messages=messages, max_tokens=32, extra_body=body)
+    chunks = list(client.chat.completions.create(model="llada0", messages=messages, max_tokens=32, stream=True,
+                                                 extra_body=body))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert len(chunks) >= 2
+
+
+def test_load_64_requests_concurrency_16(client, llm, server):
+    system = SYSTEM + " (load test)"
+    body = {"block_length": 8, "threshold": 0.5}
+    warm = [{"role": "system", "content": system}, {"role": "user", "content": "warm up"}]
+    client.chat.completions.create(model="llada0", messages=warm, max_tokens=8, extra_body=body)  # seen once
+    hits_before, queries_before = metric(server, "affix_hits_total"), metric(server, "affix_queries_total")
+    questions = [f"Question {i}: where is {['Mary', 'John', 'Sandra', 'Daniel'][i % 4]}?" for i in range(64)]
+
+    def ask(q):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        out = client.chat.completions.create(model="llada0", messages=msgs, max_tokens=16, extra_body=body)
+        return extra(out.choices[0], "token_ids")
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, questions))
+    prompts = [llm.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    want = llm.generate(prompts, SamplingParams(gen_length=16, block_length=8, threshold=0.5,
+                                                affix_policy="attention"), use_tqdm=False)
+    assert got == [w.token_ids for w in want]
+    # the warm-up saw the system prompt once; the first of the 64 computes its shared copy, 63 reuse it
+    assert metric(server, "affix_queries_total") - queries_before == 64
+    assert metric(server, "affix_hits_total") - hits_before == 63
+    assert metric(server, "requests_running") == 0 and metric(server, "requests_waiting") == 0
+
+
+def test_registered_affix(client, server):
+    status, body = raw(server, "POST", "/v1/affixes", json.dumps({"text": "A shared document. " * 5}).encode())
+    assert status == 200
+    affix_id = json.loads(body)["id"]
+    hits = metric(server, "affix_hits_total")
+    for _ in range(2):
+        client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, extra_body={"affix": affix_id})
+    assert metric(server, "affix_hits_total") == hits + 1  # computed once, reused the second time
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": "x",', "malformed JSON body"),
+    (json.dumps({"prompt": "x", "top_p": 0.5}).encode(), "unknown field 'top_p'"),
+    (json.dumps({"prompt": "x" * 600}).encode(), "too long"),
+    (json.dumps({"prompt": "x", "threshold": 2}).encode(), "threshold must be in (0, 1]"),
+    (json.dumps({"prompt": "x", "max_tokens": 10, "block_length": 4, "gen_length": 10}).encode(),
+     "must be a multiple of block_length"),
+    (json.dumps({"prompt": "x", "affix": "affix-nope"}).encode(), "unknown affix id 'affix-nope'"),
+    (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), "model 'gpt-4' is not served here"),
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature must be >= 0"),
+])
+def test_bad_input_is_400_with_an_openai_error(server, body, message):
+    status, text = raw(server, "POST", "/v1/completions", body)
+    assert status == 400
+    err = json.loads(text)["error"]
+    assert message in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_auth_and_size_limit(server):
+    status, text = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x"}).encode(), key=None)
+    assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+    status, _ = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x"}).encode(), key="wrong")
+    assert status == 401
+    status, text = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "x" * 300000}).encode())
+    assert status == 413 and "exceeds the limit" in json.loads(text)["error"]["message"]
+    assert raw(server, "GET", "/health", key=None)[0] == 200
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    baseline = metric(server, "kv_pages_in_use")
+    aborted = metric(server, "requests_aborted_total")
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    body = json.dumps({"prompt": "Write a long story.", "stream": True, "gen_length": 256, "block_length": 8,
+                       "threshold": 1.0})
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    assert metric(server, "kv_pages_in_use") > baseline
+    conn.sock.close()
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and metric(server, "requests_aborted_total") == aborted:
+        time.sleep(0.2)
+    assert metric(server, "requests_aborted_total") == aborted + 1
+    assert metric(server, "requests_running") == 0
+    assert metric(server, "kv_pages_in_use") == baseline
+
+
+def test_models_tokenize_metrics(client, server, llm):
+    assert [m.id for m in client.models.list().data] == ["llada0"]
+    status, text = raw(server, "POST", "/tokenize", json.dumps({"prompt": "Where is Mary?"}).encode())
+    assert status == 200 and json.loads(text)["tokens"] == llm.tokenizer.encode("Where is Mary?")
+    _, text = raw(server, "GET", "/metrics")
+    for name in ("requests_running", "requests_waiting", "kv_pages_in_use", "affix_hits_total",
+                 "affix_queries_total", "anchors_recomputed_total", "recompute_latency_seconds_count"):
+        assert f"acache_{name}" in text
