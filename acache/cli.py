@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text for one or more prompts")
-    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face layout (default: the shipped "
+                   "model)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-batch-size", type=int, default=8)
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_random_checkpoint)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize")
@@ -281,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "model", "unset") is None and args.command in ("generate", "serve"):
+            from acache.paths import default_model
+
+            args.model = str(default_model())
         return args.func(args)
     except USER_ERRORS as exc:
         print(f"acache {args.command}: error: {exc}", file=sys.stderr)

@@ -60,3 +60,11 @@ def test_bicache_profile_command(tmp_path, capsys, llada_dir):
     assert main(["generate", "--model", str(llada_dir), "--prompt", "q", "--affix", "shared", "--affix-policy",
                  "bicache-profiled", "--gen-length", "8", "--block-length", "8"]) == 2
     assert "needs a BiCache profile" in capsys.readouterr().err
+
+
+def test_model_defaults_to_the_shipped_one(capsys, monkeypatch, tmp_path):
+    from acache import paths
+
+    monkeypatch.setattr(paths, "SHIPPED_MODEL", tmp_path / "missing")
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert "no shipped model at" in capsys.readouterr().err
