@@ -155,6 +155,29 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from acache.train.trainer import TrainConfig, train
+
+    config = TrainConfig.from_file(args.config)
+    if args.out:
+        config.out = args.out
+    summary = train(config)
+    last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
+    print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss {last:.4f}; "
+          f"wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
+    return 0
+
+
+def _cmd_eval_tasks(args: argparse.Namespace) -> int:
+    from acache.eval.tasks import main
+
+    if args.model is None:
+        from acache.paths import default_model
+
+        args.model = str(default_model())
+    return main(args)
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from acache.bench.engine import main
 
@@ -231,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     _add_model_args(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("train", help="train the project's small diffusion LM on the task suite")
+    p.add_argument("--config", required=True, help="JSON training config (see configs/)")
+    p.add_argument("--out", default=None, help="override the output directory")
+    p.set_defaults(func=_cmd_train)
+
+    evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
+    p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--examples", type=int, default=100)
+    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", default=None)
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_eval_tasks)
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", required=True)

@@ -1,0 +1,121 @@
+"""Three task families, each with a shared context (the affix), a question and a short answer.
+
+* ``qa1`` — bAbI qa1-style stories: people move between places; "where is NAME ?" asks for the last
+  place the story puts them (the paper's BABILong qa1 setting: the story is the affix).
+* ``arith`` — a worksheet of quantities (who has how many of what) is the affix; the question asks for
+  the total two people hold of one item, answered with a short worked sum "A + B = C".
+* ``twohop`` — a story where people pick up objects and move; "where is the OBJECT ?" needs two facts at
+  once: who last took the object, and where that person last went.
+
+Everything is a list of lowercase words from :data:`WORDS`, so a word-level tokenizer covers it exactly.
+Each generator is deterministic in its ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+NAMES = ["mary", "john", "sandra", "daniel", "emma", "oliver", "lucas", "sofia"]
+PLACES = ["kitchen", "garden", "office", "hallway", "bathroom", "bedroom", "cellar", "garage"]
+MOVES = ["moved", "went", "travelled", "journeyed"]
+OBJECTS = ["apple", "football", "milk", "book", "key", "hat"]
+ITEMS = ["apples", "pears", "coins", "pencils", "stamps", "marbles"]
+MAX_QUANTITY = 40
+NUMBERS = [str(i) for i in range(2 * MAX_QUANTITY + 1)]
+FUNCTION_WORDS = ["to", "the", "where", "is", "?", ".", "has", "how", "many", "do", "and", "have", "picked",
+                  "up", "together", "+", "=", "answer", ":", "story", "worksheet", "question"]
+WORDS = sorted(set(NAMES + PLACES + MOVES + OBJECTS + ITEMS + NUMBERS + FUNCTION_WORDS))
+TASKS = ("qa1", "arith", "twohop")
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    affix: tuple[str, ...]  # the shared context
+    question: tuple[str, ...]
+    answer: tuple[str, ...]
+
+
+def _sentence(*words: str) -> list[str]:
+    return [*words, "."]
+
+
+def qa1(rng: random.Random, sentences: int = 6, questions: int = 3) -> list[Example]:
+    """One story, several questions about people the story mentions."""
+    people = rng.sample(NAMES, k=min(len(NAMES), max(2, sentences // 2)))
+    story: list[str] = []
+    where: dict[str, str] = {}
+    for _ in range(sentences):
+        who = rng.choice(people)
+        place = rng.choice([p for p in PLACES if p != where.get(who)])
+        story += _sentence(who, rng.choice(MOVES), "to", "the", place)
+        where[who] = place
+    asked = rng.sample(sorted(where), k=min(questions, len(where)))
+    return [Example("qa1", tuple(story), ("where", "is", who, "?"), (where[who],)) for who in asked]
+
+
+def arith(rng: random.Random, facts: int = 6, questions: int = 3) -> list[Example]:
+    """One worksheet of holdings; each question sums what two people hold of one item."""
+    sheet: list[str] = []
+    holds: dict[tuple[str, str], int] = {}
+    pairs = [(n, i) for n in NAMES for i in ITEMS]
+    for who, item in rng.sample(pairs, k=facts):
+        qty = rng.randint(1, MAX_QUANTITY)
+        holds[(who, item)] = qty
+        sheet += _sentence(who, "has", str(qty), item)
+    by_item: dict[str, list[str]] = {}
+    for who, item in holds:
+        by_item.setdefault(item, []).append(who)
+    askable = [(item, people) for item, people in sorted(by_item.items()) if len(people) >= 2]
+    if not askable:  # make one askable item so every worksheet has questions
+        who, item = next(iter(holds))
+        qty = rng.randint(1, MAX_QUANTITY)
+        other = rng.choice([n for n in NAMES if (n, item) not in holds])
+        holds[(other, item)] = qty
+        sheet += _sentence(other, "has", str(qty), item)
+        askable = [(item, [who, other])]
+    out = []
+    for _ in range(questions):
+        item, people = rng.choice(askable)
+        a, b = rng.sample(people, 2)
+        x, y = holds[(a, item)], holds[(b, item)]
+        out.append(Example("arith", tuple(sheet), ("how", "many", item, "do", a, "and", b, "have", "?"),
+                           (str(x), "+", str(y), "=", str(x + y))))
+    return out
+
+
+def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
+    """People pick up objects and move; where an object is needs its holder and the holder's place."""
+    people = rng.sample(NAMES, k=3)
+    objects = rng.sample(OBJECTS, k=2)
+    story: list[str] = []
+    where: dict[str, str] = {}
+    holder: dict[str, str] = {}
+    for who in people:  # everyone starts somewhere
+        where[who] = rng.choice(PLACES)
+        story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
+    for obj in objects:
+        holder[obj] = rng.choice(people)
+        story += _sentence(holder[obj], "picked", "up", "the", obj)
+    for _ in range(max(0, sentences - len(people) - len(objects))):
+        who = rng.choice(people)
+        where[who] = rng.choice([p for p in PLACES if p != where[who]])
+        story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
+    asked = rng.sample(objects, k=min(questions, len(objects)))
+    return [Example("twohop", tuple(story), ("where", "is", "the", obj, "?"), (where[holder[obj]],))
+            for obj in asked]
+
+
+GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
+
+
+def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:
+    """``count`` examples of ``task`` from contexts of ``size`` sentences, deterministic in ``seed``."""
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    rng = random.Random(f"{task}:{seed}")
+    out: list[Example] = []
+    while len(out) < count:
+        out.extend(GENERATORS[task](rng, size))
+    return out[:count]
