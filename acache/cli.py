@@ -186,6 +186,10 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random SmolLM2-135M-shaped LLaDA)")
+    p.add_argument("--workload", default="shape", choices=["shape", "tasks"],
+                   help="shape: random tokens in the paper's GSM8K-like shape; tasks: held-out qa1 stories (needs "
+                        "--model)")
+    p.add_argument("--sentences", type=int, default=8, help="story length for --workload tasks")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--affix-len", type=int, default=700)
     p.add_argument("--question-len", type=int, default=60)

@@ -100,6 +100,27 @@ def make_requests(model: DiffusionLM, w: Workload, n: int, seed: int) -> list[Af
             for _ in range(n)]
 
 
+def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tuple[list[AffixPrompt], Workload]:
+    """Part (i): the shipped model's own workload. One held-out qa1 story (the shared affix) asked about by
+    ``n`` requests in the prefix layout; gen 8 in one block, 8 steps."""
+    import random
+
+    from acache.models.checkpoint import SPECIAL_TOKENS
+    from acache.models.tokenizer import Tokenizer
+    from acache.tasks.generators import qa1
+    from acache.tasks.render import ANSWER_LENGTH, render
+
+    tok = Tokenizer.from_dir(model_dir)
+    eos = tok.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
+    rng = random.Random(f"bench:{seed}")
+    story = qa1(rng, sentences, questions=8)
+    prompts = [render(story[i % len(story)], "prefix", lambda t: tok.encode(t, add_special_tokens=False), eos).prompt
+               for i in range(n)]
+    span = prompts[0].affixes[0]
+    question = len(prompts[0].token_ids) - span.length
+    return prompts, Workload(span.length, question, ANSWER_LENGTH, ANSWER_LENGTH, ANSWER_LENGTH, 0.2)
+
+
 def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse: bool, batch: int,
              page_size: int, kv_bytes: int) -> ModeResult:
     params = SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
@@ -206,12 +227,20 @@ def main(args) -> int:
         model = random_model("llada", SMOL_SHAPE, dtype, device, args.seed)
         described = "random LLaDA at SmolLM2-135M shape (" + ", ".join(f"{k}={v}" for k, v in SMOL_SHAPE.items()) + ")"
     w = Workload(args.affix_len, args.question_len, args.gen_length, args.block_length, args.steps, args.ratio)
+    if args.workload == "tasks":
+        if not args.model:
+            raise ValueError("--workload tasks runs on a trained model: pass --model (the shipped one)")
+        _, w = make_task_requests(args.model, 1, args.sentences, args.seed)
+        described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())
     with tqdm(total=2 * len(batches), desc="bench engine", unit="run") as bar:
         for b in batches:
-            prompts = make_requests(model, w, b, args.seed + b)
+            if args.workload == "tasks":
+                prompts, w = make_task_requests(args.model, b, args.sentences, args.seed)
+            else:
+                prompts = make_requests(model, w, b, args.seed + b)
             pair = {}
             for reuse in (False, True):
                 pair[reuse] = run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory)

@@ -137,7 +137,9 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
                           context_mask_rate: float = 0.0) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): 1/t-weighted CE on masked tokens."""
     b, t_len = ids.shape
-    t = torch.rand(b, 1, generator=gen).clamp_min(1e-3)
+    # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
+    # tames the variance of the 1/t weight
+    t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3)
     u = torch.rand(b, t_len, generator=gen)
     masked = answer & (u < t)
     first = answer.float().argmax(-1)  # every row masks at least one answer token
@@ -201,7 +203,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         steps_done = step + 1
-        window.append(float(loss))
+        window.append(loss.item())
         if len(window) == config.log_every or step == config.steps - 1:
             mean = sum(window) / len(window)
             log.append({"step": steps_done, "loss": mean, "lr": lr_at(step),

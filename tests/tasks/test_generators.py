@@ -1,0 +1,102 @@
+"""Task generators: deterministic per seed, answers right by an independent solver, rendered layouts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from acache.tasks.generators import TASKS, examples
+from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
+
+
+def sentences(words):
+    out, cur = [], []
+    for w in words:
+        if w == ".":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(w)
+    return out
+
+
+def solve(example):
+    """Reads the context word by word, as a person would, and answers the question."""
+    where, holder, holds = {}, {}, {}
+    for s in sentences(example.affix):
+        if len(s) == 5 and s[2:4] == ["to", "the"]:
+            where[s[0]] = s[4]
+        elif s[1:4] == ["picked", "up", "the"]:
+            holder[s[4]] = s[0]
+        elif s[1] == "has":
+            holds[(s[0], s[3])] = int(s[2])
+    q = example.question
+    if example.task == "qa1":
+        return (where[q[2]],)
+    if example.task == "twohop":
+        return (where[holder[q[3]]],)
+    item, a, b = q[2], q[4], q[6]
+    x, y = holds[(a, item)], holds[(b, item)]
+    return (str(x), "+", str(y), "=", str(x + y))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_per_seed(task):
+    assert examples(task, 3, 20) == examples(task, 3, 20)
+    assert examples(task, 3, 20) != examples(task, 4, 20)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("size", [2, 6, 10])
+def test_answers_are_right_by_construction(task, size):
+    exs = examples(task, seed=11, count=200, size=size)
+    assert all(solve(e) == e.answer for e in exs)
+    assert len({e.answer for e in exs}) > 3  # the answers vary
+
+
+def test_qa1_answer_is_the_last_move_not_the_first():
+    """A solver that took the first mention would fail on some stories: the task tests recency."""
+    exs = examples("qa1", seed=5, count=200, size=8)
+
+    def first_place(e):
+        for s in sentences(e.affix):
+            if s[0] == e.question[2]:
+                return (s[4],)
+
+    assert any(first_place(e) != e.answer for e in exs)
+
+
+def test_layouts_and_tokenizer():
+    tok = build_word_tokenizer()
+    eos = tok.token_to_id("<|endoftext|>")
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    ex = examples("arith", 0, 1)[0]
+    assert tok.token_to_id("[UNK]") not in encode(" ".join(ex.affix + ex.question + ex.answer))
+    rendered = {layout: render(ex, layout, encode, eos) for layout in LAYOUTS}
+    for layout, r in rendered.items():
+        (span,) = r.prompt.affixes
+        assert tok.decode(list(r.prompt.affix_ids(span))) == "story : " + " ".join(ex.affix)
+        assert len(r.answer) == ANSWER_LENGTH and tok.decode(list(r.answer)) == " ".join(ex.answer)
+        assert r.prompt.gen_at == (len(r.prompt.token_ids) - span.length if layout == "suffix"
+                                   else len(r.prompt.token_ids))
+    assert rendered["prefix"].prompt.affixes[0].start == 0
+    assert rendered["infix"].prompt.affixes[0].start > 0
+
+
+def test_train_and_eval_streams_are_disjoint():
+    from acache.eval.tasks import held_out
+
+    evals = {e for task in TASKS for e in held_out(task, 100, 6)}
+    train_rng = random.Random(0)
+    from acache.tasks.generators import GENERATORS
+
+    train = set()
+    for k in range(2000):
+        task = TASKS[k % 3]
+        train.update(GENERATORS[task](random.Random(f"train:{task}:{k}"), 6))
+    assert not evals & train
+    assert train_rng  # the training stream is seeded per draw, not by a shared generator
