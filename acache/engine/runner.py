@@ -59,7 +59,7 @@ class ModelRunner:
             ratio = group[0].params.anchor_ratio
             canvas = build_canvas([s.prompt.layout for s in group], group[0].params.gen_length, cfg.mask_token_id,
                                   cfg.pad_token_id, self.device)
-            placements = [[(s.prompt.affixes[i].start, a.entry(self.pool)) for i, a in s.shared_affixes()]
+            placements = [[(s.prompt.affixes[i].start, a.entry(self.pool)) for i, a in s.affixes]
                           for s in group]
             kv, slot = place_affixes(self.model, canvas, placements)
             seeds = [request_seed(s.params.seed, s.prompt.token_ids) for s in group]

@@ -98,9 +98,6 @@ class Sequence:
         anchors = sum(anchors_per_affix(self.params, n) for n in shareable)
         return self.length - sum(shareable) + anchors + (1 if self.shifted else 0)
 
-    def shared_affixes(self) -> list[tuple[int, SharedAffix]]:
-        return self.affixes
-
     def set_anchors(self, anchors: torch.Tensor) -> None:
         """Fixes which columns every refresh recomputes and maps each column to its physical slot:
         recomputed columns to this request's private slots, the other affix columns to shared ones."""

@@ -4,7 +4,6 @@ any model the project trains. What is written here goes back through the public 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -157,6 +156,3 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
     return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,
                            dtype=dtype)
 
-
-def clone_config(config: ModelConfig, **changes) -> ModelConfig:
-    return replace(config, **changes)

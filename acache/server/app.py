@@ -7,6 +7,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI, Request
@@ -69,17 +70,18 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     registry = AffixRegistry()
     affixer = AutoAffixer(llm, min_document_tokens)
     counters: Counter[str] = Counter()
-    app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
+                  lifespan=lifespan)
     app.state.engine = engine
     app.state.counters = counters
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        engine.start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
-        engine.shutdown()
 
     def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         counters[f"http_errors_{status}_total"] += 1
@@ -118,6 +120,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest):
         return error(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error(500, f"internal error: {exc}", "server_error")
 
     @app.get("/health")
     async def health():
@@ -206,11 +212,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, p in enumerate(prompts):
             out = await final_output(p, params)
-            text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
-            choices.append({"index": i, "text": text, "logprobs": None, "token_ids": out.token_ids,
-                            "finish_reason": finish_reason(out, params, text, body.stop, llm)})
+            ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
+            text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
+            choices.append({"index": i, "text": text, "logprobs": None, "token_ids": ids,
+                            "finish_reason": finish_reason(out, params, text, body.stop, llm, body.max_tokens)})
             usage["prompt_tokens"] += len(p.token_ids)
-            usage["completion_tokens"] += len(out.token_ids)
+            usage["completion_tokens"] += len(ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage}
@@ -243,13 +250,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             return StreamingResponse(stream_events(prompt, params, body, rid, created, chat=True),
                                      media_type="text/event-stream")
         out = await final_output(prompt, params)
-        text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
+        ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
+        text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish_reason(out, params, text, body.stop, llm),
-                             "token_ids": out.token_ids}],
-                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(out.token_ids),
-                          "total_tokens": len(prompt.token_ids) + len(out.token_ids)}}
+                             "finish_reason": finish_reason(out, params, text, body.stop, llm, body.max_tokens),
+                             "token_ids": ids}],
+                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt.token_ids) + len(ids)}}
 
     async def final_output(prompt: AffixPrompt, params: SamplingParams):
         outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
@@ -274,11 +282,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             yield event(None, None, first=True)
         try:
             async for out in engine.generate(prompt, params, stream=True, generator=generator(params)):
-                text = cut_at_stop_strings(llm.tokenizer.decode(out.token_ids), body.stop)
+                ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
+                text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
                 delta = text[len(sent):] if text.startswith(sent) else text
                 sent = text
                 if out.finished:
-                    yield event(delta, finish_reason(out, params, text, body.stop, llm))
+                    yield event(delta, finish_reason(out, params, text, body.stop, llm, body.max_tokens))
                 elif delta:
                     yield event(delta, None)
         except RuntimeError as exc:
@@ -303,7 +312,10 @@ def cut_at_stop_strings(text: str, stop: str | list[str] | None) -> str:
     return text
 
 
-def finish_reason(out, params: SamplingParams, text: str, stop, llm: LLM) -> str:
-    if out.stopped or len(out.token_ids) < params.gen_length:
+def finish_reason(out, params: SamplingParams, text: str, stop, llm: LLM, max_tokens: int | None = None) -> str:
+    """``stop`` when a stop token or stop string ended the text, ``length`` when the budget did."""
+    limit = min(params.gen_length, max_tokens or params.gen_length)
+    ids = out.token_ids[:limit]
+    if stop and text != llm.tokenizer.decode(ids):
         return "stop"
-    return "stop" if stop and text != llm.tokenizer.decode(out.token_ids) else "length"
+    return "stop" if out.stopped and len(out.token_ids) < limit else "length"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers
 
-from acache.affix.prompt import GEN, Affix, AffixPrompt, layout_segments, resolve_segments
+from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.tasks.generators import WORDS, Example
 
@@ -23,8 +23,6 @@ def build_word_tokenizer() -> HFTokenizer:
     tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(specials)
-    from tokenizers import decoders
-
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return tok
 
@@ -47,9 +45,3 @@ def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
         raise ValueError(f"answer {example.answer} is longer than {ANSWER_LENGTH} tokens")
     return Rendered(prompt, tuple(answer + [eos_id] * (ANSWER_LENGTH - len(answer))))
 
-
-def answer_text(words: tuple[str, ...]) -> str:
-    return " ".join(words)
-
-
-__all__ = ["ANSWER_LENGTH", "GEN", "LAYOUTS", "Rendered", "build_word_tokenizer", "render"]

@@ -218,3 +218,18 @@ def test_models_tokenize_metrics(client, server, llm):
     for name in ("requests_running", "requests_waiting", "kv_pages_in_use", "affix_hits_total",
                  "affix_queries_total", "anchors_recomputed_total", "recompute_latency_seconds_count"):
         assert f"acache_{name}" in text
+
+
+def test_max_tokens_cuts_whole_blocks_and_stop_strings(client, llm):
+    out = client.completions.create(model="llada0", prompt="Count:", max_tokens=10,
+                                    extra_body={"block_length": 8, "threshold": 0.5})
+    ids = extra(out.choices[0], "token_ids")
+    full = llm.generate("Count:", SamplingParams(gen_length=16, block_length=8, threshold=0.5), use_tqdm=False)[0]
+    assert ids == full.token_ids[:10] and out.usage.completion_tokens == len(ids)
+    if len(full.token_ids) >= 10:
+        assert out.choices[0].finish_reason == "length"
+    text = llm.tokenizer.decode(full.token_ids[:10])
+    if len(text) > 3:
+        cut = client.completions.create(model="llada0", prompt="Count:", max_tokens=10, stop=[text[2:4]],
+                                        extra_body={"block_length": 8, "threshold": 0.5})
+        assert cut.choices[0].text == text[:text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
