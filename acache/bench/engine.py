@@ -133,11 +133,7 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
         ids = prompts[0].affix_ids(prompts[0].affixes[0])
         shared, _ = engine.affixes.acquire(ids, "shots")
         engine.affixes.release(shared)
-    engine.pool.peak_pages_used = engine.pool.num_used
-    engine.affixes.hits = engine.affixes.queries = 0
-    from acache.engine.metrics import EngineMetrics
-
-    engine.metrics = EngineMetrics()
+    engine.reset_metrics()
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)

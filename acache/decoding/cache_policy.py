@@ -14,6 +14,13 @@ import torch
 from acache.models.kv import KVCache
 
 
+def commits_block_head(cache: str, refresh_interval: int | None) -> bool:
+    """Whether a shifted model must commit a block's first token on its first step: true when later
+    steps feed the block without the column before it (every cache but none, unless every step is a
+    refresh)."""
+    return cache != "none" and refresh_interval != 1
+
+
 @dataclass
 class StepPlan:
     """What one forward feeds. ``cols`` is a slice of canvas columns shared by all rows, or a per-row
@@ -38,10 +45,7 @@ class CachePolicy:
 
     @property
     def commits_block_head(self) -> bool:
-        """Whether a shifted model must commit a block's first token on its first step: true when later
-        steps feed the block without the column before it (every cache but none, unless every step is a
-        refresh)."""
-        return self.refresh_interval != 1
+        return commits_block_head(self.name, self.refresh_interval)
 
     def is_refresh(self, step: int) -> bool:
         if step == 0:
@@ -63,10 +67,6 @@ class NoCache(CachePolicy):
     """Every step is a full forward of the whole canvas."""
 
     name = "none"
-
-    @property
-    def commits_block_head(self) -> bool:
-        return False
 
 
 class PrefixCache(CachePolicy):

@@ -82,6 +82,20 @@ class Factor(CommitRule):
         return commit_top_k(conf, masked, self.count(conf, masked))
 
 
+def commit_step(rule: CommitRule, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, masked: torch.Tensor,
+                step: int, force_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of a block ``[B, L]``: the rule picks among masked positions, which take their proposal.
+
+    With ``force_head`` (a shifted model whose later steps cannot see the column before the block) the
+    block's first position is committed on step 0. Returns the new block tokens and mask.
+    """
+    conf = torch.where(masked, conf, float("-inf"))
+    if step == 0 and force_head:
+        conf[:, 0] = torch.where(masked[:, 0], float("inf"), conf[:, 0])
+    commit = rule.select(conf, masked, step)
+    return torch.where(commit, x0, tokens), masked & ~commit
+
+
 def make_commit_rule(params: SamplingParams) -> CommitRule:
     if params.remasking == "low_confidence":
         return LowConfidence(params.steps_per_block)

@@ -14,7 +14,7 @@ import torch
 
 from acache.decoding.cache_policy import CachePolicy, make_cache_policy
 from acache.decoding.canvas import Canvas, Layout, build_canvas
-from acache.decoding.commit import make_commit_rule
+from acache.decoding.commit import commit_step, make_commit_rule
 from acache.decoding.sampler import propose
 from acache.models.base import DiffusionLM
 from acache.sampling_params import SamplingParams
@@ -106,14 +106,8 @@ def generate(model: DiffusionLM, prompts: Sequence[Sequence[int] | Layout], para
                 stats.refresh_times_s.append(elapsed)
                 stats.recomputed_tokens.append(int(valid.sum()))
                 policy.store(out.kv, plan, start, end)
-            conf = torch.where(masked, conf, float("-inf"))
-            if step == 0 and model.shifted_logits and policy.commits_block_head:
-                # A shifted model cannot predict a block's first token from the block alone, so it is
-                # committed on the block's first step, when the column before the block was fed too.
-                conf[:, 0] = torch.where(masked[:, 0], float("inf"), conf[:, 0])
-            commit = rule.select(conf, masked, step)
-            x[:, start:end] = torch.where(commit, x0, x[:, start:end])
-            masked &= ~commit
+            x[:, start:end], masked = commit_step(rule, x[:, start:end], x0, conf, masked, step,
+                                                  model.shifted_logits and policy.commits_block_head)
             step += 1
     stats.wall_time_s = time.perf_counter() - started
     stops = {config.eos_token_id, *stop_token_ids}

@@ -12,6 +12,8 @@ import torch
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import SELECTORS
 from acache.affix.store import AffixStore
+from acache.decoding.cache_policy import commits_block_head
+from acache.decoding.commit import commit_step
 from acache.decoding.generate import truncate_at_stop
 from acache.engine.affix_pages import AffixPageTable
 from acache.engine.metrics import EngineMetrics
@@ -138,13 +140,19 @@ class LLMEngine:
                     seq.stats.first_scheduled = time.perf_counter()
                 if phase is Phase.REFRESH:
                     seq.stats.refresh_times_s.append(elapsed)
-                    self.metrics.refreshed_tokens += int(seq.recompute.sum())
+                    self.metrics.refreshed_tokens += seq.recompute_count
                 block = seq.block
                 if self._commit(seq, x0[i], conf[i]):
                     finished.append(self._finish(seq))
                 elif seq.stream and seq.block != block:
                     finished.append(self._partial(seq))
         return finished
+
+    def reset_metrics(self) -> None:
+        """Starts a fresh measurement: run metrics, affix hit counts and the KV peak (from what is in use now)."""
+        self.metrics = EngineMetrics()
+        self.affixes.hits = self.affixes.queries = 0
+        self.pool.peak_pages_used = self.pool.num_used
 
     def summary(self) -> dict:
         return self.metrics.summary(self.pool.peak_pages_used, self.pool.num_used, self.pool.page_bytes,
@@ -166,19 +174,16 @@ class LLMEngine:
 
     def _commit(self, seq: Sequence, x0: torch.Tensor, conf: torch.Tensor) -> bool:
         start, end = seq.block_cols
-        masked = seq.masked
-        conf = torch.where(masked, conf, float("-inf"))
-        if seq.step == 0 and seq.shifted and seq.params.refresh_interval != 1:
-            conf[0] = float("inf") if bool(masked[0]) else conf[0]
-        commit = seq.rule.select(conf[None], masked[None], seq.step)[0]
-        seq.tokens[start:end] = torch.where(commit, x0, seq.tokens[start:end])
-        seq.masked = masked & ~commit
+        force_head = seq.shifted and commits_block_head("dual", seq.params.refresh_interval)
+        tokens, masked = commit_step(seq.rule, seq.tokens[None, start:end], x0[None], conf[None], seq.masked[None],
+                                     seq.step, force_head)
+        seq.tokens[start:end], seq.masked = tokens[0], masked[0]
         return seq.advance()
 
     def _partial(self, seq: Sequence) -> EngineOutput:
         done = seq.tokens[seq.gen_start:seq.gen_start + seq.block * seq.params.block_length].tolist()
         ids = truncate_at_stop(done, self.stop_token_ids | set(seq.params.stop_token_ids))
-        return EngineOutput(seq.request_id, ids, Status.RUNNING, [], seq.affix_tokens, int(seq.recompute.sum()),
+        return EngineOutput(seq.request_id, ids, Status.RUNNING, [], seq.affix_tokens, seq.recompute_count,
                             seq.stats, finished=False, stopped=len(ids) < len(done))
 
     def _finish(self, seq: Sequence) -> EngineOutput:
@@ -188,7 +193,7 @@ class LLMEngine:
         seq.output = truncate_at_stop(generated, stops)
         anchors = seq.positions[seq.anchors].tolist()
         out = EngineOutput(seq.request_id, seq.output, Status.FINISHED, anchors, seq.affix_tokens,
-                           int(seq.recompute.sum()), seq.stats, stopped=len(seq.output) < len(generated))
+                           seq.recompute_count, seq.stats, stopped=len(seq.output) < len(generated))
         self.scheduler.finish(seq)
         self._live.discard(seq.request_id)
         self.metrics.requests_finished += 1

@@ -146,7 +146,7 @@ class Scheduler:
         if seq.phase is Phase.SELECT:
             return seq.length - seq.affix_tokens
         if seq.phase is Phase.REFRESH:
-            return int(seq.recompute.sum())
+            return seq.recompute_count
         return seq.params.block_length
 
     def finish(self, seq: Sequence, status: Status = Status.FINISHED) -> None:

@@ -78,6 +78,7 @@ class Sequence:
         self.affixes: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared affix)
         self.anchors = torch.zeros(self.length, dtype=torch.bool, device=device)
         self.recompute = torch.ones(self.length, dtype=torch.bool, device=device)
+        self.recompute_count = self.length
         self.slot_map = torch.zeros(self.length, dtype=torch.long, device=device)
         self.private_pages: list[int] = []
         self.private_slots: torch.Tensor | None = None
@@ -118,6 +119,7 @@ class Sequence:
         slot_map = shared_slot.clone()
         slot_map[recompute] = self.private_slots[:count]
         self.recompute = recompute
+        self.recompute_count = count
         self.slot_map = slot_map
         self.begin_block()
         self.phase = Phase.REFRESH

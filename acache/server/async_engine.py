@@ -47,27 +47,26 @@ class AsyncEngine:
                 while not self._aborts.empty():
                     self.engine.abort(self._aborts.get())
                 busy = self.engine.has_unfinished()
-                outputs = []
+                outputs: list[tuple[str, EngineOutput | BaseException]] = []
                 if busy:
                     try:
-                        outputs = self.engine.step()
+                        outputs = [(out.request_id, out) for out in self.engine.step()]
                     except BaseException as exc:  # keep serving: fail the requests in flight, not the server
                         self.error = exc
                         outputs = self._fail_all(exc)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            for request_id, item in outputs:
+                self._deliver(request_id, item)
             if not busy:
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
 
-    def _fail_all(self, exc: BaseException) -> list:
+    def _fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
+        """Aborts every request in the engine; each of them is then told of ``exc``."""
         failed = []
         for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort(seq.request_id)
             failed.append((seq.request_id, exc))
-        for rid, err in failed:
-            self._deliver(rid, err)
-        return []
+        return failed
 
     def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
         target = self._queues.get(request_id)
