@@ -171,11 +171,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval_tasks(args: argparse.Namespace) -> int:
     from acache.eval.tasks import main
 
+    return main(_with_default_model(args))
+
+
+def _with_default_model(args: argparse.Namespace) -> argparse.Namespace:
     if args.model is None:
         from acache.paths import default_model
 
         args.model = str(default_model())
-    return main(args)
+    return args
+
+
+def _cmd_eval_staleness(args: argparse.Namespace) -> int:
+    from acache.eval.staleness import main
+
+    return main(_with_default_model(args))
+
+
+def _cmd_eval_accuracy(args: argparse.Namespace) -> int:
+    from acache.eval.accuracy import main
+
+    return main(_with_default_model(args))
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -274,6 +290,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     _add_model_args(p)
     p.set_defaults(func=_cmd_eval_tasks)
+
+    p = evaluate.add_parser("staleness", help="per-layer cosine of affix K/V computed alone vs in context")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--examples", type=int, default=50, help="requests per task and layout")
+    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/staleness", help="directory for staleness.json and staleness.png")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_eval_staleness)
+
+    p = evaluate.add_parser("accuracy", help="exact match per task x layout x selector x anchor ratio")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--examples", type=int, default=300, help="held-out requests per task and layout")
+    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tasks", default=None, help="comma-separated subset of the tasks (default: all)")
+    p.add_argument("--layouts", default=None, help="comma-separated subset of prefix,infix,suffix (default: all)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", default="results/accuracy", help="directory for accuracy.json/.md/.png")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_eval_accuracy)
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", required=True)

@@ -68,3 +68,16 @@ def test_model_defaults_to_the_shipped_one(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(paths, "SHIPPED_MODEL", tmp_path / "missing")
     assert main(["generate", "--prompt", "x"]) == 2
     assert "no shipped model at" in capsys.readouterr().err
+
+
+def test_eval_study_commands_check_their_input(capsys, monkeypatch, tmp_path, llada_dir):
+    from acache import paths
+
+    monkeypatch.setattr(paths, "SHIPPED_MODEL", tmp_path / "missing")
+    for study in ("accuracy", "staleness"):
+        assert main(["eval", study]) == 2
+        assert "no shipped model at" in capsys.readouterr().err
+    assert main(["eval", "accuracy", "--model", str(llada_dir), "--tasks", "qa9"]) == 2
+    assert "unknown task 'qa9'" in capsys.readouterr().err
+    assert main(["eval", "accuracy", "--model", str(llada_dir), "--layouts", "middle"]) == 2
+    assert "unknown layout 'middle'" in capsys.readouterr().err

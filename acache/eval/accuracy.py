@@ -1,0 +1,138 @@
+"""``acache eval accuracy``: how much direct affix reuse loses, and how much each anchor selector recovers.
+
+For every task x layout the held-out requests are decoded with threshold 0.9 on the dual cache under
+every policy: full recomputation without the affix cache (``full``), direct reuse (``none``), all
+anchors (``all``), and each selector at each anchor ratio. A ratio of 0 selects no anchor, which is
+direct reuse by definition, so those points are the ``none`` run and are not decoded again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from acache.eval.metrics import Cell, summary_table, sweep_table
+from acache.eval.tasks import held_out
+from acache.llm import LLM
+from acache.models.checkpoint import SPECIAL_TOKENS
+from acache.sampling_params import SamplingParams
+from acache.tasks.generators import TASKS
+from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, render
+
+RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
+
+
+def _params(policy: str | None, ratio: float, seed: int) -> SamplingParams:
+    return SamplingParams(gen_length=ANSWER_LENGTH, block_length=ANSWER_LENGTH, threshold=0.9, cache="dual",
+                          affix_policy=policy, anchor_ratio=ratio, seed=seed)
+
+
+def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
+          layouts: tuple[str, ...] = LAYOUTS, selectors: tuple[str, ...] = SELECTORS,
+          ratios: tuple[float, ...] = RATIOS, progress: bool = True) -> list[Cell]:
+    """Every point of the study; exact match of the whole answer (worked sums included)."""
+    bad = [r for r in ratios if not 0.0 <= r <= 1.0]
+    if bad:
+        raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
+    eos = llm.tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
+
+    def encode(text: str) -> list[int]:
+        return llm.tokenizer.encode(text, add_special_tokens=False)
+
+    runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
+    runs += [(s, r, s) for s in selectors for r in ratios if r > 0]
+    cells: list[Cell] = []
+    bar = tqdm(total=len(tasks) * len(layouts) * len(runs), desc="accuracy sweep", unit="cell", disable=not progress)
+    for task in tasks:
+        exs = held_out(task, examples, sentences, seed)
+        for layout in layouts:
+            prompts = [render(e, layout, encode, eos).prompt for e in exs]
+            for label, ratio, policy in runs:
+                outs = llm.generate(prompts, _params(policy, ratio, seed), use_tqdm=False)
+                correct = sum(o.text.split() == list(e.answer) for o, e in zip(outs, exs, strict=True))
+                cells.append(Cell(task, layout, label, ratio, correct, len(exs)))
+                if label == "none":  # ratio 0 is direct reuse for every selector
+                    cells += [Cell(task, layout, s, 0.0, correct, len(exs)) for s in selectors if 0.0 in ratios]
+                bar.update(1)
+    bar.close()
+    return cells
+
+
+def plot_sweep(cells: list[Cell], path: str | Path) -> bool:
+    """Accuracy against anchor ratio: a row per task, a panel per layout, 95% intervals as error bars,
+    direct reuse and full recomputation as reference lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    layouts = list(dict.fromkeys(c.layout for c in cells))
+    fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(4.2 * len(layouts), 3.2 * len(tasks)),
+                             squeeze=False, sharey=True)
+    for i, task in enumerate(tasks):
+        for j, layout in enumerate(layouts):
+            ax = axes[i][j]
+            mine = [c for c in cells if c.task == task and c.layout == layout]
+            for ref, style in (("none", ":"), ("full", "--")):
+                for c in (c for c in mine if c.selector == ref):
+                    ax.axhline(100 * c.accuracy, color="grey", linestyle=style,
+                               label="direct reuse" if ref == "none" else "full recompute")
+            for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+                pts = sorted((c for c in mine if c.selector == sel), key=lambda c: c.ratio)
+                ys = [100 * c.accuracy for c in pts]
+                err = [[100 * (c.accuracy - c.interval[0]) for c in pts], [100 * (c.interval[1] - c.accuracy)
+                                                                           for c in pts]]
+                ax.errorbar([c.ratio for c in pts], ys, yerr=err, marker="o", ms=3, capsize=2,
+                            linewidth=2.2 if sel == "attention" else 1.0,
+                            label="ACache (attention)" if sel == "attention" else sel)
+            ax.set_title(f"{task} — {layout}")
+            ax.set_xlabel("anchor ratio")
+            if j == 0:
+                ax.set_ylabel("exact match (%)")
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
+    """``accuracy.json``, ``accuracy.md`` (summary plus one table per task and layout) and the plot."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accuracy.json").write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
+    parts = ["## Summary (anchor ratio 0.2)", "", summary_table(cells), ""]
+    for task, layout in dict.fromkeys((c.task, c.layout) for c in cells):
+        parts += [f"## {task}, {layout}", "", sweep_table(cells, task, layout), ""]
+    (out / "accuracy.md").write_text("\n".join(parts))
+    written = [out / "accuracy.json", out / "accuracy.md"]
+    if plot_sweep(cells, out / "accuracy.png"):
+        written.append(out / "accuracy.png")
+    return written
+
+
+def main(args) -> int:
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
+    tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
+    layouts = tuple(args.layouts.split(",")) if args.layouts else LAYOUTS
+    for name, given, known in (("task", tasks, TASKS), ("layout", layouts, LAYOUTS)):
+        bad = [x for x in given if x not in known]
+        if bad:
+            raise ValueError(f"unknown {name} {bad[0]!r}; known: {', '.join(known)}")
+    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts)
+    written = write_report(cells, args.out)
+    if args.json:
+        Path(args.json).write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
+        written.append(Path(args.json))
+    print(summary_table(cells))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

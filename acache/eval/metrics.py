@@ -1,0 +1,97 @@
+"""Exact-match statistics for the studies: binomial intervals and the tables the docs print."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% at the default ``z``).
+
+    Chosen over the normal approximation because it stays inside [0, 1] and is sensible at 0% and
+    100%, which the sweep hits (direct reuse that collapses, full recompute that is perfect).
+    """
+    if total <= 0:
+        raise ValueError("an interval needs at least one trial")
+    if not 0 <= correct <= total:
+        raise ValueError(f"correct must be in [0, {total}], got {correct}")
+    p = correct / total
+    z2 = z * z
+    centre = (p + z2 / (2 * total)) / (1 + z2 / total)
+    half = z * math.sqrt(p * (1 - p) / total + z2 / (4 * total * total)) / (1 + z2 / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the sweep: a task, a layout, a policy and an anchor ratio."""
+
+    task: str
+    layout: str
+    selector: str  # an affix policy; ``full`` is full recomputation without the affix cache
+    ratio: float
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson_interval(self.correct, self.total)
+
+    def as_dict(self) -> dict:
+        lo, hi = self.interval
+        return {"task": self.task, "layout": self.layout, "selector": self.selector, "ratio": self.ratio,
+                "correct": self.correct, "total": self.total, "accuracy": self.accuracy, "ci95": [lo, hi]}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Cell:
+        return cls(raw["task"], raw["layout"], raw["selector"], float(raw["ratio"]), int(raw["correct"]),
+                   int(raw["total"]))
+
+
+def _pct(cell: Cell | None) -> str:
+    if cell is None:
+        return "–"
+    lo, hi = cell.interval
+    return f"{100 * cell.accuracy:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def sweep_table(cells: list[Cell], task: str, layout: str) -> str:
+    """Markdown: one row per selector, one column per ratio, accuracy with its 95% interval."""
+    mine = [c for c in cells if c.task == task and c.layout == layout]
+    if not mine:
+        raise ValueError(f"no results for task {task!r} in layout {layout!r}")
+    ratios = sorted({c.ratio for c in mine if c.selector not in ("none", "full", "all")})
+    selectors = list(dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "full", "all")))
+    at = {(c.selector, c.ratio): c for c in mine}
+    lines = ["| selector | " + " | ".join(f"{r:g}" for r in ratios) + " |",
+             "|---|" + "---:|" * len(ratios)]
+    for sel in selectors:
+        lines.append(f"| {sel} | " + " | ".join(_pct(at.get((sel, r))) for r in ratios) + " |")
+    refs = [c for c in mine if c.selector in ("none", "all", "full")]
+    for ref in sorted(refs, key=lambda c: ("none", "all", "full").index(c.selector)):
+        label = {"none": "direct reuse (none)", "all": "all anchors (all)", "full": "full recompute, no cache"}
+        lines.append(f"| {label[ref.selector]} | " + " | ".join(_pct(ref) for _ in ratios) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(cells: list[Cell], focus_ratio: float = 0.2, ours: str = "attention") -> str:
+    """Markdown, one row per task and layout: direct reuse, ours at ``focus_ratio``, the best other
+    selector at that ratio, and full recomputation (the headline comparison of the study)."""
+    keys = list(dict.fromkeys((c.task, c.layout) for c in cells))
+    lines = [f"| task | layout | direct reuse | ACache ({ours}) @ {focus_ratio:g} | best other @ {focus_ratio:g} "
+             "| full recompute |", "|---|---|---:|---:|---|---:|"]
+    for task, layout in keys:
+        mine = {(c.selector, c.ratio): c for c in cells if c.task == task and c.layout == layout}
+        direct = next((c for (s, _), c in mine.items() if s == "none"), None)
+        full = next((c for (s, _), c in mine.items() if s == "full"), None)
+        acache = mine.get((ours, focus_ratio))
+        others = [c for (s, r), c in mine.items() if r == focus_ratio and s not in (ours, "none", "all", "full")]
+        best = max(others, key=lambda c: c.correct, default=None)
+        best_txt = f"{best.selector}: {_pct(best)}" if best else "–"
+        lines.append(f"| {task} | {layout} | {_pct(direct)} | {_pct(acache)} | {best_txt} | {_pct(full)} |")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Interval and table code of the studies, on fixed inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from acache.eval.metrics import Cell, summary_table, sweep_table, wilson_interval
+
+
+def _wilson_by_hand(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    # the textbook form: (p + z²/2n ± z sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)
+    p = k / n
+    denom = 1 + z * z / n
+    mid = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (mid - half) / denom, (mid + half) / denom
+
+
+@pytest.mark.parametrize(("k", "n", "lo", "hi"), [(8, 10, 0.4902, 0.9433), (0, 10, 0.0, 0.2775),
+                                                 (10, 10, 0.7225, 1.0), (150, 300, 0.4438, 0.5562)])
+def test_wilson_interval_known_values(k, n, lo, hi):
+    got = wilson_interval(k, n)
+    assert got == pytest.approx((lo, hi), abs=1e-4)
+    by_hand = _wilson_by_hand(k, n)
+    assert got == pytest.approx((max(0.0, by_hand[0]), min(1.0, by_hand[1])), abs=1e-12)
+
+
+def test_wilson_interval_contains_the_estimate_and_narrows_with_n():
+    for k, n in [(1, 3), (37, 100), (299, 300)]:
+        lo, hi = wilson_interval(k, n)
+        assert 0.0 <= lo <= k / n <= hi <= 1.0
+    assert (lambda a, b: a[1] - a[0] > b[1] - b[0])(wilson_interval(30, 100), wilson_interval(300, 1000))
+
+
+def test_wilson_interval_rejects_bad_counts():
+    with pytest.raises(ValueError, match="at least one trial"):
+        wilson_interval(0, 0)
+    with pytest.raises(ValueError, match="correct must be in"):
+        wilson_interval(11, 10)
+
+
+def _cells() -> list[Cell]:
+    c = [Cell("qa1", "prefix", "full", 0.0, 90, 100), Cell("qa1", "prefix", "none", 0.0, 60, 100),
+         Cell("qa1", "prefix", "all", 1.0, 90, 100)]
+    for sel, acc in (("attention", (60, 85, 88, 90)), ("random", (60, 62, 70, 90))):
+        c += [Cell("qa1", "prefix", sel, r, a, 100) for r, a in zip((0.0, 0.2, 0.5, 1.0), acc, strict=True)]
+    return c
+
+
+def test_sweep_table_layout_and_values():
+    table = sweep_table(_cells(), "qa1", "prefix").splitlines()
+    assert table[0] == "| selector | 0 | 0.2 | 0.5 | 1 |"
+    assert table[2].startswith("| attention | 60.0 [50, 69] | 85.0 [77, 91] | 88.0 [80, 93] | 90.0 [83, 94] |")
+    assert table[3].startswith("| random | 60.0")
+    assert table[4].startswith("| direct reuse (none) | 60.0 [50, 69]")
+    assert table[-1].startswith("| full recompute, no cache | 90.0 [83, 94]")
+    with pytest.raises(ValueError, match="no results for task 'arith'"):
+        sweep_table(_cells(), "arith", "prefix")
+
+
+def test_summary_table_picks_the_best_other_selector_at_the_focus_ratio():
+    cells = _cells() + [Cell("qa1", "prefix", "first-k", 0.2, 70, 100)]
+    rows = summary_table(cells).splitlines()
+    assert len(rows) == 3
+    assert rows[2] == ("| qa1 | prefix | 60.0 [50, 69] | 85.0 [77, 91] | first-k: 70.0 [60, 78] | "
+                       "90.0 [83, 94] |")
+
+
+def test_cells_round_trip_through_dicts():
+    for cell in _cells():
+        raw = cell.as_dict()
+        assert Cell.from_dict(raw) == cell
+        assert raw["ci95"][0] <= raw["accuracy"] <= raw["ci95"][1]

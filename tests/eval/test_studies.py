@@ -1,0 +1,56 @@
+"""The accuracy sweep and the staleness profile, end to end on a tiny model with the task tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from acache import LLM
+from acache.eval.accuracy import sweep, write_report
+from acache.eval.staleness import plot_profile, profile
+from acache.train.trainer import ModelShape, TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def task_llm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-task-model")
+    train(TrainConfig(out=str(out), steps=3, batch_size=4, warmup=1, bf16=False, tasks=("qa1",),
+                      model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64)), progress=False)
+    return LLM(out)
+
+
+def test_sweep_cells_and_report(task_llm, tmp_path):
+    cells = sweep(task_llm, examples=4, tasks=("qa1",), layouts=("prefix", "suffix"), selectors=("attention", "random"),
+                  ratios=(0.0, 0.5), progress=False)
+    for layout in ("prefix", "suffix"):
+        mine = {(c.selector, c.ratio): c for c in cells if c.layout == layout}
+        assert set(mine) == {("full", 0.0), ("none", 0.0), ("all", 1.0), ("attention", 0.0), ("attention", 0.5),
+                             ("random", 0.0), ("random", 0.5)}
+        assert all(c.total == 4 for c in mine.values())
+        # no anchors is direct reuse; every anchor is full recomputation (token-equal, so equal counts)
+        assert mine[("attention", 0.0)].correct == mine[("random", 0.0)].correct == mine[("none", 0.0)].correct
+        assert mine[("all", 1.0)].correct == mine[("full", 0.0)].correct
+    written = write_report(cells, tmp_path / "acc")
+    names = {p.name for p in written}
+    assert {"accuracy.json", "accuracy.md", "accuracy.png"} <= names
+    assert len(json.loads((tmp_path / "acc" / "accuracy.json").read_text())) == len(cells)
+    md = (tmp_path / "acc" / "accuracy.md").read_text()
+    assert "## qa1, suffix" in md and "| selector | 0 | 0.5 |" in md
+    with pytest.raises(ValueError, match="anchor ratios must be in"):
+        sweep(task_llm, examples=1, ratios=(1.5,), progress=False)
+
+
+def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
+    records = profile(task_llm, examples=3, tasks=("qa1",), layouts=("prefix", "infix"), progress=False)
+    assert [r["layout"] for r in records] == ["prefix", "infix"]
+    for r in records:
+        assert len(r["key_cosine"]) == len(r["value_cosine"]) == 2
+        # layer 0 K/V come from the token embeddings alone (keys are cached before RoPE), so they cannot
+        # depend on the context; deeper layers can
+        assert r["key_cosine"][0] == pytest.approx(1.0, abs=1e-5)
+        assert r["value_cosine"][0] == pytest.approx(1.0, abs=1e-5)
+        assert all(-1.0 <= x <= 1.0 + 1e-6 for x in r["key_cosine"] + r["value_cosine"])
+    infix = records[1]
+    assert min(infix["key_cosine"][1], infix["value_cosine"][1]) < 1.0 - 1e-6
+    assert plot_profile(records, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
