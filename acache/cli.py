@@ -100,6 +100,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--examples", type=int, default=examples, help=f"held-out requests per task and layout "
+                   f"(default {examples})")
+    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
+    p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
+
+
 def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
     from acache.models.checkpoint import make_random_checkpoint
 
@@ -282,29 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
     p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--examples", type=int, default=100)
-    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
-    p.add_argument("--seed", type=int, default=0)
+    _add_study_args(p, examples=100)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None)
     _add_model_args(p)
     p.set_defaults(func=_cmd_eval_tasks)
 
     p = evaluate.add_parser("staleness", help="per-layer cosine of affix K/V computed alone vs in context")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--examples", type=int, default=50, help="requests per task and layout")
-    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
-    p.add_argument("--seed", type=int, default=0)
+    _add_study_args(p, examples=50)
     p.add_argument("--out", default="results/staleness", help="directory for staleness.json and staleness.png")
     _add_model_args(p)
     p.set_defaults(func=_cmd_eval_staleness)
 
     p = evaluate.add_parser("accuracy", help="exact match per task x layout x selector x anchor ratio")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--examples", type=int, default=300, help="held-out requests per task and layout")
-    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
-    p.add_argument("--seed", type=int, default=0)
+    _add_study_args(p, examples=300)
     p.add_argument("--tasks", default=None, help="comma-separated subset of the tasks (default: all)")
     p.add_argument("--layouts", default=None, help="comma-separated subset of prefix,infix,suffix (default: all)")
     p.add_argument("--batch-size", type=int, default=32)

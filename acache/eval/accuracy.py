@@ -121,13 +121,13 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
 
 
 def main(args) -> int:
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
     layouts = tuple(args.layouts.split(",")) if args.layouts else LAYOUTS
     for name, given, known in (("task", tasks, TASKS), ("layout", layouts, LAYOUTS)):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {name} {bad[0]!r}; known: {', '.join(known)}")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts)
     written = write_report(cells, args.out)
     if args.json:
