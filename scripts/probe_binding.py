@@ -84,6 +84,8 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="stock nn.TransformerEncoder instead of acache's")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--embed-std", type=float, default=0.02, help="std of the token embedding at init")
+    p.add_argument("--linear-std", type=float, default=0.02, help="std of every other weight matrix at init")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     tok = build_word_tokenizer()
@@ -98,11 +100,12 @@ def main() -> None:
     else:
         model = LLaDAModel(random_config("llada", vocab, mask_id, pad_id, layers=args.layers, hidden_size=args.hidden,
                                          heads=args.heads, intermediate_size=3 * args.hidden, max_seq_len=256))
-        init_random_(model, args.seed)
+        init_random_(model, args.seed, std=args.linear_std)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
+            model.embed.weight.normal_(0.0, args.embed_std)
 
         def logits(ids, pos, valid):
             return model.logits(model(ids, pos, valid).hidden)

@@ -53,6 +53,8 @@ class TrainConfig:
     max_sentences: int = 8
     curriculum_steps: int = 1000  # context length grows from min to max over these steps
     context_mask_rate: float = 0.0
+    init_std: float = 0.02  # weight matrices at init
+    embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
     time_limit_minutes: float = 90.0
     log_every: int = 10
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(TASKS)}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
+        if self.init_std <= 0 or self.embed_init_std <= 0:
+            raise ValueError("init_std and embed_init_std must be positive")
         if not 1 <= self.min_sentences <= self.max_sentences:
             raise ValueError("need 1 <= min_sentences <= max_sentences")
 
@@ -165,11 +169,12 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
                                  hidden_size=shape.hidden_size, heads=shape.heads,
                                  intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len)
     model = LLaDAModel(model_config)
-    init_random_(model, config.seed)
+    init_random_(model, config.seed, std=config.init_std)
     with torch.no_grad():  # norms start at one for training
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+        model.embed.weight.normal_(0.0, config.embed_init_std, generator=torch.Generator().manual_seed(config.seed))
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

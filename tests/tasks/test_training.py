@@ -31,6 +31,8 @@ def test_bad_training_configs(tmp_path):
         TrainConfig.from_file(path)
     with pytest.raises(ValueError, match="unknown task 'qa9'"):
         TrainConfig(tasks=("qa9",))
+    with pytest.raises(ValueError, match="embed_init_std must be positive"):
+        TrainConfig(embed_init_std=0.0)
     with pytest.raises(FileNotFoundError, match="training config not found"):
         TrainConfig.from_file(tmp_path / "none.json")
 
