@@ -14,12 +14,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.eval.metrics import Cell, summary_table, sweep_table
-from acache.eval.tasks import held_out
+from acache.eval.tasks import exact_matches, held_out, task_prompts
 from acache.llm import LLM
-from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.sampling_params import SamplingParams
 from acache.tasks.generators import TASKS
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, render
+from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
@@ -37,11 +36,6 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
-    eos = llm.tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
-
-    def encode(text: str) -> list[int]:
-        return llm.tokenizer.encode(text, add_special_tokens=False)
-
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
     runs += [(s, r, s) for s in selectors for r in ratios if r > 0]
     cells: list[Cell] = []
@@ -49,10 +43,9 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            prompts = [render(e, layout, encode, eos).prompt for e in exs]
+            prompts = task_prompts(llm, exs, layout)
             for label, ratio, policy in runs:
-                outs = llm.generate(prompts, _params(policy, ratio, seed), use_tqdm=False)
-                correct = sum(o.text.split() == list(e.answer) for o, e in zip(outs, exs, strict=True))
+                correct = exact_matches(llm, prompts, exs, _params(policy, ratio, seed))
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs)))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs)) for s in selectors if 0.0 in ratios]

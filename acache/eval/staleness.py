@@ -10,35 +10,26 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.affix.staleness import measure_staleness
-from acache.eval.tasks import held_out
+from acache.eval.tasks import held_out, task_prompts
 from acache.llm import LLM
-from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.tasks.generators import TASKS
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, render
+from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
 
 
 def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
             layouts: tuple[str, ...] = LAYOUTS, progress: bool = True) -> list[dict]:
     """One record per task and layout: mean key and value cosine per layer and the weakest layer."""
-    eos = llm.tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
-
-    def encode(text: str) -> list[int]:
-        return llm.tokenizer.encode(text, add_special_tokens=False)
-
     records = []
     bar = tqdm(total=len(tasks) * len(layouts) * examples, desc="staleness", unit="req", disable=not progress)
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            keys = values = None
-            for e in exs:
-                s = measure_staleness(llm.affix_store, render(e, layout, encode, eos).prompt, ANSWER_LENGTH)
-                keys = s.key_cosine if keys is None else [a + b for a, b in zip(keys, s.key_cosine, strict=True)]
-                values = s.value_cosine if values is None else [a + b for a, b in
-                                                                 zip(values, s.value_cosine, strict=True)]
+            runs = []
+            for prompt in task_prompts(llm, exs, layout):
+                runs.append(measure_staleness(llm.affix_store, prompt, ANSWER_LENGTH))
                 bar.update(1)
-            keys = [k / len(exs) for k in keys]
-            values = [v / len(exs) for v in values]
+            keys = [sum(layer) / len(runs) for layer in zip(*(r.key_cosine for r in runs), strict=True)]
+            values = [sum(layer) / len(runs) for layer in zip(*(r.value_cosine for r in runs), strict=True)]
             records.append({"task": task, "layout": layout, "examples": len(exs), "key_cosine": keys,
                             "value_cosine": values, "min_cosine": min(keys + values)})
     bar.close()

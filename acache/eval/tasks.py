@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.sampling_params import SamplingParams
@@ -38,22 +39,31 @@ class TaskScore:
         return self.correct / self.total if self.total else 0.0
 
 
-def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, params: SamplingParams | None = None,
-             tasks: tuple[str, ...] = TASKS, layouts: tuple[str, ...] = LAYOUTS) -> list[TaskScore]:
-    params = params or SamplingParams(gen_length=ANSWER_LENGTH, block_length=ANSWER_LENGTH, threshold=0.9,
-                                      cache="dual")
+def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:
+    """The examples rendered in ``layout`` with the model's tokenizer (the story marked as the affix)."""
     eos = llm.tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
 
     def encode(text: str) -> list[int]:
         return llm.tokenizer.encode(text, add_special_tokens=False)
 
+    return [render(e, layout, encode, eos).prompt for e in examples]
+
+
+def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example], params: SamplingParams) -> int:
+    """How many generated answers equal the reference word for word (worked sums included)."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(o.text.split() == list(e.answer) for o, e in zip(outs, examples, strict=True))
+
+
+def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, params: SamplingParams | None = None,
+             tasks: tuple[str, ...] = TASKS, layouts: tuple[str, ...] = LAYOUTS) -> list[TaskScore]:
+    params = params or SamplingParams(gen_length=ANSWER_LENGTH, block_length=ANSWER_LENGTH, threshold=0.9,
+                                      cache="dual")
     scores = []
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            prompts = [render(e, layout, encode, eos).prompt for e in exs]
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            correct = sum(o.text.split() == list(e.answer) for o, e in zip(outs, exs, strict=True))
+            correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
             scores.append(TaskScore(task, layout, correct, len(exs)))
     return scores
 
