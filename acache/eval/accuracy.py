@@ -14,10 +14,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.eval.metrics import Cell, summary_table, sweep_table
-from acache.eval.tasks import exact_matches, held_out, task_prompts
+from acache.eval.tasks import exact_matches, task_prompts
 from acache.llm import LLM
 from acache.sampling_params import SamplingParams
-from acache.tasks.generators import TASKS
+from acache.tasks.generators import TASKS, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)

@@ -10,9 +10,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.affix.staleness import measure_staleness
-from acache.eval.tasks import held_out, task_prompts
+from acache.eval.tasks import task_prompts
 from acache.llm import LLM
-from acache.tasks.generators import TASKS
+from acache.tasks.generators import TASKS, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
 
 

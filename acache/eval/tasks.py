@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,20 +10,8 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.sampling_params import SamplingParams
-from acache.tasks.generators import GENERATORS, TASKS, Example
+from acache.tasks.generators import TASKS, Example, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, render
-from acache.train.trainer import EVAL_SEED_BASE
-
-
-def held_out(task: str, count: int, sentences: int, seed: int = 0) -> list[Example]:
-    """Examples from the evaluation seed stream, never drawn in training."""
-    out: list[Example] = []
-    k = 0
-    while len(out) < count:
-        rng = random.Random(f"eval:{task}:{EVAL_SEED_BASE + seed}:{k}")
-        out.extend(GENERATORS[task](rng, sentences))
-        k += 1
-    return out[:count]
 
 
 @dataclass

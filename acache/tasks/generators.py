@@ -27,6 +27,8 @@ FUNCTION_WORDS = ["to", "the", "where", "is", "?", ".", "has", "how", "many", "d
                   "up", "together", "+", "=", "answer", ":", "story", "worksheet", "question"]
 WORDS = sorted(set(NAMES + PLACES + MOVES + OBJECTS + ITEMS + NUMBERS + FUNCTION_WORDS))
 TASKS = ("qa1", "arith", "twohop")
+TRAIN_SEED_BASE = 0  # training draws from here upwards; held-out sets from EVAL_SEED_BASE, a disjoint stream
+EVAL_SEED_BASE = 10**9
 
 
 @dataclass(frozen=True)
@@ -118,4 +120,17 @@ def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:
     out: list[Example] = []
     while len(out) < count:
         out.extend(GENERATORS[task](rng, size))
+    return out[:count]
+
+
+def held_out(task: str, count: int, sentences: int, seed: int = 0) -> list[Example]:
+    """``count`` examples from the evaluation seed stream, which training never draws from."""
+    if task not in GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    out: list[Example] = []
+    k = 0
+    while len(out) < count:
+        rng = random.Random(f"eval:{task}:{EVAL_SEED_BASE + seed}:{k}")
+        out.extend(GENERATORS[task](rng, sentences))
+        k += 1
     return out[:count]

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
-from acache.tasks.generators import GENERATORS, TASKS
+from acache.tasks.generators import GENERATORS, TASKS, TRAIN_SEED_BASE, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
 
-TRAIN_SEED_BASE = 0  # held-out evaluation draws from EVAL_SEED_BASE upwards, a disjoint stream
-EVAL_SEED_BASE = 10**9
+PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
 
 @dataclass
@@ -36,6 +36,7 @@ class ModelShape:
     heads: int = 8
     intermediate_size: int = 768
     max_seq_len: int = 256
+    rope_theta: float | None = None  # None: the family's upstream default
 
 
 @dataclass
@@ -58,6 +59,9 @@ class TrainConfig:
     bf16: bool = True
     time_limit_minutes: float = 90.0
     log_every: int = 10
+    eval_every: int = 0  # every this many steps, one-shot exact match on held-out questions (0: never)
+    eval_examples: int = 96  # per task, layouts in turn, contexts of eval_sentences
+    eval_sentences: int = 6
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -88,6 +92,10 @@ class TrainConfig:
             raise ValueError("init_std and embed_init_std must be positive")
         if not 1 <= self.min_sentences <= self.max_sentences:
             raise ValueError("need 1 <= min_sentences <= max_sentences")
+        if self.eval_every < 0 or self.eval_examples <= 0 or self.eval_sentences < 1:
+            raise ValueError("eval_every must be >= 0, eval_examples and eval_sentences positive")
+        if self.model.rope_theta is not None and self.model.rope_theta <= 0:
+            raise ValueError("model.rope_theta must be positive")
 
 
 class Batcher:
@@ -111,6 +119,13 @@ class Batcher:
         top = c.min_sentences + round(frac * (c.max_sentences - c.min_sentences))
         return self.rng.randint(c.min_sentences, top)
 
+    def row(self, example, layout: str) -> tuple[list[int], int]:
+        """The example's full sequence (answer in place) and where its answer starts."""
+        r = render(example, layout, self.encode, self.eos)
+        ids = list(r.prompt.token_ids)
+        g = r.prompt.gen_at
+        return ids[:g] + list(r.answer) + ids[g:], g
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid``."""
         rows = []
@@ -119,10 +134,10 @@ class Batcher:
             self._counter += 1
             rng = random.Random(f"train:{task}:{self._counter}")
             example = self.rng.choice(GENERATORS[task](rng, self.sentences(step)))
-            r = render(example, self.rng.choice(LAYOUTS), self.encode, self.eos)
-            ids = list(r.prompt.token_ids)
-            g = r.prompt.gen_at
-            rows.append((ids[:g] + list(r.answer) + ids[g:], g))
+            rows.append(self.row(example, self.rng.choice(LAYOUTS)))
+        return self.collate(rows)
+
+    def collate(self, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, ...]:
         width = max(len(ids) for ids, _ in rows)
         b = len(rows)
         ids = torch.full((b, width), self.pad, dtype=torch.long)
@@ -158,6 +173,36 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     return (ce * weight).sum() / (b * ANSWER_LENGTH)
 
 
+class Probe:
+    """Held-out exact match during training, cheaply: every answer column masked, one forward, argmax.
+
+    One-shot decoding is a little harsher than `acache eval tasks` (which commits tokens over several
+    steps), so it tracks progress without the cost of a full evaluation.
+    """
+
+    def __init__(self, config: TrainConfig, batcher: Batcher) -> None:
+        self.batcher = batcher
+        self.batches = {}
+        for task in config.tasks:
+            exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
+            rows = [batcher.row(e, LAYOUTS[i % len(LAYOUTS)]) for i, e in enumerate(exs)]
+            self.batches[task] = batcher.collate(rows)
+
+    @torch.no_grad()
+    def __call__(self, model: LLaDAModel, bf16: bool) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        out = {}
+        for task, (ids, answer, positions, valid) in self.batches.items():
+            noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                pred = model.logits(model(noisy, positions, valid).hidden).argmax(-1)
+            right = ((pred == ids) | ~answer).all(-1)
+            out[task] = right.float().mean().item()
+        model.train(was_training)
+        return out
+
+
 def train(config: TrainConfig, progress: bool = True) -> dict:
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
@@ -167,7 +212,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     model_config = random_config("llada", vocab, tokenizer.token_to_id(spec["mask"]),
                                  tokenizer.token_to_id(spec["eos"]), layers=shape.layers,
                                  hidden_size=shape.hidden_size, heads=shape.heads,
-                                 intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len)
+                                 intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
+                                 rope_theta=shape.rope_theta)
     model = LLaDAModel(model_config)
     init_random_(model, config.seed, std=config.init_std)
     with torch.no_grad():  # norms start at one for training
@@ -188,8 +234,10 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
         return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac))))
 
     batcher = Batcher(config, tokenizer)
+    probe = Probe(config, batcher) if config.eval_every else None
     gen = torch.Generator().manual_seed(config.seed + 1)
     log: list[dict] = []
+    probes: list[dict] = []
     started = time.perf_counter()
     window: list[float] = []
     bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
@@ -200,7 +248,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         ids, answer, positions, valid = batcher.batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+        # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate)
         opt.zero_grad(set_to_none=True)
@@ -215,18 +264,24 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
                         "elapsed_s": time.perf_counter() - started})
             bar.set_postfix(loss=f"{mean:.3f}")
             window = []
+        if probe is not None and (steps_done % config.eval_every == 0 or steps_done == config.steps):
+            accuracy = probe(model, config.bf16)
+            probes.append({"step": steps_done, "accuracy": accuracy, "elapsed_s": time.perf_counter() - started})
+            bar.write(f"step {steps_done}: held-out one-shot exact match "
+                      + ", ".join(f"{t} {100 * a:.0f}%" for t, a in accuracy.items()))
     bar.close()
     model.eval()
     out = Path(config.out)
     save_checkpoint(model, out, tokenizer, tokenizer_config("llada", tokenizer))
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
-               "parameters": sum(p.numel() for p in model.parameters()), "log": log}
+               "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probes": probes}
     (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_loss(log, out / "loss_curve.png")
+    plot_loss(log, out / "loss_curve.png", probes)
     return summary
 
 
-def plot_loss(log: list[dict], path: Path) -> bool:
+def plot_loss(log: list[dict], path: Path, probes: list[dict] | None = None) -> bool:
+    """The loss curve, and beside it the probe's held-out accuracy per task when there is one."""
     try:
         import matplotlib
 
@@ -234,12 +289,23 @@ def plot_loss(log: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    panels = 2 if probes else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 3.5), squeeze=False)
+    ax = axes[0][0]
     ax.plot([r["step"] for r in log], [r["loss"] for r in log])
     ax.set_xlabel("step")
     ax.set_ylabel("masked-diffusion loss")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
+    if probes:
+        ax = axes[0][1]
+        for task in probes[0]["accuracy"]:
+            ax.plot([r["step"] for r in probes], [100 * r["accuracy"][task] for r in probes], marker=".", label=task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out exact match, one-shot (%)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

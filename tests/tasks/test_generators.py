@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from acache.tasks.generators import TASKS, examples
+from acache.tasks.generators import TASKS, examples, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
 
 
@@ -88,8 +88,6 @@ def test_layouts_and_tokenizer():
 
 
 def test_train_and_eval_streams_are_disjoint():
-    from acache.eval.tasks import held_out
-
     evals = {e for task in TASKS for e in held_out(task, 100, 6)}
     train_rng = random.Random(0)
     from acache.tasks.generators import GENERATORS

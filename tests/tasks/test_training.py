@@ -3,25 +3,62 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from acache.paths import SHIPPED_MODEL
-from acache.train.trainer import ModelShape, TrainConfig, train
+from acache.train.trainer import Batcher, ModelShape, Probe, TrainConfig, train
 
 
 def test_short_training_run_lowers_the_loss(tmp_path):
     config = TrainConfig(out=str(tmp_path / "m"), steps=120, batch_size=16, lr=3e-3, warmup=10, log_every=20,
                          model=ModelShape(layers=2, hidden_size=64, heads=4, intermediate_size=128),
-                         tasks=("qa1",), min_sentences=2, max_sentences=2, bf16=False)
+                         tasks=("qa1",), min_sentences=2, max_sentences=2, bf16=False, eval_every=60,
+                         eval_examples=12)
     summary = train(config, progress=False)
     losses = [r["loss"] for r in summary["log"]]
     assert losses[-1] < 0.6 * losses[0], losses
     written = json.loads((tmp_path / "m" / "training_log.json").read_text())
     assert written["steps_done"] == 120 and (tmp_path / "m" / "loss_curve.png").exists()
+    assert [r["step"] for r in written["probes"]] == [60, 120]
+    assert all(0.0 <= r["accuracy"]["qa1"] <= 1.0 for r in written["probes"])
     from acache.models.loader import load_model
 
     assert load_model(tmp_path / "m").config.num_layers == 2
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts the clean sequence it was built with, except where told to be wrong."""
+
+    def __init__(self, clean: torch.Tensor, answer: torch.Tensor, wrong_rows: list[int], vocab: int) -> None:
+        super().__init__()
+        self.clean, self.answer, self.wrong_rows, self.vocab = clean, answer, wrong_rows, vocab
+
+    def forward(self, ids, positions, valid):
+        assert (ids != self.clean).any()  # the probe hides the answers from the model
+        return SimpleNamespace(hidden=self.clean)
+
+    def logits(self, hidden):
+        target = hidden.clone()
+        for row in self.wrong_rows:  # wrong in the last answer column only: EOS padding counts too
+            last = int(self.answer[row].nonzero().max())
+            target[row, last] = (target[row, last] + 1) % self.vocab
+        return torch.nn.functional.one_hot(target, self.vocab).float()
+
+
+def test_probe_scores_whole_answers_with_the_answer_hidden():
+    from acache.tasks.render import build_word_tokenizer
+
+    tok = build_word_tokenizer()
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    for task, wrong, expected in (("qa1", [], 1.0), ("arith", [0, 3, 5], 0.5)):
+        config = TrainConfig(tasks=(task,), eval_every=1, eval_examples=6)
+        probe = Probe(config, Batcher(config, tok))
+        ids, answer, _, _ = probe.batches[task]
+        oracle = _Oracle(ids, answer, wrong, vocab)
+        assert probe(oracle, bf16=False) == {task: expected}
 
 
 def test_bad_training_configs(tmp_path):
@@ -33,6 +70,10 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(tasks=("qa9",))
     with pytest.raises(ValueError, match="embed_init_std must be positive"):
         TrainConfig(embed_init_std=0.0)
+    with pytest.raises(ValueError, match="rope_theta must be positive"):
+        TrainConfig(model=ModelShape(rope_theta=-1.0))
+    with pytest.raises(ValueError, match="eval_every must be >= 0"):
+        TrainConfig(eval_every=-5)
     with pytest.raises(FileNotFoundError, match="training config not found"):
         TrainConfig.from_file(tmp_path / "none.json")
 
