@@ -109,7 +109,20 @@ def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[E
             for obj in asked]
 
 
+def bind(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Example]:
+    """qa1's warm-up: every person moves exactly once, so the answer needs the name-to-place binding
+    but not "the last of several moves" (a curriculum stage; docs/model.md, run 7)."""
+    people = rng.sample(NAMES, k=min(len(NAMES), max(2, sentences)))
+    where = {who: rng.choice(PLACES) for who in people}
+    story = [w for who in people for w in _sentence(who, rng.choice(MOVES), "to", "the", where[who])]
+    asked = rng.sample(people, k=min(questions, len(people)))
+    return [Example("bind", tuple(story), ("where", "is", who, "?"), (where[who],)) for who in asked]
+
+
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
+#: Training-only warm-ups, never evaluated.
+WARMUPS = {"bind": bind}
+TRAIN_GENERATORS = GENERATORS | WARMUPS
 
 
 def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
-from acache.tasks.generators import GENERATORS, TASKS, TRAIN_SEED_BASE, held_out
+from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
 
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
@@ -37,6 +37,15 @@ class ModelShape:
     intermediate_size: int = 768
     max_seq_len: int = 256
     rope_theta: float | None = None  # None: the family's upstream default
+
+@dataclass(frozen=True)
+class Stage:
+    """A curriculum stage: for ``steps`` steps, draw these tasks with contexts of this many sentences."""
+
+    steps: int
+    tasks: tuple[str, ...]
+    min_sentences: int
+    max_sentences: int
 
 
 @dataclass
@@ -62,6 +71,9 @@ class TrainConfig:
     eval_every: int = 0  # every this many steps, one-shot exact match on held-out questions (0: never)
     eval_examples: int = 96  # per task, layouts in turn, contexts of eval_sentences
     eval_sentences: int = 6
+    #: explicit curriculum; when given, the stages' steps sum to ``steps`` and replace tasks,
+    #: min/max_sentences and curriculum_steps (which otherwise make one stage whose context grows)
+    stages: tuple[Stage, ...] = ()
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -80,12 +92,26 @@ class TrainConfig:
             raw["model"] = ModelShape(**raw["model"])
         if "tasks" in raw:
             raw["tasks"] = tuple(raw["tasks"])
+        if "stages" in raw:
+            try:
+                raw["stages"] = tuple(Stage(**{**st, "tasks": tuple(st["tasks"])}) for st in raw["stages"])
+            except (TypeError, KeyError) as exc:
+                raise ValueError(f"{path}: a stage needs steps, tasks, min_sentences and max_sentences "
+                                 f"({exc})") from None
         return cls(**raw)
 
     def __post_init__(self) -> None:
-        bad = [t for t in self.tasks if t not in GENERATORS]
-        if bad:
-            raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(TASKS)}")
+        known = ", ".join(TRAIN_GENERATORS)
+        for tasks in (self.tasks, *(st.tasks for st in self.stages)):
+            bad = [t for t in tasks if t not in TRAIN_GENERATORS]
+            if bad or not tasks:
+                raise ValueError(f"unknown task {bad[0]!r}; known: {known}" if bad else "a stage has no tasks")
+        for st in self.stages:
+            if st.steps <= 0 or not 1 <= st.min_sentences <= st.max_sentences:
+                raise ValueError(f"bad stage {st}: need steps > 0 and 1 <= min_sentences <= max_sentences")
+        if self.stages and sum(st.steps for st in self.stages) != self.steps:
+            raise ValueError(f"the stages' steps sum to {sum(st.steps for st in self.stages)}, "
+                             f"not to steps={self.steps}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
         if self.init_std <= 0 or self.embed_init_std <= 0:
@@ -97,6 +123,23 @@ class TrainConfig:
         if self.model.rope_theta is not None and self.model.rope_theta <= 0:
             raise ValueError("model.rope_theta must be positive")
 
+    def stage_at(self, step: int) -> Stage:
+        """The stage that ``step`` trains in (one growing stage when no stages are given)."""
+        if not self.stages:
+            frac = min(1.0, step / max(1, self.curriculum_steps))
+            top = self.min_sentences + round(frac * (self.max_sentences - self.min_sentences))
+            return Stage(self.steps, self.tasks, self.min_sentences, top)
+        for st in self.stages:
+            if step < st.steps:
+                return st
+            step -= st.steps
+        return self.stages[-1]
+
+    @property
+    def eval_tasks(self) -> tuple[str, ...]:
+        """The evaluated tasks the run trains on, in suite order (warm-ups are not probed)."""
+        trained = {t for st in (self.stages or (self.stage_at(0),)) for t in st.tasks}
+        return tuple(t for t in TASKS if t in trained)
 
 class Batcher:
     """Fresh training sequences: canvas ids, the answer columns, positions and padding."""
@@ -113,11 +156,6 @@ class Batcher:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def sentences(self, step: int) -> int:
-        c = self.config
-        frac = min(1.0, step / max(1, c.curriculum_steps))
-        top = c.min_sentences + round(frac * (c.max_sentences - c.min_sentences))
-        return self.rng.randint(c.min_sentences, top)
 
     def row(self, example, layout: str) -> tuple[list[int], int]:
         """The example's full sequence (answer in place) and where its answer starts."""
@@ -129,11 +167,13 @@ class Batcher:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid``."""
         rows = []
+        stage = self.config.stage_at(step)
         for _ in range(self.config.batch_size):
-            task = self.rng.choice(self.config.tasks)
+            task = self.rng.choice(stage.tasks)
             self._counter += 1
             rng = random.Random(f"train:{task}:{self._counter}")
-            example = self.rng.choice(GENERATORS[task](rng, self.sentences(step)))
+            sentences = self.rng.randint(stage.min_sentences, stage.max_sentences)
+            example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
             rows.append(self.row(example, self.rng.choice(LAYOUTS)))
         return self.collate(rows)
 
@@ -183,7 +223,7 @@ class Probe:
     def __init__(self, config: TrainConfig, batcher: Batcher) -> None:
         self.batcher = batcher
         self.batches = {}
-        for task in config.tasks:
+        for task in config.eval_tasks:
             exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
             rows = [batcher.row(e, LAYOUTS[i % len(LAYOUTS)]) for i, e in enumerate(exs)]
             self.batches[task] = batcher.collate(rows)

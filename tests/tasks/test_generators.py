@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from acache.tasks.generators import TASKS, examples, held_out
+from acache.tasks.generators import TASKS, bind, examples, held_out
 from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
 
 
@@ -32,7 +32,7 @@ def solve(example):
         elif s[1] == "has":
             holds[(s[0], s[3])] = int(s[2])
     q = example.question
-    if example.task == "qa1":
+    if example.task in ("qa1", "bind"):
         return (where[q[2]],)
     if example.task == "twohop":
         return (where[holder[q[3]]],)
@@ -98,3 +98,12 @@ def test_train_and_eval_streams_are_disjoint():
         train.update(GENERATORS[task](random.Random(f"train:{task}:{k}"), 6))
     assert not evals & train
     assert train_rng  # the training stream is seeded per draw, not by a shared generator
+
+
+def test_bind_warm_up_mentions_each_person_once():
+    rng = random.Random(3)
+    for size in (2, 4, 8):
+        for ex in bind(rng, size):
+            people = [s[0] for s in sentences(ex.affix)]
+            assert len(people) == len(set(people)) == size
+            assert solve(ex) == ex.answer and ex.task == "bind"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from acache.paths import SHIPPED_MODEL
-from acache.train.trainer import Batcher, ModelShape, Probe, TrainConfig, train
+from acache.tasks.render import build_word_tokenizer
+from acache.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, train
 
 
 def test_short_training_run_lowers_the_loss(tmp_path):
@@ -49,8 +50,6 @@ class _Oracle(torch.nn.Module):
 
 
 def test_probe_scores_whole_answers_with_the_answer_hidden():
-    from acache.tasks.render import build_word_tokenizer
-
     tok = build_word_tokenizer()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     for task, wrong, expected in (("qa1", [], 1.0), ("arith", [0, 3, 5], 0.5)):
@@ -59,6 +58,22 @@ def test_probe_scores_whole_answers_with_the_answer_hidden():
         ids, answer, _, _ = probe.batches[task]
         oracle = _Oracle(ids, answer, wrong, vocab)
         assert probe(oracle, bf16=False) == {task: expected}
+
+
+def test_stages_run_in_order_and_only_evaluated_tasks_are_probed(tmp_path):
+    stages = [{"steps": 3, "tasks": ["bind"], "min_sentences": 2, "max_sentences": 4},
+              {"steps": 5, "tasks": ["qa1", "arith"], "min_sentences": 6, "max_sentences": 6}]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"steps": 8, "stages": stages}))
+    config = TrainConfig.from_file(path)
+    assert [config.stage_at(s).tasks for s in (0, 2, 3, 7, 8)] == [("bind",)] * 2 + [("qa1", "arith")] * 3
+    assert config.eval_tasks == ("qa1", "arith")
+    batcher = Batcher(config, build_word_tokenizer())
+    sizes = {int(batcher.batch(step)[3].sum(-1).max()) for step in (0, 1, 2)}
+    assert max(sizes) < min(int(batcher.batch(step)[3].sum(-1).min()) for step in (3, 4))  # longer contexts
+    ramp = TrainConfig(steps=100, min_sentences=2, max_sentences=8, curriculum_steps=50)
+    assert [ramp.stage_at(s).max_sentences for s in (0, 25, 50, 99)] == [2, 5, 8, 8]
+    assert ramp.stage_at(0) == Stage(100, ramp.tasks, 2, 2)
 
 
 def test_bad_training_configs(tmp_path):
@@ -70,6 +85,13 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(tasks=("qa9",))
     with pytest.raises(ValueError, match="embed_init_std must be positive"):
         TrainConfig(embed_init_std=0.0)
+    with pytest.raises(ValueError, match="stages' steps sum to 5, not to steps=6"):
+        TrainConfig(steps=6, stages=(Stage(5, ("qa1",), 2, 2),))
+    with pytest.raises(ValueError, match="bad stage"):
+        TrainConfig(steps=5, stages=(Stage(5, ("qa1",), 3, 2),))
+    path.write_text(json.dumps({"steps": 5, "stages": [{"steps": 5, "tasks": ["qa1"]}]}))
+    with pytest.raises(ValueError, match="a stage needs steps, tasks"):
+        TrainConfig.from_file(path)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
         TrainConfig(model=ModelShape(rope_theta=-1.0))
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
