@@ -138,12 +138,12 @@ def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:
 
 def held_out(task: str, count: int, sentences: int, seed: int = 0) -> list[Example]:
     """``count`` examples from the evaluation seed stream, which training never draws from."""
-    if task not in GENERATORS:
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if task not in TRAIN_GENERATORS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TRAIN_GENERATORS)}")
     out: list[Example] = []
     k = 0
     while len(out) < count:
         rng = random.Random(f"eval:{task}:{EVAL_SEED_BASE + seed}:{k}")
-        out.extend(GENERATORS[task](rng, sentences))
+        out.extend(TRAIN_GENERATORS[task](rng, sentences))
         k += 1
     return out[:count]

@@ -58,11 +58,15 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.01
+    adam_eps: float = 1e-8  # docs/model.md, run 7: on a plateau the gradients are small enough for eps to matter
+    grad_clip: float = 1.0  # max gradient norm; docs/model.md, run 7: its scale against the loss's matters
     tasks: tuple[str, ...] = TASKS
     min_sentences: int = 2
     max_sentences: int = 8
     curriculum_steps: int = 1000  # context length grows from min to max over these steps
     context_mask_rate: float = 0.0
+    loss_weighting: str = "inverse_t"  # or "masked_count": see masked_diffusion_loss
+    answer_reduction: str = "mean"  # a row's weighted CE over its answer columns: "mean" (LLaDA's) or "sum"
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
@@ -114,6 +118,12 @@ class TrainConfig:
                              f"not to steps={self.steps}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
+        if self.grad_clip <= 0 or self.adam_eps <= 0:
+            raise ValueError("grad_clip and adam_eps must be positive")
+        if self.answer_reduction not in ("mean", "sum"):
+            raise ValueError(f"answer_reduction must be 'mean' or 'sum', not {self.answer_reduction!r}")
+        if self.loss_weighting not in ("inverse_t", "masked_count"):
+            raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.init_std <= 0 or self.embed_init_std <= 0:
             raise ValueError("init_std and embed_init_std must be positive")
         if not 1 <= self.min_sentences <= self.max_sentences:
@@ -137,9 +147,9 @@ class TrainConfig:
 
     @property
     def eval_tasks(self) -> tuple[str, ...]:
-        """The evaluated tasks the run trains on, in suite order (warm-ups are not probed)."""
+        """Every task the run trains on, the suite's first, then warm-ups."""
         trained = {t for st in (self.stages or (self.stage_at(0),)) for t in st.tasks}
-        return tuple(t for t in TASKS if t in trained)
+        return tuple(t for t in TRAIN_GENERATORS if t in trained)
 
 class Batcher:
     """Fresh training sequences: canvas ids, the answer columns, positions and padding."""
@@ -191,10 +201,26 @@ class Batcher:
         return ids, answer, positions, valid
 
 
+def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-token loss weights ``[B, T]``: zero where not masked; ``1/t`` or answer length / masked count."""
+    if weighting == "inverse_t":
+        return masked.float() / t
+    return masked.float() * ANSWER_LENGTH / (masked & answer).sum(-1, keepdim=True).clamp_min(1)
+
+
 def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
-                          context_mask_rate: float = 0.0) -> torch.Tensor:
-    """LLaDA's objective on the answer (and optionally some context): 1/t-weighted CE on masked tokens."""
+                          context_mask_rate: float = 0.0, weighting: str = "inverse_t",
+                          reduction: str = "mean") -> torch.Tensor:
+    """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
+
+    ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
+    answer length / answer tokens masked: what ``1/t`` estimates, but bounded by the answer length.
+    With 8-token answers a row with small ``t`` masks one token and ``1/t`` gives that token a weight
+    up to 1000, so one row steers the whole step (docs/model.md, run 7). ``reduction="mean"`` divides
+    each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
+    the scale of a plain cross-entropy (docs/model.md, run 7).
+    """
     b, t_len = ids.shape
     # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
     # tames the variance of the 1/t weight
@@ -209,8 +235,8 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     hidden = model(noisy, positions, valid).hidden
     logits = model.logits(hidden)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
-    weight = masked.float() / t
-    return (ce * weight).sum() / (b * ANSWER_LENGTH)
+    weight = loss_weights(masked, answer, t, weighting)
+    return (ce * weight).sum() / (b * (ANSWER_LENGTH if reduction == "mean" else 1))
 
 
 class Probe:
@@ -265,7 +291,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98),
+                            eps=config.adam_eps)
 
     def lr_at(step: int) -> float:
         if step < config.warmup:
@@ -291,10 +318,11 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
-                                         config.context_mask_rate)
+                                         config.context_mask_rate, config.loss_weighting,
+                                         config.answer_reduction)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         steps_done = step + 1
         window.append(loss.item())

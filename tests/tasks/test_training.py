@@ -10,7 +10,7 @@ import torch
 
 from acache.paths import SHIPPED_MODEL
 from acache.tasks.render import build_word_tokenizer
-from acache.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, train
+from acache.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, loss_weights, train
 
 
 def test_short_training_run_lowers_the_loss(tmp_path):
@@ -60,20 +60,61 @@ def test_probe_scores_whole_answers_with_the_answer_hidden():
         assert probe(oracle, bf16=False) == {task: expected}
 
 
-def test_stages_run_in_order_and_only_evaluated_tasks_are_probed(tmp_path):
+def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
     stages = [{"steps": 3, "tasks": ["bind"], "min_sentences": 2, "max_sentences": 4},
               {"steps": 5, "tasks": ["qa1", "arith"], "min_sentences": 6, "max_sentences": 6}]
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 8, "stages": stages}))
     config = TrainConfig.from_file(path)
     assert [config.stage_at(s).tasks for s in (0, 2, 3, 7, 8)] == [("bind",)] * 2 + [("qa1", "arith")] * 3
-    assert config.eval_tasks == ("qa1", "arith")
+    assert config.eval_tasks == ("qa1", "arith", "bind")
     batcher = Batcher(config, build_word_tokenizer())
     sizes = {int(batcher.batch(step)[3].sum(-1).max()) for step in (0, 1, 2)}
     assert max(sizes) < min(int(batcher.batch(step)[3].sum(-1).min()) for step in (3, 4))  # longer contexts
     ramp = TrainConfig(steps=100, min_sentences=2, max_sentences=8, curriculum_steps=50)
     assert [ramp.stage_at(s).max_sentences for s in (0, 25, 50, 99)] == [2, 5, 8, 8]
     assert ramp.stage_at(0) == Stage(100, ramp.tasks, 2, 2)
+
+
+def test_loss_weights():
+    from acache.tasks.render import ANSWER_LENGTH
+
+    answer = torch.zeros(2, 12, dtype=torch.bool)
+    answer[:, 2:2 + ANSWER_LENGTH] = True
+    masked = torch.zeros_like(answer)
+    masked[0, 2] = True  # one answer token masked
+    masked[1, 2:2 + ANSWER_LENGTH] = True  # all of them
+    t = torch.tensor([[0.01], [1.0]])
+    inv = loss_weights(masked, answer, t, "inverse_t")
+    assert inv[0, 2] == pytest.approx(100.0) and inv[1, 2:2 + ANSWER_LENGTH].eq(1.0).all()
+    count = loss_weights(masked, answer, t, "masked_count")
+    assert count[0, 2] == ANSWER_LENGTH and count[1].sum() == ANSWER_LENGTH  # bounded by the answer length
+    assert inv[~masked].eq(0).all() and count[~masked].eq(0).all()
+
+
+def test_sum_reduction_is_the_mean_times_the_answer_length():
+    from acache.models.checkpoint import random_config
+    from acache.models.llada import LLaDAModel
+    from acache.tasks.render import ANSWER_LENGTH
+    from acache.train.trainer import masked_diffusion_loss
+
+    config = TrainConfig(tasks=("qa1",), batch_size=4)
+    batcher = Batcher(config, build_word_tokenizer())
+    model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
+    ids, answer, positions, valid = batcher.batch(0)
+    losses = [masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask,
+                                    torch.Generator().manual_seed(3), reduction=r) for r in ("mean", "sum")]
+    assert losses[1].item() == pytest.approx(ANSWER_LENGTH * losses[0].item(), rel=1e-5)
+
+
+def test_committed_configs_are_valid():
+    from acache.paths import REPO_ROOT
+
+    configs = sorted((REPO_ROOT / "configs").glob("*.json"))
+    assert configs
+    for path in configs:
+        config = TrainConfig.from_file(path)
+        assert config.eval_tasks and config.steps > 0
 
 
 def test_bad_training_configs(tmp_path):
@@ -92,6 +133,12 @@ def test_bad_training_configs(tmp_path):
     path.write_text(json.dumps({"steps": 5, "stages": [{"steps": 5, "tasks": ["qa1"]}]}))
     with pytest.raises(ValueError, match="a stage needs steps, tasks"):
         TrainConfig.from_file(path)
+    with pytest.raises(ValueError, match="loss_weighting must be"):
+        TrainConfig(loss_weighting="uniform")
+    with pytest.raises(ValueError, match="answer_reduction must be"):
+        TrainConfig(answer_reduction="max")
+    with pytest.raises(ValueError, match="grad_clip and adam_eps must be positive"):
+        TrainConfig(grad_clip=0.0)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
         TrainConfig(model=ModelShape(rope_theta=-1.0))
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
