@@ -38,6 +38,7 @@ class ModelShape:
     max_seq_len: int = 256
     rope_theta: float | None = None  # None: the family's upstream default
 
+
 @dataclass(frozen=True)
 class Stage:
     """A curriculum stage: for ``steps`` steps, draw these tasks with contexts of this many sentences."""
@@ -58,8 +59,8 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    adam_eps: float = 1e-8  # docs/model.md, run 7: on a plateau the gradients are small enough for eps to matter
-    grad_clip: float = 1.0  # max gradient norm; docs/model.md, run 7: its scale against the loss's matters
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max gradient norm
     tasks: tuple[str, ...] = TASKS
     min_sentences: int = 2
     max_sentences: int = 8
@@ -151,6 +152,7 @@ class TrainConfig:
         trained = {t for st in (self.stages or (self.stage_at(0),)) for t in st.tasks}
         return tuple(t for t in TRAIN_GENERATORS if t in trained)
 
+
 class Batcher:
     """Fresh training sequences: canvas ids, the answer columns, positions and padding."""
 
@@ -165,7 +167,6 @@ class Batcher:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
-
 
     def row(self, example, layout: str) -> tuple[list[int], int]:
         """The example's full sequence (answer in place) and where its answer starts."""
