@@ -18,10 +18,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config
+from acache.models.checkpoint import SPECIAL_TOKENS, random_config
 from acache.models.llada import LLaDAModel
 from acache.tasks.generators import MOVES, NAMES, PLACES
 from acache.tasks.render import build_word_tokenizer
+from acache.train.trainer import init_for_training_
 
 
 class Reference(torch.nn.Module):
@@ -100,12 +101,7 @@ def main() -> None:
     else:
         model = LLaDAModel(random_config("llada", vocab, mask_id, pad_id, layers=args.layers, hidden_size=args.hidden,
                                          heads=args.heads, intermediate_size=3 * args.hidden, max_seq_len=256))
-        init_random_(model, args.seed, std=args.linear_std)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-            model.embed.weight.normal_(0.0, args.embed_std)
+        init_for_training_(model, args.seed, args.linear_std, args.embed_std)
 
         def logits(ids, pos, valid):
             return model.logits(model(ids, pos, valid).hidden)

@@ -270,6 +270,17 @@ class Probe:
         return out
 
 
+def init_for_training_(model: LLaDAModel, seed: int, std: float, embed_std: float,
+                       embed_generator: torch.Generator | None = None) -> None:
+    """Weights at N(0, std), norms at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
+    init_random_(model, seed, std=std)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+        model.embed.weight.normal_(0.0, embed_std, generator=embed_generator)
+
+
 def train(config: TrainConfig, progress: bool = True) -> dict:
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
@@ -282,12 +293,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
                                  intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
                                  rope_theta=shape.rope_theta)
     model = LLaDAModel(model_config)
-    init_random_(model, config.seed, std=config.init_std)
-    with torch.no_grad():  # norms start at one for training
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-        model.embed.weight.normal_(0.0, config.embed_init_std, generator=torch.Generator().manual_seed(config.seed))
+    init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
+                       torch.Generator().manual_seed(config.seed))
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
