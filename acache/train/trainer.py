@@ -47,6 +47,7 @@ class Stage:
     tasks: tuple[str, ...]
     min_sentences: int
     max_sentences: int
+    answer_masking: str | None = None  # this stage's, instead of the config's
 
 
 @dataclass
@@ -68,6 +69,8 @@ class TrainConfig:
     context_mask_rate: float = 0.0
     loss_weighting: str = "inverse_t"  # or "masked_count": see masked_diffusion_loss
     answer_reduction: str = "mean"  # a row's weighted CE over its answer columns: "mean" (LLaDA's) or "sum"
+    answer_masking: str = "rate_t"  # answer columns masked at rate t (LLaDA's) or "all" of them (t = 1)
+    eos_weight: float = 1.0  # loss weight of the answer's EOS padding columns relative to its words
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
@@ -123,6 +126,11 @@ class TrainConfig:
             raise ValueError("grad_clip and adam_eps must be positive")
         if self.answer_reduction not in ("mean", "sum"):
             raise ValueError(f"answer_reduction must be 'mean' or 'sum', not {self.answer_reduction!r}")
+        for masking in (self.answer_masking, *(st.answer_masking for st in self.stages if st.answer_masking)):
+            if masking not in ("rate_t", "all"):
+                raise ValueError(f"answer_masking must be 'rate_t' or 'all', not {masking!r}")
+        if self.eos_weight < 0:
+            raise ValueError("eos_weight must be >= 0")
         if self.loss_weighting not in ("inverse_t", "masked_count"):
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.init_std <= 0 or self.embed_init_std <= 0:
@@ -212,7 +220,8 @@ def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, we
 def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
-                          reduction: str = "mean") -> torch.Tensor:
+                          reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
+                          eos_weight: float = 1.0) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -220,12 +229,15 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     With 8-token answers a row with small ``t`` masks one token and ``1/t`` gives that token a weight
     up to 1000, so one row steers the whole step (docs/model.md, run 7). ``reduction="mean"`` divides
     each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
-    the scale of a plain cross-entropy (docs/model.md, run 7).
+    the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
+    (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``).
     """
     b, t_len = ids.shape
     # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
     # tames the variance of the 1/t weight
     t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3)
+    if masking == "all":
+        t = torch.ones_like(t)
     u = torch.rand(b, t_len, generator=gen)
     masked = answer & (u < t)
     first = answer.float().argmax(-1)  # every row masks at least one answer token
@@ -237,6 +249,8 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     logits = model.logits(hidden)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
+    if eos_weight != 1.0 and eos_id is not None:
+        weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
     return (ce * weight).sum() / (b * (ANSWER_LENGTH if reduction == "mean" else 1))
 
 
@@ -327,7 +341,9 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate, config.loss_weighting,
-                                         config.answer_reduction)
+                                         config.answer_reduction,
+                                         config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
+                                         config.eos_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

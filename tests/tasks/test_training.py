@@ -61,13 +61,14 @@ def test_probe_scores_whole_answers_with_the_answer_hidden():
 
 
 def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
-    stages = [{"steps": 3, "tasks": ["bind"], "min_sentences": 2, "max_sentences": 4},
+    stages = [{"steps": 3, "tasks": ["bind"], "min_sentences": 2, "max_sentences": 4, "answer_masking": "all"},
               {"steps": 5, "tasks": ["qa1", "arith"], "min_sentences": 6, "max_sentences": 6}]
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 8, "stages": stages}))
     config = TrainConfig.from_file(path)
     assert [config.stage_at(s).tasks for s in (0, 2, 3, 7, 8)] == [("bind",)] * 2 + [("qa1", "arith")] * 3
     assert config.eval_tasks == ("qa1", "arith", "bind")
+    assert [config.stage_at(s).answer_masking for s in (2, 3)] == ["all", None]  # None: the config's
     batcher = Batcher(config, build_word_tokenizer())
     sizes = {int(batcher.batch(step)[3].sum(-1).max()) for step in (0, 1, 2)}
     assert max(sizes) < min(int(batcher.batch(step)[3].sum(-1).min()) for step in (3, 4))  # longer contexts
@@ -107,6 +108,33 @@ def test_sum_reduction_is_the_mean_times_the_answer_length():
     assert losses[1].item() == pytest.approx(ANSWER_LENGTH * losses[0].item(), rel=1e-5)
 
 
+def test_all_answer_masking_and_eos_weight():
+    from acache.models.checkpoint import random_config
+    from acache.models.llada import LLaDAModel
+    from acache.train.trainer import masked_diffusion_loss
+
+    config = TrainConfig(tasks=("qa1",), batch_size=4)
+    batcher = Batcher(config, build_word_tokenizer())
+    model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
+    ids, answer, positions, valid = batcher.batch(0)
+    words = answer & (ids != batcher.eos)
+
+    def loss(**kw):
+        return masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask,
+                                     torch.Generator().manual_seed(3), reduction="sum", masking="all",
+                                     eos_id=batcher.eos, **kw)
+
+    # with every answer column hidden the loss is the plain CE summed over them, whatever the draw of t
+    noisy = torch.where(answer, torch.full_like(ids, batcher.mask), ids)
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(model.logits(model(noisy, positions, valid).hidden).transpose(1, 2),
+                                               ids, reduction="none")
+        assert loss().item() == pytest.approx(ce[answer].sum().item() / len(ids), rel=1e-4)
+        assert loss(eos_weight=0.0).item() == pytest.approx(ce[words].sum().item() / len(ids), rel=1e-4)
+        half = (ce[words].sum() + 0.5 * ce[answer & ~words].sum()).item() / len(ids)
+        assert loss(eos_weight=0.5).item() == pytest.approx(half, rel=1e-4)
+
+
 def test_committed_configs_are_valid():
     from acache.paths import REPO_ROOT
 
@@ -137,6 +165,12 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(loss_weighting="uniform")
     with pytest.raises(ValueError, match="answer_reduction must be"):
         TrainConfig(answer_reduction="max")
+    with pytest.raises(ValueError, match="answer_masking must be"):
+        TrainConfig(answer_masking="some")
+    with pytest.raises(ValueError, match="answer_masking must be 'rate_t' or 'all', not 'half'"):
+        TrainConfig(steps=5, stages=(Stage(5, ("qa1",), 2, 2, answer_masking="half"),))
+    with pytest.raises(ValueError, match="eos_weight must be >= 0"):
+        TrainConfig(eos_weight=-1.0)
     with pytest.raises(ValueError, match="grad_clip and adam_eps must be positive"):
         TrainConfig(grad_clip=0.0)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
