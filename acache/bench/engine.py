@@ -102,13 +102,13 @@ def make_requests(model: DiffusionLM, w: Workload, n: int, seed: int) -> list[Af
 
 def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tuple[list[AffixPrompt], Workload]:
     """Part (i): the shipped model's own workload. One held-out qa1 story (the shared affix) asked about by
-    ``n`` requests in the prefix layout; gen 8 in one block, 8 steps."""
+    ``n`` requests in the prefix layout; gen is qa1's answer region in one block, a step per column."""
     import random
 
     from acache.models.checkpoint import SPECIAL_TOKENS
     from acache.models.tokenizer import Tokenizer
     from acache.tasks.generators import qa1
-    from acache.tasks.render import ANSWER_LENGTH, render
+    from acache.tasks.render import answer_length, render
 
     tok = Tokenizer.from_dir(model_dir)
     eos = tok.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
@@ -118,7 +118,8 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
                for i in range(n)]
     span = prompts[0].affixes[0]
     question = len(prompts[0].token_ids) - span.length
-    return prompts, Workload(span.length, question, ANSWER_LENGTH, ANSWER_LENGTH, ANSWER_LENGTH, 0.2)
+    gen = answer_length("qa1")
+    return prompts, Workload(span.length, question, gen, gen, gen, 0.2)
 
 
 def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse: bool, batch: int,

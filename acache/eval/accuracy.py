@@ -14,19 +14,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.eval.metrics import Cell, summary_table, sweep_table
-from acache.eval.tasks import exact_matches, task_prompts
+from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.llm import LLM
-from acache.sampling_params import SamplingParams
 from acache.tasks.generators import TASKS, held_out
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
+from acache.tasks.render import LAYOUTS
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
-
-
-def _params(policy: str | None, ratio: float, seed: int) -> SamplingParams:
-    return SamplingParams(gen_length=ANSWER_LENGTH, block_length=ANSWER_LENGTH, threshold=0.9, cache="dual",
-                          affix_policy=policy, anchor_ratio=ratio, seed=seed)
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -45,7 +39,8 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
         for layout in layouts:
             prompts = task_prompts(llm, exs, layout)
             for label, ratio, policy in runs:
-                correct = exact_matches(llm, prompts, exs, _params(policy, ratio, seed))
+                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, seed=seed)
+                correct = exact_matches(llm, prompts, exs, params)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs)))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs)) for s in selectors if 0.0 in ratios]

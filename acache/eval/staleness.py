@@ -13,7 +13,7 @@ from acache.affix.staleness import measure_staleness
 from acache.eval.tasks import task_prompts
 from acache.llm import LLM
 from acache.tasks.generators import TASKS, held_out
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS
+from acache.tasks.render import LAYOUTS, answer_length
 
 
 def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -26,7 +26,7 @@ def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tas
         for layout in layouts:
             runs = []
             for prompt in task_prompts(llm, exs, layout):
-                runs.append(measure_staleness(llm.affix_store, prompt, ANSWER_LENGTH))
+                runs.append(measure_staleness(llm.affix_store, prompt, answer_length(task)))
                 bar.update(1)
             keys = [sum(layer) / len(runs) for layer in zip(*(r.key_cosine for r in runs), strict=True)]
             values = [sum(layer) / len(runs) for layer in zip(*(r.value_cosine for r in runs), strict=True)]

@@ -11,7 +11,7 @@ from acache.llm import LLM
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.sampling_params import SamplingParams
 from acache.tasks.generators import TASKS, Example, held_out
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, render
+from acache.tasks.render import LAYOUTS, answer_length, render
 
 
 @dataclass
@@ -24,6 +24,12 @@ class TaskScore:
     @property
     def accuracy(self) -> float:
         return self.correct / self.total if self.total else 0.0
+
+
+def task_params(task: str, **overrides) -> SamplingParams:
+    """The study's decoding: the task's answer region as one block, threshold 0.9, dual cache."""
+    n = answer_length(task)
+    return SamplingParams(gen_length=n, block_length=n, threshold=0.9, cache="dual", **overrides)
 
 
 def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:
@@ -42,15 +48,13 @@ def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example],
     return sum(o.text.split() == list(e.answer) for o, e in zip(outs, examples, strict=True))
 
 
-def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, params: SamplingParams | None = None,
-             tasks: tuple[str, ...] = TASKS, layouts: tuple[str, ...] = LAYOUTS) -> list[TaskScore]:
-    params = params or SamplingParams(gen_length=ANSWER_LENGTH, block_length=ANSWER_LENGTH, threshold=0.9,
-                                      cache="dual")
+def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
+             layouts: tuple[str, ...] = LAYOUTS) -> list[TaskScore]:
     scores = []
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
+            correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, task_params(task))
             scores.append(TaskScore(task, layout, correct, len(exs)))
     return scores
 

@@ -12,7 +12,17 @@ from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.tasks.generators import WORDS, Example
 
 LAYOUTS = ("prefix", "infix", "suffix")
-ANSWER_LENGTH = 8  # the generation region: answers are padded with EOS to this many tokens
+#: The generation region per task: its longest answer plus one EOS, so the model learns to stop. Kept
+#: tight on purpose: every extra masked column is one more all-alike position the answer slot must be
+#: told apart from, and with 8 columns the name lookup was not learned at all (docs/model.md, run 8).
+ANSWER_LENGTHS = {"qa1": 2, "twohop": 2, "bind": 2, "arith": 6}
+
+
+def answer_length(task: str) -> int:
+    """How many columns the task's answers are generated in (answer words, then EOS padding)."""
+    if task not in ANSWER_LENGTHS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(ANSWER_LENGTHS)}")
+    return ANSWER_LENGTHS[task]
 
 
 def build_word_tokenizer() -> HFTokenizer:
@@ -30,7 +40,7 @@ def build_word_tokenizer() -> HFTokenizer:
 @dataclass(frozen=True)
 class Rendered:
     prompt: AffixPrompt
-    answer: tuple[int, ...]  # answer ids padded with EOS to ANSWER_LENGTH
+    answer: tuple[int, ...]  # answer ids padded with EOS to the task's answer_length
 
 
 def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
@@ -41,7 +51,8 @@ def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
     segments = layout_segments(layout, affix, question, "answer :")
     prompt = resolve_segments(segments, encode)
     answer = encode(" ".join(example.answer))
-    if len(answer) > ANSWER_LENGTH:
-        raise ValueError(f"answer {example.answer} is longer than {ANSWER_LENGTH} tokens")
-    return Rendered(prompt, tuple(answer + [eos_id] * (ANSWER_LENGTH - len(answer))))
+    length = answer_length(example.task)
+    if len(answer) >= length:
+        raise ValueError(f"answer {example.answer} does not fit {example.task}'s {length} columns with an EOS")
+    return Rendered(prompt, tuple(answer + [eos_id] * (length - len(answer))))
 

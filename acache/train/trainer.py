@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
 from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
+from acache.tasks.render import LAYOUTS, build_word_tokenizer, render
 
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
@@ -176,12 +176,12 @@ class Batcher:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def row(self, example, layout: str) -> tuple[list[int], int]:
-        """The example's full sequence (answer in place) and where its answer starts."""
+    def row(self, example, layout: str) -> tuple[list[int], int, int]:
+        """The example's full sequence (answer in place), where its answer starts, and its length."""
         r = render(example, layout, self.encode, self.eos)
         ids = list(r.prompt.token_ids)
         g = r.prompt.gen_at
-        return ids[:g] + list(r.answer) + ids[g:], g
+        return ids[:g] + list(r.answer) + ids[g:], g, len(r.answer)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid``."""
@@ -196,16 +196,16 @@ class Batcher:
             rows.append(self.row(example, self.rng.choice(LAYOUTS)))
         return self.collate(rows)
 
-    def collate(self, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, ...]:
-        width = max(len(ids) for ids, _ in rows)
+    def collate(self, rows: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, ...]:
+        width = max(len(ids) for ids, _, _ in rows)
         b = len(rows)
         ids = torch.full((b, width), self.pad, dtype=torch.long)
         answer = torch.zeros((b, width), dtype=torch.bool)
         valid = torch.zeros((b, width), dtype=torch.bool)
-        for i, (row, g) in enumerate(rows):
+        for i, (row, g, n) in enumerate(rows):
             ids[i, :len(row)] = torch.tensor(row)
             valid[i, :len(row)] = True
-            answer[i, g:g + ANSWER_LENGTH] = True
+            answer[i, g:g + n] = True
         positions = torch.arange(width).expand(b, -1).contiguous()
         return ids, answer, positions, valid
 
@@ -214,7 +214,7 @@ def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, we
     """Per-token loss weights ``[B, T]``: zero where not masked; ``1/t`` or answer length / masked count."""
     if weighting == "inverse_t":
         return masked.float() / t
-    return masked.float() * ANSWER_LENGTH / (masked & answer).sum(-1, keepdim=True).clamp_min(1)
+    return masked.float() * answer.sum(-1, keepdim=True) / (masked & answer).sum(-1, keepdim=True).clamp_min(1)
 
 
 def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
@@ -226,7 +226,7 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
     answer length / answer tokens masked: what ``1/t`` estimates, but bounded by the answer length.
-    With 8-token answers a row with small ``t`` masks one token and ``1/t`` gives that token a weight
+    With a 6-column answer a row with small ``t`` masks one token and ``1/t`` gives that token a weight
     up to 1000, so one row steers the whole step (docs/model.md, run 7). ``reduction="mean"`` divides
     each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
@@ -251,7 +251,9 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0 and eos_id is not None:
         weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
-    return (ce * weight).sum() / (b * (ANSWER_LENGTH if reduction == "mean" else 1))
+    if reduction == "mean":
+        weight = weight / answer.sum(-1, keepdim=True).clamp_min(1)
+    return (ce * weight).sum() / b
 
 
 class Probe:

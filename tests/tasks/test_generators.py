@@ -7,7 +7,7 @@ import random
 import pytest
 
 from acache.tasks.generators import TASKS, bind, examples, held_out
-from acache.tasks.render import ANSWER_LENGTH, LAYOUTS, build_word_tokenizer, render
+from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, answer_length, build_word_tokenizer, render
 
 
 def sentences(words):
@@ -80,11 +80,23 @@ def test_layouts_and_tokenizer():
     for layout, r in rendered.items():
         (span,) = r.prompt.affixes
         assert tok.decode(list(r.prompt.affix_ids(span))) == "story : " + " ".join(ex.affix)
-        assert len(r.answer) == ANSWER_LENGTH and tok.decode(list(r.answer)) == " ".join(ex.answer)
+        assert len(r.answer) == answer_length("arith") and tok.decode(list(r.answer)) == " ".join(ex.answer)
+        assert r.answer[-1] == eos  # room for the EOS that ends the answer
         assert r.prompt.gen_at == (len(r.prompt.token_ids) - span.length if layout == "suffix"
                                    else len(r.prompt.token_ids))
     assert rendered["prefix"].prompt.affixes[0].start == 0
     assert rendered["infix"].prompt.affixes[0].start > 0
+
+
+def test_every_answer_fits_its_task_region_with_an_eos():
+    from acache.tasks.generators import TRAIN_GENERATORS
+
+    assert set(ANSWER_LENGTHS) == set(TRAIN_GENERATORS)
+    for task in TRAIN_GENERATORS:
+        longest = max(len(e.answer) for e in held_out(task, 200, 8, seed=3))
+        assert longest + 1 == answer_length(task)  # tight: one EOS column, no more
+    with pytest.raises(ValueError, match="unknown task 'qa9'"):
+        answer_length("qa9")
 
 
 def test_train_and_eval_streams_are_disjoint():
