@@ -105,17 +105,12 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
     ``n`` requests in the prefix layout; gen is qa1's answer region in one block, a step per column."""
     import random
 
-    from acache.models.checkpoint import SPECIAL_TOKENS
     from acache.models.tokenizer import Tokenizer
     from acache.tasks.generators import qa1
-    from acache.tasks.render import answer_length, render
+    from acache.tasks.render import answer_length, render_prompts
 
-    tok = Tokenizer.from_dir(model_dir)
-    eos = tok.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
-    rng = random.Random(f"bench:{seed}")
-    story = qa1(rng, sentences, questions=8)
-    prompts = [render(story[i % len(story)], "prefix", lambda t: tok.encode(t, add_special_tokens=False), eos).prompt
-               for i in range(n)]
+    story = qa1(random.Random(f"bench:{seed}"), sentences, questions=8)
+    prompts = render_prompts(Tokenizer.from_dir(model_dir), [story[i % len(story)] for i in range(n)], "prefix")
     span = prompts[0].affixes[0]
     question = len(prompts[0].token_ids) - span.length
     gen = answer_length("qa1")

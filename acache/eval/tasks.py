@@ -8,10 +8,9 @@ from pathlib import Path
 
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
-from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.sampling_params import SamplingParams
 from acache.tasks.generators import TASKS, Example, held_out
-from acache.tasks.render import LAYOUTS, answer_length, render
+from acache.tasks.render import LAYOUTS, answer_length, render_prompts
 
 
 @dataclass
@@ -28,18 +27,16 @@ class TaskScore:
 
 def task_params(task: str, **overrides) -> SamplingParams:
     """The study's decoding: the task's answer region as one block, threshold 0.9, dual cache."""
+    fixed = {"gen_length", "block_length"} & set(overrides)
+    if fixed:
+        raise ValueError(f"{sorted(fixed)} are set by the task's answer region, not by the caller")
     n = answer_length(task)
     return SamplingParams(gen_length=n, block_length=n, threshold=0.9, cache="dual", **overrides)
 
 
 def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:
     """The examples rendered in ``layout`` with the model's tokenizer (the story marked as the affix)."""
-    eos = llm.tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
-
-    def encode(text: str) -> list[int]:
-        return llm.tokenizer.encode(text, add_special_tokens=False)
-
-    return [render(e, layout, encode, eos).prompt for e in examples]
+    return render_prompts(llm.tokenizer, examples, layout)
 
 
 def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example], params: SamplingParams) -> int:

@@ -43,6 +43,16 @@ class Rendered:
     answer: tuple[int, ...]  # answer ids padded with EOS to the task's answer_length
 
 
+def render_prompts(tokenizer, examples: list[Example], layout: str) -> list[AffixPrompt]:
+    """The examples' prompts in ``layout`` with a model's tokenizer (the story marked as the affix)."""
+    eos = tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return [render(e, layout, encode, eos).prompt for e in examples]
+
+
 def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
     """The example in ``layout``: prefix ``[story][question] answer :[GEN]``, infix ``[question][story]
     answer :[GEN]``, suffix ``[question] answer :[GEN][story]``."""
@@ -52,7 +62,7 @@ def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
     prompt = resolve_segments(segments, encode)
     answer = encode(" ".join(example.answer))
     length = answer_length(example.task)
-    if len(answer) >= length:
-        raise ValueError(f"answer {example.answer} does not fit {example.task}'s {length} columns with an EOS")
+    if len(answer) > length:
+        raise ValueError(f"answer {example.answer} is longer than {example.task}'s {length} answer columns")
     return Rendered(prompt, tuple(answer + [eos_id] * (length - len(answer))))
 

@@ -1,10 +1,13 @@
 """Trains a small LLaDA-architecture diffusion LM on the task suite with the masked-diffusion objective.
 
-Per sequence ``t ~ U(0, 1]``; each answer token is masked with probability ``t`` (at least one), and the
-loss is the cross-entropy on masked answer tokens weighted by ``1 / t`` (LLaDA's SFT objective; the
-prompt, affix included, stays visible unless ``context_mask_rate`` masks some of it too, with the same
-weighting). Sequences are drawn fresh every step: a task, a layout, and a context whose length grows
-over the curriculum. The result is written in the upstream LLaDA layout, so the public loader reads it.
+Per sequence ``t ~ U(0, 1]``; each answer token is masked with probability ``t`` (at least one), and the loss
+is the cross-entropy on masked answer tokens weighted by ``1 / t`` (LLaDA's SFT objective; the prompt, affix
+included, stays visible unless ``context_mask_rate`` masks some of it too, with the same weighting).
+``answer_masking="all"`` (per config or per stage) fixes ``t = 1``, and ``eos_weight`` scales the loss on the
+answer's EOS padding. Each task's answer region has its own length (``acache.tasks.render.ANSWER_LENGTHS``),
+recorded in ``training_log.json``. Sequences are drawn fresh every step: a task, a layout, and a context whose
+length grows over the curriculum. The result is written in the upstream LLaDA layout, so the public loader
+reads it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tqdm.auto import tqdm
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
 from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache.tasks.render import LAYOUTS, build_word_tokenizer, render
+from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, build_word_tokenizer, render
 
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
@@ -41,7 +44,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Stage:
-    """A curriculum stage: for ``steps`` steps, draw these tasks with contexts of this many sentences."""
+    """A curriculum stage: for ``steps`` steps, draw these tasks with contexts of this many sentences,
+    optionally with its own ``answer_masking``."""
 
     steps: int
     tasks: tuple[str, ...]
@@ -104,8 +108,8 @@ class TrainConfig:
             try:
                 raw["stages"] = tuple(Stage(**{**st, "tasks": tuple(st["tasks"])}) for st in raw["stages"])
             except (TypeError, KeyError) as exc:
-                raise ValueError(f"{path}: a stage needs steps, tasks, min_sentences and max_sentences "
-                                 f"({exc})") from None
+                raise ValueError(f"{path}: a stage needs steps, tasks, min_sentences and max_sentences, and "
+                                 f"may set answer_masking ({exc})") from None
         return cls(**raw)
 
     def __post_init__(self) -> None:
@@ -232,6 +236,11 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
     (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``).
     """
+    if masking not in ("rate_t", "all") or reduction not in ("mean", "sum") or \
+            weighting not in ("inverse_t", "masked_count"):
+        raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
+    if eos_weight != 1.0 and eos_id is None:
+        raise ValueError("eos_weight needs eos_id")
     b, t_len = ids.shape
     # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
     # tames the variance of the 1/t weight
@@ -251,8 +260,10 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0 and eos_id is not None:
         weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
-    if reduction == "mean":
-        weight = weight / answer.sum(-1, keepdim=True).clamp_min(1)
+    if reduction == "mean":  # answer columns over the row's answer length, context over its length
+        context = valid & ~answer
+        weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
+                             weight / context.sum(-1, keepdim=True).clamp_min(1))
     return (ce * weight).sum() / b
 
 
@@ -368,7 +379,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     out = Path(config.out)
     save_checkpoint(model, out, tokenizer, tokenizer_config("llada", tokenizer))
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
-               "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probes": probes}
+               "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
+               "log": log, "probes": probes}
     (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_loss(log, out / "loss_curve.png", probes)
     return summary

@@ -54,3 +54,13 @@ def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
     infix = records[1]
     assert min(infix["key_cosine"][1], infix["value_cosine"][1]) < 1.0 - 1e-6
     assert plot_profile(records, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_task_params_decode_the_task_answer_region_in_one_block():
+    from acache.eval.tasks import task_params
+
+    qa1, arith = task_params("qa1"), task_params("arith", affix_policy="none", seed=3)
+    assert (qa1.gen_length, qa1.block_length, qa1.threshold, qa1.cache) == (2, 2, 0.9, "dual")
+    assert (arith.gen_length, arith.block_length, arith.affix_policy) == (6, 6, "none")
+    with pytest.raises(ValueError, match=r"\['gen_length'\] are set by the task's answer region"):
+        task_params("qa1", gen_length=8)

@@ -23,6 +23,7 @@ def test_short_training_run_lowers_the_loss(tmp_path):
     assert losses[-1] < 0.6 * losses[0], losses
     written = json.loads((tmp_path / "m" / "training_log.json").read_text())
     assert written["steps_done"] == 120 and (tmp_path / "m" / "loss_curve.png").exists()
+    assert written["answer_lengths"]["qa1"] == 2 and written["answer_lengths"]["arith"] == 6
     assert [r["step"] for r in written["probes"]] == [60, 120]
     assert all(0.0 <= r["accuracy"]["qa1"] <= 1.0 for r in written["probes"])
     from acache.models.loader import load_model
@@ -78,44 +79,58 @@ def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
 
 
 def test_loss_weights():
-    ANSWER_LENGTH = 6
-
-    answer = torch.zeros(2, 12, dtype=torch.bool)
-    answer[:, 2:2 + ANSWER_LENGTH] = True
+    answer = torch.zeros(3, 12, dtype=torch.bool)
+    answer[:2, 2:8] = True  # two 6-column answers (a worked sum)
+    answer[2, 3:5] = True  # a 2-column one (a place)
     masked = torch.zeros_like(answer)
     masked[0, 2] = True  # one answer token masked
-    masked[1, 2:2 + ANSWER_LENGTH] = True  # all of them
-    t = torch.tensor([[0.01], [1.0]])
+    masked[1] = answer[1]  # all of them
+    masked[2, 3] = True  # one of two
+    t = torch.tensor([[0.01], [1.0], [0.5]])
     inv = loss_weights(masked, answer, t, "inverse_t")
-    assert inv[0, 2] == pytest.approx(100.0) and inv[1, 2:2 + ANSWER_LENGTH].eq(1.0).all()
+    assert inv[0, 2] == pytest.approx(100.0) and inv[1, 2:8].eq(1.0).all() and inv[2, 3] == 2.0
     count = loss_weights(masked, answer, t, "masked_count")
-    assert count[0, 2] == ANSWER_LENGTH and count[1].sum() == ANSWER_LENGTH  # bounded by the answer length
+    assert count[0, 2] == 6 and count[1].sum() == 6  # bounded by the row's own answer length
+    assert count[2, 3] == 2 and count[2].sum() == 2
     assert inv[~masked].eq(0).all() and count[~masked].eq(0).all()
 
 
-def test_sum_reduction_is_the_mean_times_the_answer_length():
+def _mixed_batch():
     from acache.models.checkpoint import random_config
     from acache.models.llada import LLaDAModel
-    from acache.train.trainer import masked_diffusion_loss
 
-    config = TrainConfig(tasks=("arith",), batch_size=4)
+    config = TrainConfig(tasks=("qa1", "arith"), batch_size=8)
     batcher = Batcher(config, build_word_tokenizer())
     model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
     ids, answer, positions, valid = batcher.batch(0)
-    losses = [masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask,
-                                    torch.Generator().manual_seed(3), reduction=r) for r in ("mean", "sum")]
-    assert losses[1].item() == pytest.approx(answer[0].sum().item() * losses[0].item(), rel=1e-5)
+    assert set(answer.sum(-1).tolist()) == {2, 6}  # rows of both lengths in one batch
+    return batcher, model, ids, answer, positions, valid
+
+
+def test_each_row_is_normalised_by_its_own_answer_length():
+    from acache.train.trainer import masked_diffusion_loss
+
+    batcher, model, ids, answer, positions, valid = _mixed_batch()
+    noisy = torch.where(answer, torch.full_like(ids, batcher.mask), ids)
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(model.logits(model(noisy, positions, valid).hidden).transpose(1, 2),
+                                               ids, reduction="none")
+        per_row_sum = (ce * answer).sum(-1)
+        losses = {r: masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask,
+                                           torch.Generator().manual_seed(3), reduction=r, masking="all").item()
+                  for r in ("mean", "sum")}
+    assert losses["sum"] == pytest.approx(per_row_sum.mean().item(), rel=1e-4)
+    assert losses["mean"] == pytest.approx((per_row_sum / answer.sum(-1)).mean().item(), rel=1e-4)
+    with pytest.raises(ValueError, match="unknown masking 'some'"):
+        masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, torch.Generator(), masking="some")
+    with pytest.raises(ValueError, match="eos_weight needs eos_id"):
+        masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, torch.Generator(), eos_weight=0.5)
 
 
 def test_all_answer_masking_and_eos_weight():
-    from acache.models.checkpoint import random_config
-    from acache.models.llada import LLaDAModel
     from acache.train.trainer import masked_diffusion_loss
 
-    config = TrainConfig(tasks=("qa1",), batch_size=4)
-    batcher = Batcher(config, build_word_tokenizer())
-    model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
-    ids, answer, positions, valid = batcher.batch(0)
+    batcher, model, ids, answer, positions, valid = _mixed_batch()
     words = answer & (ids != batcher.eos)
 
     def loss(**kw):
