@@ -1,0 +1,53 @@
+"""The engine benchmark's ideal bounds, its comparison arithmetic, and its task workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from acache.bench.engine import ModeResult, Workload, compare, make_task_requests, run_mode
+from acache.models.loader import load_model
+from acache.train.trainer import ModelShape, TrainConfig, train
+
+
+def test_paper_shape_ideal_bounds():
+    w = Workload()  # 700-token affix, 60-token question, gen 256 in blocks of 32, 64 steps, ratio 0.2
+    assert w.refresh_tokens(False) == 700 + 60 + 256
+    assert w.refresh_tokens(True) == 140 + 60 + 256  # 20% of the affix as anchors
+    in_block = (64 - 8) * 32  # the 56 steps that are not a block's first
+    assert w.token_passes(False) == 8 * 1016 + in_block
+    assert w.token_passes(True) == (60 + 256) + 8 * 456 + in_block  # the selection probe, then refreshes
+
+
+def test_comparison_ratios_and_page_bounds():
+    w = Workload(affix_len=64, question_len=8, gen_length=8, block_length=8, steps=8, ratio=0.25)
+    dual = ModeResult("dual", 2, 1.0, 16, 16.0, 0.8, 0.1, 0.0, 10, 10 * 1024)
+    acache = ModeResult("acache", 2, 0.5, 16, 32.0, 0.2, 0.1, 0.05, 7, 7 * 1024)
+    c = compare(dual, acache, w, page_size=16)
+    assert c.recompute_reduction == pytest.approx(0.75) and c.throughput_gain == pytest.approx(2.0)
+    assert c.recompute_reduction_ideal == pytest.approx(1 - (16 + 8 + 8) / (64 + 8 + 8))
+    # dual: 2 requests x ceil(80 / 16) pages; acache: the shared affix once + 2 x ceil(32 / 16)
+    assert c.peak_kv_reduction_ideal == pytest.approx(1 - (4 + 2 * 2) / (2 * 5))
+    assert c.peak_kv_reduction == pytest.approx(0.3)
+    assert c.fractions()["recompute"] == pytest.approx(0.75 / c.recompute_reduction_ideal)
+
+
+@pytest.fixture(scope="module")
+def task_model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-task-model")
+    train(TrainConfig(out=str(out), steps=2, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
+                      model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)), progress=False)
+    return out
+
+
+def test_task_workload_shares_one_story_and_decodes_the_task_region(task_model_dir):
+    prompts, w = make_task_requests(str(task_model_dir), 5, sentences=4, seed=0)
+    affixes = {tuple(p.affix_ids(p.affixes[0])) for p in prompts}
+    assert len(prompts) == 5 and len(affixes) == 1  # one shared story
+    assert len({tuple(p.token_ids) for p in prompts}) > 1  # asked different questions
+    assert (w.affix_len, w.gen_length, w.block_length, w.steps) == (prompts[0].affixes[0].length, 2, 2, 2)
+    assert w.question_len == len(prompts[0].token_ids) - w.affix_len
+    model = load_model(task_model_dir)
+    for reuse in (False, True):
+        r = run_mode(model, prompts[:2], w, reuse, batch=2, page_size=16, kv_bytes=1 << 22)
+        assert r.decoded_tokens == 2 * w.gen_length and r.throughput_tokens_per_s > 0
+        assert r.peak_kv_pages > 0
