@@ -86,6 +86,9 @@ class TrainConfig:
     #: explicit curriculum; when given, the stages' steps sum to ``steps`` and replace tasks,
     #: min/max_sentences and curriculum_steps (which otherwise make one stage whose context grows)
     stages: tuple[Stage, ...] = ()
+    #: a checkpoint directory whose weights the run starts from instead of a fresh initialisation (same
+    #: model shape); the steps, schedule and data stream start from the beginning
+    init_from: str | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -143,6 +146,8 @@ class TrainConfig:
             raise ValueError("need 1 <= min_sentences <= max_sentences")
         if self.eval_every < 0 or self.eval_examples <= 0 or self.eval_sentences < 1:
             raise ValueError("eval_every must be >= 0, eval_examples and eval_sentences positive")
+        if self.init_from and not (Path(self.init_from) / "config.json").is_file():
+            raise FileNotFoundError(f"init_from: no checkpoint at {self.init_from} (no config.json)")
         if self.model.rope_theta is not None and self.model.rope_theta <= 0:
             raise ValueError("model.rope_theta must be positive")
 
@@ -308,6 +313,22 @@ def init_for_training_(model: LLaDAModel, seed: int, std: float, embed_std: floa
         model.embed.weight.normal_(0.0, embed_std, generator=embed_generator)
 
 
+def start_from_(model: LLaDAModel, path: str | Path) -> None:
+    """Copies a checkpoint's weights into ``model``, or says which part of the shape differs."""
+    from acache.models.loader import load_model
+
+    source = load_model(path)
+    mine, theirs = model.config, source.config
+    fields = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+    diff = [f"{f} {getattr(theirs, f)} (config: {getattr(mine, f)})" for f in fields
+            if getattr(mine, f) != getattr(theirs, f)]
+    if diff:
+        raise ValueError(f"init_from {path}: the checkpoint's shape differs: " + ", ".join(diff))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), source.parameters(), strict=True):
+            p.copy_(q.to(p.dtype))
+
+
 def train(config: TrainConfig, progress: bool = True) -> dict:
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
@@ -322,6 +343,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     model = LLaDAModel(model_config)
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed))
+    if config.init_from:
+        start_from_(model, config.init_from)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

@@ -149,6 +149,28 @@ def test_all_answer_masking_and_eos_weight():
         assert loss(eos_weight=0.5).item() == pytest.approx(half, rel=1e-4)
 
 
+def test_init_from_starts_at_a_checkpoint(tmp_path):
+    from acache.models.loader import load_model
+
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    first = TrainConfig(out=str(tmp_path / "a"), steps=3, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
+                        model=shape)
+    train(first, progress=False)
+    # a learning rate of ~0: the continued run's weights are the checkpoint's, not a fresh init
+    resumed = TrainConfig(out=str(tmp_path / "b"), steps=1, batch_size=2, lr=1e-12, warmup=1, bf16=False,
+                          tasks=("qa1",), model=shape, seed=5, init_from=str(tmp_path / "a"))
+    train(resumed, progress=False)
+    a, b = load_model(tmp_path / "a"), load_model(tmp_path / "b")
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+    wider = TrainConfig(out=str(tmp_path / "c"), steps=1, tasks=("qa1",), init_from=str(tmp_path / "a"),
+                        model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"shape differs: num_layers 1 \(config: 2\)"):
+        train(wider, progress=False)
+    with pytest.raises(FileNotFoundError, match="init_from: no checkpoint at"):
+        TrainConfig(init_from=str(tmp_path / "missing"))
+
+
 def test_committed_configs_are_valid():
     from acache.paths import REPO_ROOT
 
