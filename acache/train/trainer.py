@@ -146,8 +146,6 @@ class TrainConfig:
             raise ValueError("need 1 <= min_sentences <= max_sentences")
         if self.eval_every < 0 or self.eval_examples <= 0 or self.eval_sentences < 1:
             raise ValueError("eval_every must be >= 0, eval_examples and eval_sentences positive")
-        if self.init_from and not (Path(self.init_from) / "config.json").is_file():
-            raise FileNotFoundError(f"init_from: no checkpoint at {self.init_from} (no config.json)")
         if self.model.rope_theta is not None and self.model.rope_theta <= 0:
             raise ValueError("model.rope_theta must be positive")
 
@@ -317,6 +315,8 @@ def start_from_(model: LLaDAModel, path: str | Path) -> None:
     """Copies a checkpoint's weights into ``model``, or says which part of the shape differs."""
     from acache.models.loader import load_model
 
+    if not (Path(path) / "config.json").is_file():  # checked when training starts: an earlier run writes it
+        raise FileNotFoundError(f"init_from: no checkpoint at {path} (no config.json)")
     source = load_model(path)
     mine, theirs = model.config, source.config
     fields = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")

@@ -168,7 +168,7 @@ def test_init_from_starts_at_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"shape differs: num_layers 1 \(config: 2\)"):
         train(wider, progress=False)
     with pytest.raises(FileNotFoundError, match="init_from: no checkpoint at"):
-        TrainConfig(init_from=str(tmp_path / "missing"))
+        train(TrainConfig(out=str(tmp_path / "d"), steps=1, init_from=str(tmp_path / "missing")), progress=False)
 
 
 def test_committed_configs_are_valid():
