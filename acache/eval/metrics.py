@@ -20,7 +20,10 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
     z2 = z * z
     centre = (p + z2 / (2 * total)) / (1 + z2 / total)
     half = z * math.sqrt(p * (1 - p) / total + z2 / (4 * total * total)) / (1 + z2 / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exactly 0 at 0% and 1 at 100% (rounding would leave the point a hair outside its own interval)
+    lo = 0.0 if correct == 0 else max(0.0, centre - half)
+    hi = 1.0 if correct == total else min(1.0, centre + half)
+    return min(lo, p), max(hi, p)
 
 
 @dataclass(frozen=True)

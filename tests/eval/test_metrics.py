@@ -73,3 +73,12 @@ def test_cells_round_trip_through_dicts():
         raw = cell.as_dict()
         assert Cell.from_dict(raw) == cell
         assert raw["ci95"][0] <= raw["accuracy"] <= raw["ci95"][1]
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 300])
+def test_every_point_lies_inside_its_own_interval(n):
+    # the plot's error bars are point - lower and upper - point: rounding must never make one negative
+    for k in range(n + 1):
+        lo, hi = wilson_interval(k, n)
+        assert lo <= k / n <= hi
+    assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0
