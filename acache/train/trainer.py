@@ -29,6 +29,10 @@ from acache.models.llada import LLaDAModel
 from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, build_word_tokenizer, render
 
+#: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
+WEIGHTINGS = ("inverse_t", "masked_count")
+REDUCTIONS = ("mean", "sum")
+MASKINGS = ("rate_t", "all")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
 
@@ -131,14 +135,14 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be positive")
         if self.grad_clip <= 0 or self.adam_eps <= 0:
             raise ValueError("grad_clip and adam_eps must be positive")
-        if self.answer_reduction not in ("mean", "sum"):
+        if self.answer_reduction not in REDUCTIONS:
             raise ValueError(f"answer_reduction must be 'mean' or 'sum', not {self.answer_reduction!r}")
         for masking in (self.answer_masking, *(st.answer_masking for st in self.stages if st.answer_masking)):
-            if masking not in ("rate_t", "all"):
+            if masking not in MASKINGS:
                 raise ValueError(f"answer_masking must be 'rate_t' or 'all', not {masking!r}")
         if self.eos_weight < 0:
             raise ValueError("eos_weight must be >= 0")
-        if self.loss_weighting not in ("inverse_t", "masked_count"):
+        if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.init_std <= 0 or self.embed_init_std <= 0:
             raise ValueError("init_std and embed_init_std must be positive")
@@ -239,8 +243,7 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
     (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``).
     """
-    if masking not in ("rate_t", "all") or reduction not in ("mean", "sum") or \
-            weighting not in ("inverse_t", "masked_count"):
+    if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
     if eos_weight != 1.0 and eos_id is None:
         raise ValueError("eos_weight needs eos_id")
@@ -261,7 +264,7 @@ def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Te
     logits = model.logits(hidden)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
-    if eos_weight != 1.0 and eos_id is not None:
+    if eos_weight != 1.0:
         weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
     if reduction == "mean":  # answer columns over the row's answer length, context over its length
         context = valid & ~answer
