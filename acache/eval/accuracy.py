@@ -119,6 +119,7 @@ def main(args) -> int:
     cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts)
     written = write_report(cells, args.out)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
         written.append(Path(args.json))
     print(summary_table(cells))

@@ -67,5 +67,6 @@ def main(args) -> int:
         row = {s.layout: s for s in scores if s.task == task}
         print(f"| {task} | " + " | ".join(f"{100 * row[lay].accuracy:.1f}%" for lay in LAYOUTS) + " |")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([s.__dict__ | {"accuracy": s.accuracy} for s in scores], indent=2))
     return 0

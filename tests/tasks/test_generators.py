@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from acache.tasks.generators import TASKS, bind, examples, held_out
+from acache.tasks.generators import TASKS, bind, count, examples, held_out
 from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, answer_length, build_word_tokenizer, render
 
 
@@ -31,11 +31,14 @@ def solve(example):
             holder[s[4]] = s[0]
         elif s[1] == "has":
             holds[(s[0], s[3])] = int(s[2])
+            assert s[3] == example.question[2]  # the worksheet is about the item asked for
     q = example.question
     if example.task in ("qa1", "bind"):
         return (where[q[2]],)
     if example.task == "twohop":
         return (where[holder[q[3]]],)
+    if example.task == "count":
+        return (str(holds[(q[4], q[2])]),)
     item, a, b = q[2], q[4], q[6]
     x, y = holds[(a, item)], holds[(b, item)]
     return (str(x), "+", str(y), "=", str(x + y))
@@ -119,3 +122,12 @@ def test_bind_warm_up_mentions_each_person_once():
             people = [s[0] for s in sentences(ex.affix)]
             assert len(people) == len(set(people)) == size
             assert solve(ex) == ex.answer and ex.task == "bind"
+
+
+def test_worksheets_name_each_person_once_and_count_asks_one_of_them():
+    rng = random.Random(5)
+    for size in (2, 5, 8):
+        for ex in count(rng, size) + examples("arith", seed=size, count=3, size=size):
+            people = [s[0] for s in sentences(ex.affix)]
+            assert len(people) == len(set(people)) == size  # so a count is found by the name alone
+            assert solve(ex) == ex.answer
