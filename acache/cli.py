@@ -224,6 +224,10 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes of the KV page pool")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per mode and batch size, interleaved; the median by wall time is reported")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the untimed warm-up pair before timing")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
     p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")

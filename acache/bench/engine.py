@@ -10,6 +10,7 @@ included) for throughput, and the page-count ratio for peak KV memory.
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -82,9 +83,13 @@ class Comparison:
     peak_kv_reduction_ideal: float
 
     def fractions(self) -> dict[str, float]:
-        return {"recompute": self.recompute_reduction / self.recompute_reduction_ideal,
-                "throughput": self.throughput_gain / self.throughput_gain_ideal,
-                "memory": self.peak_kv_reduction / self.peak_kv_reduction_ideal}
+        """Each measured ratio over its ideal; NaN where the ideal is zero (nothing to reach)."""
+        def over(measured: float, ideal: float) -> float:
+            return measured / ideal if ideal else math.nan
+
+        return {"recompute": over(self.recompute_reduction, self.recompute_reduction_ideal),
+                "throughput": over(self.throughput_gain, self.throughput_gain_ideal),
+                "memory": over(self.peak_kv_reduction, self.peak_kv_reduction_ideal)}
 
 
 def make_requests(model: DiffusionLM, w: Workload, n: int, seed: int) -> list[AffixPrompt]:
@@ -143,6 +148,13 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
                       s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"])
 
 
+def median_run(runs: list[ModeResult]) -> ModeResult:
+    """The run of median wall time: on a tiny model one run lasts milliseconds and a single one is noise."""
+    if not runs:
+        raise ValueError("no runs to take the median of")
+    return sorted(runs, key=lambda r: r.wall_time_s)[len(runs) // 2]
+
+
 def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int) -> Comparison:
     def pages(tokens: int) -> int:
         return -(-tokens // page_size)
@@ -176,7 +188,7 @@ def markdown(results: list[ModeResult], comparisons: list[Comparison]) -> str:
                      f"({-100 * c.recompute_reduction_ideal:+.1f}%) | "
                      f"{c.throughput_gain:.2f}x ({c.throughput_gain_ideal:.2f}x) | "
                      f"{-100 * c.peak_kv_reduction:+.1f}% ({-100 * c.peak_kv_reduction_ideal:+.1f}%) | "
-                     f"{100 * f['recompute']:.0f}% / {100 * f['throughput']:.0f}% / {100 * f['memory']:.0f}% |")
+                     + " / ".join("-" if math.isnan(v) else f"{100 * v:.0f}%" for v in f.values()) + " |")
     return "\n".join(lines)
 
 
@@ -212,6 +224,8 @@ def plot(comparisons: list[Comparison], path: Path) -> bool:
 
 
 def main(args) -> int:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, not {args.repeats}")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     if args.model:
         model = load_model(args.model, dtype=dtype, device=device)
@@ -228,22 +242,32 @@ def main(args) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())
-    with tqdm(total=2 * len(batches), desc="bench engine", unit="run") as bar:
+
+    def requests(b: int) -> tuple[list[AffixPrompt], Workload]:
+        if args.workload == "tasks":
+            return make_task_requests(args.model, b, args.sentences, args.seed)
+        return make_requests(model, w, b, args.seed + b), w
+
+    if args.warmup:  # one untimed pair first, so the first timed run does not pay for lazy initialisation
+        prompts, wb = requests(batches[0])
+        for reuse in (False, True):
+            run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
+    with tqdm(total=2 * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
-            if args.workload == "tasks":
-                prompts, w = make_task_requests(args.model, b, args.sentences, args.seed)
-            else:
-                prompts = make_requests(model, w, b, args.seed + b)
-            pair = {}
-            for reuse in (False, True):
-                pair[reuse] = run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory)
-                results.append(pair[reuse])
-                bar.update(1)
+            prompts, w = requests(b)
+            runs: dict[bool, list[ModeResult]] = {False: [], True: []}
+            for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both modes alike
+                for reuse in (False, True):
+                    runs[reuse].append(run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory))
+                    bar.update(1)
+            pair = {reuse: median_run(r) for reuse, r in runs.items()}
+            results += [pair[False], pair[True]]
             comparisons.append(compare(pair[False], pair[True], w, args.page_size))
     header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
               f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
+              f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")
     table = markdown(results, comparisons)
     print(header)
     print(table)

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
-from acache.bench.engine import ModeResult, Workload, compare, make_task_requests, run_mode
+from acache.bench.engine import (
+    Comparison,
+    ModeResult,
+    Workload,
+    compare,
+    make_task_requests,
+    markdown,
+    median_run,
+    run_mode,
+)
 from acache.models.loader import load_model
 from acache.train.trainer import ModelShape, TrainConfig, train
 
@@ -31,6 +43,21 @@ def test_comparison_ratios_and_page_bounds():
     assert c.fractions()["recompute"] == pytest.approx(0.75 / c.recompute_reduction_ideal)
 
 
+def test_median_run_is_the_middle_by_wall_time():
+    runs = [ModeResult("dual", 1, wall, 2, 2 / wall, 0.0, 0.0, 0.0, 1, 1) for wall in (0.9, 0.1, 0.5, 3.0, 0.4)]
+    assert median_run(runs).wall_time_s == 0.5
+    assert median_run(runs[:2]).wall_time_s == 0.9  # the upper middle of an even count
+    with pytest.raises(ValueError, match="no runs"):
+        median_run([])
+
+
+def test_an_ideal_of_zero_has_no_fraction_of_it():
+    c = Comparison(1, 0.5, 0.6, 1.5, 1.8, 0.0, 0.0)  # one request: no pages to save
+    f = c.fractions()
+    assert f["throughput"] == pytest.approx(1.5 / 1.8) and math.isnan(f["memory"])
+    assert markdown([], [c]).splitlines()[-1].endswith("| 83% / 83% / - |")
+
+
 @pytest.fixture(scope="module")
 def task_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-task-model")
@@ -51,3 +78,19 @@ def test_task_workload_shares_one_story_and_decodes_the_task_region(task_model_d
         r = run_mode(model, prompts[:2], w, reuse, batch=2, page_size=16, kv_bytes=1 << 22)
         assert r.decoded_tokens == 2 * w.gen_length and r.throughput_tokens_per_s > 0
         assert r.peak_kv_pages > 0
+
+
+def test_bench_command_reports_the_median_of_interleaved_repeats(task_model_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--workload", "tasks", "--model", str(task_model_dir), "--sentences", "3",
+            "--batch-sizes", "1,2", "--json", str(out)]
+    assert main([*args, "--repeats", "2"]) == 0
+    written = json.loads(out.read_text())
+    assert [(r["batch"], r["mode"]) for r in written["results"]] == [(1, "dual"), (1, "acache"), (2, "dual"),
+                                                                      (2, "acache")]
+    assert "median of 2 run(s) per mode, after an untimed warm-up" in written["setup"]
+    capsys.readouterr()
+    assert main([*args, "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, not 0" in capsys.readouterr().err
