@@ -4,9 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
-DEMO_MODEL := build/random-llada
+MODEL := models/acache-tiny
+STUDY := docs/study
+STORY := story : mary moved to the kitchen . john went to the garden . sandra travelled to the office . mary journeyed to the bathroom .
+TWOHOP := story : mary went to the garden . john moved to the office . mary picked up the apple . john picked up the milk . mary travelled to the cellar .
+GENERATE := $(VENV)/bin/acache generate --model $(MODEL) --threshold 0.9 --cache dual --answer-prompt "answer :"
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench study clean
 
 install: $(VENV)/.installed
 
@@ -17,19 +21,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-$(DEMO_MODEL)/config.json: | install
-	$(VENV)/bin/acache make-random-checkpoint --family llada --out $(DEMO_MODEL) --layers 4 --hidden-size 128 \
-		--heads 4 --std 0.15
-
-run: install $(DEMO_MODEL)/config.json
-	@echo "== random-weight demo model: the text is noise, the mechanics are real =="
-	$(VENV)/bin/acache generate --model $(DEMO_MODEL) --gen-length 64 --block-length 16 --threshold 0.9 \
-		--cache dual --prompt "The affix cache computes a shared span once." --prompt "Where is Mary?"
-	@echo "== one shared story (the affix) in three requests; ACache recomputes 20% of it =="
-	$(VENV)/bin/acache generate --model $(DEMO_MODEL) --gen-length 16 --block-length 8 --layout infix \
-		--affix "Mary moved to the kitchen. John went to the garden. Sandra journeyed to the office." \
-		--answer-prompt " Answer:" --affix-policy attention --anchor-ratio 0.2 \
-		--prompt "Where is Mary?" --prompt "Where is John?" --prompt "Where is Sandra?"
+run: install
+	@echo "== $(MODEL) answers three questions about one shared story (the affix), computed once and reused:"
+	@echo "== direct reuse (no anchors), ACache with 20% and 50% of the story as anchors, full recompute =="
+	@for policy in "none" "attention --anchor-ratio 0.2" "attention --anchor-ratio 0.5" "all"; do \
+		echo "-- --affix-policy $$policy"; \
+		$(GENERATE) --gen-length 2 --block-length 2 --layout prefix --affix "$(STORY)" --affix-policy $$policy \
+			--prompt "question : where is mary ?" --prompt "question : where is john ?" \
+			--prompt "question : where is sandra ?" || exit 1; \
+	done
+	@echo "== the story after the question (suffix layout): where is the apple? (who took it, where they went) =="
+	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
+		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -37,6 +40,13 @@ test: install
 
 bench: install
 	$(VENV)/bin/acache bench decode
+
+# the accuracy study of docs/accuracy.md on the shipped model: the task scores, the staleness profile and the
+# sweep over tasks x layouts x selectors x anchor ratios (300 held-out requests a point)
+study: install
+	$(VENV)/bin/acache eval tasks --model $(MODEL) --json $(STUDY)/tasks.json
+	$(VENV)/bin/acache eval staleness --model $(MODEL) --out $(STUDY)
+	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 --out $(STUDY)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
