@@ -173,12 +173,17 @@ def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int) -
     )
 
 
+def _secs(x: float) -> str:
+    """Seconds with two decimals, or four under a second (a tiny model's runs last milliseconds)."""
+    return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4f}"
+
+
 def markdown(results: list[ModeResult], comparisons: list[Comparison]) -> str:
     lines = ["| batch | mode | wall s | tokens/s | recompute s | in-block s | selection s | peak KV pages "
              "| peak KV MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r.batch} | {r.mode} | {r.wall_time_s:.1f} | {r.throughput_tokens_per_s:.2f} | "
-                     f"{r.recompute_latency_s:.2f} | {r.step_time_s:.2f} | {r.selection_time_s:.2f} | "
+        lines.append(f"| {r.batch} | {r.mode} | {_secs(r.wall_time_s)} | {r.throughput_tokens_per_s:.2f} | "
+                     f"{_secs(r.recompute_latency_s)} | {_secs(r.step_time_s)} | {_secs(r.selection_time_s)} | "
                      f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} |")
     lines += ["", "| batch | recompute latency (ideal) | throughput (ideal) | peak KV (ideal) "
               "| % of ideal (r / t / m) |", "|---:|---:|---:|---:|---:|"]
