@@ -42,11 +42,15 @@ bench: install
 	$(VENV)/bin/acache bench decode
 
 # the accuracy study of docs/accuracy.md on the shipped model: the task scores, the staleness profile and the
-# sweep over tasks x layouts x selectors x anchor ratios (300 held-out requests a point)
+# sweep over tasks x layouts x selectors x anchor ratios (300 held-out requests a point), BiCache's profiled
+# depth table calibrated on task requests outside the held-out stream
 study: install
 	$(VENV)/bin/acache eval tasks --model $(MODEL) --json $(STUDY)/tasks.json
 	$(VENV)/bin/acache eval staleness --model $(MODEL) --out $(STUDY)
-	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 --out $(STUDY)
+	$(VENV)/bin/acache bicache-profile --model $(MODEL) --calibration tasks --samples 120 --gen-length 2 \
+		--out $(STUDY)/bicache_profile.json
+	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 --out $(STUDY) \
+		--bicache-profile $(STUDY)/bicache_profile.json
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default="results/accuracy", help="directory for accuracy.json/.md/.png")
     p.add_argument("--json", default=None, help="also write the JSON here")
+    p.add_argument("--bicache-profile", default=None,
+                   help="a depth table from `acache bicache-profile`: adds the bicache-profiled selector")
     _add_model_args(p)
     p.set_defaults(func=_cmd_eval_accuracy)
 
@@ -320,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--calibration", default=None,
-                   help="JSONL of {affix, prompt, layout, answer_prompt}; default: random-token requests")
-    p.add_argument("--samples", type=int, default=64, help="random requests when no calibration file is given")
+                   help="JSONL of {affix, prompt, layout, answer_prompt}, or 'tasks' for requests from the task "
+                        "suite (the project's own models); default: random-token requests")
+    p.add_argument("--samples", type=int, default=64, help="requests for 'tasks' or random calibration")
     p.add_argument("--gen-length", type=int, default=32)
     p.add_argument("--tau", type=float, default=0.97)
     p.add_argument("--bins", type=int, default=10)

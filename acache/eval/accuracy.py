@@ -115,8 +115,10 @@ def main(args) -> int:
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {name} {bad[0]!r}; known: {', '.join(known)}")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
-    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
+              bicache_profile=args.bicache_profile)
+    selectors = SELECTORS + ("bicache-profiled",) if args.bicache_profile else SELECTORS
+    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors)
     written = write_report(cells, args.out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
