@@ -30,7 +30,8 @@ run: install
 			--prompt "question : where is mary ?" --prompt "question : where is john ?" \
 			--prompt "question : where is sandra ?" || exit 1; \
 	done
-	@echo "== the story after the question (suffix layout): where is the apple? (who took it, where they went) =="
+	@echo "== two-hop, the story after the question (suffix layout): who took the object, and where did they go? =="
+	@echo "== (the shipped model gets about two in three of these right, docs/model.md: here the milk is with john) =="
 	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
 		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
 
