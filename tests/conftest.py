@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints written in the upstream layout by the project itself."""
+"""Shared fixtures: tiny checkpoints written in the upstream layout by the project itself (random, or trained a
+few steps on the task suite so they carry its word-level tokenizer)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def tiny_checkpoint(root, family: str, **kw):
             "max_seq_len": 512}
     opts.update(kw)
     return make_random_checkpoint(family, root, **opts)
+
+
+@pytest.fixture(scope="session")
+def task_model_dir(tmp_path_factory):
+    """A 2-layer model trained 3 steps on qa1: the task tokenizer and checkpoint layout, no skill."""
+    from acache.train.trainer import ModelShape, TrainConfig, train
+
+    out = tmp_path_factory.mktemp("tiny-task-model")
+    train(TrainConfig(out=str(out), steps=3, batch_size=4, warmup=1, bf16=False, tasks=("qa1",),
+                      model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64)), progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")

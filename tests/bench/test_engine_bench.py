@@ -18,7 +18,6 @@ from acache.bench.engine import (
     run_mode,
 )
 from acache.models.loader import load_model
-from acache.train.trainer import ModelShape, TrainConfig, train
 
 
 def test_paper_shape_ideal_bounds():
@@ -56,14 +55,6 @@ def test_an_ideal_of_zero_has_no_fraction_of_it():
     f = c.fractions()
     assert f["throughput"] == pytest.approx(1.5 / 1.8) and math.isnan(f["memory"])
     assert markdown([], [c]).splitlines()[-1].endswith("| 83% / 83% / - |")
-
-
-@pytest.fixture(scope="module")
-def task_model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench-task-model")
-    train(TrainConfig(out=str(out), steps=2, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
-                      model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)), progress=False)
-    return out
 
 
 def test_task_workload_shares_one_story_and_decodes_the_task_region(task_model_dir):

@@ -9,20 +9,11 @@ import pytest
 from acache import LLM
 from acache.eval.accuracy import sweep, write_report
 from acache.eval.staleness import plot_profile, profile
-from acache.train.trainer import ModelShape, TrainConfig, train
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-task-model")
-    train(TrainConfig(out=str(out), steps=3, batch_size=4, warmup=1, bf16=False, tasks=("qa1",),
-                      model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64)), progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def task_llm(task_dir):
-    return LLM(task_dir)
+def task_llm(task_model_dir):
+    return LLM(task_model_dir)
 
 
 def test_sweep_cells_and_report(task_llm, tmp_path):
@@ -71,7 +62,7 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
         task_params("qa1", gen_length=8)
 
 
-def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_dir, tmp_path):
+def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_model_dir, tmp_path):
     from acache.affix.bicache import profile_bicache
     from acache.affix.calibration import calibration_prompts
     from acache.affix.store import AffixStore
@@ -84,7 +75,7 @@ def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_
     assert [p.gen_at == len(p.token_ids) for p in prompts[:3]] == [True, True, False]  # prefix, infix, suffix
     path = tmp_path / "profile.json"
     profile_bicache(AffixStore(task_llm.model), prompts, gen_length=2).save(path)
-    llm = LLM(task_dir, bicache_profile=path)
+    llm = LLM(task_model_dir, bicache_profile=path)
     cells = sweep(llm, examples=3, tasks=("qa1",), layouts=("prefix",), selectors=("bicache-profiled",),
                   ratios=(0.0, 0.2), progress=False)
     assert {(c.selector, c.ratio) for c in cells} >= {("bicache-profiled", 0.0), ("bicache-profiled", 0.2)}
