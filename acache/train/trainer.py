@@ -93,6 +93,9 @@ class TrainConfig:
     #: a checkpoint directory whose weights the run starts from instead of a fresh initialisation (same
     #: model shape); the steps, schedule and data stream start from the beginning
     init_from: str | None = None
+    #: stop after this many steps while the schedule still spans ``steps``: a run cut short (by its time
+    #: limit, say) is reproduced exactly by naming the step it stopped at
+    stop_after: int | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -133,6 +136,8 @@ class TrainConfig:
                              f"not to steps={self.steps}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
+        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
+            raise ValueError(f"stop_after must be between 1 and steps={self.steps}, not {self.stop_after}")
         if self.grad_clip <= 0 or self.adam_eps <= 0:
             raise ValueError("grad_clip and adam_eps must be positive")
         if self.answer_reduction not in REDUCTIONS:
@@ -371,7 +376,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
     steps_done = 0
     for step in bar:
-        if time.perf_counter() - started > 60 * config.time_limit_minutes:
+        if time.perf_counter() - started > 60 * config.time_limit_minutes or step == config.stop_after:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step)

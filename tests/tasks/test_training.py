@@ -171,6 +171,17 @@ def test_init_from_starts_at_a_checkpoint(tmp_path):
         train(TrainConfig(out=str(tmp_path / "d"), steps=1, init_from=str(tmp_path / "missing")), progress=False)
 
 
+def test_stop_after_cuts_a_run_short_on_the_full_runs_schedule(tmp_path):
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = dict(steps=8, batch_size=2, warmup=2, bf16=False, tasks=("qa1",), model=shape, log_every=1)
+    full = train(TrainConfig(out=str(tmp_path / "full"), **common), progress=False)
+    cut = train(TrainConfig(out=str(tmp_path / "cut"), stop_after=5, **common), progress=False)
+    assert cut["steps_done"] == 5
+    # the same steps, losses and learning rates as the first five of the full run: the schedule spans 8
+    assert cut["log"] == [{**r, "elapsed_s": c["elapsed_s"]} for r, c in zip(full["log"][:5], cut["log"], strict=True)]
+    assert cut["log"][-1]["lr"] > full["log"][-1]["lr"]
+
+
 def test_committed_configs_are_valid():
     from acache.paths import REPO_ROOT
 
@@ -211,6 +222,8 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(grad_clip=0.0)
     with pytest.raises(ValueError, match="rope_theta must be positive"):
         TrainConfig(model=ModelShape(rope_theta=-1.0))
+    with pytest.raises(ValueError, match="stop_after must be between 1 and steps=6, not 7"):
+        TrainConfig(steps=6, stop_after=7)
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
         TrainConfig(eval_every=-5)
     with pytest.raises(FileNotFoundError, match="training config not found"):
