@@ -31,7 +31,7 @@ run: install
 			--prompt "question : where is sandra ?" || exit 1; \
 	done
 	@echo "== two-hop, the story after the question (suffix layout): who took the object, and where did they go? =="
-	@echo "== (the shipped model gets about two in three of these right, docs/model.md: here the milk is with john) =="
+	@echo "== (the shipped model gets 63-64% of these right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
 	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
 		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
 
