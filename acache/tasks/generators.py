@@ -72,12 +72,13 @@ def arith(rng: random.Random, facts: int = 6, questions: int = 3) -> list[Exampl
 
     Each person appears once, so finding a count is a lookup by name alone (as in qa1); a worksheet where
     people held several items asked for a lookup by name and item at once, and run 8's model never learned
-    it (docs/model.md)."""
+    it. The worked sum writes the smaller count first: written in the order the question names the people,
+    the order was never learned, while smallest-first was learned in 1,000 steps (docs/model.md, run 13)."""
     item, holds, sheet = _worksheet(rng, facts)
     out = []
     for _ in range(questions):
         a, b = rng.sample(list(holds), 2)
-        x, y = holds[a], holds[b]
+        x, y = sorted((holds[a], holds[b]))
         out.append(Example("arith", tuple(sheet), ("how", "many", item, "do", a, "and", b, "have", "?"),
                            (str(x), "+", str(y), "=", str(x + y))))
     return out
@@ -91,8 +92,9 @@ def count(rng: random.Random, facts: int = 6, questions: int = 3) -> list[Exampl
             for who in asked]
 
 
-def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
-    """People pick up objects and move; where an object is needs its holder and the holder's place."""
+def _errand_story(rng: random.Random, sentences: int) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Three people go places and two of them pick up objects: the story, where each person last went,
+    and who picked up each object."""
     people = rng.sample(NAMES, k=3)
     objects = rng.sample(OBJECTS, k=2)
     story: list[str] = []
@@ -108,8 +110,22 @@ def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[E
         who = rng.choice(people)
         where[who] = rng.choice([p for p in PLACES if p != where[who]])
         story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
-    asked = rng.sample(objects, k=min(questions, len(objects)))
+    return story, where, holder
+
+
+def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
+    """People pick up objects and move; where an object is needs its holder and the holder's place."""
+    story, where, holder = _errand_story(rng, sentences)
+    asked = rng.sample(list(holder), k=min(questions, len(holder)))
     return [Example("twohop", tuple(story), ("where", "is", "the", obj, "?"), (where[holder[obj]],))
+            for obj in asked]
+
+
+def holder(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
+    """twohop's warm-up: its first hop alone, who picked up the object ("picked up the apple ?")."""
+    story, _, held_by = _errand_story(rng, sentences)
+    asked = rng.sample(list(held_by), k=min(questions, len(held_by)))
+    return [Example("holder", tuple(story), ("picked", "up", "the", obj, "?"), (held_by[obj],))
             for obj in asked]
 
 
@@ -125,7 +141,7 @@ def bind(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Exa
 
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
 #: Training-only warm-ups, never evaluated.
-WARMUPS = {"bind": bind, "count": count}
+WARMUPS = {"bind": bind, "count": count, "holder": holder}
 TRAIN_GENERATORS = GENERATORS | WARMUPS
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from acache.tasks.generators import TASKS, bind, count, examples, held_out
+from acache.tasks.generators import TASKS, bind, count, examples, held_out, holder
 from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, answer_length, build_word_tokenizer, render
 
 
@@ -37,10 +37,12 @@ def solve(example):
         return (where[q[2]],)
     if example.task == "twohop":
         return (where[holder[q[3]]],)
+    if example.task == "holder":
+        return (holder[q[3]],)
     if example.task == "count":
         return (str(holds[(q[4], q[2])]),)
     item, a, b = q[2], q[4], q[6]
-    x, y = holds[(a, item)], holds[(b, item)]
+    x, y = min(holds[(a, item)], holds[(b, item)]), max(holds[(a, item)], holds[(b, item)])
     return (str(x), "+", str(y), "=", str(x + y))
 
 
@@ -131,3 +133,21 @@ def test_worksheets_name_each_person_once_and_count_asks_one_of_them():
             people = [s[0] for s in sentences(ex.affix)]
             assert len(people) == len(set(people)) == size  # so a count is found by the name alone
             assert solve(ex) == ex.answer
+
+
+def test_holder_warm_up_asks_twohop_first_hop_on_the_same_kind_of_story():
+    rng = random.Random(7)
+    for size in (5, 6, 9):
+        exs = holder(rng, size)
+        assert len(exs) == 2 and {e.question[3] for e in exs} == set(exs[0].affix) & {e.question[3] for e in exs}
+        for ex in exs:
+            assert solve(ex) == ex.answer and ex.task == "holder"
+            assert len(sentences(ex.affix)) == size
+
+
+def test_arith_writes_the_smaller_count_first_whatever_order_the_question_names_people():
+    exs = examples("arith", seed=2, count=300)
+    assert all(int(e.answer[0]) <= int(e.answer[2]) for e in exs)
+    holds = [{s[0]: int(s[2]) for s in sentences(e.affix)} for e in exs]
+    # the question names the larger count first in about half the questions: the order is the template's
+    assert 0.3 < sum(h[e.question[4]] > h[e.question[6]] for h, e in zip(holds, exs, strict=True)) / len(exs) < 0.7
