@@ -7,6 +7,7 @@ TORCH_PIN := torch==2.13.0
 MODEL := models/acache-tiny
 STUDY := docs/study
 STORY := story : mary moved to the kitchen . john went to the garden . sandra travelled to the office . mary journeyed to the bathroom .
+SHEET := story : mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils . john has 9 pencils . emma has 3 pencils . sandra has 5 pencils .
 TWOHOP := story : mary went to the garden . john moved to the office . mary picked up the apple . john picked up the milk . mary travelled to the cellar .
 GENERATE := $(VENV)/bin/acache generate --model $(MODEL) --threshold 0.9 --cache dual --answer-prompt "answer :"
 
@@ -30,8 +31,14 @@ run: install
 			--prompt "question : where is mary ?" --prompt "question : where is john ?" \
 			--prompt "question : where is sandra ?" || exit 1; \
 	done
+	@echo "== arithmetic, the worksheet between the question and the answer (infix layout): a worked sum, smaller count first =="
+	@echo "== (the first held-out worksheet; the shipped model gets 82-84% of these right, docs/model.md; the answers: 5 + 9 = 14, 3 + 5 = 8, 5 + 5 = 10) =="
+	$(GENERATE) --gen-length 6 --block-length 6 --layout infix --affix "$(SHEET)" --affix-policy all \
+		--prompt "question : how many pencils do john and lucas have ?" \
+		--prompt "question : how many pencils do mary and oliver have ?" \
+		--prompt "question : how many pencils do mary and lucas have ?"
 	@echo "== two-hop, the story after the question (suffix layout): who took the object, and where did they go? =="
-	@echo "== (the shipped model gets 63-64% of these right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
+	@echo "== (the shipped model gets 66-68% of these right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
 	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
 		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
 
