@@ -73,7 +73,7 @@ def arith(rng: random.Random, facts: int = 6, questions: int = 3) -> list[Exampl
     Each person appears once, so finding a count is a lookup by name alone (as in qa1); a worksheet where
     people held several items asked for a lookup by name and item at once, and run 8's model never learned
     it. The worked sum writes the smaller count first: written in the order the question names the people,
-    the order was never learned, while smallest-first was learned in 1,000 steps (docs/model.md, run 13)."""
+    the order was never learned, while smallest-first was learned in 1,000 steps (docs/model.md, runs 12-13)."""
     item, holds, sheet = _worksheet(rng, facts)
     out = []
     for _ in range(questions):
@@ -99,25 +99,25 @@ def _errand_story(rng: random.Random, sentences: int) -> tuple[list[str], dict[s
     objects = rng.sample(OBJECTS, k=2)
     story: list[str] = []
     where: dict[str, str] = {}
-    holder: dict[str, str] = {}
+    held_by: dict[str, str] = {}
     for who in people:  # everyone starts somewhere
         where[who] = rng.choice(PLACES)
         story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
     for obj in objects:
-        holder[obj] = rng.choice(people)
-        story += _sentence(holder[obj], "picked", "up", "the", obj)
+        held_by[obj] = rng.choice(people)
+        story += _sentence(held_by[obj], "picked", "up", "the", obj)
     for _ in range(max(0, sentences - len(people) - len(objects))):
         who = rng.choice(people)
         where[who] = rng.choice([p for p in PLACES if p != where[who]])
         story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
-    return story, where, holder
+    return story, where, held_by
 
 
 def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
     """People pick up objects and move; where an object is needs its holder and the holder's place."""
-    story, where, holder = _errand_story(rng, sentences)
-    asked = rng.sample(list(holder), k=min(questions, len(holder)))
-    return [Example("twohop", tuple(story), ("where", "is", "the", obj, "?"), (where[holder[obj]],))
+    story, where, held_by = _errand_story(rng, sentences)
+    asked = rng.sample(list(held_by), k=min(questions, len(held_by)))
+    return [Example("twohop", tuple(story), ("where", "is", "the", obj, "?"), (where[held_by[obj]],))
             for obj in asked]
 
 

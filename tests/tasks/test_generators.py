@@ -139,7 +139,7 @@ def test_holder_warm_up_asks_twohop_first_hop_on_the_same_kind_of_story():
     rng = random.Random(7)
     for size in (5, 6, 9):
         exs = holder(rng, size)
-        assert len(exs) == 2 and {e.question[3] for e in exs} == set(exs[0].affix) & {e.question[3] for e in exs}
+        assert len({e.question[3] for e in exs}) == 2  # both objects are asked about
         for ex in exs:
             assert solve(ex) == ex.answer and ex.task == "holder"
             assert len(sentences(ex.affix)) == size
