@@ -1,0 +1,60 @@
+"""Probe: what does a trained model's story lookup key on — the name, or the first word of a sentence?
+
+The diagnostic behind docs/model.md's runs 14-18. Takes held-out qa1 questions and asks them three ways,
+changing only the words: as generated (each sentence starts with the person's name), with "the" before
+every sentence (the name becomes the second word), and with every person replaced by an object
+("apple went to the hallway", "where is milk ?"). A model whose lookup reads any key word in any place
+answers all three alike.
+
+    python scripts/probe_lookup_key.py --model models/acache-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from acache import LLM
+from acache.eval.tasks import task_params, task_prompts
+from acache.tasks.generators import NAMES, OBJECTS, Example, held_out
+
+
+def with_article(example: Example) -> Example:
+    """"the" before every sentence of the story, so its subject is the second word."""
+    words: list[str] = ["the"]
+    for i, word in enumerate(example.affix):
+        words.append(word)
+        if word == "." and i + 1 < len(example.affix):
+            words.append("the")
+    return replace(example, affix=tuple(words))
+
+
+def with_objects(example: Example) -> Example:
+    """Every person of the story and question replaced by a distinct object."""
+    people = sorted({w for w in example.affix if w in NAMES})
+    table = dict(zip(people, OBJECTS, strict=False))
+    return replace(example, affix=tuple(table.get(w, w) for w in example.affix),
+                   question=tuple(table.get(w, w) for w in example.question))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/acache-tiny")
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--layout", default="prefix")
+    args = parser.parse_args()
+    llm = LLM(args.model)
+    # stories with at most as many people as there are objects, so every person gets an object of their own
+    pool = held_out("qa1", 4 * args.questions, 6)
+    questions = [e for e in pool if len({w for w in e.affix if w in NAMES}) <= len(OBJECTS)][: args.questions]
+    for name, variant in (("as generated", questions), ("'the' before every sentence", map(with_article, questions)),
+                          ("objects in place of people", map(with_objects, questions))):
+        variant = list(variant)
+        outs = llm.generate(task_prompts(llm, variant, args.layout), task_params("qa1"), use_tqdm=False)
+        right = sum(o.text.split()[:1] == list(e.answer) for e, o in zip(variant, outs, strict=True))
+        print(f"{name:>30}: {right}/{len(variant)}   e.g. {' '.join(variant[0].affix[:10])} ... | "
+              f"{' '.join(variant[0].question)}")
+
+
+if __name__ == "__main__":
+    main()
