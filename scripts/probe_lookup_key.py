@@ -1,6 +1,6 @@
 """Probe: what does a trained model's story lookup key on — the name, or the first word of a sentence?
 
-The diagnostic behind docs/model.md's runs 14-18. Takes held-out qa1 questions and asks them three ways,
+The diagnostic behind docs/model.md's runs 14-20. Takes held-out qa1 questions and asks them three ways,
 changing only the words: as generated (each sentence starts with the person's name), with "the" before
 every sentence (the name becomes the second word), and with every person replaced by an object
 ("apple went to the hallway", "where is milk ?"). A model whose lookup reads any key word in any place
@@ -15,7 +15,7 @@ import argparse
 from dataclasses import replace
 
 from acache import LLM
-from acache.eval.tasks import task_params, task_prompts
+from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.tasks.generators import NAMES, OBJECTS, Example, held_out
 
 
@@ -47,14 +47,13 @@ def main() -> None:
     # stories with at most as many people as there are objects, so every person gets an object of their own
     pool = held_out("qa1", 4 * args.questions, 6)
     questions = [e for e in pool if len({w for w in e.affix if w in NAMES}) <= len(OBJECTS)][: args.questions]
-    for name, variant in (("as generated", questions), ("'the' before every sentence", map(with_article, questions)),
-                          ("objects in place of people", map(with_objects, questions))):
-        variant = list(variant)
-        outs = llm.generate(task_prompts(llm, variant, args.layout), task_params("qa1"), use_tqdm=False)
-        right = sum(o.text.split()[:1] == list(e.answer) for e, o in zip(variant, outs, strict=True))
+    variants = {"as generated": questions,
+                "'the' before every sentence": [with_article(e) for e in questions],
+                "objects in place of people": [with_objects(e) for e in questions]}
+    for name, variant in variants.items():
+        right = exact_matches(llm, task_prompts(llm, variant, args.layout), variant, task_params("qa1"))
         print(f"{name:>30}: {right}/{len(variant)}   e.g. {' '.join(variant[0].affix[:10])} ... | "
               f"{' '.join(variant[0].question)}")
-
 
 if __name__ == "__main__":
     main()
