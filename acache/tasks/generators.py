@@ -131,10 +131,10 @@ def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[E
 
 
 def holder(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
-    """twohop's warm-up: its first hop alone, who took the object ("apple went to ?" -> "lucas")."""
+    """twohop's warm-up: its first hop alone, who took the object ("apple ?" -> "lucas")."""
     story, _, held_by = _errand_story(rng, sentences)
     asked = rng.sample(list(held_by), k=min(questions, len(held_by)))
-    return [Example("holder", tuple(story), (obj, "went", "to", "?"), (held_by[obj],))
+    return [Example("holder", tuple(story), (obj, "?"), (held_by[obj],))
             for obj in asked]
 
 
@@ -156,7 +156,7 @@ def grab(rng: random.Random, sentences: int = 4, questions: int = 2) -> list[Exa
     held_by = dict(zip(objects, rng.sample(NAMES, k=len(objects)), strict=True))
     story = [w for obj in objects for w in _pickup(obj, held_by[obj])]
     asked = rng.sample(objects, k=min(questions, len(objects)))
-    return [Example("grab", tuple(story), (obj, "went", "to", "?"), (held_by[obj],)) for obj in asked]
+    return [Example("grab", tuple(story), (obj, "?"), (held_by[obj],)) for obj in asked]
 
 
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
