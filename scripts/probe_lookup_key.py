@@ -17,6 +17,7 @@ from dataclasses import replace
 from acache import LLM
 from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.tasks.generators import NAMES, OBJECTS, Example, held_out
+from acache.tasks.render import LAYOUTS
 
 
 def with_article(example: Example) -> Example:
@@ -41,9 +42,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/acache-tiny")
     parser.add_argument("--questions", type=int, default=100)
-    parser.add_argument("--layout", default="prefix")
+    parser.add_argument("--layout", default="prefix", choices=LAYOUTS)
     args = parser.parse_args()
-    llm = LLM(args.model)
+    try:
+        llm = LLM(args.model)
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
     # stories with at most as many people as there are objects, so every person gets an object of their own
     pool = held_out("qa1", 4 * args.questions, 6)
     questions = [e for e in pool if len({w for w in e.affix if w in NAMES}) <= len(OBJECTS)][: args.questions]
@@ -54,6 +58,7 @@ def main() -> None:
         right = exact_matches(llm, task_prompts(llm, variant, args.layout), variant, task_params("qa1"))
         print(f"{name:>30}: {right}/{len(variant)}   e.g. {' '.join(variant[0].affix[:10])} ... | "
               f"{' '.join(variant[0].question)}")
+
 
 if __name__ == "__main__":
     main()
