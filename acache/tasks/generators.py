@@ -25,6 +25,8 @@ MAX_QUANTITY = 9  # single-digit counts: sums to 18, an addition table of 81 fac
 #: the vocabulary's numbers reach 40, from the first worksheets' counts to 20, so run 8's checkpoints keep
 #: their tokenizer and embedding shape
 NUMBERS = [str(i) for i in range(41)]
+#: "picked", "up", "together" and "worksheet" are in no task any more; they stay so that the
+#: vocabulary, and with it a seed's initial weights, stays the same from run to run
 FUNCTION_WORDS = ["to", "the", "where", "is", "?", ".", "has", "how", "many", "do", "and", "have", "picked",
                   "up", "together", "+", "=", "answer", ":", "story", "worksheet", "question"]
 WORDS = sorted(set(NAMES + PLACES + MOVES + OBJECTS + ITEMS + NUMBERS + FUNCTION_WORDS))
@@ -43,6 +45,13 @@ class Example:
 
 def _sentence(*words: str) -> list[str]:
     return [*words, "."]
+
+
+def _pickup(obj: str, who: str) -> list[str]:
+    """"apple went to lucas": the object is the sentence's first word. Every lookup the model learns finds
+    its key there (a name, in qa1 and the worksheets); stated "lucas picked up the apple" or "the apple
+    went to lucas", no run learned which object went with which holder (docs/model.md, runs 13-17)."""
+    return _sentence(obj, "went", "to", who)
 
 
 def qa1(rng: random.Random, sentences: int = 6, questions: int = 3) -> list[Example]:
@@ -105,7 +114,7 @@ def _errand_story(rng: random.Random, sentences: int) -> tuple[list[str], dict[s
         story += _sentence(who, rng.choice(MOVES), "to", "the", where[who])
     for obj in objects:
         held_by[obj] = rng.choice(people)
-        story += _sentence(held_by[obj], "picked", "up", "the", obj)
+        story += _pickup(obj, held_by[obj])
     for _ in range(max(0, sentences - len(people) - len(objects))):
         who = rng.choice(people)
         where[who] = rng.choice([p for p in PLACES if p != where[who]])
@@ -122,10 +131,10 @@ def twohop(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[E
 
 
 def holder(rng: random.Random, sentences: int = 6, questions: int = 2) -> list[Example]:
-    """twohop's warm-up: its first hop alone, who picked up the object ("picked up the apple ?")."""
+    """twohop's warm-up: its first hop alone, who took the object ("apple went to ?" -> "lucas")."""
     story, _, held_by = _errand_story(rng, sentences)
     asked = rng.sample(list(held_by), k=min(questions, len(held_by)))
-    return [Example("holder", tuple(story), ("picked", "up", "the", obj, "?"), (held_by[obj],))
+    return [Example("holder", tuple(story), (obj, "went", "to", "?"), (held_by[obj],))
             for obj in asked]
 
 
@@ -139,9 +148,20 @@ def bind(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Exa
     return [Example("bind", tuple(story), ("where", "is", who, "?"), (where[who],)) for who in asked]
 
 
+def grab(rng: random.Random, sentences: int = 4, questions: int = 2) -> list[Example]:
+    """holder's warm-up, as bind is qa1's: each person picks up one object and nothing else happens, so the
+    answer needs the object-to-person binding and no other step. Every object has its own holder, so
+    naming any person who picked something up is right by chance only (docs/model.md, runs 14-15)."""
+    objects = rng.sample(OBJECTS, k=min(len(OBJECTS), max(2, sentences)))
+    held_by = dict(zip(objects, rng.sample(NAMES, k=len(objects)), strict=True))
+    story = [w for obj in objects for w in _pickup(obj, held_by[obj])]
+    asked = rng.sample(objects, k=min(questions, len(objects)))
+    return [Example("grab", tuple(story), (obj, "went", "to", "?"), (held_by[obj],)) for obj in asked]
+
+
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
 #: Training-only warm-ups, never evaluated.
-WARMUPS = {"bind": bind, "count": count, "holder": holder}
+WARMUPS = {"bind": bind, "count": count, "holder": holder, "grab": grab}
 TRAIN_GENERATORS = GENERATORS | WARMUPS
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from acache.tasks.generators import TASKS, bind, count, examples, held_out, holder
+from acache.tasks.generators import TASKS, bind, count, examples, grab, held_out, holder
 from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, answer_length, build_word_tokenizer, render
 
 
@@ -27,8 +27,8 @@ def solve(example):
     for s in sentences(example.affix):
         if len(s) == 5 and s[2:4] == ["to", "the"]:
             where[s[0]] = s[4]
-        elif s[1:4] == ["picked", "up", "the"]:
-            holder[s[4]] = s[0]
+        elif len(s) == 4 and s[1:3] == ["went", "to"]:
+            holder[s[0]] = s[3]
         elif s[1] == "has":
             holds[(s[0], s[3])] = int(s[2])
             assert s[3] == example.question[2]  # the worksheet is about the item asked for
@@ -37,8 +37,8 @@ def solve(example):
         return (where[q[2]],)
     if example.task == "twohop":
         return (where[holder[q[3]]],)
-    if example.task == "holder":
-        return (holder[q[3]],)
+    if example.task in ("holder", "grab"):
+        return (holder[q[0]],)
     if example.task == "count":
         return (str(holds[(q[4], q[2])]),)
     item, a, b = q[2], q[4], q[6]
@@ -139,10 +139,21 @@ def test_holder_warm_up_asks_twohop_first_hop_on_the_same_kind_of_story():
     rng = random.Random(7)
     for size in (5, 6, 9):
         exs = holder(rng, size)
-        assert len({e.question[3] for e in exs}) == 2  # both objects are asked about
+        assert len({e.question[0] for e in exs}) == 2  # both objects are asked about
         for ex in exs:
             assert solve(ex) == ex.answer and ex.task == "holder"
             assert len(sentences(ex.affix)) == size
+
+
+def test_grab_warm_up_gives_each_object_its_own_holder_and_nothing_else():
+    rng = random.Random(9)
+    for size in (2, 4, 6, 9):
+        for ex in grab(rng, size):
+            pickups = sentences(ex.affix)
+            assert all(len(s) == 4 and s[1:3] == ["went", "to"] for s in pickups)  # no moves: one step
+            holders, objects = [s[3] for s in pickups], [s[0] for s in pickups]
+            assert len(set(holders)) == len(holders) == len(set(objects)) == min(size, 6)
+            assert solve(ex) == ex.answer and ex.task == "grab"
 
 
 def test_arith_writes_the_smaller_count_first_whatever_order_the_question_names_people():
