@@ -166,13 +166,19 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from acache.train.trainer import TrainConfig, train
 
-    config = TrainConfig.from_file(args.config)
+    # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
+    configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
-        config.out = args.out
-    summary = train(config)
-    last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
-    print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss {last:.4f}; "
-          f"wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
+        configs[-1].out = args.out
+    total_s = 0.0
+    for config in configs:
+        summary = train(config)
+        total_s += summary["train_time_s"]
+        last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
+        print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss "
+              f"{last:.4f}; wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
+    if len(configs) > 1:
+        print(f"{len(configs)} configs, {total_s / 60:.1f} min of training in all")
     return 0
 
 
@@ -288,8 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("train", help="train the project's small diffusion LM on the task suite")
-    p.add_argument("--config", required=True, help="JSON training config (see configs/)")
-    p.add_argument("--out", default=None, help="override the output directory")
+    p.add_argument("--config", required=True, action="append",
+                   help="JSON training config (see configs/); repeat it to run several in order, each "
+                        "starting from the one before through its init_from")
+    p.add_argument("--out", default=None, help="override the (last config's) output directory")
     p.set_defaults(func=_cmd_train)
 
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)

@@ -81,3 +81,24 @@ def test_eval_study_commands_check_their_input(capsys, monkeypatch, tmp_path, ll
     assert "unknown task 'qa9'" in capsys.readouterr().err
     assert main(["eval", "accuracy", "--model", str(llada_dir), "--layouts", "middle"]) == 2
     assert "unknown layout 'middle'" in capsys.readouterr().err
+
+
+def test_train_runs_several_configs_in_order_and_reads_them_all_first(tmp_path, capsys):
+    shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
+    common = {"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"], "log_every": 1}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 3}))
+    second.write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 2, "init_from": str(tmp_path / "a")}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**common, "out": str(tmp_path / "c"), "steps": 2, "tasks": ["qa2"]}))
+
+    assert main(["train", "--config", str(first), "--config", str(bad)]) == 2
+    assert "unknown task 'qa2'" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()  # the bad second config stopped the run before the first trained
+
+    assert main(["train", "--config", str(first), "--config", str(second), "--out", str(tmp_path / "final")]) == 0
+    out = capsys.readouterr().out
+    assert "2 configs," in out and "min of training in all" in out
+    logs = [json.loads((tmp_path / d / "training_log.json").read_text()) for d in ("a", "final")]
+    assert [log["steps_done"] for log in logs] == [3, 2]
+    assert logs[1]["config"]["init_from"] == str(tmp_path / "a") and not (tmp_path / "b").exists()
