@@ -8,10 +8,10 @@ MODEL := models/acache-tiny
 STUDY := docs/study
 STORY := story : mary moved to the kitchen . john went to the garden . sandra travelled to the office . mary journeyed to the bathroom .
 SHEET := story : mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils . john has 9 pencils . emma has 3 pencils . sandra has 5 pencils .
-TWOHOP := story : mary went to the garden . john moved to the office . mary picked up the apple . john picked up the milk . mary travelled to the cellar .
+TWOHOP := story : mary went to the garden . john moved to the office . apple went to mary . milk went to john . mary travelled to the cellar .
 GENERATE := $(VENV)/bin/acache generate --model $(MODEL) --threshold 0.9 --cache dual --answer-prompt "answer :"
 
-.PHONY: install run test lint bench study clean
+.PHONY: install run test lint bench study model clean
 
 install: $(VENV)/.installed
 
@@ -32,13 +32,13 @@ run: install
 			--prompt "question : where is sandra ?" || exit 1; \
 	done
 	@echo "== arithmetic, the worksheet between the question and the answer (infix layout): a worked sum, smaller count first =="
-	@echo "== (the first held-out worksheet; the shipped model gets 82-84% of these right, docs/model.md; the answers: 5 + 9 = 14, 3 + 5 = 8, 5 + 5 = 10) =="
+	@echo "== (the first held-out worksheet; the shipped model gets 100% of the held-out ones right, docs/model.md; the answers: 5 + 9 = 14, 3 + 5 = 8, 5 + 5 = 10) =="
 	$(GENERATE) --gen-length 6 --block-length 6 --layout infix --affix "$(SHEET)" --affix-policy all \
 		--prompt "question : how many pencils do john and lucas have ?" \
 		--prompt "question : how many pencils do mary and oliver have ?" \
 		--prompt "question : how many pencils do mary and lucas have ?"
 	@echo "== two-hop, the story after the question (suffix layout): who took the object, and where did they go? =="
-	@echo "== (the shipped model gets 66-68% of these right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
+	@echo "== (the shipped model gets 100% of the held-out ones right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
 	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
 		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
 
@@ -59,6 +59,13 @@ study: install
 		--out $(STUDY)/bicache_profile.json
 	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 --out $(STUDY) \
 		--bicache-profile $(STUDY)/bicache_profile.json
+
+# retrains the shipped model from its seed (docs/model.md, run 30): four configs, 83 minutes on 2 CPU cores,
+# then its held-out scores; it overwrites $(MODEL), which git can restore
+RECIPE := run30-stage1 run30-stage1-cont run30-stage2 run30-cont
+model: install
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train $(foreach c,$(RECIPE),--config configs/$(c).json)
+	$(VENV)/bin/acache eval tasks --model $(MODEL)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -192,6 +193,23 @@ def test_committed_configs_are_valid():
         assert config.eval_tasks and config.steps > 0
 
 
+def test_shipped_recipe_chains_its_configs_into_the_shipped_model():
+    from acache.paths import REPO_ROOT
+
+    names = ("run30-stage1", "run30-stage1-cont", "run30-stage2", "run30-cont")
+    recipe = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
+    assert recipe[0].init_from is None
+    for before, after in zip(recipe[:-1], recipe[1:], strict=True):
+        assert after.init_from == before.out and after.model == before.model
+    assert (REPO_ROOT / recipe[-1].out).resolve() == SHIPPED_MODEL.resolve()
+    # the shipped checkpoint was trained by the last config: every option but the paths it ran under
+    shipped = json.loads((SHIPPED_MODEL / "training_log.json").read_text())
+    paths = {"out", "init_from"}
+    expected = {k: v for k, v in json.loads(json.dumps(asdict(recipe[-1]))).items() if k not in paths}
+    assert {k: v for k, v in shipped["config"].items() if k not in paths} == expected
+    assert shipped["steps_done"] == recipe[-1].steps
+
+
 def test_bad_training_configs(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 10, "learning_rate": 1}))
@@ -236,7 +254,7 @@ def test_shipped_model_answers_held_out_questions():
     from acache.eval.tasks import evaluate
 
     llm = LLM(SHIPPED_MODEL)
-    scores = evaluate(llm, examples=20, sentences=6, seed=7, tasks=("qa1", "arith"), layouts=("prefix", "suffix"))
+    scores = evaluate(llm, examples=20, sentences=6, seed=7)
     # at least 18 of the 20 fixed questions right per cell, a worked sum ("4 + 7 = 11") on every token
     assert {(s.task, s.layout): s.accuracy >= 0.9 for s in scores} == {
-        (t, lay): True for t in ("qa1", "arith") for lay in ("prefix", "suffix")}
+        (t, lay): True for t in ("qa1", "arith", "twohop") for lay in ("prefix", "infix", "suffix")}
