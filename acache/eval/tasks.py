@@ -31,7 +31,7 @@ def task_params(task: str, **overrides) -> SamplingParams:
     if fixed:
         raise ValueError(f"{sorted(fixed)} are set by the task's answer region, not by the caller")
     n = answer_length(task)
-    return SamplingParams(gen_length=n, block_length=n, threshold=0.9, cache="dual", **overrides)
+    return SamplingParams(**{"gen_length": n, "block_length": n, "threshold": 0.9, "cache": "dual", **overrides})
 
 
 def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:

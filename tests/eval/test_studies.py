@@ -58,6 +58,8 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
     qa1, arith = task_params("qa1"), task_params("arith", affix_policy="none", seed=3)
     assert (qa1.gen_length, qa1.block_length, qa1.threshold, qa1.cache) == (2, 2, 0.9, "dual")
     assert (arith.gen_length, arith.block_length, arith.affix_policy) == (6, 6, "none")
+    # the study's defaults are defaults: the reference path without a cache, or another threshold
+    assert (task_params("qa1", cache="none").cache, task_params("qa1", threshold=0.5).threshold) == ("none", 0.5)
     with pytest.raises(ValueError, match=r"\['gen_length'\] are set by the task's answer region"):
         task_params("qa1", gen_length=8)
 
