@@ -9,33 +9,38 @@ from collections.abc import Sequence
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
+from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES, LAYOUTS
+from acache.sampling_params import SamplingParams
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
     g = p.add_argument_group("decoding")
-    g.add_argument("--gen-length", type=int, default=128, help="tokens to generate (default 128)")
-    g.add_argument("--block-length", type=int, default=32, help="block size (default 32)")
-    g.add_argument("--steps", type=int, default=None, help="low-confidence steps in all (default gen-length)")
-    g.add_argument("--remasking", default="threshold", choices=["threshold", "low_confidence", "factor"])
-    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold (default 0.9)")
-    g.add_argument("--factor", type=float, default=1.0, help="factor of the factor rule (default 1.0)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = argmax (default)")
-    g.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
-    g.add_argument("--refresh-interval", type=int, default=None, help="also refresh every N steps in a block")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--gen-length", type=int, default=d.gen_length, help=f"tokens to generate (default {d.gen_length})")
+    g.add_argument("--block-length", type=int, default=d.block_length, help=f"block size (default {d.block_length})")
+    g.add_argument("--steps", type=int, default=d.steps, help="low-confidence steps in all (default gen-length)")
+    g.add_argument("--remasking", default=d.remasking, choices=COMMIT_RULES)
+    g.add_argument("--threshold", type=float, default=d.threshold, help=f"confidence threshold (default {d.threshold})")
+    g.add_argument("--factor", type=float, default=d.factor, help=f"factor of the factor rule (default {d.factor})")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = argmax (default)")
+    g.add_argument("--cache", default=d.cache, choices=CACHE_POLICIES)
+    g.add_argument("--refresh-interval", type=int, default=d.refresh_interval,
+                   help="also refresh every N steps in a block")
+    g.add_argument("--seed", type=int, default=d.seed, help="sampling seed")
     a = p.add_argument_group("affix reuse")
     a.add_argument("--affix", default=None, help="shared span (text) placed around each prompt by --layout")
     a.add_argument("--affix-file", default=None, help="read the shared span from this file")
-    a.add_argument("--layout", default="prefix", choices=["prefix", "infix", "suffix"],
+    a.add_argument("--layout", default="prefix", choices=LAYOUTS,
                    help="prefix [affix][prompt][GEN], infix [prompt][affix][answer][GEN], suffix [prompt][GEN][affix]")
     a.add_argument("--answer-prompt", default="", help="text between the affix and the generation region")
-    a.add_argument("--affix-policy", default=None,
-                   help="reuse the affix's shared K/V with this selector: attention (ACache), none (direct reuse), "
-                        "all, kv-deviation, query-attention, first-k, random, bicache-matched, bicache-profiled")
-    a.add_argument("--anchor-ratio", type=float, default=0.2, help="share of affix tokens recomputed (0.2)")
-    a.add_argument("--anchor-query", default="probe", choices=["probe", "full"])
+    a.add_argument("--affix-policy", default=d.affix_policy, choices=AFFIX_POLICIES,
+                   help="reuse the affix's shared K/V with this policy: attention is ACache, none direct reuse, "
+                        "all full recompute; the rest are baselines")
+    a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
+                   help=f"share of affix tokens recomputed ({d.anchor_ratio})")
+    a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES)
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
     a.add_argument("--bicache-profile", default=None, help="depth table for --affix-policy bicache-profiled")
 

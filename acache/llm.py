@@ -10,15 +10,12 @@ from tqdm.auto import tqdm
 
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.chat import chat_prompt
-from acache.affix.generate import AffixRequestStats, generate_with_affixes
 from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
-from acache.affix.selectors import SELECTORS
 from acache.affix.store import AffixStore
-from acache.decoding.generate import generate
-from acache.engine import EngineConfig, LLMEngine
+from acache.engine import EngineConfig, EngineOutput, LLMEngine
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.models.tokenizer import Tokenizer
-from acache.outputs import RequestOutput, RequestStats
+from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
 from acache.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int] | AffixPrompt | Sequence[object]
@@ -50,10 +47,9 @@ def _as_prompt_list(prompts: object) -> list:
 class LLM:
     """A diffusion LM loaded from a local checkpoint directory, ready to generate.
 
-    Requests on the dual cache (with or without affix reuse by an anchor selector) run on the paged
-    engine, at most ``max_batch_size`` at a time, in a KV pool of ``kv_cache_memory`` bytes (default 1 GiB
-    on CPU, ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens; other
-    caches and the BiCache policies run on the single-request path in padded batches. ``seed`` seeds the
+    Every request runs on the paged engine, whatever its cache policy or affix policy, at most
+    ``max_batch_size`` at a time, in a KV pool of ``kv_cache_memory`` bytes (default 1 GiB on CPU,
+    ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens. ``seed`` seeds the
     sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
     ``affix_cache_bytes`` bounds the persistent affix store (None: unbounded); ``affix_cache_dir`` loads a
     saved affix cache at start; ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
@@ -87,12 +83,9 @@ class LLM:
     def engine(self) -> LLMEngine:
         """The paged engine, built on first use."""
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.engine_config, self.stop_token_ids, self.affix_store)
+            self._engine = LLMEngine(self.model, self.engine_config, self.stop_token_ids, self.affix_store,
+                                     self.bicache_profile)
         return self._engine
-
-    @staticmethod
-    def runs_on_engine(params: SamplingParams) -> bool:
-        return params.cache == "dual" and (params.affix_policy is None or params.affix_policy in SELECTORS)
 
     def save_affix_cache(self, path: str | Path) -> Path:
         """Saves every affix this LLM holds (the engine's shared pages and the store) for a later restart."""
@@ -154,84 +147,78 @@ class LLM:
         return chat_prompt(messages, render, self._encode_segment, affix_messages)
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | None = None, *, chat: bool = False,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, chat: bool = False,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for each prompt; outputs come back in prompt order.
 
         A prompt is text, token ids, an :class:`AffixPrompt`, or a list of segments (text, token ids,
-        :class:`Affix`, ``GEN``). With ``SamplingParams.affix_policy`` set, affixes are taken from the
-        shared store and only anchors are recomputed; otherwise affix tokens are computed like the rest.
+        :class:`Affix`, ``GEN``). ``sampling_params`` is one :class:`SamplingParams` for every prompt or a
+        list of them, one per prompt. With ``affix_policy`` set, affixes are taken from the shared store
+        and only anchors are recomputed; otherwise affix tokens are computed like the rest. A request
+        that fails alone (its output's ``error`` says why) does not stop the others.
         """
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompts))
         texts = [p if isinstance(p, str) else None for p in prompts]
         encoded = [self.encode_prompt(p, chat) for p in prompts]
-        for i, p in enumerate(encoded):
+        for i, (p, params) in enumerate(zip(encoded, params_list, strict=True)):
             p.check_fits(self.config.vocab_size, self.config.max_position_embeddings, params.gen_length, f"prompt {i}")
-        if self.runs_on_engine(params):
-            results = self._run_engine(encoded, params, use_tqdm)
-        else:
-            results = self._run_batches(encoded, params, use_tqdm)
+        done = self._run_engine(encoded, params_list, use_tqdm)
         outputs = []
-        for i, (ids, stats) in enumerate(results):
+        for i, (out, params) in enumerate(zip(done, params_list, strict=True)):
             outputs.append(RequestOutput(request_id=self._next_request_id, prompt=texts[i],
                                          prompt_token_ids=list(encoded[i].token_ids),
-                                         text=self.tokenizer.decode(ids), token_ids=ids, stats=stats))
+                                         text=self.tokenizer.decode(out.token_ids), token_ids=out.token_ids,
+                                         stats=self._stats(out, params), error=out.error))
             self._next_request_id += 1
         return outputs
 
-    def _run_engine(self, prompts: list[AffixPrompt], params: SamplingParams,
-                    use_tqdm: bool) -> list[tuple[list[int], RequestStats]]:
+    @staticmethod
+    def _params_list(sampling_params: object, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts; give one "
+                                 "SamplingParams, or one per prompt")
+            for i, p in enumerate(sampling_params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            return list(sampling_params)
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                        f"got {type(sampling_params).__name__}")
+
+    def _run_engine(self, prompts: list[AffixPrompt], params: list[SamplingParams],
+                    use_tqdm: bool) -> list[EngineOutput]:
         engine = self.engine
-        ids = [engine.add_request(p, params, generator=self._generator(params) if params.temperature > 0 else None)
-               for p in prompts]
-        done = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            try:
+        ids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(engine.add_request(p, sp, generator=self._generator(sp) if sp.temperature > 0 else None))
+            done: dict[str, EngineOutput] = {}
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
                 while len(done) < len(ids):
                     for out in engine.step():
-                        done[out.request_id] = out
-                        bar.update(1)
-            finally:  # an interrupted call leaves nothing behind in the engine
-                for rid in ids:
-                    if rid not in done:
-                        engine.abort(rid)
-        results = []
-        for rid in ids:
-            out = done[rid]
-            s = out.stats
-            affix = None
-            if params.affix_policy is not None:
-                affix = AffixRequestStats(params.affix_policy, params.anchor_ratio, out.affix_tokens, out.anchors,
-                                          out.recomputed_per_refresh, list(s.refresh_times_s), s.selection_time_s,
-                                          s.affix_hits, s.affix_queries - s.affix_hits)
-            wall = (s.finished or s.arrival) - s.arrival
-            results.append((out.token_ids, RequestStats(len(out.token_ids), s.nfe, len(s.refresh_times_s),
-                                                        s.forward_time_s, wall, s.max_batch, affix)))
-        return results
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        finally:  # an interrupted or refused call leaves nothing behind in the engine
+            for rid in ids:
+                engine.abort(rid)
+        return [done[rid] for rid in ids]
 
-    def _run_batches(self, prompts: list[AffixPrompt], params: SamplingParams,
-                     use_tqdm: bool) -> list[tuple[list[int], RequestStats]]:
-        stops = self.stop_token_ids | set(params.stop_token_ids)
-        results = []
-        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm or len(prompts) < 2) as bar:
-            for first in range(0, len(prompts), self.max_batch_size):
-                batch = prompts[first:first + self.max_batch_size]
-                gens = [self._generator(params) for _ in batch] if params.temperature > 0 else None
-                if params.affix_policy is not None:
-                    result, affix_stats = generate_with_affixes(self.model, self.affix_store, batch, params, stops,
-                                                                gens, self.bicache_profile)
-                else:
-                    result = generate(self.model, [p.layout for p in batch], params, stops, gens)
-                    affix_stats = [None] * len(batch)
-                s = result.stats
-                for offset, ids in enumerate(result.token_ids):
-                    results.append((ids, RequestStats(len(ids), s.nfe, s.refreshes, s.forward_time_s, s.wall_time_s,
-                                                      len(batch), affix_stats[offset])))
-                bar.update(len(batch))
-        return results
+    @staticmethod
+    def _stats(out: EngineOutput, params: SamplingParams) -> RequestStats:
+        s = out.stats
+        affix = None
+        if params.affix_policy is not None:
+            affix = AffixRequestStats(params.affix_policy, params.anchor_ratio, out.affix_tokens, out.anchors,
+                                      out.recomputed_per_refresh, list(s.refresh_times_s), s.selection_time_s,
+                                      s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth)
+        wall = (s.finished or s.arrival) - s.arrival
+        return RequestStats(len(out.token_ids), out.nfe, out.refreshes, s.forward_time_s, wall, s.max_batch, affix)
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))

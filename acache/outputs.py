@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from acache.affix.generate import AffixRequestStats
+
+@dataclass
+class AffixRequestStats:
+    selector: str
+    anchor_ratio: float
+    affix_tokens: int  # shared affix tokens of the request
+    anchors: list[int]  # absolute positions of the recomputed affix tokens
+    recomputed_per_refresh: int  # tokens this request feeds at each refresh
+    refresh_times_s: list[float] = field(default_factory=list)  # of the batched forwards its refreshes ran in
+    selection_time_s: float = 0.0  # of the batched anchor selection it ran in
+    affix_hits: int = 0
+    affix_misses: int = 0
+    bicache_depth: int | None = None  # deep layers recomputed, for the BiCache policies
 
 
 @dataclass
 class RequestStats:
     num_generated_tokens: int  # after cutting at the first stop token
-    nfe: int  # forward evaluations of the batch the request ran in
-    refreshes: int  # of which cache refreshes (full-canvas forwards)
-    forward_time_s: float  # time inside model forwards of that batch
-    wall_time_s: float  # decoding time of that batch
-    batch_size: int  # requests decoded together with it (at most)
+    nfe: int  # forward evaluations of this request
+    refreshes: int  # of which cache refreshes
+    forward_time_s: float  # time inside the batched forwards it ran in
+    wall_time_s: float  # from arrival to finish
+    batch_size: int  # the most requests it shared a forward with (itself included)
     affix: AffixRequestStats | None = None  # with SamplingParams.affix_policy
 
 
@@ -26,3 +38,4 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     stats: RequestStats
+    error: str | None = None  # why the request failed; its tokens are then empty

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMMIT_RULES = ("threshold", "low_confidence", "factor")
-CACHE_POLICIES = ("none", "prefix", "dual")
+from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,6 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.affix_policy is not None:
-            from acache.affix.generate import AFFIX_POLICIES
-
             if self.affix_policy not in AFFIX_POLICIES:
                 raise ValueError(f"affix_policy must be one of {', '.join(AFFIX_POLICIES)} or None, "
                                  f"got {self.affix_policy!r}")
@@ -99,8 +96,8 @@ class SamplingParams:
                 raise ValueError(f"affix reuse runs on the dual cache: set cache='dual' (got {self.cache!r})")
         if not 0.0 <= self.anchor_ratio <= 1.0:
             raise ValueError(f"anchor_ratio must be in [0, 1], got {self.anchor_ratio}")
-        if self.anchor_query not in ("probe", "full"):
-            raise ValueError(f"anchor_query must be 'probe' or 'full', got {self.anchor_query!r}")
+        if self.anchor_query not in ANCHOR_QUERIES:
+            raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
 
     @property
     def num_blocks(self) -> int:

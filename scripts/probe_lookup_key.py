@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from acache import LLM
 from acache.eval.tasks import exact_matches, task_params, task_prompts
+from acache.policies import LAYOUTS
 from acache.tasks.generators import NAMES, OBJECTS, Example, held_out
-from acache.tasks.render import LAYOUTS
 
 
 def with_article(example: Example) -> Example:

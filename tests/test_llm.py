@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from acache import LLM, SamplingParams
-from acache.decoding.generate import generate
+from acache.reference import reference_generate
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,8 @@ def test_generate_returns_text_ids_and_stats(llm):
         assert out.stats.num_generated_tokens == len(out.token_ids)
         assert out.stats.nfe >= 1 and out.stats.forward_time_s > 0
         assert not set(out.token_ids) & llm.stop_token_ids
-    direct = generate(llm.model, [outs[2].prompt_token_ids], params, llm.stop_token_ids)
-    assert outs[2].token_ids == direct.token_ids[0]
+    direct = reference_generate(llm.model, outs[2].prompt_token_ids, params, stop_token_ids=llm.stop_token_ids)
+    assert outs[2].token_ids == direct.token_ids
     assert outs[0].stats.batch_size == outs[1].stats.batch_size == 2 and outs[2].stats.batch_size <= 2
     assert len({o.request_id for o in outs}) == 3
 
@@ -53,6 +53,11 @@ def test_bad_inputs(llm, tmp_path):
         llm.generate([[1, 100000]], use_tqdm=False)
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate("x", {"gen_length": 8})
+    with pytest.raises(ValueError, match="2 entries for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
+        llm.generate(["a", "b"], [SamplingParams(), None])
+    assert not llm.engine.has_unfinished()
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         LLM(tmp_path / "missing")
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -73,3 +78,17 @@ def test_prompt_forms(llm):
         llm.generate([["q", Affix("doc"), GEN]], params, chat=True)
     with pytest.raises(TypeError, match="prompts must be"):
         llm.generate(3.5, params)
+
+
+def test_one_sampling_params_per_prompt(llm):
+    """Mixed lengths, rules, caches and seeds in one call: each prompt as it is decoded alone."""
+    params = [SamplingParams(gen_length=8, block_length=8, threshold=0.5),
+              SamplingParams(gen_length=24, block_length=8, cache="prefix", remasking="low_confidence", steps=12),
+              SamplingParams(gen_length=16, block_length=4, cache="none", temperature=0.7, seed=3),
+              SamplingParams(gen_length=16, block_length=16, remasking="factor", factor=2.0)]
+    prompts = ["Where is Mary?", "Hi", "A longer prompt than the others", "x y"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, p in zip(outs, params, strict=True):
+        ref = reference_generate(llm.model, out.prompt_token_ids, p, stop_token_ids=llm.stop_token_ids)
+        assert out.token_ids == ref.token_ids and out.stats.nfe == ref.nfe
+    assert [len(o.token_ids) <= p.gen_length for o, p in zip(outs, params, strict=True)] == [True] * 4

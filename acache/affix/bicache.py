@@ -1,4 +1,4 @@
-"""BiCache baselines on the same dual-cache generation: reuse whole shallow layers instead of tokens.
+"""BiCache baselines on the same dual-cache decoding: reuse whole shallow layers instead of tokens.
 
 *Matched layers*: the deep ``D = ceil(ratio * L)`` layers are recomputed for every token. At each
 refresh the request's own tokens run the shallow ``L - D`` layers alone against the cached affix K/V;
@@ -20,13 +20,9 @@ from pathlib import Path
 
 import torch
 
-from acache.affix.context import compact_index
-from acache.affix.policy import Placements, place_affixes
 from acache.affix.prompt import AffixPrompt
 from acache.affix.staleness import measure_staleness
 from acache.affix.store import AffixStore, model_fingerprint
-from acache.decoding.cache_policy import CachePolicy, StepPlan
-from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.kv import KVCache
 
@@ -98,84 +94,39 @@ def profile_bicache(store: AffixStore, prompts: Sequence[AffixPrompt], gen_lengt
                           model_fingerprint(store.model))
 
 
-class BiCacheDualCache(CachePolicy):
-    """BiCache's refresh on the dual cache; ``depth`` deep layers are recomputed for every token
-    (a batch uses the deepest depth any of its rows asks for)."""
+@torch.inference_mode()
+def bicache_forward(model: DiffusionLM, split: int, own_ids: torch.Tensor, own_pos: torch.Tensor,
+                    own_valid: torch.Tensor, affix_past: KVCache, fed_hidden: torch.Tensor, own_index: torch.Tensor,
+                    fed_pos: torch.Tensor, fed_valid: torch.Tensor) -> tuple[ForwardOutput, KVCache, KVCache]:
+    """BiCache's refresh of a batch that shares one split layer.
 
-    name = "bicache"
+    The request's own tokens ``own_ids [B, O]`` run layers ``0..split-1`` against the cached affix K/V
+    ``affix_past``; their states are spliced into ``fed_hidden [B, F, hidden]`` (the affix-alone states at
+    layer ``split`` at every fed affix column) at ``own_index [B, O]`` (index ``F`` for padding); the deep
+    layers then run on all ``F`` fed columns. Returns the normed final states, the own tokens' shallow
+    K/V and every fed column's deep K/V.
+    """
+    layers = len(model.layers)
+    if not 0 <= split <= layers:
+        raise ValueError(f"BiCache split layer {split} is outside 0..{layers}")
+    b, f = fed_pos.shape
+    shallow = model.run_layers(model.embed(own_ids), own_pos, own_valid, affix_past, range(0, split), return_kv=True)
+    h = torch.cat((fed_hidden, fed_hidden[:, :1]), dim=1).to(model.dtype)
+    h.scatter_(1, own_index[..., None].expand(-1, -1, h.shape[-1]), shallow.hidden.to(h.dtype))
+    deep = model.run_layers(h[:, :f], fed_pos, fed_valid, None, range(split, layers), return_kv=True)
+    return ForwardOutput(model.norm(deep.hidden)), shallow.kv, deep.kv
 
-    def __init__(self, placements: Placements, depths: Sequence[int], refresh_interval: int | None = None) -> None:
-        super().__init__(refresh_interval)
-        self.placements = placements
-        self.depths = list(depths)
 
-    def begin(self, model: DiffusionLM, canvas: Canvas) -> None:
-        self.kv = None
-        self.model = model
-        t = self.total = canvas.total
-        layers = len(model.layers)
-        self.depth = max(self.depths) if self.depths else layers
-        if not 0 <= self.depth <= layers:
-            raise ValueError(f"BiCache depth {self.depth} is outside 0..{layers}")
-        self.split = layers - self.depth
-        self.buf, slot = place_affixes(model, canvas, self.placements)
-        affix = slot >= 0
-        self.fed, self.fed_valid = compact_index(canvas.valid, fill=t)
-        self.affix_cols, self.affix_valid = compact_index(affix, fill=t)
-        fed_cols = self.fed.clamp_max(t - 1)
-        fed_is_affix = affix.gather(1, fed_cols) & self.fed_valid
-        f = self.fed.shape[1]
-        self.own, self.own_valid = compact_index(self.fed_valid & ~fed_is_affix, fill=f)  # within the fed list
-        # affix hidden states at the split layer, laid out over the fed list
-        hidden = torch.zeros(canvas.tokens.shape[0], f, model.config.hidden_size, dtype=model.dtype,
-                             device=model.device)
-        for row, items in enumerate(self.placements):
-            for index, entry in items:
-                c0 = canvas.column(row, index)
-                where = (self.fed[row] >= c0) & (self.fed[row] < c0 + entry.length) & self.fed_valid[row]
-                hidden[row, where] = entry.hidden[self.split].to(model.dtype)
-        self.affix_hidden = hidden
-        self.fed_position = canvas.valid.long().cumsum(-1) - 1
-        self.anchors = torch.zeros_like(affix)
-        self.recompute = canvas.valid & ~affix if self.depth == 0 else canvas.valid.clone()
-        self.affix_slot = slot
-
-    def plan(self, step: int, start: int, end: int, total: int) -> StepPlan:
-        if self.is_refresh(step):
-            return StepPlan(self.fed.clamp_max(self.total - 1), None, True, self.fed_position[:, start:end],
-                            self.fed_valid, forward=self._refresh)
-        return StepPlan(slice(start, end), self.kv, False, slice(0, end - start))
-
-    def _refresh(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> ForwardOutput:
-        model, split, layers = self.model, self.split, len(self.model.layers)
-        b, f = ids.shape
-        own = self.own.clamp_max(f - 1)
-        own_valid = self.own_valid & valid.gather(1, own)
-        past = self.buf.gather(self.affix_cols, self.affix_valid)
-        shallow = model.run_layers(model.embed(ids.gather(1, own)), pos.gather(1, own), own_valid, past,
-                                   range(0, split), return_kv=True)
-        h = torch.cat((self.affix_hidden, self.affix_hidden[:, :1]), dim=1).clone()
-        h.scatter_(1, self.own[..., None].expand(-1, -1, h.shape[-1]), shallow.hidden.to(h.dtype))
-        deep = model.run_layers(h[:, :f], pos, valid, None, range(split, layers), return_kv=True)
-        keys, values = [], []
-        fed = self.fed.clamp_max(self.total - 1)
-        for layer in range(split):  # affix entries keep their cached K/V; own tokens take the fresh ones
-            k = torch.cat((self.buf.keys[layer].gather(1, fed[..., None, None].expand(
-                -1, -1, *self.buf.keys[layer].shape[2:])), self.buf.keys[layer][:, :1]), dim=1)
-            v = torch.cat((self.buf.values[layer].gather(1, fed[..., None, None].expand(
-                -1, -1, *self.buf.values[layer].shape[2:])), self.buf.values[layer][:, :1]), dim=1)
-            idx = self.own[..., None, None].expand_as(shallow.kv.keys[layer])
-            k.scatter_(1, idx, shallow.kv.keys[layer])
-            v.scatter_(1, idx, shallow.kv.values[layer])
-            keys.append(k[:, :f])
-            values.append(v[:, :f])
-        keys += deep.kv.keys
-        values += deep.kv.values
-        return ForwardOutput(model.norm(deep.hidden), KVCache(keys, values, pos, valid))
-
-    def store(self, kv: KVCache, plan: StepPlan, start: int, end: int) -> None:
-        self.buf.scatter(self.fed, kv)
-        self.kv = self.buf.outside(start, end)
+def bicache_depth(policy: str, ratio: float, num_layers: int, affix_share: float,
+                  profile: BiCacheProfile | None) -> int:
+    """Deep layers one request recomputes: matched to its anchor ratio, or read from the profile by the
+    share of its tokens that are affix tokens."""
+    if policy == "bicache-matched":
+        return matched_depth(ratio, num_layers)
+    if profile is None:
+        raise ValueError("affix_policy 'bicache-profiled' needs a BiCache profile: build one with "
+                         "`acache bicache-profile` and pass it to LLM(bicache_profile=...)")
+    return profile.depth(affix_share)
 
 
 def matched_depth(ratio: float, num_layers: int) -> int:

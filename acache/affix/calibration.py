@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from acache.affix.prompt import LAYOUTS, Affix, AffixPrompt, layout_segments, resolve_segments
+from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.config import ModelConfig
 from acache.models.tokenizer import Tokenizer
+from acache.policies import LAYOUTS
 
 TASK_CALIBRATION = "tasks"
 
@@ -18,7 +19,6 @@ def task_calibration_prompts(tokenizer: Tokenizer, samples: int, seed: int = 0) 
     """``samples`` task requests, the tasks and layouts in turn, 6-sentence contexts, from
     ``acache.tasks.generators.examples`` (its seed stream is neither training's nor the held-out one)."""
     from acache.tasks.generators import TASKS, examples
-    from acache.tasks.render import LAYOUTS as TASK_LAYOUTS
     from acache.tasks.render import render_prompts
 
     if samples < 1:
@@ -27,7 +27,7 @@ def task_calibration_prompts(tokenizer: Tokenizer, samples: int, seed: int = 0) 
     out = []
     for i in range(samples):
         ex = per_task[TASKS[i % len(TASKS)]][i]
-        out += render_prompts(tokenizer, [ex], TASK_LAYOUTS[i % len(TASK_LAYOUTS)])
+        out += render_prompts(tokenizer, [ex], LAYOUTS[i % len(LAYOUTS)])
     return out
 
 

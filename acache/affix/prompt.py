@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from acache.decoding.canvas import Layout
+from acache.policies import LAYOUTS
 
 
 def affix_key(token_ids: Sequence[int]) -> str:
@@ -153,8 +154,6 @@ def resolve_segments(segments: Sequence[Segment], encode: Callable[[str], list[i
             raise TypeError(f"a prompt segment must be text, token ids, an Affix or GEN, got {type(seg).__name__}")
     return AffixPrompt(tuple(ids), len(ids) if gen_at is None else gen_at, tuple(spans))
 
-
-LAYOUTS = ("prefix", "infix", "suffix")
 
 
 def layout_segments(layout: str, affix: Affix, question: str | Sequence[int],

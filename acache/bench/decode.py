@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from acache.decoding.generate import generate
+from acache.engine import EngineConfig, LLMEngine
+from acache.engine.page_pool import page_bytes
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import init_random_, random_config
 from acache.models.loader import load_model, parse_device, parse_dtype
@@ -49,6 +50,18 @@ def random_model(family: str, shape: dict, dtype: torch.dtype, device: torch.dev
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
+    """Runs ``prompts`` to completion on ``engine``; returns forward time, NFE and refreshes per request."""
+    engine.reset_metrics()
+    for p in prompts:
+        engine.add_request(p, params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    m = engine.metrics
+    return sum(m.refresh_times_s) + sum(m.step_times_s), max(o.nfe for o in outs), max(o.refreshes for o in outs)
+
+
 def run_decode_bench(model: DiffusionLM, prompt_length: int, params_by_cache: dict[str, SamplingParams],
                      repeats: int, batch_size: int = 1, seed: int = 0) -> list[DecodeBenchRow]:
     gen = torch.Generator().manual_seed(seed)
@@ -58,21 +71,25 @@ def run_decode_bench(model: DiffusionLM, prompt_length: int, params_by_cache: di
     for _ in range(batch_size):
         ids = torch.randint(0, vocab, (prompt_length,), generator=gen).tolist()
         prompts.append([t if t not in special else 0 for t in ids])
-    generate(model, prompts, SamplingParams(gen_length=32, block_length=32))  # warm-up
+    longest = max(p.gen_length for p in params_by_cache.values())
+    page = 16
+    kv_bytes = (batch_size * (-(-(prompt_length + longest) // page)) + 1) * page_bytes(model.config, page, model.dtype)
+    engine = LLMEngine(model, EngineConfig(page_size=page, kv_cache_memory=kv_bytes, max_num_seqs=batch_size))
+    _decode(engine, prompts, SamplingParams(gen_length=32, block_length=32))  # warm-up
     samples: dict[str, list] = {c: [] for c in params_by_cache}
     with tqdm(total=repeats * len(params_by_cache), desc="bench decode", unit="run") as bar:
         for _ in range(repeats):
             for cache, params in params_by_cache.items():
                 t0 = time.perf_counter()
-                result = generate(model, prompts, params)
-                samples[cache].append((time.perf_counter() - t0, result.stats))
+                stats = _decode(engine, prompts, params)
+                samples[cache].append((time.perf_counter() - t0, *stats))
                 bar.update(1)
     rows = []
     for cache, runs in samples.items():
         wall = statistics.median(r[0] for r in runs)
-        fwd = statistics.median(r[1].forward_time_s for r in runs)
+        fwd = statistics.median(r[1] for r in runs)
         tokens = params_by_cache[cache].gen_length * batch_size
-        rows.append(DecodeBenchRow(cache, tokens / wall, wall, fwd, runs[0][1].nfe, runs[0][1].refreshes, 0.0))
+        rows.append(DecodeBenchRow(cache, tokens / wall, wall, fwd, runs[0][2], runs[0][3], 0.0))
     base = next((r for r in rows if r.cache == "none"), rows[0])
     for r in rows:
         r.speedup = r.tokens_per_s / base.tokens_per_s

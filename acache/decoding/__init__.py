@@ -1,10 +1,9 @@
-"""Diffusion decoding: commit rules, intra-request cache policies and the one generation loop."""
+"""Diffusion decoding: commit rules, the sampler and the one per-request decoding state machine."""
 
-from acache.decoding.cache_policy import CachePolicy, DualCache, NoCache, PrefixCache, make_cache_policy
 from acache.decoding.commit import CommitRule, Factor, LowConfidence, Threshold, make_commit_rule
-from acache.decoding.generate import GenerationResult, GenerationStats, generate
+from acache.decoding.request_state import Phase, RequestState, StepPlan, truncate_at_stop
 
 __all__ = [
-    "CachePolicy", "CommitRule", "DualCache", "Factor", "GenerationResult", "GenerationStats", "LowConfidence",
-    "NoCache", "PrefixCache", "Threshold", "generate", "make_cache_policy", "make_commit_rule",
+    "CommitRule", "Factor", "LowConfidence", "Phase", "RequestState", "StepPlan", "Threshold", "make_commit_rule",
+    "truncate_at_stop",
 ]

@@ -23,8 +23,9 @@ def commit_top_k(conf: torch.Tensor, masked: torch.Tensor, k: torch.Tensor) -> t
 class CommitRule:
     """Chooses the positions to commit from the block's confidences."""
 
-    def begin_block(self, num_masked: torch.Tensor) -> None:
-        """Called once per block with the number of masked positions of each row."""
+    def begin_block(self, num_masked: torch.Tensor, head_forced: bool = False) -> None:
+        """Called once per block with the number of masked positions of each row; ``head_forced`` when
+        step 0 commits only the block's first token (see :func:`commit_step`)."""
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: int) -> torch.Tensor:
         raise NotImplementedError
@@ -44,8 +45,12 @@ class LowConfidence(CommitRule):
         extra = (torch.arange(steps, device=num_masked.device)[None, :] < (num_masked % steps)[:, None])
         return base + extra.long()
 
-    def begin_block(self, num_masked: torch.Tensor) -> None:
-        self.schedule = self.quota_schedule(num_masked, self.steps)
+    def begin_block(self, num_masked: torch.Tensor, head_forced: bool = False) -> None:
+        if head_forced and self.steps > 1:  # step 0 is the forced head; the rest share the other steps
+            rest = self.quota_schedule((num_masked - 1).clamp_min(0), self.steps - 1)
+            self.schedule = torch.cat((torch.ones_like(rest[:, :1]), rest), dim=1)
+        else:
+            self.schedule = self.quota_schedule(num_masked, self.steps)
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: int) -> torch.Tensor:
         # The schedule covers every mask of the block; past it (never reached) commit what is left.
@@ -86,13 +91,16 @@ def commit_step(rule: CommitRule, tokens: torch.Tensor, x0: torch.Tensor, conf: 
                 step: int, force_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of a block ``[B, L]``: the rule picks among masked positions, which take their proposal.
 
-    With ``force_head`` (a shifted model whose later steps cannot see the column before the block) the
-    block's first position is committed on step 0. Returns the new block tokens and mask.
+    With ``force_head`` (a shifted model whose later steps cannot see the column before the block) step 0
+    commits the block's first position and nothing else, as upstream Fast-dLLM's Dream loop does on its
+    refresh forward. Returns the new block tokens and mask.
     """
     conf = torch.where(masked, conf, float("-inf"))
-    if step == 0 and force_head:
-        conf[:, 0] = torch.where(masked[:, 0], float("inf"), conf[:, 0])
     commit = rule.select(conf, masked, step)
+    if step == 0 and force_head:
+        head = torch.zeros_like(masked)
+        head[:, 0] = masked[:, 0]
+        commit = torch.where(masked[:, :1], head, commit)
     return torch.where(commit, x0, tokens), masked & ~commit
 
 

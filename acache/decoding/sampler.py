@@ -12,10 +12,14 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
     Temperature 0 takes the argmax; otherwise Gumbel-max sampling from ``softmax(logits / T)``, with
     noise from each row's own generator so a request's draw does not depend on its batch; rows that are
     not ``active`` (their block is done) draw nothing, so each generator advances only on the request's
-    own steps. Confidence is the clean softmax probability of the proposed token, as LLaDA scores it.
-    ``mask_token_id`` is never proposed: committing ``[MASK]`` would leave a hole in the output.
+    own steps. ``mask_token_id`` is never proposed: committing ``[MASK]`` would leave a hole in the output.
+
+    Confidence is ``p(x0)`` under the softmax over the *whole* vocabulary, ``[MASK]`` included, as the
+    upstream LLaDA and Fast-dLLM code score it: taking it after removing ``[MASK]`` would raise it to
+    ``p(x0) / (1 - p(mask))`` and change which tokens a threshold or factor rule commits.
     """
     logits = logits.float()
+    log_probs = logits.log_softmax(-1)
     if mask_token_id is not None:
         logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
     if temperature > 0:
@@ -29,5 +33,5 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
         x0 = (scores - noise.log()).argmax(-1)
     else:
         x0 = logits.argmax(-1)
-    conf = (logits.gather(-1, x0[..., None]).squeeze(-1) - logits.logsumexp(-1)).exp()
+    conf = log_probs.gather(-1, x0[..., None]).squeeze(-1).exp()
     return x0, conf

@@ -12,6 +12,7 @@ class EngineMetrics:
     started: float = field(default_factory=time.perf_counter)
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0
     generated_tokens: int = 0
     refresh_times_s: list[float] = field(default_factory=list)  # each batched refresh forward
     step_times_s: list[float] = field(default_factory=list)  # each batched in-block forward
@@ -26,6 +27,7 @@ class EngineMetrics:
         return {
             "requests_finished": self.requests_finished,
             "requests_aborted": self.requests_aborted,
+            "requests_failed": self.requests_failed,
             "generated_tokens": self.generated_tokens,
             "wall_time_s": wall,
             "throughput_tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,

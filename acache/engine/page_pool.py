@@ -84,13 +84,15 @@ class PagePool:
         all_slots = (torch.tensor(pages, dtype=torch.long)[:, None] * self.page_size + offsets).flatten()
         return all_slots[:count].to(device or self.keys[0].device)
 
-    def write(self, slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Writes per-layer ``[..., Hkv, D]`` K/V at ``slots`` (same leading shape)."""
+    def write(self, slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              layers: range | None = None) -> None:
+        """Writes per-layer ``[..., Hkv, D]`` K/V at ``slots`` (same leading shape); ``keys[j]`` goes to
+        layer ``layers[j]`` (default: every layer)."""
         flat = slots.reshape(-1)
-        for layer in range(self.num_layers):
-            self.keys[layer][flat] = keys[layer].reshape(-1, *keys[layer].shape[-2:]).to(self.keys[layer].dtype)
-            self.values[layer][flat] = values[layer].reshape(-1, *values[layer].shape[-2:]).to(
-                self.values[layer].dtype)
+        layers = layers if layers is not None else range(self.num_layers)
+        for j, layer in enumerate(layers):
+            self.keys[layer][flat] = keys[j].reshape(-1, *keys[j].shape[-2:]).to(self.keys[layer].dtype)
+            self.values[layer][flat] = values[j].reshape(-1, *values[j].shape[-2:]).to(self.values[layer].dtype)
 
 
 class _LayerGather:

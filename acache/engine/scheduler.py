@@ -1,20 +1,30 @@
-"""Continuous batching of diffusion requests: admission by free pages, and per-step batches of anchor
-selections, refreshes and in-block steps under a token budget.
+"""Continuous batching of diffusion requests, and the one owner of every change of request state.
 
-A request's canvas has a fixed size, so every page it will ever need (its private slots and its shared
-affixes) is taken at admission, all or nothing. A request that does not fit waits, first come first
-served, while running ones finish and unreferenced affixes are evicted; it never fails half-way and is
-never preempted. One that could not fit even in an empty pool is refused when it is added.
+:meth:`Scheduler.schedule` admits what fits (first come, first served; all the pages a request will
+need are taken at once, so it never fails half-way and is never preempted) and groups the running
+requests into one anchor selection and a few batched forwards under a token budget.
+:meth:`Scheduler.update_from_output` takes the model runner's results back: it fixes anchors and slot
+maps, commits tokens, finishes, streams and fails requests.
+
+Forwards are grouped rather than all padded together, by measurement: a refresh feeds the whole
+request (hundreds of columns) and an in-block step only its block, so padding steps to refreshes costs
+more than the extra forward (BENCHMARKS.md, the heterogeneous row). The groups are refreshes (BiCache
+ones by split layer), in-block steps that feed only the block, and the wider steps of the ``none`` and
+``prefix`` caches. Inside a group, ragged shapes are padded and masked.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from acache.engine.affix_pages import AffixPageTable, SharedAffix
-from acache.engine.page_pool import PagePool
-from acache.engine.sequence import Phase, Sequence, Status
+from acache.affix.bicache import BiCacheProfile, bicache_depth
+from acache.decoding.request_state import Phase
+from acache.engine.kv_cache_manager import KVCacheManager
+from acache.engine.metrics import EngineMetrics
+from acache.engine.outputs import EngineOutput, ForwardBatch, RunnerOutput, SchedulerOutput
+from acache.engine.request import Request, Status
 
 
 @dataclass
@@ -29,130 +39,157 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
-@dataclass
-class ScheduledBatch:
-    select: list[Sequence]
-    refresh: list[Sequence]
-    step: list[Sequence]
-
-    def __bool__(self) -> bool:
-        return bool(self.select or self.refresh or self.step)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, affixes: AffixPageTable) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_layers: int, stop_token_ids: set[int],
+                 metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None) -> None:
         self.config = config
-        self.pool = pool
-        self.affixes = affixes
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.kv = kv
+        self.num_layers = num_layers
+        self.stop_token_ids = stop_token_ids
+        self.metrics = metrics
+        self.bicache_profile = bicache_profile
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def pages_needed_alone(self, seq: Sequence) -> int:
-        """Pages the request needs in an empty pool: its private pages plus its affixes' pages."""
-        lengths = [span.length for span in seq.prompt.affixes] if seq.reuse else []
-        shared = sum(self.pool.pages_for(n) for n in lengths)
-        return shared + self.pool.pages_for(seq.private_tokens(lengths))
+    def add(self, req: Request) -> None:
+        if req.bicache:
+            share = sum(a.length for a in req.prompt.affixes) / req.length
+            req.bicache_depth = bicache_depth(req.params.affix_policy, req.params.anchor_ratio, self.num_layers,
+                                              share, self.bicache_profile)
+        need = self.kv.pages_needed_alone(req)
+        pool = self.kv.pool
+        if need > pool.num_pages:
+            raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
+                             f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
+        self.waiting.append(req)
 
-    def add(self, seq: Sequence) -> None:
-        need = self.pages_needed_alone(seq)
-        if need > self.pool.num_pages:
-            raise ValueError(f"request {seq.request_id} needs {need} KV pages of {self.pool.page_size} tokens, "
-                             f"more than the whole pool of {self.pool.num_pages}; raise kv_cache_memory")
-        self.waiting.append(seq)
-
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                seq.status = Status.ABORTED
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.finish(seq, Status.ABORTED)
-                return seq
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.status = Status.ABORTED
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.finish(req, Status.ABORTED)
+                return req
         return None
 
-    def _acquire_affixes(self, seq: Sequence) -> list[tuple[int, SharedAffix, bool]] | None:
-        """The request's shared affixes as ``(index, affix, hit)``, or None (holding nothing) when their
-        pages cannot be had now. An affix whose hash another one holds is left to be computed privately."""
-        held: list[tuple[int, SharedAffix, bool]] = []
-        if not seq.reuse:
-            return held
-        for index, span in enumerate(seq.prompt.affixes):
-            ids = seq.prompt.affix_ids(span)
-            if self.affixes.collides(ids):
-                continue
-            got = self.affixes.acquire(ids, span.name)
-            if got is None:
-                for _, affix, _ in held:
-                    self.affixes.release(affix)
-                return None
-            held.append((index, *got))
-        return held
+    def finish(self, req: Request, status: Status = Status.FINISHED) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.stats.finished = time.perf_counter()
 
-    def _try_admit(self, seq: Sequence) -> bool:
-        held = self._acquire_affixes(seq)
-        if held is None:
-            return False
-        need = self.pool.pages_for(seq.private_tokens([a.length for _, a, _ in held]))
-        pages = self.pool.allocate(need)
-        if pages is None and self.affixes.evict_until(need, keep={a.key for _, a, _ in held}):
-            pages = self.pool.allocate(need)
-        if pages is None:
-            for _, affix, _ in held:
-                self.affixes.release(affix)
-            return False
-        seq.affixes = [(index, affix) for index, affix, _ in held]
-        seq.private_pages = pages
-        seq.private_slots = self.pool.slots(pages, len(pages) * self.pool.page_size)
-        seq.stats.private_pages = len(pages)
-        seq.stats.affix_queries = len(held)
-        seq.stats.affix_hits = sum(hit for _, _, hit in held)
-        seq.status = Status.RUNNING
-        seq.phase = Phase.SELECT
-        return True
-
-    def admit(self) -> list[Sequence]:
-        admitted = []
+    # -- schedule -------------------------------------------------------------------------------
+    def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._try_admit(seq):
+            req = self.waiting[0]
+            if not self.kv.allocate(req):
                 break
             self.waiting.popleft()
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+            self.running.append(req)
+            req.status = Status.RUNNING
+            if not req.reuse:  # nothing to select: every column is the request's own
+                shared = req.shared_mask([])
+                req.state.set_recompute(shared, shared)
 
-    def schedule(self) -> ScheduledBatch:
-        """Admits what fits, then splits the running requests by phase; each group is cut to the token
-        budget (always at least one request) in arrival order."""
-        self.admit()
+    def schedule(self) -> SchedulerOutput:
+        """Admits what fits, then groups the running requests; each group is cut to the token budget
+        (always at least one request), in arrival order."""
+        self._admit()
         budget = self.config.max_num_batched_tokens
-        groups: dict[Phase, list[Sequence]] = {p: [] for p in Phase}
-        used: dict[Phase, int] = dict.fromkeys(Phase, 0)
-        for seq in self.running:
-            cost = self._cost(seq)
-            if groups[seq.phase] and used[seq.phase] + cost > budget:
+        out = SchedulerOutput()
+        groups: dict[tuple, ForwardBatch] = {}
+        used: dict[object, int] = {}
+        for req in self.running:
+            if req.state.phase is Phase.SELECT:
+                key, cost = "select", req.length - sum(s.length for s in req.prompt.affixes)
+            else:
+                plan = req.state.plan()
+                split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
+                key = (plan.refresh, split, len(plan.fed) > req.params.block_length)
+                cost = len(plan.fed)
+            if used.get(key, 0) and used[key] + cost > budget:
                 continue
-            groups[seq.phase].append(seq)
-            used[seq.phase] += cost
-        return ScheduledBatch(groups[Phase.SELECT], groups[Phase.REFRESH], groups[Phase.STEP])
+            used[key] = used.get(key, 0) + cost
+            if key == "select":
+                out.select.append(req)
+                continue
+            batch = groups.setdefault(key, ForwardBatch([], [], plan.refresh, split))
+            batch.requests.append(req)
+            batch.plans.append(plan)
+        out.forwards = list(groups.values())
+        return out
 
-    @staticmethod
-    def _cost(seq: Sequence) -> int:
-        if seq.phase is Phase.SELECT:
-            return seq.length - seq.affix_tokens
-        if seq.phase is Phase.REFRESH:
-            return seq.recompute_count
-        return seq.params.block_length
+    # -- update ---------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
+        """Applies the runner's results to the requests; returns what finished or failed (and, for
+        streaming requests, partial outputs of blocks just completed)."""
+        outputs: list[EngineOutput] = []
+        if sched.select:
+            self.metrics.selection_times_s.append(result.selection_time_s)
+        for req in sched.select:
+            if req.request_id in result.errors:
+                outputs.append(self._fail(req, result.errors[req.request_id]))
+                continue
+            req.stats.selection_time_s = result.selection_time_s
+            anchors = result.anchors[req.request_id]
+            if req.bicache:
+                none = req.shared_mask([])
+                req.state.set_recompute(none, none)
+            else:
+                req.state.set_recompute(req.shared_mask([i for i, _ in req.shared]), anchors)
+                self.kv.map_slots(req)
+            self.metrics.anchors += int(req.state.anchors.sum())
+            self.metrics.affix_tokens += req.affix_tokens
+        for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
+            times = self.metrics.refresh_times_s if batch.refresh else self.metrics.step_times_s
+            times.append(elapsed)
+            now = time.perf_counter()
+            for req in batch.requests:
+                if req.request_id in result.errors:
+                    outputs.append(self._fail(req, result.errors[req.request_id]))
+                    continue
+                s = req.stats
+                s.forward_time_s += elapsed
+                s.max_batch = max(s.max_batch, len(batch.requests))
+                if s.first_scheduled is None:
+                    s.first_scheduled = now
+                if batch.refresh:
+                    s.refresh_times_s.append(elapsed)
+                    self.metrics.refreshed_tokens += req.state.recompute_count
+                block = req.state.block
+                x0, conf = result.samples[req.request_id]
+                if req.state.commit(x0, conf):
+                    outputs.append(self._finish(req))
+                elif req.stream and req.state.block != block:
+                    outputs.append(self._output(req, Status.RUNNING, finished=False))
+        return outputs
 
-    def finish(self, seq: Sequence, status: Status = Status.FINISHED) -> None:
-        self.running.remove(seq)
-        self.pool.free(seq.private_pages)
-        seq.private_pages = []
-        for _, affix in seq.affixes:
-            self.affixes.release(affix)
-        seq.status = status
+    def _stops(self, req: Request) -> set[int]:
+        return self.stop_token_ids | set(req.params.stop_token_ids)
+
+    def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
+        state = req.state
+        ids, stopped = ([], False) if error else state.output(self._stops(req), finished_blocks_only=not finished)
+        anchors = state.positions[state.anchors].tolist() if finished else []
+        return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count, req.stats,
+                            state.nfe, state.refreshes, req.bicache_depth, finished=finished, stopped=stopped,
+                            error=error)
+
+    def _finish(self, req: Request) -> EngineOutput:
+        self.finish(req)
+        out = self._output(req, Status.FINISHED)
+        self.metrics.requests_finished += 1
+        self.metrics.generated_tokens += len(out.token_ids)
+        return out
+
+    def _fail(self, req: Request, error: str) -> EngineOutput:
+        self.finish(req, Status.FAILED)
+        req.error = error
+        self.metrics.requests_failed += 1
+        return self._output(req, Status.FAILED, error=error)

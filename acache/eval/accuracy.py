@@ -16,15 +16,15 @@ from tqdm.auto import tqdm
 from acache.eval.metrics import Cell, summary_table, sweep_table
 from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.llm import LLM
+from acache.policies import LAYOUTS
 from acache.tasks.generators import TASKS, held_out
-from acache.tasks.render import LAYOUTS
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
-SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
+STUDY_SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
-          layouts: tuple[str, ...] = LAYOUTS, selectors: tuple[str, ...] = SELECTORS,
+          layouts: tuple[str, ...] = LAYOUTS, selectors: tuple[str, ...] = STUDY_SELECTORS,
           ratios: tuple[float, ...] = RATIOS, progress: bool = True) -> list[Cell]:
     """Every point of the study; exact match of the whole answer (worked sums included)."""
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
@@ -117,7 +117,7 @@ def main(args) -> int:
             raise ValueError(f"unknown {name} {bad[0]!r}; known: {', '.join(known)}")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
-    selectors = SELECTORS + ("bicache-profiled",) if args.bicache_profile else SELECTORS
+    selectors = STUDY_SELECTORS + ("bicache-profiled",) if args.bicache_profile else STUDY_SELECTORS
     cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors)
     written = write_report(cells, args.out)
     if args.json:

@@ -12,8 +12,9 @@ from tqdm.auto import tqdm
 from acache.affix.staleness import measure_staleness
 from acache.eval.tasks import task_prompts
 from acache.llm import LLM
+from acache.policies import LAYOUTS
 from acache.tasks.generators import TASKS, held_out
-from acache.tasks.render import LAYOUTS, answer_length
+from acache.tasks.render import answer_length
 
 
 def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,

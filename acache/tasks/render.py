@@ -11,7 +11,6 @@ from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_seg
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.tasks.generators import WORDS, Example
 
-LAYOUTS = ("prefix", "infix", "suffix")
 #: The generation region per task: its longest answer plus one EOS, so the model learns to stop. Kept
 #: tight on purpose: every extra masked column is one more all-alike position the answer slot must be
 #: told apart from; with 8 columns the name lookup was found on 1 seed of 3, with 2 on 5 of 8 plus the

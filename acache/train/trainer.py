@@ -26,8 +26,9 @@ from tqdm.auto import tqdm
 
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
+from acache.policies import LAYOUTS
 from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, build_word_tokenizer, render
+from acache.tasks.render import ANSWER_LENGTHS, build_word_tokenizer, render
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")

@@ -21,3 +21,19 @@ def layouts(affix_len: int = 20, question_len: int = 6, seed: int = 0) -> dict[s
         "two-affix": AffixPrompt.from_spans(sys_aff + q[:h] + aff + q[h:], None,
                                             [(0, 8, "system"), (8 + h, 8 + h + n, "doc")]),
     }
+
+
+def affix_engine(model, store=None, bicache_profile=None, **config):
+    from acache.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(model, EngineConfig(**{"kv_cache_memory": 1 << 26, **config}), affix_source=store,
+                     bicache_profile=bicache_profile)
+
+
+def affix_run(model, prompts, params, store=None, engine=None, bicache_profile=None, arrivals=None):
+    """Engine outputs of ``prompts`` (one AffixPrompt or a list) under ``params`` (one or one per prompt)."""
+    from tests.helpers import run_engine
+
+    prompts = prompts if isinstance(prompts, list) else [prompts]
+    engine = engine or affix_engine(model, store, bicache_profile)
+    return run_engine(model, prompts, params, arrivals=arrivals, engine=engine)

@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from acache.affix.bicache import BiCacheDualCache, BiCacheProfile, matched_depth, profile_bicache
+from acache.affix.bicache import BiCacheProfile, matched_depth, profile_bicache
 from acache.affix.calibration import calibration_prompts
-from acache.affix.generate import generate_with_affixes
 from acache.affix.staleness import measure_staleness
 from acache.affix.store import AffixStore
-from acache.decoding.canvas import build_canvas
-from acache.decoding.generate import generate
+from acache.decoding.request_state import RequestState
 from acache.models.tokenizer import Tokenizer
+from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from tests.affix.helpers import layouts
+from tests.affix.helpers import affix_run, layouts
+from tests.helpers import tokens
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
@@ -25,14 +25,26 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 def test_matched_depth_ends(family_model, position):
     prompt = layouts()[position]
     store = AffixStore(family_model)
-    full = generate(family_model, [prompt.layout], SamplingParams(**BASE)).token_ids
-    direct, _ = generate_with_affixes(family_model, store, [prompt], SamplingParams(**BASE, affix_policy="none"))
-    deep, s1 = generate_with_affixes(family_model, store, [prompt],
-                                     SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=1.0))
-    shallow, s0 = generate_with_affixes(family_model, store, [prompt],
-                                        SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=0.0))
-    assert deep.token_ids == full and s1[0].bicache_depth == family_model.config.num_layers
-    assert shallow.token_ids == direct.token_ids and s0[0].bicache_depth == 0
+    full = tokens(affix_run(family_model, prompt, SamplingParams(**BASE)))
+    direct = tokens(affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"), store))
+    deep = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=1.0),
+                     store)
+    shallow = affix_run(family_model, prompt,
+                        SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=0.0), store)
+    assert tokens(deep) == full and deep[0].bicache_depth == family_model.config.num_layers
+    assert tokens(shallow) == direct and shallow[0].bicache_depth == 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_engine_bicache_batch_matches_each_alone(family_model, ratio):
+    """Requests of different depths in one engine batch: each as the reference path decodes it alone."""
+    prompts = list(layouts().values())
+    params = [SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=r) for r in (ratio, 0.5, 1.0, 0.0)]
+    store = AffixStore(family_model)
+    outs = affix_run(family_model, prompts, params, store, arrivals=[0, 1, 0, 2])
+    for out, p, sp in zip(outs, prompts, params, strict=True):
+        ref = reference_generate(family_model, p, sp, store)
+        assert out.token_ids == ref.token_ids and out.bicache_depth == ref.bicache_depth
 
 
 def test_matched_depth_rounding():
@@ -49,24 +61,29 @@ def test_refresh_splices_affix_hidden_state_at_the_split(llada_dir):
     prompt = layouts(affix_len=6, question_len=4)["prefix"]  # affix columns 0..5, question 6..9
     store = AffixStore(model, keep_hidden=True)
     entry = store.compute(prompt.affix_ids(prompt.affixes[0]))
-    canvas = build_canvas([prompt.layout], 8, model.config.mask_token_id, model.config.pad_token_id, model.device)
-    policy = BiCacheDualCache([[(0, entry)]], depths=[1])
-    policy.begin(model, canvas)
-    plan = policy.plan(0, canvas.gen_start, canvas.gen_start + 8, canvas.total)
-    out = plan.forward(canvas.tokens, canvas.positions, canvas.valid)
-    own = torch.arange(6, canvas.total)
     from acache.models.kv import KVCache
+    from acache.reference import _bicache_refresh
 
+    cfg = model.config
+    state = RequestState(prompt.layout, SamplingParams(gen_length=8, block_length=8), cfg.mask_token_id,
+                         cfg.pad_token_id, model.shifted_logits, model.device)
+    t = state.length
+    keys = [torch.zeros(t, cfg.num_kv_heads, cfg.head_dim) for _ in range(2)]
+    values = [torch.zeros_like(k) for k in keys]
+    for layer in range(2):
+        keys[layer][:6], values[layer][:6] = entry.keys[layer], entry.values[layer]
+    hidden = _bicache_refresh(model, state, [(0, 6, entry)], 1, keys, values)
+    x, pos = state.tokens[None], state.positions[None]
+    own = torch.arange(6, t)
     affix_kv = KVCache([k[None] for k in entry.keys], [v[None] for v in entry.values], torch.arange(6)[None],
                        torch.ones(1, 6, dtype=torch.bool))
-    shallow = model.run_layers(model.embed(canvas.tokens[:, own]), canvas.positions[:, own], None, affix_kv,
-                               range(0, 1), return_kv=True)
+    shallow = model.run_layers(model.embed(x[:, own]), pos[:, own], None, affix_kv, range(0, 1), return_kv=True)
     h = torch.cat((entry.hidden[1][None], shallow.hidden), dim=1)
-    deep = model.run_layers(h, canvas.positions, None, None, range(1, 2), return_kv=True)
-    assert torch.allclose(out.hidden, model.norm(deep.hidden), atol=1e-5)
-    assert torch.allclose(out.kv.keys[0][:, :6], entry.keys[0][None])  # shallow affix K/V stay cached
-    assert torch.allclose(out.kv.keys[0][:, 6:], shallow.kv.keys[0], atol=1e-6)
-    assert torch.allclose(out.kv.keys[1], deep.kv.keys[0], atol=1e-5)
+    deep = model.run_layers(h, pos, None, None, range(1, 2), return_kv=True)
+    assert torch.allclose(hidden, model.norm(deep.hidden), atol=1e-5)
+    assert torch.equal(keys[0][:6], entry.keys[0])  # shallow affix K/V stay cached
+    assert torch.allclose(keys[0][6:], shallow.kv.keys[0][0], atol=1e-6)
+    assert torch.allclose(keys[1], deep.kv.keys[0][0], atol=1e-5)
 
 
 def test_staleness_layer_zero_is_context_free(family_model):
@@ -100,12 +117,12 @@ def test_profile_table_and_its_use(tmp_path, llada_dir):
     with pytest.raises(ValueError, match="made for 5 layers"):
         BiCacheProfile.load(tmp_path / "bad.json", model)
     prompt = layouts()["prefix"]
-    direct, _ = generate_with_affixes(model, store, [prompt], SamplingParams(**BASE, affix_policy="none"))
+    direct = affix_run(model, prompt, SamplingParams(**BASE, affix_policy="none"), store)
     profiled_params = SamplingParams(**BASE, affix_policy="bicache-profiled")
-    profiled, stats = generate_with_affixes(model, store, [prompt], profiled_params, bicache_profile=lenient)
-    assert profiled.token_ids == direct.token_ids and stats[0].bicache_depth == 0
+    profiled = affix_run(model, prompt, profiled_params, store, bicache_profile=lenient)
+    assert tokens(profiled) == tokens(direct) and profiled[0].bicache_depth == 0
     with pytest.raises(ValueError, match="needs a BiCache profile"):
-        generate_with_affixes(model, store, [prompt], SamplingParams(**BASE, affix_policy="bicache-profiled"))
+        affix_run(model, prompt, SamplingParams(**BASE, affix_policy="bicache-profiled"), store)
 
 
 def test_calibration_file(tmp_path, llada_dir):

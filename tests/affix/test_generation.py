@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acache.affix.generate import generate_with_affixes
 from acache.affix.store import AffixStore
 from acache.decoding.commit import Threshold
-from acache.decoding.generate import generate
 from acache.models.kv import KVCache
+from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from tests.affix.helpers import layouts
+from tests.affix.helpers import affix_engine, affix_run, layouts
+from tests.helpers import tokens
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
@@ -21,12 +21,11 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
                                  dict(affix_policy="first-k", anchor_ratio=1.0)], ids=lambda h: h["affix_policy"])
 def test_full_recompute_matches_dual_cache(family_model, position, how):
     prompt = layouts()[position]
-    want = generate(family_model, [prompt.layout], SamplingParams(cache="dual", **BASE))
-    got, stats = generate_with_affixes(family_model, AffixStore(family_model), [prompt],
-                                       SamplingParams(**BASE, **how))
-    assert got.token_ids == want.token_ids
-    assert stats[0].recomputed_per_refresh == len(prompt.token_ids) + BASE["gen_length"]
-    assert len(stats[0].anchors) == sum(a.length for a in prompt.affixes)
+    want = affix_run(family_model, prompt, SamplingParams(cache="dual", **BASE))
+    (got,) = affix_run(family_model, prompt, SamplingParams(**BASE, **how))
+    assert got.token_ids == want[0].token_ids
+    assert got.recomputed_per_refresh == len(prompt.token_ids) + BASE["gen_length"]
+    assert len(got.anchors) == sum(a.length for a in prompt.affixes)
 
 
 @pytest.mark.parametrize("selector", ["attention", "random", "kv-deviation", "query-attention"])
@@ -34,11 +33,12 @@ def test_mixed_batch_matches_each_alone(family_model, selector):
     prompts = list(layouts().values())
     params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)
     store = AffixStore(family_model)
-    batched, stats = generate_with_affixes(family_model, store, prompts, params)
+    batched = affix_run(family_model, prompts, params, store)
+    staggered = affix_run(family_model, prompts, params, store, arrivals=[3, 0, 1, 5])
     for i, p in enumerate(prompts):
-        alone, s = generate_with_affixes(family_model, store, [p], params)
-        assert alone.token_ids[0] == batched.token_ids[i]
-        assert s[0].anchors == stats[i].anchors
+        alone = reference_generate(family_model, p, params, store)
+        assert alone.token_ids == batched[i].token_ids == staggered[i].token_ids
+        assert alone.anchors == batched[i].anchors == staggered[i].anchors
 
 
 def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):
@@ -89,13 +89,14 @@ def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):
             else:
                 out = model(x[:, s:e], pos[:, s:e], past=cache)
                 logits = model.logits(out.hidden)
+            probs = torch.softmax(logits, -1)  # confidence over the whole vocabulary
             logits[..., cfg.mask_token_id] = float("-inf")  # [MASK] is never proposed
-            probs = torch.softmax(logits, -1)
-            conf, x0 = probs.max(-1)
-            conf = torch.where(masked, conf, float("-inf"))
-            if step == 0 and model.shifted_logits:
-                conf[:, 0] = float("inf")
+            x0 = logits.argmax(-1)
+            conf = torch.where(masked, probs.gather(-1, x0[..., None])[..., 0], float("-inf"))
             commit = rule.select(conf, masked, step)
+            if step == 0 and model.shifted_logits:  # the block's first token alone, on its refresh
+                commit = torch.zeros_like(masked)
+                commit[:, 0] = True
             x[:, s:e] = torch.where(commit, x0, x[:, s:e])
             step += 1
     return x[0, g0:g0 + gen_length].tolist()
@@ -105,21 +106,19 @@ def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):
 def test_no_anchors_is_direct_reuse(family_model, position):
     prompt = layouts()[position]
     want = direct_reuse_reference(family_model, prompt, **BASE)
-    got, stats = generate_with_affixes(family_model, AffixStore(family_model), [prompt],
-                                       SamplingParams(**BASE, affix_policy="none"))
-    assert got.token_ids[0] == want
-    assert stats[0].anchors == []
-    full = generate(family_model, [prompt.layout], SamplingParams(**BASE))
-    assert got.token_ids != full.token_ids  # reuse is stale here, so the comparison above has teeth
+    (got,) = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"))
+    assert got.token_ids == want
+    assert got.anchors == []
+    full = affix_run(family_model, prompt, SamplingParams(**BASE))
+    assert got.token_ids != full[0].token_ids  # reuse is stale here, so the comparison above has teeth
 
 
 def test_zero_ratio_attention_equals_none(family_model):
     prompt = layouts()["infix"]
     store = AffixStore(family_model)
-    a, _ = generate_with_affixes(family_model, store, [prompt], SamplingParams(**BASE, affix_policy="none"))
-    b, s = generate_with_affixes(family_model, store, [prompt],
-                                 SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.0))
-    assert a.token_ids == b.token_ids and s[0].anchors == []
+    a = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"), store)
+    b = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.0), store)
+    assert tokens(a) == tokens(b) and b[0].anchors == []
 
 
 def test_stats_and_store_hits(llada_dir):
@@ -127,14 +126,15 @@ def test_stats_and_store_hits(llada_dir):
 
     model = load_model(llada_dir)
     prompt = layouts()["two-affix"]
-    store = AffixStore(model)
+    engine = affix_engine(model)
     params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.25)
-    _, first = generate_with_affixes(model, store, [prompt], params)
-    _, second = generate_with_affixes(model, store, [prompt], params)
-    assert (first[0].affix_misses, first[0].affix_hits) == (2, 0)
-    assert (second[0].affix_misses, second[0].affix_hits) == (0, 2)
-    assert len(first[0].anchors) == 2 + 5  # ceil(0.25 * 8) + ceil(0.25 * 20)
+    (first,) = affix_run(model, prompt, params, engine=engine)
+    (second,) = affix_run(model, prompt, params, engine=engine)
+    assert (first.stats.affix_queries, first.stats.affix_hits) == (2, 0)
+    assert (second.stats.affix_queries, second.stats.affix_hits) == (2, 2)
+    assert len(first.anchors) == 2 + 5  # ceil(0.25 * 8) + ceil(0.25 * 20)
     n_affix = 28
-    assert first[0].recomputed_per_refresh == len(prompt.token_ids) - n_affix + 7 + BASE["gen_length"]
-    assert len(first[0].refresh_times_s) == 2 and first[0].selection_time_s > 0
-    assert all(e.refcount == 0 for e in store.entries.values())
+    assert first.recomputed_per_refresh == len(prompt.token_ids) - n_affix + 7 + BASE["gen_length"]
+    assert len(first.stats.refresh_times_s) == 2 and first.stats.selection_time_s > 0
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
+    assert engine.pool.num_used == sum(len(e.pages) for e in engine.affixes.entries.values())

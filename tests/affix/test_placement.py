@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from acache.affix.policy import place_affixes
+from acache.affix.placement import place_affixes
 from acache.affix.store import AffixStore
 from acache.decoding.canvas import build_canvas
 from acache.models.layers import apply_rope, rope_tables

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from acache.affix.context import CanvasKV, SelectionContext
-from acache.affix.policy import place_affixes
+from acache.affix.placement import place_affixes
 from acache.affix.selectors import SELECTORS, anchor_count, make_selector
 from acache.affix.store import AffixStore
 from acache.decoding.canvas import Layout, build_canvas

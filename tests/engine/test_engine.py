@@ -1,14 +1,13 @@
-"""The engine against the single-request path, token for token; pages, admission, abort."""
+"""The engine against the reference path, token for token; pages, admission, abort, contained faults."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from acache.affix.generate import generate_with_affixes
 from acache.affix.store import AffixStore
-from acache.engine import EngineConfig, LLMEngine
-from acache.engine.sequence import Status
+from acache.engine import EngineConfig, LLMEngine, Status
+from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.affix.helpers import layouts
 
@@ -39,23 +38,21 @@ def test_engine_matches_single_request_path(family_model, selector, batch):
     outs = run_all(engine, requests)
     store = AffixStore(family_model)
     for (prompt, _, _), out in zip(requests, outs, strict=True):
-        ref, stats = generate_with_affixes(family_model, store, [prompt], params)
-        assert out.token_ids == ref.token_ids[0]
-        assert out.anchors == stats[0].anchors
-        assert out.recomputed_per_refresh == stats[0].recomputed_per_refresh
+        ref = reference_generate(family_model, prompt, params, store)
+        assert out.token_ids == ref.token_ids
+        assert out.anchors == ref.anchors
+        assert (out.nfe, out.refreshes) == (ref.nfe, ref.refreshes)
     summary = engine.summary()
     assert summary["requests_finished"] == 16 and summary["kv_pages_in_use"] == engine.affixes.pages_in_use
     assert summary["affix_hits"] >= 16 and summary["affix_queries"] == 20
 
 
 def test_engine_without_reuse_is_the_dual_cache(family_model):
-    from acache.decoding.generate import generate
-
     params = SamplingParams(**BASE)
     requests = mixed_requests(6, params)
     outs = run_all(LLMEngine(family_model, EngineConfig(page_size=8, kv_cache_memory=1 << 24)), requests)
     for (prompt, _, _), out in zip(requests, outs, strict=True):
-        assert out.token_ids == generate(family_model, [prompt.layout], params).token_ids[0]
+        assert out.token_ids == reference_generate(family_model, prompt, params).token_ids
 
 
 def test_sampling_with_per_request_generators(llada_dir):
@@ -67,9 +64,8 @@ def test_sampling_with_per_request_generators(llada_dir):
     engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 22))
     outs = run_all(engine, [(p, params, torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)])
     for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
-        ref, _ = generate_with_affixes(model, AffixStore(model), [p], params,
-                                       generators=[torch.Generator().manual_seed(i)])
-        assert out.token_ids == ref.token_ids[0]
+        ref = reference_generate(model, p, params, generator=torch.Generator().manual_seed(i))
+        assert out.token_ids == ref.token_ids
 
 
 def test_memory_grows_by_private_tokens_not_by_the_affix(llada_dir):
@@ -142,10 +138,10 @@ def test_bad_requests(llada_dir):
     from acache.models.loader import load_model
 
     engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
-    with pytest.raises(ValueError, match="dual cache"):
-        engine.add_request([1, 2], SamplingParams(**BASE, cache="prefix"))
-    with pytest.raises(ValueError, match="single-request path"):
-        engine.add_request(layouts()["prefix"], SamplingParams(**BASE, affix_policy="bicache-matched"))
+    with pytest.raises(ValueError, match="needs a BiCache profile"):
+        engine.add_request(layouts()["prefix"], SamplingParams(**BASE, affix_policy="bicache-profiled"))
+    with pytest.raises(TypeError, match="must be a SamplingParams"):
+        engine.add_request([1, 2], {"gen_length": 8})
     with pytest.raises(ValueError, match="too long"):
         engine.add_request([1] * 600, SamplingParams(**BASE))
     with pytest.raises(ValueError, match="vocabulary"):

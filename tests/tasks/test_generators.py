@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from acache.policies import LAYOUTS
 from acache.tasks.generators import TASKS, bind, count, examples, grab, held_out, holder
-from acache.tasks.render import ANSWER_LENGTHS, LAYOUTS, answer_length, build_word_tokenizer, render
+from acache.tasks.render import ANSWER_LENGTHS, answer_length, build_word_tokenizer, render
 
 
 def sentences(words):

@@ -6,8 +6,7 @@ import torch
 
 from acache.affix.context import SelectionContext
 from acache.affix.selectors.base import AnchorSelector
-
-QUERY_SOURCES = ("probe", "full")
+from acache.policies import ANCHOR_QUERIES as QUERY_SOURCES
 
 
 class AttentionAnchors(AnchorSelector):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -10,8 +11,14 @@ import torch
 from acache.affix.context import SelectionContext
 
 
-def anchor_count(ratio: float, n: int) -> int:
-    """``ceil(ratio * n)``, robust to float error (0.3 * 10 is 3, not 4)."""
+def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
+    """How many of an ``n``-token affix's tokens a request recomputes: none for direct reuse (``none``),
+    all for full recompute (``all``), otherwise ``ceil(ratio * n)``, robust to float error (0.3 * 10 is
+    3, not 4). The one place this count is defined: selection and page sizing both read it."""
+    if selector == "none":
+        return 0
+    if selector == "all":
+        return n
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
@@ -24,8 +31,10 @@ class AnchorSelector:
         """``[B, T]`` importance of each canvas column; only affix columns are read."""
         raise NotImplementedError
 
-    def select(self, ctx: SelectionContext, ratio: float) -> torch.Tensor:
-        """Anchor mask ``[B, T]``: in each affix of each row, its ``ceil(ratio * n)`` best columns."""
+    def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
+        """Anchor mask ``[B, T]``: in each affix of each row, its :func:`anchor_count` best columns, with
+        ``ratio`` one for the batch or one per row."""
+        ratios = [ratio] * ctx.affix_slot.shape[0] if isinstance(ratio, (int, float)) else list(ratio)
         scores = self.scores(ctx).float()
         anchors = torch.zeros_like(ctx.affix_mask)
         slot = ctx.affix_slot
@@ -33,7 +42,7 @@ class AnchorSelector:
             member = slot == slot_id
             counts = member.sum(-1)
             for row in range(slot.shape[0]):
-                k = anchor_count(ratio, int(counts[row]))
+                k = anchor_count(ratios[row], int(counts[row]), self.name)
                 if k == 0:
                     continue
                 row_scores = torch.where(member[row], scores[row], float("-inf"))

@@ -9,21 +9,18 @@ from acache.affix.selectors.base import AnchorSelector
 
 
 class NoAnchors(AnchorSelector):
-    """Direct reuse: no affix token is recomputed, whatever the ratio."""
+    """Direct reuse: no affix token is recomputed, whatever the ratio (its count is zero)."""
 
     name = "none"
 
-    def select(self, ctx: SelectionContext, ratio: float) -> torch.Tensor:
-        return torch.zeros_like(ctx.affix_mask)
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.zeros(ctx.affix_slot.shape, device=ctx.affix_slot.device)
 
 
-class AllAnchors(AnchorSelector):
-    """Full recompute: every affix token is recomputed, whatever the ratio."""
+class AllAnchors(NoAnchors):
+    """Full recompute: every affix token is recomputed, whatever the ratio (its count is the affix)."""
 
     name = "all"
-
-    def select(self, ctx: SelectionContext, ratio: float) -> torch.Tensor:
-        return ctx.affix_mask.clone()
 
 
 class FirstK(AnchorSelector):

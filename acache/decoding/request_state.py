@@ -1,0 +1,176 @@
+"""The one per-request decoding state machine, driven alike by the engine and by the reference path.
+
+A request's canvas is its prompt with ``gen_length`` masks at its generation region (no padding). The
+state says, before every forward, which canvas columns to feed and which to read from the request's
+K/V cache (:meth:`RequestState.plan`), and takes the proposals of the current block back
+(:meth:`RequestState.commit`). Every decoding rule lives here once:
+
+* the refresh test: a block's first step, and every ``refresh_interval`` steps inside it;
+* what a step feeds under each cache policy (``none``: everything; ``prefix``: the block and after it;
+  ``dual``: the block alone) and, on a refresh, the columns to recompute (all of them, or with shared
+  affixes the non-affix columns plus the anchors);
+* the shifted-head rule of Dream-style models: the column before the generation region is always
+  recomputed, and a block's first token is committed alone on its first step when later steps cannot
+  see the column before the block.
+
+The executor (the paged engine, or the dense reference loop) runs the forward and applies the K/V writes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from acache.decoding.canvas import Layout, build_canvas
+from acache.decoding.commit import commit_step, make_commit_rule
+from acache.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    SELECT = "select"  # the shared affixes are placed and the anchors still to be chosen
+    REFRESH = "refresh"  # the next forward recomputes the cache
+    STEP = "step"  # the next forward feeds part of the canvas against the cache
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next forward of one request feeds: canvas columns ``fed`` (ascending) against the cached
+    K/V of columns ``past``; ``block`` locates the current block's columns among the fed ones. With
+    ``write`` the fed columns' fresh K/V replace the cached ones."""
+
+    fed: torch.Tensor  # [F]
+    past: torch.Tensor  # [P]
+    block: torch.Tensor  # [L], indices into fed
+    refresh: bool
+    write: bool
+
+
+def truncate_at_stop(ids: list[int], stop_token_ids: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stop_token_ids:
+            return ids[:i]
+    return ids
+
+
+class RequestState:
+    """Where one request is in decoding: its canvas, block, step, masks and the columns it recomputes."""
+
+    def __init__(self, layout: Layout, params: SamplingParams, mask_token_id: int, pad_token_id: int,
+                 shifted: bool, device: torch.device) -> None:
+        canvas = build_canvas([layout], params.gen_length, mask_token_id, pad_token_id, device)
+        self.canvas = canvas
+        self.params = params
+        self.tokens = canvas.tokens[0]
+        self.positions = canvas.positions[0]
+        self.length = canvas.total
+        self.gen_start = canvas.gen_start
+        self.mask_token_id = mask_token_id
+        self.shifted = shifted
+        self.phase = Phase.SELECT
+        self.block = 0
+        self.step = 0
+        self.masked: torch.Tensor | None = None
+        self.rule = make_commit_rule(params)
+        self.anchors = torch.zeros(self.length, dtype=torch.bool, device=device)
+        self.recompute = torch.ones(self.length, dtype=torch.bool, device=device)
+        self.nfe = 0
+        self.refreshes = 0
+        self._cols = torch.arange(self.length, device=device)
+
+    # -- the columns a refresh recomputes ---------------------------------------------------------
+    def base_recompute(self, shared: torch.Tensor) -> torch.Tensor:
+        """Columns recomputed at every refresh before any anchor: all but the ``shared`` affix columns,
+        and, for a shifted model, the column before the generation region (its state predicts the
+        region's first token, so it must be fresh)."""
+        recompute = ~shared
+        if self.shifted and self.gen_start > 0:
+            recompute = recompute.clone()
+            recompute[self.gen_start - 1] = True
+        return recompute
+
+    def set_recompute(self, shared: torch.Tensor, anchors: torch.Tensor) -> None:
+        """Fixes the columns every refresh recomputes: the base set plus the ``anchors`` among the
+        ``shared`` columns. Called once, before the first block."""
+        if self.phase is not Phase.SELECT:
+            raise RuntimeError("a request's recompute set is fixed once, before its first block")
+        self.anchors = anchors & shared
+        self.recompute = self.base_recompute(shared) | self.anchors
+        self._begin_block()
+
+    @property
+    def recompute_count(self) -> int:
+        return int(self.recompute.sum())
+
+    # -- the step rules ---------------------------------------------------------------------------
+    @property
+    def block_cols(self) -> tuple[int, int]:
+        start = self.gen_start + self.block * self.params.block_length
+        return start, start + self.params.block_length
+
+    @property
+    def force_head(self) -> bool:
+        """A shifted model commits a block's first token alone on its first step when later steps feed
+        the block without the column before it: every cache but ``none``, unless every step refreshes."""
+        return self.shifted and self.params.cache != "none" and self.params.refresh_interval != 1
+
+    def is_refresh_step(self) -> bool:
+        if self.params.cache == "none":
+            return False
+        interval = self.params.refresh_interval
+        return self.step == 0 or (interval is not None and self.step % interval == 0)
+
+    def plan(self) -> StepPlan:
+        if self.phase not in (Phase.REFRESH, Phase.STEP):
+            raise RuntimeError(f"request in phase {self.phase.value} has no forward to plan")
+        start, end = self.block_cols
+        cols = self._cols
+        if self.params.cache == "none":
+            return StepPlan(cols, cols[:0], cols[start:end], refresh=False, write=False)
+        if self.phase is Phase.REFRESH:
+            fed = cols[self.recompute]
+            return StepPlan(fed, cols[~self.recompute], torch.searchsorted(fed, cols[start:end]), True, True)
+        block = cols[:end - start]
+        if self.params.cache == "prefix":
+            return StepPlan(cols[start:], cols[:start], block, refresh=False, write=False)
+        return StepPlan(cols[start:end], torch.cat((cols[:start], cols[end:])), block, refresh=False, write=False)
+
+    def commit(self, x0: torch.Tensor, conf: torch.Tensor) -> bool:
+        """Takes the block's proposals ``x0``/``conf`` ``[L]`` of the forward just planned; True when done."""
+        refresh = self.phase is Phase.REFRESH
+        self.nfe += 1
+        self.refreshes += int(refresh)
+        start, end = self.block_cols
+        tokens, masked = commit_step(self.rule, self.tokens[None, start:end], x0[None], conf[None],
+                                     self.masked[None], self.step, self.force_head)
+        self.tokens[start:end], self.masked = tokens[0], masked[0]
+        self.step += 1
+        if bool(self.masked.any()):
+            self.phase = Phase.REFRESH if self.is_refresh_step() else Phase.STEP
+            return False
+        self.block += 1
+        if self.block >= self.params.num_blocks:
+            self.phase = Phase.DONE
+            return True
+        self._begin_block()
+        return False
+
+    def _begin_block(self) -> None:
+        start, end = self.block_cols
+        self.masked = self.tokens[start:end] == self.mask_token_id
+        self.rule.begin_block(self.masked.sum()[None], self.force_head)
+        self.step = 0
+        self.phase = Phase.REFRESH if self.is_refresh_step() else Phase.STEP
+
+    # -- output -----------------------------------------------------------------------------------
+    def generated(self, finished_blocks_only: bool = False) -> list[int]:
+        n = self.block * self.params.block_length if finished_blocks_only else self.params.gen_length
+        return self.tokens[self.gen_start:self.gen_start + n].tolist()
+
+    def output(self, stop_token_ids: set[int], finished_blocks_only: bool = False) -> tuple[list[int], bool]:
+        """The generated ids cut at the first stop token, and whether a stop token cut them."""
+        ids = self.generated(finished_blocks_only)
+        cut = truncate_at_stop(ids, stop_token_ids)
+        return cut, len(cut) < len(ids)

@@ -1,0 +1,107 @@
+"""The KV-cache manager: the page pool, each request's private pages and the shared affixes.
+
+A request's canvas has a fixed size, so every page it will ever need (its private slots and its
+shared affixes) is taken at admission, all or nothing; a request that does not fit waits. Shared
+affix pages are written once and never by a request. BiCache requests splice in the affix's
+per-layer hidden states too, which live in the dense affix store; they own a private copy of the
+affix K/V, since their deep layers recompute it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from acache.affix.store import AffixStore
+from acache.engine.affix_pages import AffixPageTable
+from acache.engine.page_pool import PagePool
+from acache.engine.request import Request
+from acache.models.base import DiffusionLM
+
+
+class KVCacheManager:
+    def __init__(self, model: DiffusionLM, pool: PagePool, store: AffixStore | None = None) -> None:
+        self.pool = pool
+        self.store = store if store is not None else AffixStore(model)
+        self.affixes = AffixPageTable(model, pool, self.store)
+
+    def pages_needed_alone(self, req: Request) -> int:
+        """Pages the request needs in an empty pool: its private pages plus its shared affixes' pages."""
+        if req.bicache or not req.reuse:
+            return self.pool.pages_for(req.length)
+        indices = list(range(len(req.prompt.affixes)))
+        shared = sum(self.pool.pages_for(span.length) for span in req.prompt.affixes)
+        return shared + self.pool.pages_for(req.private_tokens(indices))
+
+    def allocate(self, req: Request) -> bool:
+        """Takes the request's shared affixes and private pages, all or nothing; fills its slot map for
+        every column but the shared ones (set once its anchors are known). False when they cannot be had now."""
+        held = self._acquire_shared(req)
+        if held is None:
+            return False
+        need = self.pool.pages_for(req.private_tokens([i for i, _, _ in held]))
+        pages = self.pool.allocate(need)
+        if pages is None and self.affixes.evict_until(need, keep={a.key for _, a, _ in held}):
+            pages = self.pool.allocate(need)
+        if pages is None:
+            for _, affix, _ in held:
+                self.affixes.release(affix)
+            return False
+        req.shared = [(i, affix) for i, affix, _ in held]
+        req.private_pages = pages
+        req.private_slots = self.pool.slots(pages, len(pages) * self.pool.page_size)
+        req.stats.private_pages = len(pages)
+        req.stats.affix_queries = len(held)
+        req.stats.affix_hits = sum(hit for _, _, hit in held)
+        if req.bicache:
+            for index, span in enumerate(req.prompt.affixes):
+                entry, hit = self.store.acquire(req.prompt.affix_ids(span), span.name)
+                self.store.ensure_hidden(entry)
+                req.entries.append((index, entry))
+                req.stats.affix_queries += 1
+                req.stats.affix_hits += hit
+        if req.bicache or not req.reuse:
+            req.slot_map = req.private_slots[:req.length].clone()
+        return True
+
+    def map_slots(self, req: Request) -> None:
+        """Once the recompute set is fixed: recomputed columns to private slots, the rest to shared ones."""
+        slot_map = torch.zeros(req.length, dtype=torch.long, device=req.private_slots.device)
+        for index, affix in req.shared:
+            c0, c1 = req.span_columns(index)
+            slot_map[c0:c1] = affix.slots
+        recompute = req.state.recompute
+        count = int(recompute.sum())
+        if count > req.private_slots.numel():
+            raise RuntimeError(f"request {req.request_id} recomputes {count} tokens but holds "
+                               f"{req.private_slots.numel()} private slots")
+        slot_map[recompute] = req.private_slots[:count]
+        req.slot_map = slot_map
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.private_pages)
+        req.private_pages = []
+        for _, affix in req.shared:
+            self.affixes.release(affix)
+        req.shared = []
+        for _, entry in req.entries:
+            self.store.release(entry)
+        req.entries = []
+
+    def _acquire_shared(self, req: Request) -> list | None:
+        """``(index, shared affix, hit)`` of each affix the request shares from pool pages, or None
+        (holding nothing) when their pages cannot be had now. An affix whose hash another one holds is
+        left to be computed privately."""
+        held: list = []
+        if not req.reuse or req.bicache:
+            return held
+        for index, span in enumerate(req.prompt.affixes):
+            ids = req.prompt.affix_ids(span)
+            if self.affixes.collides(ids):
+                continue
+            got = self.affixes.acquire(ids, span.name)
+            if got is None:
+                for _, affix, _ in held:
+                    self.affixes.release(affix)
+                return None
+            held.append((index, *got))
+        return held

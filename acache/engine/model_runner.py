@@ -1,0 +1,208 @@
+"""Executes a scheduler output: batched anchor selections and forwards through the requests' slot maps.
+
+The runner reads requests and never changes their state; it returns a :class:`RunnerOutput`. Every
+forward is ``gather + attention``: each request's key set is read from the pool through its slot map
+(shared affix slots and its private slots), padded to the batch's longest and masked. Fresh K/V of a
+refresh go to the request's private slots; shared pages are never written.
+
+A fault raised for one request (a bad shape, a selector's error) fails that request alone: the batch is
+rerun one request at a time and only the ones that fail alone are reported. A fault of the engine
+itself (out of memory, a device error) is raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from acache.affix.bicache import bicache_forward
+from acache.affix.context import SelectionContext, request_seed
+from acache.affix.placement import place_affixes
+from acache.affix.selectors import make_selector
+from acache.decoding.canvas import build_canvas
+from acache.decoding.sampler import propose
+from acache.engine.outputs import ForwardBatch, RunnerOutput, SchedulerOutput
+from acache.engine.page_pool import PagedKV, PagePool
+from acache.engine.request import Request
+from acache.models.base import DiffusionLM
+
+
+def is_engine_fault(exc: BaseException) -> bool:
+    """Faults of the machine, not of one request: they fail the whole batch."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("CUDA error", "device-side assert"))
+
+
+def _pad(rows: list[torch.Tensor], fill: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((r.numel() for r in rows), default=0)
+    out = torch.full((len(rows), width), fill, dtype=torch.long, device=device)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+        valid[i, :r.numel()] = True
+    return out, valid
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ModelRunner:
+    def __init__(self, model: DiffusionLM, pool: PagePool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        if sched.select:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out.anchors = self._contained(sched.select, self._select, out.errors)
+            _sync(self.device)
+            out.selection_time_s = time.perf_counter() - t0
+        for batch in sched.forwards:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            reqs = [r for r in batch.requests if r.request_id not in out.errors]
+
+            def run(sub: list[Request], batch: ForwardBatch = batch) -> dict:
+                plans = [batch.plans[batch.requests.index(r)] for r in sub]
+                return self._forward(ForwardBatch(sub, plans, batch.refresh, batch.split))
+
+            out.samples.update(self._contained(reqs, run, out.errors))
+            _sync(self.device)
+            out.forward_times_s.append(time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _contained(reqs: list[Request], fn: Callable[[list[Request]], dict], errors: dict[str, str]) -> dict:
+        """``fn(reqs)``; if it raises for a reason other than an engine fault, each request is run alone
+        and those that still raise are put in ``errors`` with their message."""
+        if not reqs:
+            return {}
+        try:
+            return fn(reqs)
+        except Exception as exc:
+            if is_engine_fault(exc):
+                raise
+            if len(reqs) == 1:
+                errors[reqs[0].request_id] = f"{type(exc).__name__}: {exc}"
+                return {}
+        results: dict = {}
+        for req in reqs:
+            try:
+                results.update(fn([req]))
+            except Exception as exc:
+                if is_engine_fault(exc):
+                    raise
+                errors[req.request_id] = f"{type(exc).__name__}: {exc}"
+        return results
+
+    # -- anchor selection -----------------------------------------------------------------------
+    def _select(self, reqs: list[Request]) -> dict[str, torch.Tensor | None]:
+        """Anchors of each request, chosen with the same selector code as the reference path on a
+        padded canvas that holds their shared affix K/V; a batch shares a selector, its query source
+        and ``gen_length`` (the canvas has one generation region), each row keeps its own ratio. A BiCache
+        request instead gets its affixes' cached K/V copied into its private slots."""
+        anchors: dict[str, torch.Tensor | None] = {}
+        groups: dict[tuple, list[Request]] = {}
+        for req in reqs:
+            if req.bicache:
+                self._place_bicache(req)
+                anchors[req.request_id] = None
+                continue
+            p = req.params
+            groups.setdefault((p.affix_policy, p.anchor_query, p.gen_length), []).append(req)
+        cfg = self.model.config
+        for (name, query, gen_length), group in groups.items():
+            canvas = build_canvas([r.prompt.layout for r in group], gen_length, cfg.mask_token_id,
+                                  cfg.pad_token_id, self.device)
+            placements = [[(r.prompt.affixes[i].start, a.entry(self.pool)) for i, a in r.shared] for r in group]
+            kv, slot = place_affixes(self.model, canvas, placements)
+            seeds = [request_seed(r.params.seed, r.prompt.token_ids) for r in group]
+            ctx = SelectionContext(self.model, canvas, slot, kv, seeds)
+            chosen = make_selector(name, query).select(ctx, [r.params.anchor_ratio for r in group])
+            for row, req in enumerate(group):
+                pad = canvas.pad_left[row]
+                cols = slice(pad, pad + req.length)
+                anchors[req.request_id] = chosen[row, cols] & (slot[row, cols] >= 0)
+        return anchors
+
+    def _place_bicache(self, req: Request) -> None:
+        for index, entry in req.entries:
+            c0, c1 = req.span_columns(index)
+            self.pool.write(req.slot_map[c0:c1], entry.keys, entry.values)
+
+    # -- forwards -------------------------------------------------------------------------------
+    def _forward(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """One batched forward; returns each request's proposed tokens and confidences for its block."""
+        reqs, plans, dev = batch.requests, batch.plans, self.device
+        trash = self.pool.trash_slot
+        fed, fed_valid = _pad([p.fed for p in plans], 0, dev)
+        past, past_valid = _pad([p.past for p in plans], 0, dev)
+        block, _ = _pad([p.block for p in plans], 0, dev)
+        rows = torch.arange(len(reqs), device=dev)[:, None]
+        width = max(r.length for r in reqs)
+        tokens = torch.stack([F.pad(r.state.tokens, (0, width - r.length)) for r in reqs])
+        positions = torch.stack([F.pad(r.state.positions, (0, width - r.length)) for r in reqs])
+        slot_maps = torch.stack([F.pad(r.slot_map, (0, width - r.length), value=trash) for r in reqs])
+        if batch.split is not None:
+            hidden = self._bicache_refresh(batch, tokens, positions, slot_maps, fed, fed_valid)
+        else:
+            past_slots = torch.where(past_valid, slot_maps[rows, past], torch.full_like(past, trash))
+            paged = PagedKV(self.pool, past_slots, positions[rows, past], past_valid) if past.shape[1] else None
+            out = self.model(tokens[rows, fed], positions[rows, fed], fed_valid, past=paged, return_kv=batch.refresh)
+            if batch.refresh:
+                write = torch.where(fed_valid, slot_maps[rows, fed], torch.full_like(fed, trash))
+                self.pool.write(write, out.kv.keys, out.kv.values)
+            hidden = out.hidden
+        logits = self.model.logits(hidden, block, fed_valid)
+        samples = {}
+        for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
+            n = plan.block.numel()
+            gens = [req.generator] if req.params.temperature > 0 else None
+            x0, conf = propose(logits[i:i + 1, :n], req.params.temperature, gens,
+                               mask_token_id=req.state.mask_token_id)
+            samples[req.request_id] = (x0[0], conf[0])
+        return samples
+
+    def _bicache_refresh(self, batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,
+                         slot_maps: torch.Tensor, fed: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:
+        """BiCache's split refresh: own tokens through the shallow layers against the affixes' cached K/V
+        (in the request's private slots), the affix-alone states spliced in, the deep layers on all."""
+        dev, trash, split = self.device, self.pool.trash_slot, batch.split
+        layers = len(self.model.layers)
+        rows = torch.arange(len(batch.requests), device=dev)[:, None]
+        f = fed.shape[1]
+        fed_hidden = torch.zeros(len(batch.requests), f, self.model.config.hidden_size, dtype=self.model.dtype,
+                                 device=dev)
+        own_index, affix_cols = [], []
+        for i, (req, plan) in enumerate(zip(batch.requests, batch.plans, strict=True)):
+            is_affix = torch.zeros(req.length, dtype=torch.bool, device=dev)
+            for index, entry in req.entries:
+                c0, c1 = req.span_columns(index)
+                is_affix[c0:c1] = True
+                at = torch.searchsorted(plan.fed, torch.arange(c0, c1, device=dev))
+                fed_hidden[i, at] = entry.hidden[split].to(fed_hidden.dtype)
+            fed_is_affix = is_affix[plan.fed]
+            own_index.append(torch.nonzero(~fed_is_affix).flatten())
+            affix_cols.append(plan.fed[fed_is_affix])
+        own, own_valid = _pad(own_index, f, dev)
+        own_cols = torch.where(own_valid, fed.gather(1, own.clamp_max(max(f - 1, 0))), 0)
+        acols, acols_valid = _pad(affix_cols, 0, dev)
+        affix_slots = torch.where(acols_valid, slot_maps[rows, acols], torch.full_like(acols, trash))
+        past = PagedKV(self.pool, affix_slots, positions[rows, acols], acols_valid)
+        out, shallow, deep = bicache_forward(self.model, split, tokens[rows, own_cols], positions[rows, own_cols],
+                                             own_valid, past, fed_hidden, own, positions[rows, fed], fed_valid)
+        own_write = torch.where(own_valid, slot_maps[rows, own_cols], torch.full_like(own_cols, trash))
+        self.pool.write(own_write, shallow.keys, shallow.values, range(0, split))
+        fed_write = torch.where(fed_valid, slot_maps[rows, fed], torch.full_like(fed, trash))
+        self.pool.write(fed_write, deep.keys, deep.values, range(split, layers))
+        return out.hidden

@@ -1,0 +1,59 @@
+"""What the scheduler hands the model runner, what the runner hands back, and what the engine returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from acache.decoding.request_state import StepPlan
+from acache.engine.request import Request, RequestStats, Status
+
+
+@dataclass
+class ForwardBatch:
+    """Requests that run one batched forward: all refreshes or all in-block steps; a BiCache refresh
+    batch shares one ``split`` layer."""
+
+    requests: list[Request]
+    plans: list[StepPlan]
+    refresh: bool
+    split: int | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    select: list[Request] = field(default_factory=list)  # anchors to choose (BiCache: affix K/V to place)
+    forwards: list[ForwardBatch] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.select or self.forwards)
+
+
+@dataclass
+class RunnerOutput:
+    """Per request id: chosen anchors (canvas columns), the block's proposed tokens and confidences, or the
+    error that failed it; with the time of each batched selection and forward."""
+
+    anchors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    selection_time_s: float = 0.0
+    forward_times_s: list[float] = field(default_factory=list)  # one per ForwardBatch, in order
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    token_ids: list[int]  # cut at the first stop token; for a partial output, the finished blocks so far
+    status: Status
+    anchors: list[int]  # absolute positions of the recomputed affix tokens
+    affix_tokens: int  # affix tokens the request reused
+    recomputed_per_refresh: int
+    stats: RequestStats
+    nfe: int = 0
+    refreshes: int = 0
+    bicache_depth: int | None = None
+    finished: bool = True
+    stopped: bool = False  # a stop token ended the output before gen_length
+    error: str | None = None  # why the request failed (status FAILED)

@@ -1,0 +1,97 @@
+"""One request inside the engine: its decoding state, the K/V it holds, and its per-request stats.
+
+Only the scheduler changes a request (admission, anchors, commits, finish); the model runner reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import anchor_count
+from acache.affix.store import AffixEntry
+from acache.decoding.request_state import RequestState
+from acache.engine.affix_pages import SharedAffix
+from acache.models.config import ModelConfig
+from acache.policies import BICACHE_POLICIES
+from acache.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class RequestStats:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    finished: float | None = None
+    forward_time_s: float = 0.0  # of the batched forwards this request ran in
+    max_batch: int = 0  # the most requests it shared a forward with (itself included)
+    refresh_times_s: list[float] = field(default_factory=list)  # forwards this request's refreshes ran in
+    selection_time_s: float = 0.0
+    affix_hits: int = 0
+    affix_queries: int = 0
+    private_pages: int = 0
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: AffixPrompt, params: SamplingParams, config: ModelConfig,
+                 shifted: bool, device: torch.device, generator: torch.Generator | None = None,
+                 stream: bool = False) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.generator = generator
+        self.stream = stream
+        self.state = RequestState(prompt.layout, params, config.mask_token_id, config.pad_token_id, shifted, device)
+        self.reuse = params.affix_policy is not None and bool(prompt.affixes)
+        self.bicache = self.reuse and params.affix_policy in BICACHE_POLICIES
+        self.status = Status.WAITING
+        self.shared: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared pool affix)
+        self.entries: list[tuple[int, AffixEntry]] = []  # BiCache: (index, dense entry with hidden states)
+        self.bicache_depth: int | None = None
+        self.private_pages: list[int] = []
+        self.private_slots: torch.Tensor | None = None
+        self.slot_map: torch.Tensor | None = None  # canvas column -> physical pool slot
+        self.stats = RequestStats()
+        self.error: str | None = None
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    def span_columns(self, index: int) -> tuple[int, int]:
+        """Canvas columns ``[c0, c1)`` of the prompt's affix ``index``."""
+        span = self.prompt.affixes[index]
+        c0 = self.state.canvas.column(0, span.start)
+        return c0, c0 + span.length
+
+    def shared_mask(self, indices: list[int]) -> torch.Tensor:
+        mask = torch.zeros(self.length, dtype=torch.bool, device=self.state.tokens.device)
+        for index in indices:
+            c0, c1 = self.span_columns(index)
+            mask[c0:c1] = True
+        return mask
+
+    def private_tokens(self, shared_indices: list[int]) -> int:
+        """Slots this request owns when the affixes ``shared_indices`` are shared: its base recompute set
+        and the anchors of each shared affix (a BiCache request owns every column)."""
+        if self.bicache or not self.reuse:
+            return self.length
+        base = int(self.state.base_recompute(self.shared_mask(shared_indices)).sum())
+        p = self.params
+        return base + sum(anchor_count(p.anchor_ratio, self.prompt.affixes[i].length, p.affix_policy)
+                          for i in shared_indices)
+
+    @property
+    def affix_tokens(self) -> int:
+        return sum(a.length for _, a in self.shared) + sum(e.length for _, e in self.entries)

@@ -1,0 +1,15 @@
+"""The names of every pluggable decoding policy, defined once for SamplingParams, the CLI and the server.
+
+This module is a leaf: it imports nothing from the package, so any layer may import it.
+"""
+
+from __future__ import annotations
+
+COMMIT_RULES = ("threshold", "low_confidence", "factor")
+CACHE_POLICIES = ("none", "prefix", "dual")
+# anchor selectors (affix/selectors registers one class under each name)
+SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "none", "all")
+BICACHE_POLICIES = ("bicache-matched", "bicache-profiled")
+AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
+ANCHOR_QUERIES = ("probe", "full")
+LAYOUTS = ("prefix", "infix", "suffix")

@@ -1,0 +1,140 @@
+"""The reference path: one request alone, on dense tensors, with no pages, no batching and no padding.
+
+It exists as the oracle the engine is tested against: it drives the same per-request state machine
+(:class:`~acache.decoding.request_state.RequestState`) and the same selectors, but keeps the request's
+K/V in one dense ``[T, Hkv, D]`` tensor a layer and runs every forward on a batch of one. Any
+difference between the engine and this path is a batching, padding or paging bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from acache.affix.bicache import BiCacheProfile, bicache_depth, bicache_forward
+from acache.affix.context import SelectionContext, request_seed
+from acache.affix.placement import place_affixes
+from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import make_selector
+from acache.affix.store import AffixStore
+from acache.decoding.request_state import RequestState
+from acache.decoding.sampler import propose
+from acache.models.base import DiffusionLM
+from acache.models.kv import KVCache
+from acache.policies import BICACHE_POLICIES
+from acache.sampling_params import SamplingParams
+
+
+@dataclass
+class ReferenceResult:
+    token_ids: list[int]  # cut at the first stop token
+    anchors: list[int]  # absolute positions of the recomputed affix tokens
+    nfe: int
+    refreshes: int
+    bicache_depth: int | None = None
+
+
+@torch.inference_mode()
+def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], params: SamplingParams,
+                       store: AffixStore | None = None, stop_token_ids: Sequence[int] = (),
+                       generator: torch.Generator | None = None,
+                       bicache_profile: BiCacheProfile | None = None) -> ReferenceResult:
+    """Decodes one request alone. ``store`` holds the shared affixes (a fresh one if None); ``generator``
+    draws its sampling noise (seeded from ``params.seed`` if None)."""
+    cfg = model.config
+    if not isinstance(prompt, AffixPrompt):
+        prompt = AffixPrompt(tuple(int(t) for t in prompt), len(prompt))
+    prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
+    if params.temperature > 0 and generator is None:
+        generator = torch.Generator(device=model.device).manual_seed(params.seed or 0)
+    state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
+                         model.device)
+    t, dev = state.length, model.device
+    shape = (t, cfg.num_kv_heads, cfg.head_dim)
+    keys = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]
+    values = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]
+    reuse = params.affix_policy is not None and bool(prompt.affixes)
+    bicache = reuse and params.affix_policy in BICACHE_POLICIES
+    store = store if store is not None else AffixStore(model)
+    shared = torch.zeros(t, dtype=torch.bool, device=dev)
+    held, spans = [], []
+    try:
+        for span in prompt.affixes if reuse else ():
+            entry, _ = store.acquire(prompt.affix_ids(span), span.name)
+            held.append(entry)
+            c0 = state.canvas.column(0, span.start)
+            spans.append((c0, c0 + span.length, entry))
+            shared[c0:c0 + span.length] = True
+            for layer in range(len(keys)):
+                keys[layer][c0:c0 + span.length] = entry.keys[layer]
+                values[layer][c0:c0 + span.length] = entry.values[layer]
+        depth = split = None
+        if bicache:
+            depth = bicache_depth(params.affix_policy, params.anchor_ratio, len(model.layers),
+                                  int(shared.sum()) / t, bicache_profile)
+            split = len(model.layers) - depth
+            for entry in held:
+                store.ensure_hidden(entry)
+            state.set_recompute(shared & False, shared & False)
+        elif reuse:
+            placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
+            kv, slot = place_affixes(model, state.canvas, placements)
+            ctx = SelectionContext(model, state.canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)])
+            anchors = make_selector(params.affix_policy, params.anchor_query).select(ctx, params.anchor_ratio)[0]
+            state.set_recompute(shared, anchors)
+        else:
+            state.set_recompute(shared, shared)
+        while True:
+            plan = state.plan()
+            fed, past = plan.fed, plan.past
+            pos = state.positions
+            if split is not None and plan.refresh:
+                hidden = _bicache_refresh(model, state, spans, split, keys, values)
+            else:
+                cache = KVCache([k[past][None] for k in keys], [v[past][None] for v in values], pos[past][None],
+                                torch.ones(1, len(past), dtype=torch.bool, device=dev)) if len(past) else None
+                out = model(state.tokens[fed][None], pos[fed][None], None, past=cache, return_kv=plan.write)
+                if plan.write:
+                    for layer in range(len(keys)):
+                        keys[layer][fed] = out.kv.keys[layer][0].to(keys[layer].dtype)
+                        values[layer][fed] = out.kv.values[layer][0].to(values[layer].dtype)
+                hidden = out.hidden
+            logits = model.logits(hidden, plan.block[None])
+            gens = [generator] if params.temperature > 0 else None
+            x0, conf = propose(logits, params.temperature, gens, mask_token_id=cfg.mask_token_id)
+            if state.commit(x0[0], conf[0]):
+                break
+    finally:
+        for entry in held:
+            store.release(entry)
+    ids, _ = state.output({cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids})
+    return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
+
+
+def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split: int,
+                     keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """BiCache's split refresh of the whole canvas, on the dense K/V; returns the final states."""
+    t, dev = state.length, state.tokens.device
+    is_affix = torch.zeros(t, dtype=torch.bool, device=dev)
+    fed_hidden = torch.zeros(1, t, model.config.hidden_size, dtype=model.dtype, device=dev)
+    for c0, c1, entry in spans:
+        is_affix[c0:c1] = True
+        fed_hidden[0, c0:c1] = entry.hidden[split].to(model.dtype)
+    own = torch.nonzero(~is_affix).flatten()
+    acols = torch.nonzero(is_affix).flatten()
+    pos = state.positions
+    past = KVCache([k[acols][None] for k in keys], [v[acols][None] for v in values], pos[acols][None],
+                   torch.ones(1, len(acols), dtype=torch.bool, device=dev))
+    ones = torch.ones(1, len(own), dtype=torch.bool, device=dev)
+    out, shallow, deep = bicache_forward(model, split, state.tokens[own][None], pos[own][None], ones, past,
+                                         fed_hidden, own[None], pos[None], torch.ones(1, t, dtype=torch.bool,
+                                                                                      device=dev))
+    for j in range(split):
+        keys[j][own] = shallow.keys[j][0].to(keys[j].dtype)
+        values[j][own] = shallow.values[j][0].to(values[j].dtype)
+    for j, layer in enumerate(range(split, len(keys))):
+        keys[layer][:] = deep.keys[j][0].to(keys[layer].dtype)
+        values[layer][:] = deep.values[j][0].to(values[layer].dtype)
+    return out.hidden
