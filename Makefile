@@ -11,7 +11,7 @@ SHEET := story : mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils
 TWOHOP := story : mary went to the garden . john moved to the office . apple went to mary . milk went to john . mary travelled to the cellar .
 GENERATE := $(VENV)/bin/acache generate --model $(MODEL) --threshold 0.9 --cache dual --answer-prompt "answer :"
 
-.PHONY: install run test lint bench study model clean
+.PHONY: install run test test-long lint bench study model clean
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ run: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# the property-based engine tests at 3,000 drawn batches a model family instead of 150 (about 15 minutes)
+test-long: install
+	ACACHE_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/engine/test_properties.py
 
 bench: install
 	$(VENV)/bin/acache bench decode

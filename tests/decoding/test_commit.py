@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from acache.decoding.commit import Factor, LowConfidence, Threshold, commit_top_k
@@ -69,3 +70,62 @@ def test_commit_top_k_per_row_quotas():
     conf = torch.tensor([[0.1, 0.4, 0.3], [0.9, 0.8, NEG]])
     masked = conf > NEG
     assert commit_top_k(conf, masked, torch.tensor([2, 5])).tolist() == [[False, True, True], [True, True, False]]
+
+
+def test_confidence_is_taken_over_the_whole_vocabulary():
+    """Upstream scores p(x0) under the full softmax; removing [MASK] first would inflate it to
+    p(x0) / (1 - p(mask)) and flip a 0.6 threshold here."""
+    from acache.decoding.sampler import propose
+
+    mask = 3
+    probs = torch.tensor([0.57, 0.03, 0.0, 0.40])  # [MASK] (id 3) holds 40%
+    logits = probs.clamp_min(1e-12).log()[None, None]
+    x0, conf = propose(logits, 0.0, mask_token_id=mask)
+    assert x0.item() == 0  # [MASK] is never proposed, even when it is the most likely
+    assert conf.item() == pytest.approx(0.57, rel=1e-5)
+    assert conf.item() < 0.6 < 0.57 / 0.6  # the filtered softmax would have said 0.95
+    masked = torch.ones(1, 2, dtype=torch.bool)
+    assert Threshold(0.6).select(torch.tensor([[conf.item(), 0.1]]), masked, 0).tolist() == [[True, False]]
+    only_mask = torch.tensor([[[0.0, 0.0, 0.0, 9.0]]])
+    x0, conf = propose(only_mask, 0.0, mask_token_id=mask)
+    assert x0.item() != mask and conf.item() < 0.01
+
+
+def test_forced_head_step_commits_exactly_the_head():
+    """A shifted model's block: step 0 commits the first position alone, however confident the others."""
+    from acache.decoding.commit import commit_step
+
+    tokens = torch.full((2, 4), 9)
+    x0 = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    conf = torch.tensor([[0.1, 0.99, 0.98, 0.97], [0.2, 0.3, 0.95, 0.1]])
+    masked = torch.ones(2, 4, dtype=torch.bool)
+    for rule in (Threshold(0.9), Factor(1.0), LowConfidence(2)):
+        rule.begin_block(masked.sum(-1), head_forced=True)
+        new, still = commit_step(rule, tokens, x0, conf, masked, step=0, force_head=True)
+        assert new.tolist() == [[1, 9, 9, 9], [5, 9, 9, 9]]
+        assert still.sum(-1).tolist() == [3, 3]
+        unforced, _ = commit_step(rule, tokens, x0, conf, masked, step=0, force_head=False)
+        assert unforced[0, 0].item() == 9  # without the rule the head (least confident) waits
+    rule = LowConfidence(3)
+    rule.begin_block(torch.tensor([8]), head_forced=True)
+    assert rule.schedule.tolist() == [[1, 4, 3]]  # the other steps share the rest of the block
+
+
+def test_dream_engine_commits_one_token_on_each_block_refresh(dream_dir):
+    from acache.engine import EngineConfig, LLMEngine
+    from acache.models.loader import load_model
+    from acache.sampling_params import SamplingParams
+
+    model = load_model(dream_dir)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.01)  # every mask passes the threshold
+    engine.add_request(list(range(10, 20)), params)
+    engine.step()  # admission and block 0's refresh
+    (req,) = engine.scheduler.running
+    mask = model.config.mask_token_id
+    block0 = req.state.tokens[10:18]
+    assert (block0 != mask).tolist() == [True] + [False] * 7  # the head alone, though all pass the threshold
+    engine.step()  # the first in-block step takes the rest
+    assert not (req.state.tokens[10:18] == mask).any() and req.state.phase.value == "refresh"
+    engine.step()
+    assert (req.state.tokens[18:26] != mask).sum() == 1

@@ -155,3 +155,88 @@ def test_bad_requests(llada_dir):
     while engine.has_unfinished():
         out += engine.step()
     assert [o.request_id for o in out] == ["x"] and out[0].status is Status.FINISHED
+
+
+POISON = 300  # in the vocabulary, outside the random prompts' 0..255
+
+
+def poisoned(model, monkeypatch, exc=ValueError("poisoned row")):
+    """Makes every forward that embeds token POISON raise ``exc``, as a bad request's forward would."""
+    real = torch.nn.Embedding.forward
+
+    def forward(self, input_ids):
+        if (input_ids == POISON).any():
+            raise exc
+        return real(self, input_ids)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", forward)
+
+
+@pytest.mark.parametrize("selector", [None, "attention", "bicache-matched"])
+def test_a_fault_in_one_request_fails_it_alone(family_model, monkeypatch, selector):
+    prompts = [layouts(seed=s)["infix"] for s in range(4)]
+    bad = prompts[2]
+    bad_ids = list(bad.token_ids)
+    bad_ids[1] = POISON  # in the question, outside the affix: every refresh feeds it
+    from acache.affix.prompt import AffixPrompt
+
+    prompts[2] = AffixPrompt(tuple(bad_ids), bad.gen_at, bad.affixes)
+    params = [SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3),
+              SamplingParams(gen_length=8, block_length=4, affix_policy=selector, anchor_ratio=0.6),
+              SamplingParams(**BASE, affix_policy=selector),
+              SamplingParams(gen_length=24, block_length=8, threshold=0.7, affix_policy=selector)]
+    store = AffixStore(family_model)
+    want = [reference_generate(family_model, p, sp, store).token_ids for p, sp in zip(prompts, params, strict=True)
+            if p is not prompts[2]]
+    poisoned(family_model, monkeypatch)
+    engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24), affix_source=store)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    failed = outs[ids[2]]
+    assert failed.status is Status.FAILED and "poisoned row" in failed.error and failed.token_ids == []
+    assert [outs[i].token_ids for i in ids if i != ids[2]] == want
+    assert all(outs[i].status is Status.FINISHED for i in ids if i != ids[2])
+    assert engine.pool.num_used == engine.affixes.pages_in_use  # nothing private left behind
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
+    assert all(e.refcount == 0 for e in store.entries.values())
+    assert engine.summary()["requests_failed"] == 1 and engine.summary()["requests_finished"] == 3
+
+
+def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch):
+    from acache.affix.selectors.attention import AttentionAnchors
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    real = AttentionAnchors.scores
+
+    def scores(self, ctx):
+        if (ctx.canvas.tokens == POISON).any():
+            raise RuntimeError("selector broke on this request")
+        return real(self, ctx)
+
+    monkeypatch.setattr(AttentionAnchors, "scores", scores)
+    good = layouts(seed=1)["prefix"]
+    from acache.affix.prompt import AffixPrompt
+
+    bad = AffixPrompt(good.token_ids[:-1] + (POISON,), good.gen_at, good.affixes)
+    params = SamplingParams(**BASE, affix_policy="attention")
+    outs = run_all(LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22)), [(good, params, None), (bad, params, None)])
+    assert outs[0].status is Status.FINISHED
+    assert outs[0].token_ids == reference_generate(model, good, params).token_ids
+    assert outs[1].status is Status.FAILED and outs[1].error == "RuntimeError: selector broke on this request"
+
+
+def test_an_engine_fault_is_raised(llada_dir, monkeypatch):
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    poisoned(model, monkeypatch, MemoryError("out of memory"))
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
+    engine.add_request([1, 2, POISON], SamplingParams(**BASE))
+    engine.add_request([1, 2, 3], SamplingParams(**BASE))
+    with pytest.raises(MemoryError):
+        while engine.has_unfinished():
+            engine.step()
