@@ -160,8 +160,9 @@ def test_bad_requests(llada_dir):
 POISON = 300  # in the vocabulary, outside the random prompts' 0..255
 
 
-def poisoned(model, monkeypatch, exc=ValueError("poisoned row")):
+def poisoned(model, monkeypatch, exc: Exception | None = None):
     """Makes every forward that embeds token POISON raise ``exc``, as a bad request's forward would."""
+    exc = exc or ValueError("poisoned row")
     real = torch.nn.Embedding.forward
 
     def forward(self, input_ids):
