@@ -19,7 +19,7 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.sampling_params import SamplingParams
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
-from acache.server.async_engine import AsyncEngine
+from acache.server.async_engine import AsyncEngine, RequestFailed
 from acache.server.metrics import render_metrics
 from acache.server.protocol import (
     AffixRegistration,
@@ -30,8 +30,7 @@ from acache.server.protocol import (
     error_body,
 )
 
-DEFAULT_GEN_LENGTH = 128
-DEFAULT_BLOCK_LENGTH = 32
+DEFAULTS = SamplingParams()
 DEFAULT_SELECTOR = "attention"
 
 
@@ -39,21 +38,25 @@ class BadRequest(ValueError):
     """A request the server refuses with 400."""
 
 
+class RequestError(RuntimeError):
+    """A request the engine failed alone: 500 with the engine's message, the server goes on."""
+
+
 def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length."""
     if body.n != 1:
         raise BadRequest("only n=1 is supported")
-    block = body.block_length or DEFAULT_BLOCK_LENGTH
+    block = body.block_length or DEFAULTS.block_length
     gen = body.gen_length
     if gen is None and body.max_tokens is not None:
         if body.max_tokens <= 0:
             raise BadRequest(f"max_tokens must be positive, got {body.max_tokens}")
         block = min(block, body.max_tokens) if body.block_length is None else block
         gen = -(-body.max_tokens // block) * block
-    gen = gen or DEFAULT_GEN_LENGTH
+    gen = gen or DEFAULTS.gen_length
     selector = body.selector or DEFAULT_SELECTOR
     kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
-              "temperature": body.temperature if body.temperature is not None else 0.0,
+              "temperature": body.temperature if body.temperature is not None else DEFAULTS.temperature,
               "affix_policy": selector if reuse and selector != "off" else None}
     for name in ("threshold", "remasking", "factor", "anchor_ratio"):
         if getattr(body, name) is not None:
@@ -120,6 +123,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest):
         return error(400, str(exc))
+
+    @app.exception_handler(RequestError)
+    async def _failed(request: Request, exc: RequestError):
+        return error(500, str(exc), "server_error")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -260,7 +267,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                           "total_tokens": len(prompt.token_ids) + len(ids)}}
 
     async def final_output(prompt: AffixPrompt, params: SamplingParams):
-        outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
+        try:
+            outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
+        except RequestFailed as exc:
+            raise RequestError(str(exc)) from None
         return outputs[-1]
 
     async def stream_events(prompt: AffixPrompt, params: SamplingParams, body: DiffusionFields, rid: str,

@@ -11,8 +11,12 @@ from collections.abc import AsyncIterator
 import torch
 
 from acache.affix.prompt import AffixPrompt
-from acache.engine import EngineOutput, LLMEngine
+from acache.engine import EngineOutput, LLMEngine, Status
 from acache.sampling_params import SamplingParams
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone (the others in flight go on)."""
 
 
 class AsyncEngine:
@@ -63,9 +67,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
         """Aborts every request in the engine; each of them is then told of ``exc``."""
         failed = []
-        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            self.engine.abort(seq.request_id)
-            failed.append((seq.request_id, exc))
+        for request_id in self.engine.request_ids():
+            self.engine.abort(request_id)
+            failed.append((request_id, exc))
         return failed
 
     def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
@@ -96,6 +100,8 @@ class AsyncEngine:
                     finished = True
                     raise RuntimeError(f"the engine failed while serving this request: {item}") from item
                 finished = item.finished
+                if item.status is Status.FAILED:
+                    raise RequestFailed(f"the request failed: {item.error}")
                 yield item
                 if finished:
                     return

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from acache.policies import COMMIT_RULES
+
 
 class DiffusionFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -29,7 +31,7 @@ class DiffusionFields(BaseModel):
     block_length: int | None = None
     steps: int | None = None
     threshold: float | None = None
-    remasking: Literal["threshold", "low_confidence", "factor"] | None = None
+    remasking: Literal[COMMIT_RULES] | None = None
     factor: float | None = None
     anchor_ratio: float | None = None
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")

@@ -233,3 +233,60 @@ def test_max_tokens_cuts_whole_blocks_and_stop_strings(client, llm):
         cut = client.completions.create(model="llada0", prompt="Count:", max_tokens=10, stop=[text[2:4]],
                                         extra_body={"block_length": 8, "threshold": 0.5})
         assert cut.choices[0].text == text[:text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
+
+
+def send(port: int, path: str, body: dict) -> tuple[int, str, list[int] | None, str | None]:
+    """Status, text, token ids (non-streaming) and finish reason of one request; a stream is read to its end."""
+    status, text = raw(port, "POST", path, json.dumps(body).encode())
+    if status != 200:
+        return status, text, None, None
+    if not body.get("stream"):
+        choice = json.loads(text)["choices"][0]
+        content = choice["text"] if "text" in choice else choice["message"]["content"]
+        return status, content, choice["token_ids"], choice["finish_reason"]
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", text
+    parts, finish = [], None
+    for e in events[:-1]:
+        choice = json.loads(e)["choices"][0]
+        parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        finish = choice["finish_reason"] or finish
+    return status, "".join(parts), None, finish
+
+
+def test_burst_of_mixed_requests_each_answers_as_alone(server):
+    """Concurrent requests mixing lengths, blocks, selectors, ratios, seeded sampling and streaming: every
+    one is 200 and equals the same request sent alone."""
+    doc = {"text": "A shared document on gardens. " * 4}
+    status, text = raw(server, "POST", "/v1/affixes", json.dumps(doc).encode())
+    assert status == 200
+    affix_id = json.loads(text)["id"]
+    selectors = ["attention", "none", "random", "kv-deviation", "all", "query-attention", "first-k", "off"]
+    requests = []
+    for i in range(24):
+        body = {"max_tokens": [2, 8, 64][i % 3], "threshold": 0.5, "stream": i % 4 == 1}
+        if i % 5 == 2:
+            body["block_length"] = 4
+        elif i % 5 == 3:
+            body["block_length"] = 8
+        if i % 3 == 1:
+            body.update(temperature=0.8, seed=100 + i)
+        if i % 2 == 0:
+            body.update(selector=selectors[i % len(selectors)], anchor_ratio=[0.1, 0.5, 0.9][i % 3])
+        if i % 4 == 0:
+            requests.append(("/v1/completions", {**body, "prompt": f"Where is the item {i}?", "affix": affix_id}))
+        elif i % 4 in (1, 2):
+            msgs = [{"role": "system", "content": SYSTEM + " (burst)"}, {"role": "user", "content": f"Who is {i}?"}]
+            requests.append(("/v1/chat/completions", {**body, "messages": msgs}))
+        else:
+            requests.append(("/v1/completions", {**body, "prompt": f"Plain request {i}"}))
+    warm = [{"role": "system", "content": SYSTEM + " (burst)"}, {"role": "user", "content": "warm up"}]
+    assert send(server, "/v1/chat/completions", {"messages": warm, "max_tokens": 2})[0] == 200  # now an affix
+    with ThreadPoolExecutor(24) as pool:
+        burst = list(pool.map(lambda r: send(server, *r), requests))
+    alone = [send(server, *r) for r in requests]
+    for (_, body), got, want in zip(requests, burst, alone, strict=True):
+        assert got[0] == 200, (body, got[1])
+        assert got == want, body
+    assert len({g[1] for g in burst}) > 3  # the answers differ, so the equality above has teeth
+    assert metric(server, "requests_running") == 0
