@@ -241,6 +241,8 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    help="skip the untimed warm-up pair before timing")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
+    p.add_argument("--no-mixed", dest="mixed", action="store_false",
+                   help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
 

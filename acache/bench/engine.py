@@ -122,11 +122,30 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
     return prompts, Workload(span.length, question, gen, gen, gen, 0.2)
 
 
+def workload_params(w: Workload, reuse: bool) -> SamplingParams:
+    return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
+                          remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio)
+
+
+def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
+    """A heterogeneous batch: generation regions of a quarter, half and all of ``w.gen_length`` (4 tokens a
+    step, as the workload) crossed with anchor ratios 0.1, 0.2 and 0.5, in turn."""
+    out = []
+    for i in range(n):
+        gen = max(w.block_length, w.gen_length // [4, 2, 1][i % 3] // w.block_length * w.block_length)
+        blocks = gen // w.block_length
+        steps = max(blocks, gen // 4 // blocks * blocks)
+        out.append(SamplingParams(gen_length=gen, block_length=w.block_length, steps=steps,
+                                  remasking="low_confidence", affix_policy="attention",
+                                  anchor_ratio=[0.1, 0.2, 0.5][(i // 3) % 3]))
+    return out
+
+
 def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse: bool, batch: int,
-             page_size: int, kv_bytes: int) -> ModeResult:
-    params = SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
-                            remasking="low_confidence", affix_policy="attention" if reuse else None,
-                            anchor_ratio=w.ratio)
+             page_size: int, kv_bytes: int, params: list[SamplingParams] | None = None,
+             mode: str | None = None) -> ModeResult:
+    """Runs ``prompts`` (``params`` one per prompt, or the workload's) on a fresh engine of ``batch`` slots."""
+    params = params or [workload_params(w, reuse)] * len(prompts)
     tokens_per_refresh = batch * w.refresh_tokens(reuse)
     engine = LLMEngine(model, EngineConfig(page_size=page_size, kv_cache_memory=kv_bytes, max_num_seqs=batch,
                                            max_num_batched_tokens=max(16384, tokens_per_refresh)))
@@ -136,16 +155,32 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
         engine.affixes.release(shared)
     engine.reset_metrics()
     start = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, params)
+    for p, sp in zip(prompts, params, strict=True):
+        engine.add_request(p, sp)
     while engine.has_unfinished():
         engine.step()
     wall = time.perf_counter() - start
     s = engine.summary()
-    decoded = len(prompts) * w.gen_length
-    return ModeResult("acache" if reuse else "dual", batch, wall, decoded,
+    decoded = sum(sp.gen_length for sp in params)
+    return ModeResult(mode or ("acache" if reuse else "dual"), batch, wall, decoded,
                       decoded / wall, s["recompute_latency_total_s"], s["step_time_total_s"],
                       s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"])
+
+
+def run_grouped(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int, page_size: int,
+                kv_bytes: int, params: list[SamplingParams]) -> ModeResult:
+    """The same requests as a mixed batch, each group of identical parameters run alone, one after another:
+    what serving them would cost if only alike requests could share a batch."""
+    groups: dict[SamplingParams, list[AffixPrompt]] = {}
+    for p, sp in zip(prompts, params, strict=True):
+        groups.setdefault(sp, []).append(p)
+    runs = [run_mode(model, ps, w, True, batch, page_size, kv_bytes, [sp] * len(ps)) for sp, ps in groups.items()]
+    wall = sum(r.wall_time_s for r in runs)
+    decoded = sum(r.decoded_tokens for r in runs)
+    return ModeResult("acache mixed, grouped", batch, wall, decoded, decoded / wall,
+                      sum(r.recompute_latency_s for r in runs), sum(r.step_time_s for r in runs),
+                      sum(r.selection_time_s for r in runs), max(r.peak_kv_pages for r in runs),
+                      max(r.peak_kv_bytes for r in runs))
 
 
 def median_run(runs: list[ModeResult]) -> ModeResult:
@@ -194,6 +229,20 @@ def markdown(results: list[ModeResult], comparisons: list[Comparison]) -> str:
                      f"{c.throughput_gain:.2f}x ({c.throughput_gain_ideal:.2f}x) | "
                      f"{-100 * c.peak_kv_reduction:+.1f}% ({-100 * c.peak_kv_reduction_ideal:+.1f}%) | "
                      + " / ".join("-" if math.isnan(v) else f"{100 * v:.0f}%" for v in f.values()) + " |")
+    return "\n".join(lines)
+
+
+def mixed_markdown(homogeneous: ModeResult, mixed: ModeResult, grouped: ModeResult) -> str:
+    """The heterogeneous batch against the homogeneous one and against its own requests run group by group."""
+    lines = ["| batch | run | decoded tokens | wall s | tokens/s | recompute s | in-block s | selection s "
+             "| peak KV pages |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in (homogeneous, mixed, grouped):
+        lines.append(f"| {r.batch} | {r.mode} | {r.decoded_tokens} | {_secs(r.wall_time_s)} | "
+                     f"{r.throughput_tokens_per_s:.2f} | {_secs(r.recompute_latency_s)} | {_secs(r.step_time_s)} | "
+                     f"{_secs(r.selection_time_s)} | {r.peak_kv_pages} |")
+    tps = mixed.throughput_tokens_per_s
+    lines.append(f"\nmixed / homogeneous tokens/s: {tps / homogeneous.throughput_tokens_per_s:.2f}x; "
+                 f"mixed / grouped: {tps / grouped.throughput_tokens_per_s:.2f}x")
     return "\n".join(lines)
 
 
@@ -268,18 +317,31 @@ def main(args) -> int:
             pair = {reuse: median_run(r) for reuse, r in runs.items()}
             results += [pair[False], pair[True]]
             comparisons.append(compare(pair[False], pair[True], w, args.page_size))
+    mixed = []
+    if args.mixed:
+        b = batches[-1]
+        prompts, w = requests(b)
+        params = mixed_params(w, b)
+        for _ in tqdm(range(args.repeats), desc="bench mixed", unit="run"):
+            mixed.append((run_mode(model, prompts, w, True, b, args.page_size, args.kv_cache_memory, params,
+                                   "acache mixed"),
+                          run_grouped(model, prompts, w, b, args.page_size, args.kv_cache_memory, params)))
+        mixed = [median_run([m[0] for m in mixed]), median_run([m[1] for m in mixed])]
     header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
               f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
               f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")
     table = markdown(results, comparisons)
+    if mixed:
+        table += "\n\n" + mixed_markdown(results[-1], *mixed)
     print(header)
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"setup": header, "workload": asdict(w),
                                                "results": [asdict(r) for r in results],
-                                               "comparisons": [asdict(c) for c in comparisons]}, indent=2))
+                                               "comparisons": [asdict(c) for c in comparisons],
+                                               "mixed": [asdict(r) for r in mixed]}, indent=2))
     if args.plot and plot(comparisons, Path(args.plot)):
         print(f"plot: {args.plot}")
     return 0
