@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
@@ -105,14 +106,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--examples", type=int, default=examples, help=f"held-out requests per task and layout "
-                   f"(default {examples})")
-    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
-    p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
-
-
 def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
     from acache.models.checkpoint import make_random_checkpoint
 
@@ -121,25 +114,6 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
         kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
         max_seq_len=args.max_seq_len, seed=args.seed, shards=args.shards, dtype=args.dtype, std=args.std)
     print(f"wrote a random {args.family} checkpoint to {out}")
-    return 0
-
-
-def _cmd_bicache_profile(args: argparse.Namespace) -> int:
-    from acache.affix.bicache import profile_bicache
-    from acache.affix.calibration import calibration_prompts
-    from acache.affix.store import AffixStore
-    from acache.models.loader import load_model
-    from acache.models.tokenizer import Tokenizer
-
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
-    tokenizer = Tokenizer.from_dir(args.model)
-    prompts = calibration_prompts(tokenizer, model.config, args.calibration, args.samples, args.seed)
-    profile = profile_bicache(AffixStore(model), prompts, args.gen_length, args.tau, args.bins)
-    profile.save(args.out)
-    print(f"profiled {len(prompts)} requests; safe shallow layers by affix share (tau {args.tau}):")
-    for edge, safe, n in zip(profile.max_share, profile.safe_layers, profile.samples, strict=True):
-        print(f"  share <= {edge:.2f}: {safe}/{profile.num_layers} layers reusable ({n} samples)")
-    print(f"wrote {args.out}")
     return 0
 
 
@@ -160,97 +134,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"/v1/chat/completions)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from acache.bench.serve import main
-
-    return main(args)
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    from acache.train.trainer import TrainConfig, train
-
-    # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
-    configs = [TrainConfig.from_file(path) for path in args.config]
-    if args.out:
-        configs[-1].out = args.out
-    total_s = 0.0
-    for config in configs:
-        summary = train(config)
-        total_s += summary["train_time_s"]
-        last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
-        print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss "
-              f"{last:.4f}; wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
-    if len(configs) > 1:
-        print(f"{len(configs)} configs, {total_s / 60:.1f} min of training in all")
-    return 0
-
-
-def _cmd_eval_tasks(args: argparse.Namespace) -> int:
-    from acache.eval.tasks import main
-
-    return main(_with_default_model(args))
-
-
-def _with_default_model(args: argparse.Namespace) -> argparse.Namespace:
-    if args.model is None:
-        from acache.paths import default_model
-
-        args.model = str(default_model())
-    return args
-
-
-def _cmd_eval_staleness(args: argparse.Namespace) -> int:
-    from acache.eval.staleness import main
-
-    return main(_with_default_model(args))
-
-
-def _cmd_eval_accuracy(args: argparse.Namespace) -> int:
-    from acache.eval.accuracy import main
-
-    return main(_with_default_model(args))
-
-
-def _cmd_bench_engine(args: argparse.Namespace) -> int:
-    from acache.bench.engine import main
-
-    return main(args)
-
-
-def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: random SmolLM2-135M-shaped LLaDA)")
-    p.add_argument("--workload", default="shape", choices=["shape", "tasks"],
-                   help="shape: random tokens in the paper's GSM8K-like shape; tasks: held-out qa1 stories (needs "
-                        "--model)")
-    p.add_argument("--sentences", type=int, default=8, help="story length for --workload tasks")
-    p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument("--affix-len", type=int, default=700)
-    p.add_argument("--question-len", type=int, default=60)
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=64, help="fixed steps (gen/4) so both modes do equal work")
-    p.add_argument("--ratio", type=float, default=0.2)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes of the KV page pool")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per mode and batch size, interleaved; the median by wall time is reported")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the untimed warm-up pair before timing")
-    p.add_argument("--json", default=None, help="also write the results to this file")
-    p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
-    p.add_argument("--no-mixed", dest="mixed", action="store_false",
-                   help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
-    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-
-
-def _cmd_bench_decode(args: argparse.Namespace) -> int:
-    from acache.bench.decode import main
-
-    return main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,84 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("train", help="train the project's small diffusion LM on the task suite")
-    p.add_argument("--config", required=True, action="append",
-                   help="JSON training config (see configs/); repeat it to run several in order, each "
-                        "starting from the one before through its init_from")
-    p.add_argument("--out", default=None, help="override the (last config's) output directory")
-    p.set_defaults(func=_cmd_train)
-
-    evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
-    p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")
-    _add_study_args(p, examples=100)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--json", default=None)
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_tasks)
-
-    p = evaluate.add_parser("staleness", help="per-layer cosine of affix K/V computed alone vs in context")
-    _add_study_args(p, examples=50)
-    p.add_argument("--out", default="results/staleness", help="directory for staleness.json and staleness.png")
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_staleness)
-
-    p = evaluate.add_parser("accuracy", help="exact match per task x layout x selector x anchor ratio")
-    _add_study_args(p, examples=300)
-    p.add_argument("--tasks", default=None, help="comma-separated subset of the tasks (default: all)")
-    p.add_argument("--layouts", default=None, help="comma-separated subset of prefix,infix,suffix (default: all)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--out", default="results/accuracy", help="directory for accuracy.json/.md/.png")
-    p.add_argument("--json", default=None, help="also write the JSON here")
-    p.add_argument("--bicache-profile", default=None,
-                   help="a depth table from `acache bicache-profile`: adds the bicache-profiled selector")
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_accuracy)
-
-    p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--calibration", default=None,
-                   help="JSONL of {affix, prompt, layout, answer_prompt}, or 'tasks' for requests from the task "
-                        "suite (the project's own models); default: random-token requests")
-    p.add_argument("--samples", type=int, default=64, help="requests for 'tasks' or random calibration")
-    p.add_argument("--gen-length", type=int, default=32)
-    p.add_argument("--tau", type=float, default=0.97)
-    p.add_argument("--bins", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_bicache_profile)
-
-    bench_parser = sub.add_parser("bench", help="benchmarks (default: the engine benchmark)")
-    _add_engine_bench_args(bench_parser)
-    bench_parser.set_defaults(func=_cmd_bench_engine)
-    bench = bench_parser.add_subparsers(dest="bench", required=False)
-    p = bench.add_parser("engine", help="dual cache alone vs ACache on the paged engine (the paper's Tables 2-4)")
-    _add_engine_bench_args(p)
-    p.set_defaults(func=_cmd_bench_engine)
-    p = bench.add_parser("serve", help="load a running server: throughput, latency, time to first block")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--system-prompt", default=None, help="shared system prompt (default: a built-in one)")
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=_cmd_bench_serve)
-
-    p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
-    p.add_argument("--family", default="llada", choices=["llada", "dream"])
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--caches", default="none,prefix,dual")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the results to this file")
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_bench_decode)
+    for plugin in entry_points(group="acache.commands"):  # the research side's commands (acache_lab)
+        plugin.load()(sub)
     return parser
 
 

@@ -51,8 +51,10 @@ class LLM:
     ``max_batch_size`` at a time, in a KV pool of ``kv_cache_memory`` bytes (default 1 GiB on CPU,
     ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens. ``seed`` seeds the
     sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
-    ``affix_cache_bytes`` bounds the persistent affix store (None: unbounded); ``affix_cache_dir`` loads a
-    saved affix cache at start; ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
+    Shared affixes live in the engine's pool (one copy each, evicted when no request holds them);
+    ``affix_cache_dir`` loads a saved affix cache into it at start. ``affix_cache_bytes`` bounds the dense
+    store that keeps BiCache's affix hidden states (None: unbounded); ``bicache_profile`` is the depth table
+    for ``affix_policy='bicache-profiled'``.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -70,14 +72,14 @@ class LLM:
         self.config = self.model.config
         self.max_batch_size = max_batch_size
         self.affix_store = AffixStore(self.model, affix_cache_bytes)
-        if affix_cache_dir is not None:
-            self.affix_store.load(affix_cache_dir)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
         self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size)
         self._engine: LLMEngine | None = None
+        if affix_cache_dir is not None:
+            self.engine.affixes.load(affix_cache_dir)
 
     @property
     def engine(self) -> LLMEngine:
@@ -88,13 +90,8 @@ class LLM:
         return self._engine
 
     def save_affix_cache(self, path: str | Path) -> Path:
-        """Saves every affix this LLM holds (the engine's shared pages and the store) for a later restart."""
-        merged = AffixStore(self.model)
-        merged.entries.update(self.affix_store.entries)
-        if self._engine is not None:
-            for key, shared in self._engine.affixes.entries.items():
-                merged.entries.setdefault(key, shared.entry(self._engine.pool))
-        return merged.save(path)
+        """Saves every shared affix the engine holds, for a later ``LLM(..., affix_cache_dir=path)``."""
+        return self.engine.affixes.save(path)
 
     @property
     def stop_token_ids(self) -> set[int]:

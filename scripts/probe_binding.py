@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from acache.models.checkpoint import SPECIAL_TOKENS, random_config
 from acache.models.llada import LLaDAModel
-from acache.tasks.generators import MOVES, NAMES, PLACES
-from acache.tasks.render import build_word_tokenizer
-from acache.train.trainer import init_for_training_
+from acache_lab.tasks.generators import MOVES, NAMES, PLACES
+from acache_lab.tasks.render import build_word_tokenizer
+from acache_lab.train.trainer import init_for_training_
 
 
 class Reference(torch.nn.Module):

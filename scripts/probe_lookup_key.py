@@ -15,9 +15,9 @@ import argparse
 from dataclasses import replace
 
 from acache import LLM
-from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.policies import LAYOUTS
-from acache.tasks.generators import NAMES, OBJECTS, Example, held_out
+from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
+from acache_lab.tasks.generators import NAMES, OBJECTS, Example, held_out
 
 
 def with_article(example: Example) -> Example:

@@ -25,7 +25,7 @@ def tiny_checkpoint(root, family: str, **kw):
 @pytest.fixture(scope="session")
 def task_model_dir(tmp_path_factory):
     """A 2-layer model trained 3 steps on qa1: the task tokenizer and checkpoint layout, no skill."""
-    from acache.train.trainer import ModelShape, TrainConfig, train
+    from acache_lab.train.trainer import ModelShape, TrainConfig, train
 
     out = tmp_path_factory.mktemp("tiny-task-model")
     train(TrainConfig(out=str(out), steps=3, batch_size=4, warmup=1, bf16=False, tasks=("qa1",),

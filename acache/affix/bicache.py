@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from acache.affix.cache import model_fingerprint
 from acache.affix.prompt import AffixPrompt
 from acache.affix.staleness import measure_staleness
-from acache.affix.store import AffixStore, model_fingerprint
+from acache.affix.store import AffixStore
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.kv import KVCache
 

@@ -1,4 +1,4 @@
-"""Calibration requests for BiCache profiling: from a JSONL file, the task suite, or random-token requests."""
+"""Calibration requests for BiCache profiling: from a JSONL file, or random-token requests."""
 
 from __future__ import annotations
 
@@ -12,36 +12,13 @@ from acache.models.config import ModelConfig
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 
-TASK_CALIBRATION = "tasks"
-
-
-def task_calibration_prompts(tokenizer: Tokenizer, samples: int, seed: int = 0) -> list[AffixPrompt]:
-    """``samples`` task requests, the tasks and layouts in turn, 6-sentence contexts, from
-    ``acache.tasks.generators.examples`` (its seed stream is neither training's nor the held-out one)."""
-    from acache.tasks.generators import TASKS, examples
-    from acache.tasks.render import render_prompts
-
-    if samples < 1:
-        raise ValueError(f"samples must be positive, got {samples}")
-    per_task = {t: examples(t, seed=10_000 + seed, count=samples) for t in TASKS}
-    out = []
-    for i in range(samples):
-        ex = per_task[TASKS[i % len(TASKS)]][i]
-        out += render_prompts(tokenizer, [ex], LAYOUTS[i % len(LAYOUTS)])
-    return out
-
 
 def calibration_prompts(tokenizer: Tokenizer, config: ModelConfig, path: str | Path | None, samples: int,
                         seed: int = 0) -> list[AffixPrompt]:
     """Each JSONL line is ``{"affix": str, "prompt": str, "layout": "prefix"|"infix"|"suffix",
-    "answer_prompt": str}``; ``path="tasks"`` (and no such file) takes ``samples`` requests from the task
-    suite's calibration stream, disjoint from the held-out one, for the project's own models; without a
-    path, ``samples`` random-token requests with affixes of varied share."""
+    "answer_prompt": str}``; without a path, ``samples`` random-token requests with affixes of varied share."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
-
-    if path == TASK_CALIBRATION and not Path(path).exists():
-        return task_calibration_prompts(tokenizer, samples, seed)
 
     if path is not None:
         path = Path(path)

@@ -21,8 +21,8 @@ from acache.models.base import DiffusionLM
 class KVCacheManager:
     def __init__(self, model: DiffusionLM, pool: PagePool, store: AffixStore | None = None) -> None:
         self.pool = pool
-        self.store = store if store is not None else AffixStore(model)
-        self.affixes = AffixPageTable(model, pool, self.store)
+        self.store = store if store is not None else AffixStore(model)  # dense: BiCache's hidden states
+        self.affixes = AffixPageTable(model, pool)
 
     def pages_needed_alone(self, req: Request) -> int:
         """Pages the request needs in an empty pool: its private pages plus its shared affixes' pages."""

@@ -120,12 +120,12 @@ class LLMEngine:
     def reset_metrics(self) -> None:
         """Starts a fresh measurement: run metrics, affix hit counts and the KV peak (from what is in use now)."""
         self.metrics = self.scheduler.metrics = EngineMetrics()
-        self.affixes.hits = self.affixes.queries = 0
+        self.affixes.stats.hits = self.affixes.stats.misses = 0
         self.pool.peak_pages_used = self.pool.num_used
 
     def summary(self) -> dict:
         return self.metrics.summary(self.pool.peak_pages_used, self.pool.num_used, self.pool.page_bytes,
-                                    self.affixes.hits, self.affixes.queries)
+                                    self.affixes.stats.hits, self.affixes.stats.queries)
 
     def _find(self, request_id: str) -> Request | None:
         for req in (*self.scheduler.running, *self.scheduler.waiting):

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from acache.affix.cache import AffixEntry
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import anchor_count
-from acache.affix.store import AffixEntry
 from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig

@@ -82,11 +82,11 @@ def test_save_load_round_trip_gives_identical_generations(tmp_path, llada_dir):
     manifest = json.loads((saved / "manifest.json").read_text())
     assert len(manifest["entries"]) == 1 and manifest["entries"][0]["name"] == "story"
     restarted = LLM(llada_dir, affix_cache_dir=tmp_path / "cache")
-    assert len(restarted.affix_store) == 1
+    assert len(restarted.engine.affixes) == 1
     got = restarted.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.stats.affix.affix_hits == 1 and o.stats.affix.affix_misses == 0 for o in got)
-    stored = restarted.affix_store.entries[manifest["entries"][0]["key"]]
+    stored = restarted.engine.affixes.entries[manifest["entries"][0]["key"]].entry(restarted.engine.pool)
     original = first.engine.affixes.entries[manifest["entries"][0]["key"]].entry(first.engine.pool)
     assert all((a == b).all() for a, b in zip(stored.keys, original.keys, strict=True))
 

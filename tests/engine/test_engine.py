@@ -96,7 +96,7 @@ def test_too_few_pages_still_completes_every_request(family_model):
     assert tight.pool.num_pages == 40
     outs = run_all(tight, requests)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
-    assert tight.pool.peak_pages_used <= 40 and tight.affixes.evictions > 0
+    assert tight.pool.peak_pages_used <= 40 and tight.affixes.stats.evictions > 0
 
 
 def test_request_larger_than_the_pool_is_refused(llada_dir):

@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import anchor_count
-from acache.bench.decode import random_model
 from acache.engine import EngineConfig, LLMEngine
 from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.sampling_params import SamplingParams
+from acache_lab.bench.decode import random_model
 
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
@@ -111,8 +111,8 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
     import random
 
     from acache.models.tokenizer import Tokenizer
-    from acache.tasks.generators import qa1
-    from acache.tasks.render import answer_length, render_prompts
+    from acache_lab.tasks.generators import qa1
+    from acache_lab.tasks.render import answer_length, render_prompts
 
     story = qa1(random.Random(f"bench:{seed}"), sentences, questions=8)
     prompts = render_prompts(Tokenizer.from_dir(model_dir), [story[i % len(story)] for i in range(n)], "prefix")

@@ -4,7 +4,7 @@ Per sequence ``t ~ U(0, 1]``; each answer token is masked with probability ``t``
 is the cross-entropy on masked answer tokens weighted by ``1 / t`` (LLaDA's SFT objective; the prompt, affix
 included, stays visible unless ``context_mask_rate`` masks some of it too, with the same weighting).
 ``answer_masking="all"`` (per config or per stage) fixes ``t = 1``, and ``eos_weight`` scales the loss on the
-answer's EOS padding. Each task's answer region has its own length (``acache.tasks.render.ANSWER_LENGTHS``),
+answer's EOS padding. Each task's answer region has its own length (``acache_lab.tasks.render.ANSWER_LENGTHS``),
 recorded in ``training_log.json``. Sequences are drawn fresh every step: a task, a layout, and a context whose
 length grows over the curriculum. The result is written in the upstream LLaDA layout, so the public loader
 reads it.
@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.llada import LLaDAModel
 from acache.policies import LAYOUTS
-from acache.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache.tasks.render import ANSWER_LENGTHS, build_word_tokenizer, render
+from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
+from acache_lab.tasks.render import ANSWER_LENGTHS, build_word_tokenizer, render
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")

@@ -10,11 +10,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.affix.staleness import measure_staleness
-from acache.eval.tasks import task_prompts
 from acache.llm import LLM
 from acache.policies import LAYOUTS
-from acache.tasks.generators import TASKS, held_out
-from acache.tasks.render import answer_length
+from acache_lab.eval.tasks import task_prompts
+from acache_lab.tasks.generators import TASKS, held_out
+from acache_lab.tasks.render import answer_length
 
 
 def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from acache.eval.metrics import Cell, summary_table, sweep_table, wilson_interval
+from acache_lab.eval.metrics import Cell, summary_table, sweep_table, wilson_interval
 
 
 def _wilson_by_hand(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -9,7 +9,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.checkpoint import SPECIAL_TOKENS
-from acache.tasks.generators import WORDS, Example
+from acache_lab.tasks.generators import WORDS, Example
 
 #: The generation region per task: its longest answer plus one EOS, so the model learns to stop. Kept
 #: tight on purpose: every extra masked column is one more all-alike position the answer slot must be

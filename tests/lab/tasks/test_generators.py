@@ -7,8 +7,8 @@ import random
 import pytest
 
 from acache.policies import LAYOUTS
-from acache.tasks.generators import TASKS, bind, count, examples, grab, held_out, holder
-from acache.tasks.render import ANSWER_LENGTHS, answer_length, build_word_tokenizer, render
+from acache_lab.tasks.generators import TASKS, bind, count, examples, grab, held_out, holder
+from acache_lab.tasks.render import ANSWER_LENGTHS, answer_length, build_word_tokenizer, render
 
 
 def sentences(words):
@@ -95,7 +95,7 @@ def test_layouts_and_tokenizer():
 
 
 def test_every_answer_fits_its_task_region_with_an_eos():
-    from acache.tasks.generators import TRAIN_GENERATORS
+    from acache_lab.tasks.generators import TRAIN_GENERATORS
 
     assert set(ANSWER_LENGTHS) == set(TRAIN_GENERATORS)
     for task in TRAIN_GENERATORS:
@@ -108,7 +108,7 @@ def test_every_answer_fits_its_task_region_with_an_eos():
 def test_train_and_eval_streams_are_disjoint():
     evals = {e for task in TASKS for e in held_out(task, 100, 6)}
     train_rng = random.Random(0)
-    from acache.tasks.generators import GENERATORS
+    from acache_lab.tasks.generators import GENERATORS
 
     train = set()
     for k in range(2000):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from acache import LLM
-from acache.eval.accuracy import sweep, write_report
-from acache.eval.staleness import plot_profile, profile
+from acache_lab.eval.accuracy import sweep, write_report
+from acache_lab.eval.staleness import plot_profile, profile
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
 
 
 def test_task_params_decode_the_task_answer_region_in_one_block():
-    from acache.eval.tasks import task_params
+    from acache_lab.eval.tasks import task_params
 
     qa1, arith = task_params("qa1"), task_params("arith", affix_policy="none", seed=3)
     assert (qa1.gen_length, qa1.block_length, qa1.threshold, qa1.cache) == (2, 2, 0.9, "dual")
@@ -66,9 +66,9 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
 
 def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_model_dir, tmp_path):
     from acache.affix.bicache import profile_bicache
-    from acache.affix.calibration import calibration_prompts
     from acache.affix.store import AffixStore
-    from acache.tasks.render import build_word_tokenizer
+    from acache_lab.tasks.calibration import calibration_prompts
+    from acache_lab.tasks.render import build_word_tokenizer
 
     prompts = calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=6)
     assert prompts == calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=6)

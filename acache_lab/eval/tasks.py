@@ -10,8 +10,8 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.policies import LAYOUTS
 from acache.sampling_params import SamplingParams
-from acache.tasks.generators import TASKS, Example, held_out
-from acache.tasks.render import answer_length, render_prompts
+from acache_lab.tasks.generators import TASKS, Example, held_out
+from acache_lab.tasks.render import answer_length, render_prompts
 
 
 @dataclass

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from acache.eval.metrics import Cell, summary_table, sweep_table
-from acache.eval.tasks import exact_matches, task_params, task_prompts
 from acache.llm import LLM
 from acache.policies import LAYOUTS
-from acache.tasks.generators import TASKS, held_out
+from acache_lab.eval.metrics import Cell, summary_table, sweep_table
+from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
+from acache_lab.tasks.generators import TASKS, held_out
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 STUDY_SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")

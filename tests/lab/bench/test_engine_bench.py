@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from acache.bench.engine import (
+from acache.models.loader import load_model
+from acache_lab.bench.engine import (
     Comparison,
     ModeResult,
     Workload,
@@ -17,7 +18,6 @@ from acache.bench.engine import (
     median_run,
     run_mode,
 )
-from acache.models.loader import load_model
 
 
 def test_paper_shape_ideal_bounds():

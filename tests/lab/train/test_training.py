@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from acache.paths import SHIPPED_MODEL
-from acache.tasks.render import build_word_tokenizer
-from acache.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, loss_weights, train
+from acache_lab.tasks.render import build_word_tokenizer
+from acache_lab.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, loss_weights, train
 
 
 def test_short_training_run_lowers_the_loss(tmp_path):
@@ -109,7 +109,7 @@ def _mixed_batch():
 
 
 def test_each_row_is_normalised_by_its_own_answer_length():
-    from acache.train.trainer import masked_diffusion_loss
+    from acache_lab.train.trainer import masked_diffusion_loss
 
     batcher, model, ids, answer, positions, valid = _mixed_batch()
     noisy = torch.where(answer, torch.full_like(ids, batcher.mask), ids)
@@ -129,7 +129,7 @@ def test_each_row_is_normalised_by_its_own_answer_length():
 
 
 def test_all_answer_masking_and_eos_weight():
-    from acache.train.trainer import masked_diffusion_loss
+    from acache_lab.train.trainer import masked_diffusion_loss
 
     batcher, model, ids, answer, positions, valid = _mixed_batch()
     words = answer & (ids != batcher.eos)
@@ -251,7 +251,7 @@ def test_bad_training_configs(tmp_path):
 @pytest.mark.skipif(not (SHIPPED_MODEL / "config.json").exists(), reason="no shipped model in this checkout yet")
 def test_shipped_model_answers_held_out_questions():
     from acache import LLM
-    from acache.eval.tasks import evaluate
+    from acache_lab.eval.tasks import evaluate
 
     llm = LLM(SHIPPED_MODEL)
     scores = evaluate(llm, examples=20, sentences=6, seed=7)
