@@ -39,6 +39,31 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+#: A forward pads every request to the widest one fed; past this much padding per real token a batch is split.
+MAX_PADDING = 1 / 3
+
+
+def split_ragged(batch: ForwardBatch, max_padding: float = MAX_PADDING) -> list[ForwardBatch]:
+    """Splits a batch whose fed widths differ so much that padding would cost more than a forward: widest
+    first, a request joins the current part while the part's padded size stays within ``1 + max_padding``
+    of its real tokens (BENCHMARKS.md, the heterogeneous batch: refreshes of mixed anchor ratios)."""
+    order = sorted(range(len(batch.requests)), key=lambda i: -len(batch.plans[i].fed))
+    parts: list[list[int]] = []
+    real = 0
+    for i in order:
+        width = len(batch.plans[i].fed)
+        if parts:
+            widest = len(batch.plans[parts[-1][0]].fed)
+            if widest * (len(parts[-1]) + 1) <= (1 + max_padding) * (real + width):
+                parts[-1].append(i)
+                real += width
+                continue
+        parts.append([i])
+        real = width
+    return [ForwardBatch([batch.requests[i] for i in sorted(p)], [batch.plans[i] for i in sorted(p)], batch.refresh,
+                         batch.split) for p in parts]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_layers: int, stop_token_ids: set[int],
                  metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None) -> None:
@@ -55,6 +80,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raises a ValueError naming the problem when ``req`` could never run: a BiCache profile it lacks,
+        or more pages than the whole pool."""
         if req.bicache:
             share = sum(a.length for a in req.prompt.affixes) / req.length
             req.bicache_depth = bicache_depth(req.params.affix_policy, req.params.anchor_ratio, self.num_layers,
@@ -64,7 +95,6 @@ class Scheduler:
         if need > pool.num_pages:
             raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
                              f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
-        self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting):
@@ -122,7 +152,7 @@ class Scheduler:
             batch = groups.setdefault(key, ForwardBatch([], [], plan.refresh, split))
             batch.requests.append(req)
             batch.plans.append(plan)
-        out.forwards = list(groups.values())
+        out.forwards = [part for batch in groups.values() for part in split_ragged(batch)]
         return out
 
     # -- update ---------------------------------------------------------------------------------
