@@ -118,6 +118,7 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     import uvicorn
@@ -125,11 +126,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from acache import LLM
     from acache.server.app import create_app
 
+    cache_dir = Path(args.affix_cache_dir) if args.affix_cache_dir else None
+    if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+        raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
+    warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
-              page_size=args.page_size, kv_cache_memory=args.kv_cache_memory)
+              page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+              affix_cache_dir=cache_dir if warm else None)
+    if warm:
+        print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
-    app = create_app(llm, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     min_document_tokens=args.min_document_tokens)
+    api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
+    app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                     min_document_tokens=args.min_document_tokens, affix_cache_dir=cache_dir)
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -171,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (or set ACACHE_API_KEY, which "
+                        "keeps the key out of the process list)")
+    p.add_argument("--affix-cache-dir", default=None,
+                   help="load the shared affixes from DIR at start, save them there at shutdown and on "
+                        "POST /v1/affixes/save, so a restart serves warm")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")

@@ -73,20 +73,32 @@ class LLMEngine:
         :meth:`step` also returns a partial output each time one of its blocks is complete."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, AffixPrompt):
-            ids = tuple(int(t) for t in prompt)
-            prompt = AffixPrompt(ids, len(ids))
-        cfg = self.model.config
-        prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self._find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if params.temperature > 0 and generator is None:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        req = Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator, stream)
+        req = self._request(prompt, params, request_id, generator, stream)
         self.scheduler.add(req)
         return request_id
+
+    def check_request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams) -> None:
+        """Every check :meth:`add_request` makes, without queuing anything (a server answers 400 with it
+        before it starts a stream)."""
+        self.scheduler.check(self._request(prompt, params, "check", None, False))
+
+    def _request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams, request_id: str,
+                 generator: torch.Generator | None, stream: bool) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, AffixPrompt):
+            ids = tuple(int(t) for t in prompt)
+            prompt = AffixPrompt(ids, len(ids))
+        cfg = self.model.config
+        prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
+        return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
+                       stream)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; True if it was in the engine."""

@@ -64,7 +64,26 @@ class Tokenizer:
         return self.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; a ValueError names the words a vocabulary without an unknown token
+        cannot encode."""
+        if not isinstance(text, str):
+            raise TypeError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            unknown = self.unknown_words(text)
+            if unknown:
+                shown = ", ".join(repr(w) for w in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+                raise ValueError(f"the model's vocabulary has no token for {len(unknown)} word(s) of the text: "
+                                 f"{shown}; it has no unknown token, so such text cannot be encoded") from None
+            raise ValueError(f"the text could not be tokenized: {exc}") from None
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of ``text`` (as the tokenizer splits them) that are not in a word-level vocabulary."""
+        normalizer, pre = self._tok.normalizer, self._tok.pre_tokenizer
+        normalized = normalizer.normalize_str(text) if normalizer is not None else text
+        words = [w for w, _ in pre.pre_tokenize_str(normalized)] if pre is not None else normalized.split()
+        return list(dict.fromkeys(w for w in words if self._tok.token_to_id(w) is None))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         known = [i for i in ids if 0 <= i < self.vocab_size]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -17,9 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
+from acache.policies import AFFIX_POLICIES
 from acache.sampling_params import SamplingParams
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine, RequestFailed
+from acache.server.limits import BodyLimit
 from acache.server.metrics import render_metrics
 from acache.server.protocol import (
     AffixRegistration,
@@ -29,8 +35,10 @@ from acache.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
 
 DEFAULTS = SamplingParams()
+log = logging.getLogger("acache.server")
 DEFAULT_SELECTOR = "attention"
 
 
@@ -46,14 +54,16 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length."""
     if body.n != 1:
         raise BadRequest("only n=1 is supported")
-    block = body.block_length or DEFAULTS.block_length
+    if body.selector is not None and body.selector != "off" and body.selector not in AFFIX_POLICIES:
+        raise BadRequest(f"selector must be one of {', '.join(AFFIX_POLICIES)} or 'off', got {body.selector!r}")
+    block = body.block_length if body.block_length is not None else DEFAULTS.block_length
     gen = body.gen_length
     if gen is None and body.max_tokens is not None:
         if body.max_tokens <= 0:
             raise BadRequest(f"max_tokens must be positive, got {body.max_tokens}")
-        block = min(block, body.max_tokens) if body.block_length is None else block
-        gen = -(-body.max_tokens // block) * block
-    gen = gen or DEFAULTS.gen_length
+        block = min(block, body.max_tokens) if body.block_length is None and block > 0 else block
+        gen = -(-body.max_tokens // block) * block if block > 0 else body.max_tokens
+    gen = gen if gen is not None else DEFAULTS.gen_length
     selector = body.selector or DEFAULT_SELECTOR
     kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
               "temperature": body.temperature if body.temperature is not None else DEFAULTS.temperature,
@@ -63,12 +73,13 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
             kwargs[name] = getattr(body, name)
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+    except ValueError as exc:  # name the request's fields, not SamplingParams'
+        raise BadRequest(str(exc).replace("affix_policy", "selector").replace("gen_length", "gen_length (or "
+                                                                            "max_tokens)")) from None
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
-               min_document_tokens: int = 128) -> FastAPI:
+               min_document_tokens: int = 128, affix_cache_dir: Path | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine)
     registry = AffixRegistry()
     affixer = AutoAffixer(llm, min_document_tokens)
@@ -80,6 +91,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             yield
         finally:
             engine.shutdown()
+            if affix_cache_dir is not None:
+                saved = save_affixes()
+                log.warning("saved %d shared affixes to %s", saved, affix_cache_dir)
 
     app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
                   lifespan=lifespan)
@@ -94,13 +108,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def guard(request: Request, call_next):
         path = request.url.path
         protected = api_key is not None and (path.startswith("/v1") or path == "/tokenize")
-        if protected and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if protected and not authorized(request.headers.get("authorization", ""), api_key):
             return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                          "authentication_error", "invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            return error(413, f"request body of {length} bytes exceeds the limit of {max_request_bytes}")
         return await call_next(request)
+
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
+                       on_reject=lambda: counters.update({"http_errors_413_total": 1}))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -124,16 +138,25 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def _bad(request: Request, exc: BadRequest):
         return error(400, str(exc))
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        counters["requests_abandoned_total"] += 1
+        return error(499, "the client closed the request")
+
     @app.exception_handler(RequestError)
     async def _failed(request: Request, exc: RequestError):
         return error(500, str(exc), "server_error")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return error(500, f"internal error: {exc}", "server_error")
+        log.exception("internal error on %s", request.url.path, exc_info=exc)
+        return error(500, "internal error; the server log has the details", "server_error")
 
     @app.get("/health")
     async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": f"the engine failed: {type(engine.error).__name__}"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -156,16 +179,35 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             ids = llm.tokenizer.encode(text, add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.max_position_embeddings}
 
+    def save_affixes() -> int:
+        with engine.lock:  # the engine thread is not stepping while its pages are read
+            llm.save_affix_cache(affix_cache_dir)
+            return len(llm.engine.affixes)
+
+    @app.post("/v1/affixes/save")
+    async def save_affix_cache():
+        if affix_cache_dir is None:
+            raise BadRequest("this server has no --affix-cache-dir to save to")
+        saved = await asyncio.to_thread(save_affixes)
+        return {"object": "affix_cache", "saved": saved, "path": str(affix_cache_dir)}
+
     @app.post("/v1/affixes")
     async def register_affix(body: AffixRegistration):
         if (body.text is None) == (body.messages is None):
             raise BadRequest("give exactly one of text or messages")
         messages = None
         if body.text is not None:
-            ids = llm.tokenizer.encode(body.text, add_special_tokens=False)
+            if not body.text.strip():
+                raise BadRequest("text must not be empty")
+            ids = await asyncio.to_thread(encode_text, body.text)
         else:
+            if not body.messages:
+                raise BadRequest("messages must not be empty")
             messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = _leading_affix_ids(llm, messages)
+            try:
+                ids = await asyncio.to_thread(_leading_affix_ids, llm, messages)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         if len(ids) > llm.config.max_position_embeddings:
             raise BadRequest(f"affix has {len(ids)} tokens, more than the model's context of "
                              f"{llm.config.max_position_embeddings}")
@@ -176,13 +218,21 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         counters["affixes_registered_total"] += 1
         return {"id": affix_id, "object": "affix", "tokens": len(ids), "name": body.name}
 
+    def encode_text(text: str) -> list[int]:
+        try:
+            return llm.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
     def check_model(body: DiffusionFields) -> None:
         if body.model is not None and body.model != model_name:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}")
 
     def prompt_fits(prompt: AffixPrompt, params: SamplingParams) -> None:
+        """Every check the engine makes when a request is added (context, vocabulary, pool size, BiCache
+        profile), made before any work or any streamed byte."""
         try:
-            prompt.check_fits(llm.config.vocab_size, llm.config.max_position_embeddings, params.gen_length)
+            llm.engine.check_request(prompt, params)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -201,14 +251,20 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 affix_ids, _, name = registry.get(body.affix)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
+        if body.selector not in (None, "off") and affix_ids is None:
+            raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         params = sampling_params(body, reuse=affix_ids is not None)
         raw = body.prompt
         texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
-        if not texts:
+        if not texts or any(t == "" or t == [] for t in texts):
             raise BadRequest("prompt must not be empty")
         if body.stream and len(texts) > 1:
             raise BadRequest("stream=true takes a single prompt")
-        prompts = [affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts]
+        try:
+            prompts = await asyncio.to_thread(
+                lambda: [affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts])
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         for p in prompts:
             prompt_fits(p, params)
         counters["requests_total"] += len(prompts)
@@ -218,13 +274,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                      media_type="text/event-stream")
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, p in enumerate(prompts):
-            out = await final_output(p, params)
-            ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
-            text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
-            choices.append({"index": i, "text": text, "logprobs": None, "token_ids": ids,
-                            "finish_reason": finish_reason(out, params, text, body.stop, llm, body.max_tokens)})
+            out = await until_disconnect(request, final_output(p, params))
+            cut = final_text(out, body)
+            choices.append({"index": i, "text": cut.text, "logprobs": None, "token_ids": cut.token_ids,
+                            "finish_reason": finish_reason(out, params, cut, body.max_tokens)})
             usage["prompt_tokens"] += len(p.token_ids)
-            usage["completion_tokens"] += len(ids)
+            usage["completion_tokens"] += len(cut.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage}
@@ -246,7 +301,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             registered_count = len(registered)
         reuse = body.selector != "off"
         try:
-            prompt = affixer.chat_prompt(messages, reuse, registered_count)
+            prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         params = sampling_params(body, reuse=bool(prompt.affixes))
@@ -256,15 +311,18 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         if body.stream:
             return StreamingResponse(stream_events(prompt, params, body, rid, created, chat=True),
                                      media_type="text/event-stream")
-        out = await final_output(prompt, params)
-        ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
-        text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
+        out = await until_disconnect(request, final_output(prompt, params))
+        cut = final_text(out, body)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish_reason(out, params, text, body.stop, llm, body.max_tokens),
-                             "token_ids": ids}],
-                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(ids),
-                          "total_tokens": len(prompt.token_ids) + len(ids)}}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": cut.text},
+                             "finish_reason": finish_reason(out, params, cut, body.max_tokens),
+                             "token_ids": cut.token_ids}],
+                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
+                          "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
+
+    def final_text(out, body: DiffusionFields) -> Cut:
+        ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
+        return cut_at_stop(ids, llm.tokenizer.decode, stop_list(body.stop))
 
     async def final_output(prompt: AffixPrompt, params: SamplingParams):
         try:
@@ -290,21 +348,48 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
         if chat:
             yield event(None, None, first=True)
+        stops = stop_list(body.stop)
         try:
             async for out in engine.generate(prompt, params, stream=True, generator=generator(params)):
-                ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
-                text = cut_at_stop_strings(llm.tokenizer.decode(ids), body.stop)
-                delta = text[len(sent):] if text.startswith(sent) else text
-                sent = text
-                if out.finished:
-                    yield event(delta, finish_reason(out, params, text, body.stop, llm, body.max_tokens))
-                elif delta:
-                    yield event(delta, None)
-        except RuntimeError as exc:
-            yield "data: " + json.dumps(error_body(str(exc), "server_error")) + "\n\n"
+                cut = final_text(out, body)
+                if out.finished or cut.stopped:  # a stop string ends the stream at once
+                    yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.max_tokens))
+                    break
+                safe = cut.text[:len(cut.text) - held_back(cut.text, stops)]
+                if len(safe) > len(sent):
+                    yield event(safe[len(sent):], None)
+                    sent = safe
+        except Exception as exc:  # after the first event the status is sent: report in the stream
+            message = str(exc) if isinstance(exc, (RequestFailed, ValueError)) else "internal error while streaming"
+            yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         yield "data: [DONE]\n\n"
 
     return app
+
+
+async def until_disconnect(request: Request, work):
+    """Awaits ``work``; a client that disconnects first cancels it, which aborts its engine request."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class ClientGone(Exception):
+    """The client went away before its answer was ready."""
+
+
+def authorized(header: str, key: str) -> bool:
+    """``Bearer <key>`` (the scheme in any case), compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:
@@ -313,19 +398,9 @@ def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:
     return list(prompt.affix_ids(prompt.affixes[0]))
 
 
-def cut_at_stop_strings(text: str, stop: str | list[str] | None) -> str:
-    if not stop:
-        return text
-    for s in [stop] if isinstance(stop, str) else stop:
-        if s and s in text:
-            text = text[:text.index(s)]
-    return text
-
-
-def finish_reason(out, params: SamplingParams, text: str, stop, llm: LLM, max_tokens: int | None = None) -> str:
+def finish_reason(out, params: SamplingParams, cut: Cut, max_tokens: int | None = None) -> str:
     """``stop`` when a stop token or stop string ended the text, ``length`` when the budget did."""
     limit = min(params.gen_length, max_tokens or params.gen_length)
-    ids = out.token_ids[:limit]
-    if stop and text != llm.tokenizer.decode(ids):
+    if cut.stopped:
         return "stop"
     return "stop" if out.stopped and len(out.token_ids) < limit else "length"

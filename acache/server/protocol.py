@@ -16,7 +16,7 @@ from acache.policies import COMMIT_RULES
 
 
 class DiffusionFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="maps to gen_length (rounded up to whole blocks)")
@@ -44,7 +44,7 @@ class CompletionRequest(DiffusionFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
     content: str
@@ -56,7 +56,7 @@ class ChatCompletionRequest(DiffusionFields):
 
 
 class AffixRegistration(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | None = None
     messages: list[ChatMessage] | None = None
@@ -64,7 +64,7 @@ class AffixRegistration(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None

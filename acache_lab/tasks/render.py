@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.checkpoint import SPECIAL_TOKENS
@@ -25,13 +25,25 @@ def answer_length(task: str) -> int:
     return ANSWER_LENGTHS[task]
 
 
+#: Chat in the tasks' own words: the system message is the story, a user message the question, and the
+#: model answers after "answer :". A shipped task model can then be served over /v1/chat/completions.
+TASK_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}story : {{ m['content'] | trim }} "
+    "{% elif m['role'] == 'user' %}question : {{ m['content'] | trim }} "
+    "{% else %}answer : {{ m['content'] | trim }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}answer :{% endif %}"
+)
+
+
 def build_word_tokenizer() -> HFTokenizer:
-    """Word-level tokenizer over the task words plus LLaDA's special tokens (split on whitespace)."""
+    """Word-level tokenizer over the task words plus LLaDA's special tokens: lower-cased, split on whitespace
+    and around punctuation ("Mary?" is "mary ?"). It has no unknown token: other words are refused."""
     spec = SPECIAL_TOKENS["llada"]
     specials = list(dict.fromkeys([spec["bos"], spec["eos"], *spec["extra"], spec["mask"], "[UNK]"]))
     vocab = {w: i for i, w in enumerate(WORDS)}
     tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.add_special_tokens(specials)
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return tok

@@ -28,7 +28,7 @@ from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config
 from acache.models.llada import LLaDAModel
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache_lab.tasks.render import ANSWER_LENGTHS, build_word_tokenizer, render
+from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -409,7 +409,7 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     bar.close()
     model.eval()
     out = Path(config.out)
-    save_checkpoint(model, out, tokenizer, tokenizer_config("llada", tokenizer))
+    save_checkpoint(model, out, tokenizer, {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE})
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
                "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
                "log": log, "probes": probes}

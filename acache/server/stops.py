@@ -1,0 +1,56 @@
+"""Stop strings: where the text ends, which token ids go with it, and what a stream may send yet.
+
+A stream never takes text back: it holds back the tail that could still be the start of a stop string
+(or an incomplete character), and sends it once a later block shows it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+def stop_list(stop: str | Sequence[str] | None) -> list[str]:
+    if not stop:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters a stream must not send yet: the longest suffix that is a proper prefix
+    of a stop string, or an incomplete character (U+FFFD at the end) that the next token may complete."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    while hold < len(text) and text[len(text) - hold - 1:].startswith("\ufffd"):
+        hold += 1
+    return hold
+
+
+@dataclass
+class Cut:
+    text: str
+    token_ids: list[int]
+    stopped: bool  # a stop string ended the text
+
+
+def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> Cut:
+    """The text up to the first stop string, and the longest prefix of ``ids`` that decodes within it."""
+    text = decode(ids)
+    at = find_stop(text, stops)
+    if at is None:
+        return Cut(text, list(ids), False)
+    text = text[:at]
+    keep = 0
+    while keep < len(ids) and len(decode(ids[:keep + 1])) <= at:
+        keep += 1
+    return Cut(text, list(ids[:keep]), True)
