@@ -409,7 +409,8 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     bar.close()
     model.eval()
     out = Path(config.out)
-    save_checkpoint(model, out, tokenizer, {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE})
+    tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
+    save_checkpoint(model, out, tokenizer, tok_config)
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
                "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
                "log": log, "probes": probes}
