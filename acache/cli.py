@@ -138,7 +138,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
     app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                     min_document_tokens=args.min_document_tokens, affix_cache_dir=cache_dir)
+                     min_document_tokens=args.min_document_tokens, affix_cache_dir=cache_dir,
+                     affix_registry_bytes=args.affix_registry_bytes)
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (or set ACACHE_API_KEY, which "
                         "keeps the key out of the process list)")
+    p.add_argument("--affix-registry-bytes", type=int, default=64 << 20,
+                   help="bytes kept of affixes registered with POST /v1/affixes, least recently used out (64 MiB)")
     p.add_argument("--affix-cache-dir", default=None,
                    help="load the shared affixes from DIR at start, save them there at shutdown and on "
                         "POST /v1/affixes/save, so a restart serves warm")

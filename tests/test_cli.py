@@ -102,3 +102,17 @@ def test_train_runs_several_configs_in_order_and_reads_them_all_first(tmp_path, 
     logs = [json.loads((tmp_path / d / "training_log.json").read_text()) for d in ("a", "final")]
     assert [log["steps_done"] for log in logs] == [3, 2]
     assert logs[1]["config"]["init_from"] == str(tmp_path / "a") and not (tmp_path / "b").exists()
+
+
+def test_free_text_and_chat_on_the_shipped_model(capsys):
+    """The default model reads ordinary text ('Mary?' is 'mary ?'), answers a chat in its own template, and
+    names the words it cannot read instead of a traceback."""
+    assert main(["generate", "--prompt", "where is mary?", "--gen-length", "2", "--block-length", "2"]) == 0
+    assert "> where is mary?" in capsys.readouterr().out
+    story = "story : mary moved to the kitchen . john went to the garden . question : Where is Mary? answer :"
+    assert main(["generate", "--prompt", story, "--gen-length", "2", "--block-length", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "kitchen"
+    assert main(["generate", "--prompt", "where is zorro?"]) == 2
+    err = capsys.readouterr().err
+    assert "no token for 1 word(s) of the text: 'zorro'" in err and "Traceback" not in err
+    assert main(["generate", "--prompt", "where is mary?", "--chat", "--gen-length", "2", "--block-length", "2"]) == 0

@@ -11,22 +11,27 @@ a cache made with another model.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
 
 from acache.affix.prompt import affix_key
 from acache.models.base import DiffusionLM
 
 MANIFEST = "manifest.json"
-TENSORS = "affixes.safetensors"
-FORMAT_VERSION = 1
+LOCK = ".lock"
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -113,16 +118,16 @@ def compute_affix(model: DiffusionLM, token_ids: Sequence[int], name: str | None
 
 
 def model_fingerprint(model: DiffusionLM) -> str:
-    """Identifies the weights an affix cache was computed with: config plus K/V projections' bytes."""
-    import hashlib
-
+    """Identifies the weights an affix cache was computed with: the config, and every parameter's name,
+    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model)."""
     h = hashlib.sha256()
     cfg = {k: v for k, v in vars(model.config).items() if k != "raw"}
-    h.update(json.dumps(cfg, sort_keys=True).encode())
-    for layer in (model.layers[0], model.layers[-1]):
-        for p in (layer.k_proj.weight, layer.v_proj.weight, layer.attn_norm.weight):
-            h.update(p.detach().float().cpu().numpy().tobytes())
-    h.update(model.embed.weight[:8].detach().float().cpu().numpy().tobytes())
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096]
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -222,53 +227,175 @@ class AffixCache(Generic[H]):
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
+        """Writes every entry to ``path``: a content-named tensor file, then the manifest naming it, each
+        through a temporary file, fsync and rename, under the directory's lock; a reader sees the old
+        cache or the new one, never a mix, and a crash mid-save leaves the old one loadable."""
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
-        manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
-                    "family": self.model.family, "num_layers": len(self.model.layers), "entries": []}
+        entries = []
         for handle in self.entries.values():
             e = self.storage.read(handle)
-            for layer, (k, v) in enumerate(zip(e.keys, e.values, strict=True)):
-                tensors[f"{e.key}.k.{layer}"] = k.contiguous().cpu()
-                tensors[f"{e.key}.v.{layer}"] = v.contiguous().cpu()
-            for layer, h in enumerate(e.hidden or []):
-                tensors[f"{e.key}.h.{layer}"] = h.contiguous().cpu()
-            manifest["entries"].append({"key": e.key, "name": e.name, "token_ids": list(e.token_ids),
-                                        "hidden": e.hidden is not None})
-        save_file(tensors, root / TENSORS)
-        (root / MANIFEST).write_text(json.dumps(manifest) + "\n")
+            mine = {f"{e.key}.k.{layer}": k for layer, k in enumerate(e.keys)}
+            mine |= {f"{e.key}.v.{layer}": v for layer, v in enumerate(e.values)}
+            mine |= {f"{e.key}.h.{layer}": h for layer, h in enumerate(e.hidden or [])}
+            mine = {name: t.detach().contiguous().cpu() for name, t in mine.items()}
+            tensors |= mine
+            entries.append({"key": e.key, "name": e.name, "token_ids": list(e.token_ids),
+                            "hidden": e.hidden is not None, "sha256": _checksum(mine)})
+        with store_lock(root, exclusive=True):
+            _remove_stale(root)
+            blob = save_bytes(tensors) if tensors else b""
+            tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
+            _write_atomic(root / tensor_file, blob)
+            manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
+                        "family": self.model.family, "num_layers": len(self.model.layers),
+                        "dtype": str(self.model.dtype).removeprefix("torch."), "tensors": tensor_file,
+                        "entries": entries}
+            _write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
+            for old in root.glob("affixes-*.safetensors"):
+                if old.name != tensor_file:
+                    old.unlink(missing_ok=True)
         return root
 
     def load(self, path: str | Path) -> int:
-        """Adds the entries saved at ``path`` that fit; returns how many. Refuses a cache of another model."""
+        """Adds the entries saved at ``path`` that fit; returns how many. Every entry is checked before any
+        room is taken for it (its checksum, shapes, dtype and finiteness, and its first layer's K/V
+        recomputed from its token ids, which no other model or affix reproduces); any refusal is one
+        :class:`AffixStoreError` naming the file and the problem."""
         root = Path(path)
-        if not (root / MANIFEST).is_file() or not (root / TENSORS).is_file():
-            raise FileNotFoundError(f"no affix cache at {root}: expected {MANIFEST} and {TENSORS}")
-        manifest = json.loads((root / MANIFEST).read_text())
-        if manifest.get("format") != FORMAT_VERSION:
-            raise ValueError(f"affix cache at {root} has format {manifest.get('format')}, "
-                             f"this version reads {FORMAT_VERSION}")
-        if manifest.get("model_fingerprint") != self.fingerprint:
-            raise ValueError(f"affix cache at {root} was made with another model ({manifest.get('family')}, "
-                             f"{manifest.get('num_layers')} layers, fingerprint "
-                             f"{str(manifest.get('model_fingerprint'))[:12]}) than this one "
-                             f"({self.model.family}, {len(self.model.layers)} layers, fingerprint "
-                             f"{self.fingerprint[:12]}); refusing to load it")
-        tensors = load_file(root / TENSORS, device=str(self.model.device))
-        dtype, n_layers = self.model.dtype, len(self.model.layers)
+        manifest_file = root / MANIFEST
+        if not manifest_file.is_file():
+            raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
+        with store_lock(root, exclusive=False):
+            _remove_stale(root)
+            try:
+                manifest = json.loads(manifest_file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise AffixStoreError(f"{manifest_file}: not a manifest ({exc})") from None
+            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+                found = manifest.get("format") if isinstance(manifest, dict) else None
+                raise AffixStoreError(f"{manifest_file}: format {found!r}, this version reads {FORMAT_VERSION}")
+            if manifest.get("model_fingerprint") != self.fingerprint:
+                raise AffixStoreError(
+                    f"{manifest_file} was made with another model ({manifest.get('family')}, "
+                    f"{manifest.get('num_layers')} layers, fingerprint {str(manifest.get('model_fingerprint'))[:12]}) "
+                    f"than this one ({self.model.family}, {len(self.model.layers)} layers, fingerprint "
+                    f"{self.fingerprint[:12]}); refusing to load it")
+            tensor_file = root / str(manifest.get("tensors", ""))
+            entries = manifest.get("entries")
+            if not isinstance(entries, list) or tensor_file.parent != root or not tensor_file.is_file():
+                raise AffixStoreError(f"{manifest_file}: names no readable tensor file ({tensor_file.name!r})")
+            try:
+                tensors = load_file(tensor_file, device="cpu") if tensor_file.stat().st_size else {}
+            except Exception as exc:  # safetensors raises its own error types on corrupt files
+                raise AffixStoreError(f"{tensor_file}: not a safetensors file ({exc})") from None
+        checked = [self._checked_entry(item, tensors, tensor_file) for item in entries]
         loaded = 0
-        for item in manifest["entries"]:
-            key, ids = item["key"], tuple(item["token_ids"])
-            if key != self.key_fn(ids):
-                raise ValueError(f"affix cache at {root}: entry {key[:12]} does not hash its token ids")
-            if key in self.entries or not self.evict_until(self.storage.cost(len(ids))):
+        for entry in checked:
+            if entry.key in self.entries or not self.evict_until(self.storage.cost(entry.length)):
                 continue
-            hidden = ([tensors[f"{key}.h.{layer}"].to(dtype) for layer in range(n_layers + 1)]
-                      if item["hidden"] else None)
-            entry = AffixEntry(key, ids, [tensors[f"{key}.k.{layer}"].to(dtype) for layer in range(n_layers)],
-                               [tensors[f"{key}.v.{layer}"].to(dtype) for layer in range(n_layers)],
-                               hidden, item.get("name"))
-            self.entries[key] = self.storage.put(entry)
+            self.entries[entry.key] = self.storage.put(entry)
             loaded += 1
         return loaded
+
+    def _checked_entry(self, item: object, tensors: dict[str, torch.Tensor], file: Path) -> AffixEntry:
+        cfg, dtype = self.model.config, self.model.dtype
+        try:
+            key, ids, name, has_hidden, digest = (item["key"], tuple(int(t) for t in item["token_ids"]),
+                                                  item.get("name"), bool(item["hidden"]), item["sha256"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise AffixStoreError(f"{file.parent / MANIFEST}: an entry is malformed ({exc!r})") from None
+        label = f"{file}: entry {str(key)[:12]}"
+        if not ids or key != self.key_fn(ids):
+            raise AffixStoreError(f"{label} does not hash its token ids")
+        if any(not 0 <= t < cfg.vocab_size for t in ids):
+            raise AffixStoreError(f"{label} holds a token id outside the vocabulary of {cfg.vocab_size}")
+        names = [f"{key}.{kind}.{layer}" for kind in "kv" for layer in range(cfg.num_layers)]
+        if has_hidden:
+            names += [f"{key}.h.{layer}" for layer in range(cfg.num_layers + 1)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise AffixStoreError(f"{label}: tensor {missing[0]} is missing")
+        mine = {n: tensors[n] for n in names}
+        if _checksum(mine) != digest:
+            raise AffixStoreError(f"{label}: its tensors do not match their checksum (corrupt or altered)")
+        n = len(ids)
+        for tname, t in mine.items():
+            want = (n, cfg.hidden_size) if ".h." in tname else (n, cfg.num_kv_heads, cfg.head_dim)
+            if tuple(t.shape) != want:
+                raise AffixStoreError(f"{label}: tensor {tname} has shape {tuple(t.shape)}, expected {want}")
+            if t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point):
+                raise AffixStoreError(f"{label}: tensor {tname} has dtype {t.dtype}, expected {dtype}")
+            if not bool(torch.isfinite(t).all()):
+                raise AffixStoreError(f"{label}: tensor {tname} holds NaN or infinite values")
+        dev = self.model.device
+        entry = AffixEntry(key, ids, [mine[f"{key}.k.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
+                           [mine[f"{key}.v.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
+                           [mine[f"{key}.h.{i}"].to(dev, dtype) for i in range(cfg.num_layers + 1)] if has_hidden
+                           else None, name)
+        k0, v0 = first_layer_kv(self.model, ids)
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        if not (torch.allclose(entry.keys[0].float(), k0.float(), atol=tol, rtol=tol)
+                and torch.allclose(entry.values[0].float(), v0.float(), atol=tol, rtol=tol)):
+            raise AffixStoreError(f"{label}: its K/V were not computed from its tokens by this model")
+        return entry
+
+
+class AffixStoreError(ValueError):
+    """An affix cache on disk that cannot be trusted: the message names the file and the problem."""
+
+
+@torch.inference_mode()
+def first_layer_kv(model: DiffusionLM, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's pre-RoPE K/V of ``token_ids``: they depend on each token alone (no attention yet),
+    so a stored entry can be checked against its own ids at the cost of one embedding and two projections."""
+    layer = model.layers[0]
+    x = model.embed(torch.tensor(list(token_ids), device=model.device))
+    h = layer.attn_norm(x)
+    shape = (len(token_ids), layer.num_kv_heads, layer.head_dim)
+    return layer.k_proj(h).view(shape), layer.v_proj(h).view(shape)
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(root: Path) -> None:
+    """Temporary files left by a save that died (held under the lock, none can be in progress)."""
+    for tmp in root.glob(".*.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def store_lock(root: Path, exclusive: bool):
+    """The directory's lock: one writer, or any number of readers."""
+    with open(root / LOCK, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

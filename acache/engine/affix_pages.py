@@ -48,7 +48,11 @@ class PagedStorage:
         if pages is None:
             raise RuntimeError(f"no pool pages for affix {entry.key[:12]}; make room first")
         slots = self.pool.slots(pages, entry.length)
-        self.pool.write(slots, entry.keys, entry.values)
+        try:
+            self.pool.write(slots, entry.keys, entry.values)
+        except Exception:
+            self.pool.free(pages)
+            raise
         return SharedAffix(entry.key, entry.token_ids, pages, slots, name=entry.name)
 
     def read(self, handle: SharedAffix) -> AffixEntry:

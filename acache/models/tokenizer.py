@@ -69,6 +69,11 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text to encode must be a str, got {type(text).__name__}")
         try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text holds a character that is not valid Unicode (a lone surrogate at index "
+                             f"{exc.start})") from None
+        try:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as exc:  # the tokenizers library raises a bare Exception
             unknown = self.unknown_words(text)

@@ -3,12 +3,15 @@
 Candidates in a chat: the messages before the last user message (system prompt and few-shot turns,
 merged into one span) and every user message of at least ``min_document_tokens`` tokens (a pasted
 document). A candidate becomes an affix the second time its exact tokens are seen: a span seen once is
-not worth a shared copy, one seen again is. Affixes registered with ``POST /v1/affixes`` are affixes
-from their first use.
+not worth a shared copy, one seen again is; one the engine already holds (a restart with
+``--affix-cache-dir``) is reused at once. Affixes registered with ``POST /v1/affixes`` are affixes from
+their first use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections import OrderedDict
 
@@ -18,25 +21,47 @@ from acache.llm import LLM
 
 
 class AffixRegistry:
-    """Explicitly registered affixes, by id."""
+    """Explicitly registered affixes, by id. An id is the hash of what was registered (the tokens, and the
+    messages for a chat affix), so registering the same content again returns the same id and no client
+    can overwrite another's entry; the registry keeps at most ``max_bytes``, least recently used first out."""
 
-    def __init__(self) -> None:
-        self._by_id: dict[str, tuple[tuple[int, ...], list[dict] | None, str | None]] = {}
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"the affix registry needs a positive byte budget, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._by_id: OrderedDict[str, tuple[tuple[int, ...], list[dict] | None, str | None, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def register(self, token_ids: list[int], messages: list[dict] | None, name: str | None) -> str:
         if not token_ids:
             raise ValueError("an affix must not be empty")
-        affix_id = "affix-" + affix_key(token_ids)[:24]
+        described = json.dumps({"tokens": list(token_ids), "messages": messages}, sort_keys=True)
+        affix_id = "affix-" + hashlib.sha256(described.encode()).hexdigest()[:24]
+        size = 8 * len(token_ids) + len(described) + len(name or "")
+        if size > self.max_bytes:
+            raise ValueError(f"the affix takes {size} bytes, more than the registry's {self.max_bytes}")
         with self._lock:
-            self._by_id[affix_id] = (tuple(token_ids), messages, name)
+            if affix_id in self._by_id:
+                self._by_id.move_to_end(affix_id)
+                return affix_id
+            self._by_id[affix_id] = (tuple(token_ids), messages, name, size)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, (*_, dropped) = self._by_id.popitem(last=False)
+                self.nbytes -= dropped
         return affix_id
 
     def get(self, affix_id: str) -> tuple[tuple[int, ...], list[dict] | None, str | None]:
         with self._lock:
             if affix_id not in self._by_id:
                 raise ValueError(f"unknown affix id {affix_id!r}; register one with POST /v1/affixes")
-            return self._by_id[affix_id]
+            self._by_id.move_to_end(affix_id)
+            ids, messages, name, _ = self._by_id[affix_id]
+            return ids, messages, name
+
+    def __len__(self) -> int:
+        return len(self._by_id)
 
 
 class AutoAffixer:
@@ -54,6 +79,10 @@ class AutoAffixer:
             while len(self._seen) > self.max_tracked:
                 self._seen.popitem(last=False)
             return count >= 2
+
+    def _held(self, ids: list[int]) -> bool:
+        """The engine already holds a shared copy (loaded from --affix-cache-dir, say): reuse it at once."""
+        return self.llm.engine.affixes.lookup(tuple(ids)) is not None
 
     def _encode(self, text: str) -> list[int]:
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
@@ -75,7 +104,7 @@ class AutoAffixer:
         for n, seg in enumerate(segments):
             if isinstance(seg, Affix):
                 ids = self._encode(seg.text)
-                forced = registered and n == 0
+                forced = (registered and n == 0) or self._held(ids)
                 seg = Affix(token_ids=ids, name=seg.name) if forced or self._seen_before(affix_key(ids)) else seg.text
             kept.append(seg)
         return resolve_segments(kept, self._encode)

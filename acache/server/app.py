@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -24,9 +23,9 @@ from acache.llm import LLM
 from acache.policies import AFFIX_POLICIES
 from acache.sampling_params import SamplingParams
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
-from acache.server.async_engine import AsyncEngine, RequestFailed
-from acache.server.limits import BodyLimit
-from acache.server.metrics import render_metrics
+from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
+from acache.server.guard import Guard
+from acache.server.metrics import metrics_registry, render_metrics
 from acache.server.protocol import (
     AffixRegistration,
     ChatCompletionRequest,
@@ -79,9 +78,10 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
-               min_document_tokens: int = 128, affix_cache_dir: Path | None = None) -> FastAPI:
+               min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
+               affix_registry_bytes: int = 64 << 20) -> FastAPI:
     engine = AsyncEngine(llm.engine)
-    registry = AffixRegistry()
+    registry = AffixRegistry(affix_registry_bytes)
     affixer = AutoAffixer(llm, min_document_tokens)
     counters: Counter[str] = Counter()
     @asynccontextmanager
@@ -99,22 +99,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.counters = counters
+    registry_metrics = metrics_registry(llm.engine, counters)
 
     def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         counters[f"http_errors_{status}_total"] += 1
         return JSONResponse(error_body(message, kind, code=code), status_code=status)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        protected = api_key is not None and (path.startswith("/v1") or path == "/tokenize")
-        if protected and not authorized(request.headers.get("authorization", ""), api_key):
-            return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                         "authentication_error", "invalid_api_key")
-        return await call_next(request)
-
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes,
-                       on_reject=lambda: counters.update({"http_errors_413_total": 1}))
+    app.add_middleware(Guard, max_bytes=max_request_bytes, api_key=api_key,
+                       on_error=lambda status: counters.update({f"http_errors_{status}_total": 1}))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -166,17 +158,22 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(llm.engine, dict(counters)))
+        return PlainTextResponse(render_metrics(registry_metrics))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages")
-        if body.prompt is not None:
-            ids = llm.tokenizer.encode(body.prompt)
-        else:
-            text = llm.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
-            ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        def encode() -> list[int]:
+            try:
+                if body.prompt is not None:
+                    return llm.tokenizer.encode(body.prompt)
+                text = llm.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+                return llm.tokenizer.encode(text, add_special_tokens=False)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+
+        ids = await asyncio.to_thread(encode)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.max_position_embeddings}
 
     def save_affixes() -> int:
@@ -251,9 +248,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 affix_ids, _, name = registry.get(body.affix)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
+        params = sampling_params(body, reuse=affix_ids is not None)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
-        params = sampling_params(body, reuse=affix_ids is not None)
         raw = body.prompt
         texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not texts or any(t == "" or t == [] for t in texts):
@@ -327,7 +324,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def final_output(prompt: AffixPrompt, params: SamplingParams):
         try:
             outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
-        except RequestFailed as exc:
+        except (RequestFailed, EngineFailed) as exc:
             raise RequestError(str(exc)) from None
         return outputs[-1]
 
@@ -360,7 +357,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                     yield event(safe[len(sent):], None)
                     sent = safe
         except Exception as exc:  # after the first event the status is sent: report in the stream
-            message = str(exc) if isinstance(exc, (RequestFailed, ValueError)) else "internal error while streaming"
+            known = (RequestFailed, EngineFailed, ValueError)
+            message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         yield "data: [DONE]\n\n"
 
@@ -384,12 +382,6 @@ async def until_disconnect(request: Request, work):
 
 class ClientGone(Exception):
     """The client went away before its answer was ready."""
-
-
-def authorized(header: str, key: str) -> bool:
-    """``Bearer <key>`` (the scheme in any case), compared in constant time."""
-    scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:

@@ -19,6 +19,10 @@ class RequestFailed(RuntimeError):
     """The engine failed this request alone (the others in flight go on)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine itself failed (out of memory, a device error): every request in flight fails."""
+
+
 class AsyncEngine:
     """The engine is not thread-safe: every call into it holds ``lock``; the loop thread steps it while
     it has work and sleeps on ``wake`` otherwise."""
@@ -98,7 +102,7 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    raise RuntimeError(f"the engine failed while serving this request: {item}") from item
+                    raise EngineFailed(f"the engine failed while serving this request: {item}") from item
                 finished = item.finished
                 if item.status is Status.FAILED:
                     raise RequestFailed(f"the request failed: {item.error}")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from acache import GEN, LLM, Affix, SamplingParams
+from acache.affix.cache import AffixStoreError, _checksum
 from acache.affix.store import AffixStore
 from tests.conftest import tiny_checkpoint
 
@@ -100,5 +101,145 @@ def test_loading_a_cache_of_another_model_is_refused(tmp_path, model):
 
     with pytest.raises(ValueError, match="was made with another model"):
         AffixStore(load_model(other)).load(tmp_path / "cache")
-    with pytest.raises(FileNotFoundError, match="no affix cache"):
+    with pytest.raises(AffixStoreError, match="no affix cache"):
         AffixStore(model).load(tmp_path / "nothing")
+
+
+# -- a store on disk that cannot be trusted ---------------------------------------------------------
+
+
+def saved_store(model, root, *affixes):
+    store = AffixStore(model)
+    for ids in affixes:
+        store.acquire(ids)
+    store.save(root)
+    return json.loads((root / "manifest.json").read_text())
+
+
+def rewrite(root, change, fix_checksums=True):
+    """Applies ``change(tensors, manifest)`` to a saved cache; by default re-signs the checksums, as a
+    careful forger would, so that only the deeper checks can catch it."""
+    from safetensors.torch import load_file, save_file
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    tensors = dict(load_file(root / manifest["tensors"]))
+    change(tensors, manifest)
+    if fix_checksums:
+        for item in manifest["entries"]:
+            item["sha256"] = _checksum({n: t for n, t in tensors.items() if n.startswith(item["key"] + ".")})
+    save_file(tensors, root / manifest["tensors"])
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+A, B = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+
+
+def swap(tensors, manifest):
+    ka, kb = (e["key"] for e in manifest["entries"])
+    for name in [n for n in tensors if n.startswith(ka)]:
+        other = kb + name[len(ka):]
+        tensors[name], tensors[other] = tensors[other], tensors[name]
+
+
+def nan(tensors, manifest):
+    name = next(n for n in tensors if n.endswith(".v.1"))
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+
+
+def short(tensors, manifest):
+    name = next(n for n in tensors if n.endswith(".k.1"))
+    tensors[name] = tensors[name][:-1].clone()
+
+
+def altered(tensors, manifest):
+    name = next(n for n in tensors if n.endswith(".k.1"))
+    tensors[name] = tensors[name] + 1.0
+
+
+@pytest.mark.parametrize("change, fix, message", [
+    (swap, True, "were not computed from its tokens by this model"),
+    (swap, False, "do not match their checksum"),
+    (nan, True, "NaN or infinite"),
+    (short, True, "has shape"),
+    (altered, False, "do not match their checksum"),
+], ids=["swapped-resigned", "swapped", "nan", "wrong-shape", "altered"])
+def test_a_forged_or_corrupt_entry_is_refused_before_any_page_is_taken(model, tmp_path, change, fix, message):
+    from acache.engine import EngineConfig, LLMEngine
+
+    saved_store(model, tmp_path, A, B)
+    rewrite(tmp_path, change, fix)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 20))
+    with pytest.raises(AffixStoreError, match=message) as err:
+        engine.affixes.load(tmp_path)
+    assert str(tmp_path) in str(err.value)
+    assert engine.pool.num_used == 0 and len(engine.affixes) == 0
+    with pytest.raises(AffixStoreError, match=message):
+        AffixStore(model).load(tmp_path)
+
+
+def test_a_copied_fingerprint_does_not_make_another_models_cache_loadable(model, tmp_path):
+    from acache.models.loader import load_model
+
+    other = load_model(tiny_checkpoint(tmp_path / "other", "llada", seed=2))
+    saved_store(other, tmp_path / "cache", A)
+    mine = AffixStore(model).fingerprint
+    rewrite(tmp_path / "cache", lambda t, m: m.update(model_fingerprint=mine))
+    with pytest.raises(AffixStoreError, match="not computed from its tokens by this model"):
+        AffixStore(model).load(tmp_path / "cache")
+
+
+def test_a_cut_manifest_or_tensor_file_is_refused(model, tmp_path):
+    manifest = saved_store(model, tmp_path, A)
+    text = (tmp_path / "manifest.json").read_text()
+    (tmp_path / "manifest.json").write_text(text[:len(text) // 2])
+    with pytest.raises(AffixStoreError, match="manifest.json: not a manifest"):
+        AffixStore(model).load(tmp_path)
+    (tmp_path / "manifest.json").write_text(text)
+    blob = (tmp_path / manifest["tensors"]).read_bytes()
+    (tmp_path / manifest["tensors"]).write_bytes(blob[:len(blob) // 2])
+    with pytest.raises(AffixStoreError, match="not a safetensors file"):
+        AffixStore(model).load(tmp_path)
+    (tmp_path / manifest["tensors"]).unlink()
+    with pytest.raises(AffixStoreError, match="names no readable tensor file"):
+        AffixStore(model).load(tmp_path)
+
+
+SAVER = """
+import sys
+from acache.affix.store import AffixStore
+from acache.models.loader import load_model
+model = load_model(sys.argv[1])
+store = AffixStore(model)
+for i in range(int(sys.argv[3])):
+    store.acquire([(i * 7 + j) % 200 for j in range(120)])
+print("ready", flush=True)
+while True:
+    store.save(sys.argv[2])
+"""
+
+
+def test_kill_during_save_and_concurrent_saves_leave_a_loadable_store(model, llada_dir, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "cache"
+    saved_store(model, root, A)
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(llada_dir), str(root), str(n)],
+                              stdout=subprocess.PIPE) for n in (30, 60)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == b"ready"
+        deadline, reads = time.time() + 4, 0
+        while time.time() < deadline:  # two writers at once: every read sees a whole cache
+            assert AffixStore(model).load(root) in (30, 60)
+            reads += 1
+        assert reads > 3
+    finally:
+        for p in procs:
+            p.kill()  # kill -9, most likely in the middle of a save
+            p.wait()
+    store = AffixStore(model)
+    assert store.load(root) in (30, 60)
+    assert not list(root.glob(".*.tmp-*"))  # the next start removed what the killed saves left
+    assert len(list(root.glob("affixes-*.safetensors"))) >= 1

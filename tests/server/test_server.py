@@ -290,3 +290,22 @@ def test_burst_of_mixed_requests_each_answers_as_alone(server):
         assert got == want, body
     assert len({g[1] for g in burst}) > 3  # the answers differ, so the equality above has teeth
     assert metric(server, "requests_running") == 0
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server):
+    aborted = metric(server, "requests_aborted_total")
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    body = json.dumps({"prompt": "Write a long story.", "gen_length": 256, "block_length": 8, "threshold": 1.0})
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    time.sleep(0.3)
+    conn.sock.close()
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and metric(server, "requests_aborted_total") == aborted:
+        time.sleep(0.1)
+    assert metric(server, "requests_aborted_total") == aborted + 1
+    deadline = time.time() + 10
+    while time.time() < deadline and metric(server, "requests_running") > 0:
+        time.sleep(0.1)
+    assert metric(server, "requests_running") == 0

@@ -1,0 +1,66 @@
+"""The app in process: health after an engine fault, and a bounded fuzz of the request bodies (no 500)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from acache import LLM
+from acache.server.app import create_app
+
+FUZZ_EXAMPLES = int(os.environ.get("ACACHE_FUZZ_EXAMPLES", "300"))
+
+
+@pytest.fixture(scope="module")
+def client(llada_dir):
+    llm = LLM(llada_dir, page_size=8, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "tiny", max_request_bytes=50_000)) as c:
+        yield c
+
+
+def test_health_is_503_once_the_engine_has_failed(llada_dir, monkeypatch):
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "tiny")) as c:
+        assert c.get("/health").status_code == 200
+
+        def broken():
+            raise MemoryError("device out of memory")
+
+        monkeypatch.setattr(llm.engine, "step", broken)
+        resp = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert resp.status_code == 500 and "the engine failed" in resp.json()["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and "MemoryError" in health.json()["error"]
+
+
+FIELDS = ["prompt", "messages", "max_tokens", "gen_length", "block_length", "steps", "threshold", "factor",
+          "temperature", "seed", "remasking", "selector", "anchor_ratio", "affix", "stop", "stream", "n", "model",
+          "text", "name", "affix_layout", "bogus"]
+scalars = (st.none() | st.booleans() | st.integers(-3, 70) | st.integers(-2**70, 2**70)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
+           | st.sampled_from(["attention", "bicache-matched", "off", "threshold", "", "\ud800", "héllo"]))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["role", "content", "name", "x"]), inner, max_size=3), max_leaves=6)
+bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
+chats = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text(max_size=20)}),
+    max_size=3)}, optional={"max_tokens": st.integers(-1, 9), "stream": st.booleans(), "selector": scalars})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/affixes", "/tokenize"]),
+       body=bodies | chats)
+def test_fuzzed_bodies_never_answer_500(client, path, body):
+    if isinstance(body.get("max_tokens"), int) and body.get("max_tokens") > 64:
+        body["max_tokens"] = 64  # keep the accepted ones quick
+    data = json.dumps(body)
+    resp = client.post(path, content=data, headers={"Content-Type": "application/json"})
+    assert resp.status_code < 500, (path, data, resp.text)
+    if resp.status_code >= 400:
+        assert resp.json()["error"]["message"]
