@@ -46,9 +46,11 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# the property-based engine tests at 3,000 drawn batches a model family instead of 150 (about 15 minutes)
+# the property-based engine test at 3,000 drawn batches a model family instead of 150, and the server's
+# body fuzz at 3,000 examples instead of 300 (about 20 minutes)
 test-long: install
-	ACACHE_HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/engine/test_properties.py
+	ACACHE_HYPOTHESIS_PROFILE=long ACACHE_FUZZ_EXAMPLES=3000 $(PY) -m pytest -q tests/engine/test_properties.py \
+		tests/server/test_app.py
 
 bench: install
 	$(VENV)/bin/acache bench decode

@@ -9,39 +9,14 @@ import torch
 from tqdm.auto import tqdm
 
 from acache.affix.bicache import BiCacheProfile
-from acache.affix.chat import chat_prompt
-from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
+from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine
+from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
 from acache.sampling_params import SamplingParams
-
-PromptInput = str | Sequence[int] | AffixPrompt | Sequence[object]
-
-
-def _is_segment_list(prompt: object) -> bool:
-    return (isinstance(prompt, (list, tuple)) and bool(prompt)
-            and any(isinstance(s, (str, Affix)) or s is GEN or isinstance(s, (list, tuple)) for s in prompt))
-
-
-def _as_prompt_list(prompts: object) -> list:
-    """One prompt or a list of prompts, as a list. A list holding an Affix or GEN at its top level is one
-    segment prompt; a list of ints (or an array of token ids) is one token-id prompt."""
-    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
-        prompts = prompts.tolist()
-    if isinstance(prompts, (str, AffixPrompt)):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)):
-        if not prompts:
-            return []
-        if any(isinstance(p, Affix) or p is GEN for p in prompts) or all(
-                isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            return [prompts]
-        return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
-    raise TypeError(f"prompts must be text, token ids, an AffixPrompt, segments, or a list of these; "
-                    f"got {type(prompts).__name__}")
 
 
 class LLM:
@@ -70,6 +45,7 @@ class LLM:
         self.model = load_model(model, dtype=self.dtype, device=self.device)
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
+        self.inputs = InputProcessor(self.tokenizer, self.config)
         self.max_batch_size = max_batch_size
         self.affix_store = AffixStore(self.model, affix_cache_bytes)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
@@ -101,47 +77,15 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _encode_segment(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def encode_prompt(self, prompt: PromptInput, chat: bool = False) -> AffixPrompt:
         """Any accepted prompt form as an :class:`AffixPrompt` (which may hold no affix)."""
-        if chat and not isinstance(prompt, str):
-            raise ValueError("chat=True applies to text prompts; for a chat with affixes build the prompt with "
-                             "LLM.chat_prompt(messages)")
-        if isinstance(prompt, AffixPrompt):
-            ids = list(prompt.token_ids)
-            resolved = prompt
-        elif isinstance(prompt, str):
-            if chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                ids = self.tokenizer.encode(prompt)
-            resolved = AffixPrompt(tuple(ids), len(ids))
-        elif _is_segment_list(prompt) and not all(isinstance(t, int) for t in prompt):
-            resolved = resolve_segments(prompt, self._encode_segment)
-            ids = list(resolved.token_ids)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            resolved = None
-        else:
-            raise TypeError(f"a prompt must be text, token ids, an AffixPrompt or a segment list, "
-                            f"got {type(prompt).__name__}")
-        vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not in the model's vocabulary of {vocab}")
-        return resolved or AffixPrompt(tuple(ids), len(ids))
+        return self.inputs.encode_prompt(prompt, chat)
 
     def chat_prompt(self, messages: list[dict[str, str]], affix_messages: Iterable[int] | None = None
                     ) -> AffixPrompt:
         """A chat rendered through the model's template, with the chosen messages (default: the system
         prompt) as affixes; consecutive chosen messages share one affix."""
-        def render(msgs, add_generation_prompt):
-            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-
-        return chat_prompt(messages, render, self._encode_segment, affix_messages)
+        return self.inputs.chat_prompt(messages, affix_messages)
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, chat: bool = False,
@@ -154,12 +98,12 @@ class LLM:
         and only anchors are recomputed; otherwise affix tokens are computed like the rest. A request
         that fails alone (its output's ``error`` says why) does not stop the others.
         """
-        prompts = _as_prompt_list(prompts)
-        params_list = self._params_list(sampling_params, len(prompts))
+        prompts = prompt_list(prompts)
+        params_list = sampling_params_list(sampling_params, len(prompts))
         texts = [p if isinstance(p, str) else None for p in prompts]
-        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        encoded = [self.inputs.encode_prompt(p, chat) for p in prompts]
         for i, (p, params) in enumerate(zip(encoded, params_list, strict=True)):
-            p.check_fits(self.config.vocab_size, self.config.max_position_embeddings, params.gen_length, f"prompt {i}")
+            self.inputs.check(p, params, f"prompt {i}")
         done = self._run_engine(encoded, params_list, use_tqdm)
         outputs = []
         for i, (out, params) in enumerate(zip(done, params_list, strict=True)):
@@ -170,30 +114,14 @@ class LLM:
             self._next_request_id += 1
         return outputs
 
-    @staticmethod
-    def _params_list(sampling_params: object, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts; give one "
-                                 "SamplingParams, or one per prompt")
-            for i, p in enumerate(sampling_params):
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            return list(sampling_params)
-        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
-                        f"got {type(sampling_params).__name__}")
-
     def _run_engine(self, prompts: list[AffixPrompt], params: list[SamplingParams],
                     use_tqdm: bool) -> list[EngineOutput]:
         engine = self.engine
         ids = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(p, sp, generator=self._generator(sp) if sp.temperature > 0 else None))
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+                ids.append(engine.add_request(p, sp, generator=sp.generator(self.device, default_seed=seed)))
             done: dict[str, EngineOutput] = {}
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
                 while len(done) < len(ids):
@@ -216,7 +144,3 @@ class LLM:
                                       s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth)
         wall = (s.finished or s.arrival) - s.arrival
         return RequestStats(len(out.token_ids), out.nfe, out.refreshes, s.forward_time_s, wall, s.max_batch, affix)
-
-    def _generator(self, params: SamplingParams) -> torch.Generator:
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return torch.Generator(device=self.device).manual_seed(seed)

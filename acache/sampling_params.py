@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES
 
 
@@ -101,6 +103,16 @@ class SamplingParams:
             raise ValueError(f"anchor_ratio must be in [0, 1], got {self.anchor_ratio}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
+
+    def generator(self, device: object = "cpu", default_seed: int | None = None) -> torch.Generator | None:
+        """The request's sampling noise: None at temperature 0; otherwise seeded with ``seed``, else with
+        ``default_seed`` (a caller's reproducible stream), else at random. The one place requests are seeded."""
+        if self.temperature <= 0:
+            return None
+        seed = self.seed if self.seed is not None else default_seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        return torch.Generator(device=device).manual_seed(seed)
 
     @property
     def num_blocks(self) -> int:

@@ -76,9 +76,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self._find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        if params.temperature > 0 and generator is None:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        if generator is None:
+            generator = params.generator(self.model.device)
         req = self._request(prompt, params, request_id, generator, stream)
         self.scheduler.add(req)
         return request_id

@@ -85,21 +85,19 @@ class AutoAffixer:
         return self.llm.engine.affixes.lookup(tuple(ids)) is not None
 
     def _encode(self, text: str) -> list[int]:
-        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+        return self.llm.inputs.encode_text(text)
 
     def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0) -> AffixPrompt:
         """The chat through the model's template, candidates seen before marked as affixes. The first
         ``registered`` messages come from a registered affix: they form an affix of their own, always."""
-        def render(msgs, add_generation_prompt):
-            return self.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
         candidates = set(range(last_user)) | set(range(registered))
         for i, m in enumerate(messages):
             if m["role"] == "user" and len(self._encode(m["content"])) >= self.min_document_tokens:
                 candidates.add(i)
         chosen = sorted(candidates) if reuse else []
-        segments = chat_segments(messages, render, chosen, split_before=[registered] if registered else [])
+        segments = chat_segments(messages, self.llm.inputs.render_chat, chosen,
+                                 split_before=[registered] if registered else [])
         kept = []
         for n, seg in enumerate(segments):
             if isinstance(seg, Affix):

@@ -168,8 +168,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             try:
                 if body.prompt is not None:
                     return llm.tokenizer.encode(body.prompt)
-                text = llm.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
-                return llm.tokenizer.encode(text, add_special_tokens=False)
+                return llm.inputs.encode_text(llm.inputs.render_chat([m.model_dump(exclude_none=True)
+                                                                      for m in body.messages]))
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 
@@ -217,7 +217,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     def encode_text(text: str) -> list[int]:
         try:
-            return llm.tokenizer.encode(text, add_special_tokens=False)
+            return llm.inputs.encode_text(text)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -234,10 +234,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             raise BadRequest(str(exc)) from None
 
     def generator(params: SamplingParams) -> torch.Generator | None:
-        if params.temperature <= 0:
-            return None
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        return torch.Generator(device=llm.device).manual_seed(seed)
+        return params.generator(llm.device)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
