@@ -229,7 +229,8 @@ class AffixCache(Generic[H]):
     def save(self, path: str | Path) -> Path:
         """Writes every entry to ``path``: a content-named tensor file, then the manifest naming it, each
         through a temporary file, fsync and rename, under the directory's lock; a reader sees the old
-        cache or the new one, never a mix, and a crash mid-save leaves the old one loadable."""
+        cache or the new one, never a mix, and a crash mid-save leaves the old one loadable. Entries
+        already there (another process's, of this model) are kept, so that two savers lose nothing."""
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -245,6 +246,11 @@ class AffixCache(Generic[H]):
                             "hidden": e.hidden is not None, "sha256": _checksum(mine)})
         with store_lock(root, exclusive=True):
             _remove_stale(root)
+            mine = {e["key"] for e in entries}
+            for item, theirs in self._saved_entries(root):
+                if item["key"] not in mine:
+                    entries.append(item)
+                    tensors |= theirs
             blob = save_bytes(tensors) if tensors else b""
             tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
             _write_atomic(root / tensor_file, blob)
@@ -257,6 +263,26 @@ class AffixCache(Generic[H]):
                 if old.name != tensor_file:
                     old.unlink(missing_ok=True)
         return root
+
+    def _saved_entries(self, root: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+        """The entries already saved at ``root`` whose checksums hold, with their tensors (none if the
+        directory holds no readable cache of this model)."""
+        try:
+            manifest = json.loads((root / MANIFEST).read_text())
+            if manifest.get("format") != FORMAT_VERSION or manifest.get("model_fingerprint") != self.fingerprint:
+                return []
+            tensors = load_file(root / manifest["tensors"], device="cpu")
+        except Exception:  # nothing trustworthy there to keep: it is replaced
+            return []
+        kept = []
+        for item in manifest.get("entries", []):
+            try:
+                theirs = {n: t for n, t in tensors.items() if n.startswith(f"{item['key']}.")}
+                if theirs and _checksum(theirs) == item["sha256"]:
+                    kept.append((item, theirs))
+            except (TypeError, KeyError):
+                continue
+        return kept
 
     def load(self, path: str | Path) -> int:
         """Adds the entries saved at ``path`` that fit; returns how many. Every entry is checked before any

@@ -232,7 +232,7 @@ def test_kill_during_save_and_concurrent_saves_leave_a_loadable_store(model, lla
             assert p.stdout.readline().strip() == b"ready"
         deadline, reads = time.time() + 4, 0
         while time.time() < deadline:  # two writers at once: every read sees a whole cache
-            assert AffixStore(model).load(root) in (30, 60)
+            assert AffixStore(model).load(root) >= 30
             reads += 1
         assert reads > 3
     finally:
@@ -240,6 +240,6 @@ def test_kill_during_save_and_concurrent_saves_leave_a_loadable_store(model, lla
             p.kill()  # kill -9, most likely in the middle of a save
             p.wait()
     store = AffixStore(model)
-    assert store.load(root) in (30, 60)
+    assert store.load(root) == 61  # the first entry and both writers' (their first 30 are the same): none lost
     assert not list(root.glob(".*.tmp-*"))  # the next start removed what the killed saves left
     assert len(list(root.glob("affixes-*.safetensors"))) >= 1
