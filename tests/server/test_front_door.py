@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
 from acache import LLM, SamplingParams
 from acache.paths import default_model
-from tests.server.test_server import free_port
+from tests.server.helpers import start_server
 
 KEY = "front-door-key"
 STORY = "mary moved to the kitchen . john went to the garden . mary journeyed to the office ."
@@ -22,25 +18,11 @@ CHAT = [{"role": "system", "content": STORY}, {"role": "user", "content": "where
 
 
 @pytest.fixture(scope="module")
-def door(tmp_path_factory):
+def door():
     """The shipped model behind a pool of 8 pages (128 tokens), a 20 kB body limit and an API key from the
     environment."""
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACACHE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", "--port", str(port), "--page-size", "16",
-                             "--kv-cache-memory", str(8 * 65536), "--max-request-bytes", "20000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                break
-        except OSError:
-            time.sleep(0.3)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode())
+    proc, port = start_server(["--page-size", "16", "--kv-cache-memory", str(8 * 65536),
+                               "--max-request-bytes", "20000"], env={"ACACHE_API_KEY": KEY})
     yield port
     proc.terminate()
     proc.wait(timeout=20)
@@ -222,23 +204,6 @@ def test_a_stop_string_finished_in_a_later_block_is_never_sent_then_taken_back(d
     assert plain == full["text"] and events >= 3  # without a stop, one event a block
 
 
-def serve(port, *extra):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if call(port, "GET", "/health", auth=None)[0] == 200:
-                return proc
-        except OSError:
-            time.sleep(0.3)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode())
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 def hits(port):
     _, text = call(port, "GET", "/metrics", auth=None)
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("acache_affix_hits_total ")))
@@ -247,8 +212,7 @@ def hits(port):
 def test_a_restart_with_an_affix_cache_dir_serves_warm(tmp_path):
     cache = tmp_path / "affixes"
     body = {"messages": CHAT, "max_tokens": 2}
-    port = free_port()
-    first = serve(port, "--affix-cache-dir", str(cache))
+    first, port = start_server(["--affix-cache-dir", str(cache)])
     try:
         call(port, "POST", CH, body)  # the system prompt seen once
         status, text = call(port, "POST", CH, body)  # seen again: now a shared affix
@@ -258,8 +222,7 @@ def test_a_restart_with_an_affix_cache_dir_serves_warm(tmp_path):
         first.terminate()
         first.wait(timeout=30)  # uvicorn shuts down gracefully, then re-raises SIGTERM
     assert (cache / "manifest.json").is_file()
-    port = free_port()
-    second = serve(port, "--affix-cache-dir", str(cache))
+    second, port = start_server(["--affix-cache-dir", str(cache)])
     try:
         assert hits(port) == 0
         status, text = call(port, "POST", CH, body)  # the first request after the restart

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,39 +12,16 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from acache import LLM, SamplingParams  # noqa: E402
+from tests.server.helpers import start_server, wait_until  # noqa: E402
 
 KEY = "test-key"
 SYSTEM = "You answer in one word. Mary moved to the kitchen. John went to the garden."
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(llada_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", "--model", str(llada_dir), "--port",
-                             str(port), "--api-key", KEY, "--max-num-seqs", "16", "--page-size", "8",
-                             "--max-request-bytes", "200000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                break
-        except OSError:
-            time.sleep(0.3)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read().decode())
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
+    proc, port = start_server(["--model", str(llada_dir), "--api-key", KEY, "--max-num-seqs", "16",
+                               "--page-size", "8", "--max-request-bytes", "200000"])
     yield port
     proc.terminate()
     proc.wait(timeout=20)
@@ -202,10 +175,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert metric(server, "kv_pages_in_use") > baseline
     conn.sock.close()
     conn.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and metric(server, "requests_aborted_total") == aborted:
-        time.sleep(0.2)
-    assert metric(server, "requests_aborted_total") == aborted + 1
+    assert wait_until(lambda: metric(server, "requests_aborted_total") == aborted + 1, 30)
     assert metric(server, "requests_running") == 0
     assert metric(server, "kv_pages_in_use") == baseline
 
@@ -301,11 +271,5 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     time.sleep(0.3)
     conn.sock.close()
     conn.close()
-    deadline = time.time() + 30
-    while time.time() < deadline and metric(server, "requests_aborted_total") == aborted:
-        time.sleep(0.1)
-    assert metric(server, "requests_aborted_total") == aborted + 1
-    deadline = time.time() + 10
-    while time.time() < deadline and metric(server, "requests_running") > 0:
-        time.sleep(0.1)
-    assert metric(server, "requests_running") == 0
+    assert wait_until(lambda: metric(server, "requests_aborted_total") == aborted + 1, 30)
+    assert wait_until(lambda: metric(server, "requests_running") == 0, 10)

@@ -1,0 +1,45 @@
+"""Starting a real ``acache serve`` process for the server tests, and waiting on its metrics."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """``acache serve ARGS`` on a free port, once /health answers 200; the output names why if it does not."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode())
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def wait_until(condition: Callable[[], bool], seconds: float, poll: float = 0.1) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline and not condition():
+        time.sleep(poll)
+    return condition()
