@@ -3,7 +3,8 @@
 Hypothesis draws batches of 1-12 requests that mix prompt lengths; no affix, prefix, infix, suffix and
 two affixes; ``gen_length`` and ``block_length``; each commit rule; thresholds and factors; temperature
 0 and > 0 with seeds; every cache policy; every selector and both BiCache modes; ratios in [0, 1];
-refresh intervals; and arrivals at different engine steps. Each request's tokens, anchors and NFE must
+refresh intervals; and arrivals at different engine steps, on engines of different page sizes, slots
+and token budgets. Each request's tokens, anchors and NFE must
 equal the reference's. ``make test`` runs a derandomized profile; ``make test-long`` the long one.
 """
 
@@ -83,16 +84,17 @@ def profile(llada_dir):
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @settings(settings.get_profile(PROFILE))
 @given(batch=st.lists(requests(), min_size=1, max_size=12), page_size=st.sampled_from([2, 4, 16]),
-       max_num_seqs=st.integers(1, 12))
+       max_num_seqs=st.integers(1, 12), token_budget=st.sampled_from([16384, 16384, 64, 8]))
 def test_any_mix_of_requests_decodes_each_as_alone(family, llada_dir, dream_dir, profile, batch, page_size,
-                                                   max_num_seqs):
+                                                   max_num_seqs, token_budget):
     from acache.engine import EngineConfig, LLMEngine
 
     model = _model(family, llada_dir, dream_dir)
     prompts = [p for p, _, _ in batch]
     params = [sp for _, sp, _ in batch]
-    engine = LLMEngine(model, EngineConfig(page_size=page_size, kv_cache_memory=1 << 24, max_num_seqs=max_num_seqs),
-                       bicache_profile=profile)
+    config = EngineConfig(page_size=page_size, kv_cache_memory=1 << 24, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=token_budget)
+    engine = LLMEngine(model, config, bicache_profile=profile)
     outs = run_engine(model, prompts, params, arrivals=[a for _, _, a in batch], engine=engine)
     store = AffixStore(model)
     for i, (prompt, sp, out) in enumerate(zip(prompts, params, outs, strict=True)):
