@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
@@ -19,13 +19,13 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, C
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     g = p.add_argument_group("decoding")
-    g.add_argument("--gen-length", type=int, default=d.gen_length, help=f"tokens to generate (default {d.gen_length})")
-    g.add_argument("--block-length", type=int, default=d.block_length, help=f"block size (default {d.block_length})")
-    g.add_argument("--steps", type=int, default=d.steps, help="low-confidence steps in all (default gen-length)")
+    g.add_argument("--gen-length", type=int, default=d.gen_length, help="tokens to generate")
+    g.add_argument("--block-length", type=int, default=d.block_length, help="block size")
+    g.add_argument("--steps", type=int, default=d.steps, help="low-confidence steps in all")
     g.add_argument("--remasking", default=d.remasking, choices=COMMIT_RULES)
-    g.add_argument("--threshold", type=float, default=d.threshold, help=f"confidence threshold (default {d.threshold})")
-    g.add_argument("--factor", type=float, default=d.factor, help=f"factor of the factor rule (default {d.factor})")
-    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = argmax (default)")
+    g.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold")
+    g.add_argument("--factor", type=float, default=d.factor, help="factor of the factor rule")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = argmax")
     g.add_argument("--cache", default=d.cache, choices=CACHE_POLICIES)
     g.add_argument("--refresh-interval", type=int, default=d.refresh_interval,
                    help="also refresh every N steps in a block")
@@ -40,15 +40,49 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the affix's shared K/V with this policy: attention is ACache, none direct reuse, "
                         "all full recompute; the rest are baselines")
     a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
-                   help=f"share of affix tokens recomputed ({d.anchor_ratio})")
+                   help="share of affix tokens recomputed")
     a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES)
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
     a.add_argument("--bicache-profile", default=None, help="depth table for --affix-policy bicache-profiled")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default (from where it is defined), except where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class DefaultsParser(argparse.ArgumentParser):
+    """Sub-command parsers whose help shows every default."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default float32)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's own), float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB`` or a plain number."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (give bytes, or a number with a unit such as "
+                                         "512MiB or 2GiB)") from None
+    if unit not in units or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (units: {', '.join(u for u in units if u)})")
+    return int(value * units[unit])
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -132,6 +166,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
               page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
               affix_cache_dir=cache_dir if warm else None)
     if warm:
         print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
@@ -148,7 +183,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="acache", description="Diffusion LLM inference with the affix cache")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"acache {version('acache')}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=DefaultsParser)
 
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face layout (default: the shipped "
@@ -178,22 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_make_random_checkpoint)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory, as in 'vllm serve MODEL'; without it, the shipped model")
+    p.add_argument("--model", default=None, help="the same, as an option")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (or set ACACHE_API_KEY, which "
                         "keeps the key out of the process list)")
-    p.add_argument("--affix-registry-bytes", type=int, default=64 << 20,
-                   help="bytes kept of affixes registered with POST /v1/affixes, least recently used out (64 MiB)")
+    p.add_argument("--affix-registry-bytes", type=parse_size, default="64MiB",
+                   help="bytes kept of affixes registered with POST /v1/affixes, least recently used out")
     p.add_argument("--affix-cache-dir", default=None,
                    help="load the shared affixes from DIR at start, save them there at shutdown and on "
                         "POST /v1/affixes/save, so a restart serves warm")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool bytes (CPU default 1 GiB)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body accepted")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV pool size, bytes or with a unit (2GiB); default 1GiB on CPU, on CUDA the "
+                        "--gpu-memory-utilization share of free memory")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="on CUDA without --kv-cache-memory: the share of free GPU memory the KV pool takes")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus generation accepted (default: the model's context)")
+    p.add_argument("--max-request-bytes", type=parse_size, default="1MiB", help="largest request body accepted")
     p.add_argument("--min-document-tokens", type=int, default=128,
                    help="user messages at least this long are affix candidates")
     p.add_argument("--log-level", default="warning")
@@ -207,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "model_path", None) is not None:
+        if args.model is not None and args.model != args.model_path:
+            print(f"acache {args.command}: error: the model is given twice ({args.model_path}, --model "
+                  f"{args.model})", file=sys.stderr)
+            return 2
+        args.model = args.model_path
     try:
         if getattr(args, "model", "unset") is None and args.command in ("generate", "serve"):
             from acache.paths import default_model

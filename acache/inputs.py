@@ -63,9 +63,10 @@ def sampling_params_list(sampling_params: object, n: int) -> list[SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, config: ModelConfig) -> None:
+    def __init__(self, tokenizer: Tokenizer, config: ModelConfig, max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.config = config
+        self.max_model_len = max_model_len or config.max_position_embeddings
 
     def encode_text(self, text: str) -> list[int]:
         """A text segment's ids (no special tokens); a ValueError names the words it has no token for."""
@@ -112,4 +113,4 @@ class InputProcessor:
 
     def check(self, prompt: AffixPrompt, params: SamplingParams, label: str = "prompt") -> None:
         """Raises a ValueError naming the problem when the request cannot run on this model."""
-        prompt.check_fits(self.config.vocab_size, self.config.max_position_embeddings, params.gen_length, label)
+        prompt.check_fits(self.config.vocab_size, self.max_model_len, params.gen_length, label)

@@ -13,7 +13,7 @@ from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
-from acache.models.loader import load_model, parse_device, parse_dtype
+from acache.models.loader import load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
 from acache.sampling_params import SamplingParams
@@ -36,23 +36,30 @@ class LLM:
                  max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = None,
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.5) -> None:
+                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
-        self.dtype = parse_dtype(dtype)
         self.model_path = Path(model)
-        self.model = load_model(model, dtype=self.dtype, device=self.device)
+        self.model = load_model(model, dtype=dtype, device=self.device)
+        self.dtype = self.model.dtype
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
-        self.inputs = InputProcessor(self.tokenizer, self.config)
+        context = self.config.max_position_embeddings
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or not 0 < max_model_len <= context):
+            raise ValueError(f"max_model_len must be an integer in 1..{context} (the model's context), "
+                             f"got {max_model_len!r}")
+        self.max_model_len = max_model_len or context
+        self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
         self.affix_store = AffixStore(self.model, affix_cache_bytes)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
         self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
-                                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size)
+                                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
+                                          max_model_len=self.max_model_len)
         self._engine: LLMEngine | None = None
         if affix_cache_dir is not None:
             self.engine.affixes.load(affix_cache_dir)

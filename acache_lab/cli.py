@@ -23,6 +23,7 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     from acache.models.tokenizer import Tokenizer
     from acache_lab.tasks.calibration import calibration_prompts
 
+    args = _with_default_model(args)
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = calibration_prompts(tokenizer, model.config, args.calibration, args.samples, args.seed)
@@ -162,7 +163,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_eval_accuracy)
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--calibration", default=None,
                    help="JSONL of {affix, prompt, layout, answer_prompt}, or 'tasks' for requests from the task "

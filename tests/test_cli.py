@@ -116,3 +116,45 @@ def test_free_text_and_chat_on_the_shipped_model(capsys):
     err = capsys.readouterr().err
     assert "no token for 1 word(s) of the text: 'zorro'" in err and "Traceback" not in err
     assert main(["generate", "--prompt", "where is mary?", "--chat", "--gen-length", "2", "--block-length", "2"]) == 0
+
+
+def test_vllm_style_options():
+    import argparse
+
+    import pytest
+
+    from acache.cli import build_parser, parse_size
+
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096 and parse_size("64 kib") == 64 << 10
+    for bad in ("two", "3XB", "-1GiB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            parse_size(bad)
+    args = build_parser().parse_args(["serve", "some/model", "--kv-cache-memory", "2GiB", "--max-model-len", "128"])
+    assert (args.model_path, args.kv_cache_memory, args.max_model_len) == ("some/model", 2 << 30, 128)
+    assert (args.dtype, args.device, args.max_request_bytes) == ("auto", "auto", 1 << 20)
+    assert "(default: 8000)" in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+
+
+def test_version_and_a_model_given_twice(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("acache ")
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_dtype_auto_and_max_model_len(llada_dir):
+    import pytest
+    import torch
+
+    from acache import LLM, SamplingParams
+
+    llm = LLM(llada_dir, dtype="auto", device="auto", max_model_len=40)
+    assert llm.model.dtype == torch.float32 and llm.engine.max_model_len == 40
+    with pytest.raises(ValueError, match="exceed the model's context of 40"):
+        llm.generate([list(range(1, 30))], SamplingParams(gen_length=16, block_length=8))
+    with pytest.raises(ValueError, match="max_model_len must be an integer in 1..512"):
+        LLM(llada_dir, max_model_len=10_000)

@@ -40,6 +40,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 16384
+    max_model_len: int | None = None  # prompt plus generation; None: the model's context
 
 
 class LLMEngine:
@@ -60,6 +61,10 @@ class LLMEngine:
                                    bicache_profile)
         self.runner = ModelRunner(model, self.pool)
         self._ids = itertools.count()
+        context = model.config.max_position_embeddings
+        if c.max_model_len is not None and not 0 < c.max_model_len <= context:
+            raise ValueError(f"max_model_len must be in 1..{context} (the model's context), got {c.max_model_len}")
+        self.max_model_len = c.max_model_len or context
 
     @property
     def affixes(self):
@@ -95,7 +100,7 @@ class LLMEngine:
             ids = tuple(int(t) for t in prompt)
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
-        prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
+        prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
                        stream)
 

@@ -31,16 +31,22 @@ class CheckpointError(ValueError):
     """A checkpoint whose files or tensors do not match what its config describes."""
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, checkpoint: str | None = None) -> torch.dtype:
+    """A dtype by name; ``auto`` is the checkpoint's own ``torch_dtype`` (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        return DTYPES.get(str(checkpoint or "float32").lower(), torch.float32)
     try:
         return DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(DTYPES))}") from None
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(sorted(DTYPES))}") from None
 
 
 def parse_device(device: str | torch.device) -> torch.device:
+    """A device by name; ``auto`` is CUDA when there is one, else the CPU."""
+    if isinstance(device, str) and device.lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
@@ -98,8 +104,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> DiffusionLM:
     """Builds the model of a checkpoint directory and fills it with its weights."""
     root = checkpoint_dir(path)
-    dtype, device = parse_dtype(dtype), parse_device(device)
     cls, config = read_config(root)
+    dtype, device = parse_dtype(dtype, config.raw.get("torch_dtype")), parse_device(device)
     with torch.device("meta"):
         model = cls(config).to(dtype)
     model.to_empty(device=device)

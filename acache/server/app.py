@@ -154,7 +154,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "acache"}]}
+                                            "owned_by": "acache", "max_model_len": llm.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
