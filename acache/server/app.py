@@ -27,6 +27,7 @@ from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
 from acache.server.guard import Guard
 from acache.server.metrics import metrics_registry, render_metrics
 from acache.server.protocol import (
+    NEUTRAL,
     AffixRegistration,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +54,21 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length."""
     if body.n != 1:
         raise BadRequest("only n=1 is supported")
+    for name, (neutral, why) in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if not any(value == ok and type(value) is type(ok) or value is ok for ok in neutral):
+            raise BadRequest(f"{name}={value!r} cannot be honoured by this diffusion model: {why}")
+    if body.stream_options is not None:
+        if not body.stream:
+            raise BadRequest("stream_options is only allowed with stream=true")
+        unknown = set(body.stream_options) - {"include_usage"}
+        if unknown or not isinstance(body.stream_options.get("include_usage", False), bool):
+            raise BadRequest(f"stream_options takes include_usage (a bool); got {body.stream_options!r}")
+    limit = getattr(body, "max_completion_tokens", None)
+    if limit is not None:
+        if body.max_tokens is not None and body.max_tokens != limit:
+            raise BadRequest(f"max_tokens ({body.max_tokens}) and max_completion_tokens ({limit}) disagree")
+        body.max_tokens = limit
     if body.selector is not None and body.selector != "off" and body.selector not in AFFIX_POLICIES:
         raise BadRequest(f"selector must be one of {', '.join(AFFIX_POLICIES)} or 'off', got {body.selector!r}")
     block = body.block_length if body.block_length is not None else DEFAULTS.block_length
@@ -168,7 +184,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             try:
                 if body.prompt is not None:
                     return llm.tokenizer.encode(body.prompt)
-                return llm.inputs.encode_text(llm.inputs.render_chat([m.model_dump(exclude_none=True)
+                return llm.inputs.encode_text(llm.inputs.render_chat([m.as_dict()
                                                                       for m in body.messages]))
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
@@ -200,7 +216,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         else:
             if not body.messages:
                 raise BadRequest("messages must not be empty")
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            messages = [m.as_dict() for m in body.messages]
             try:
                 ids = await asyncio.to_thread(_leading_affix_ids, llm, messages)
             except ValueError as exc:
@@ -254,9 +270,15 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             raise BadRequest("prompt must not be empty")
         if body.stream and len(texts) > 1:
             raise BadRequest("stream=true takes a single prompt")
+        def build() -> list[AffixPrompt]:
+            built = [affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts]
+            if body.suffix:  # infilling: the suffix's tokens follow the generation region
+                tail = tuple(llm.inputs.encode_text(body.suffix))
+                built = [AffixPrompt(p.token_ids + tail, p.gen_at, p.affixes) for p in built]
+            return built
+
         try:
-            prompts = await asyncio.to_thread(
-                lambda: [affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts])
+            prompts = await asyncio.to_thread(build)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         for p in prompts:
@@ -270,7 +292,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         for i, p in enumerate(prompts):
             out = await until_disconnect(request, final_output(p, params))
             cut = final_text(out, body)
-            choices.append({"index": i, "text": cut.text, "logprobs": None, "token_ids": cut.token_ids,
+            echoed = (texts[i] if isinstance(texts[i], str) else llm.tokenizer.decode(texts[i])) if body.echo else ""
+            choices.append({"index": i, "text": echoed + cut.text, "logprobs": None, "token_ids": cut.token_ids,
                             "finish_reason": finish_reason(out, params, cut, body.max_tokens)})
             usage["prompt_tokens"] += len(p.token_ids)
             usage["completion_tokens"] += len(cut.token_ids)
@@ -281,7 +304,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.as_dict() for m in body.messages]
         registered_count = 0
         if body.affix is not None:
             try:
@@ -348,6 +371,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 cut = final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
                     yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.max_tokens))
+                    if (body.stream_options or {}).get("include_usage"):
+                        n, m = len(prompt.token_ids), len(cut.token_ids)
+                        yield "data: " + json.dumps({"id": rid, "object": kind, "created": created,
+                                                     "model": model_name, "choices": [], "usage": {
+                                                         "prompt_tokens": n, "completion_tokens": m,
+                                                         "total_tokens": n + m}}) + "\n\n"
                     break
                 safe = cut.text[:len(cut.text) - held_back(cut.text, stops)]
                 if len(safe) > len(sent):

@@ -36,23 +36,91 @@ class DiffusionFields(BaseModel):
     anchor_ratio: float | None = None
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")
+    # OpenAI fields a diffusion model honours only at their neutral value (NEUTRAL says which and why)
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None
+    # OpenAI fields with no effect on decoding, accepted as the API accepts them
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+#: field -> (the values a diffusion model honours, why it cannot honour others)
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "top_p": ((None, 1, 1.0), "diffusion decoding takes the most confident token (or a Gumbel-max draw at "
+                              "temperature > 0) over the whole vocabulary; nucleus sampling is not implemented"),
+    "frequency_penalty": ((None, 0, 0.0), "tokens are committed in parallel and in any order, so there is no "
+                                          "left-to-right history to penalise"),
+    "presence_penalty": ((None, 0, 0.0), "tokens are committed in parallel and in any order, so there is no "
+                                         "left-to-right history to penalise"),
+    "logit_bias": ((None, {}), "biasing the logits is not implemented"),
+    "top_logprobs": ((None, 0), "per-token log-probabilities of a diffusion model are not returned"),
+    "logprobs": ((None, False, 0), "per-token log-probabilities of a diffusion model are not returned"),
+    "best_of": ((None, 1), "only one candidate is decoded per request"),
+    "tools": ((None, []), "tool calling is not implemented"),
+    "functions": ((None, []), "function calling is not implemented"),
+    "tool_choice": ((None, "none"), "tool calling is not implemented"),
+    "function_call": ((None, "none"), "function calling is not implemented"),
+    "parallel_tool_calls": ((None, False, True), ""),
+    "response_format": ((None, {"type": "text"}), "only plain text responses are implemented"),
+    "modalities": ((None, ["text"]), "only text is generated"),
+    "audio": ((None,), "only text is generated"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "reasoning_effort": ((None,), "the model has no reasoning mode"),
+    "web_search_options": ((None,), "web search is not implemented"),
+}
 
 
 class CompletionRequest(DiffusionFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     affix_layout: Literal["prefix", "suffix"] = "prefix"
+    suffix: str | None = Field(default=None, description="text after the generation region (infilling)")
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as the chat template reads it: text parts joined, ``developer`` as ``system``."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(DiffusionFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict | None = None
 
 
 class AffixRegistration(BaseModel):

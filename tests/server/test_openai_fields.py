@@ -1,0 +1,114 @@
+"""Every field of OpenAI's completions and chat schemas: 200 with its effect, or a 400 saying why a
+diffusion model cannot honour the value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from acache import GEN, LLM, SamplingParams
+from acache.server.app import create_app
+
+Q = "where is mary ?"
+STORY = "mary moved to the kitchen . john went to the garden ."
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from acache.paths import default_model
+
+    llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    with TestClient(create_app(llm, "tiny")) as client:
+        yield client, llm
+
+
+def post(client, path, body):
+    resp = client.post(path, json=body)
+    return resp.status_code, resp.json() if resp.headers.get("content-type", "").startswith("application/json") \
+        else resp.text
+
+
+NEUTRAL_OK = [("top_p", 1), ("top_p", 1.0), ("frequency_penalty", 0), ("presence_penalty", 0.0), ("logit_bias", {}),
+              ("logprobs", 0), ("best_of", 1), ("echo", False), ("suffix", None), ("user", "u1"), ("n", 1),
+              ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"), ("seed", 3)]
+REFUSED = [("top_p", 0.9, "nucleus sampling"), ("frequency_penalty", 0.5, "no left-to-right history"),
+           ("presence_penalty", -1.0, "no left-to-right history"), ("logit_bias", {"5": 10.0}, "biasing"),
+           ("logprobs", 2, "log-probabilities"), ("best_of", 3, "one candidate"), ("n", 2, "only n=1")]
+CHAT_NEUTRAL_OK = [("max_completion_tokens", 2), ("logprobs", False), ("top_logprobs", 0), ("tools", []),
+                   ("tool_choice", "none"), ("parallel_tool_calls", True), ("response_format", {"type": "text"}),
+                   ("modalities", ["text"])]
+CHAT_REFUSED = [("logprobs", True, "log-probabilities"), ("tools", [{"type": "function"}], "tool calling"),
+                ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"], "only text"),
+                ("reasoning_effort", "high", "no reasoning mode")]
+
+
+@pytest.mark.parametrize("field, value", NEUTRAL_OK, ids=lambda v: str(v))
+def test_completion_fields_at_their_neutral_value(setup, field, value):
+    client, _ = setup
+    status, body = post(client, "/v1/completions", {"prompt": Q, "max_tokens": 2, field: value})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("field, value, why", REFUSED, ids=lambda v: str(v))
+def test_completion_fields_a_diffusion_model_cannot_honour(setup, field, value, why):
+    client, _ = setup
+    status, body = post(client, "/v1/completions", {"prompt": Q, "max_tokens": 2, field: value})
+    assert status == 400 and field in body["error"]["message"] and why in body["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", CHAT_NEUTRAL_OK, ids=lambda v: str(v))
+def test_chat_fields_at_their_neutral_value(setup, field, value):
+    client, _ = setup
+    body = {"messages": [{"role": "user", "content": Q}], field: value}
+    if field != "max_completion_tokens":
+        body["max_tokens"] = 2
+    status, out = post(client, "/v1/chat/completions", body)
+    assert status == 200, out
+
+
+@pytest.mark.parametrize("case", CHAT_REFUSED, ids=lambda c: c[0])
+def test_chat_fields_a_diffusion_model_cannot_honour(setup, case):
+    client, _ = setup
+    field, value, *why = case
+    status, out = post(client, "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": Q}], "max_tokens": 2, field: value})
+    assert status == 400 and field in out["error"]["message"]
+    assert all(w in out["error"]["message"] for w in why)
+
+
+def test_fields_with_an_effect(setup):
+    client, llm = setup
+    params = SamplingParams(gen_length=2, block_length=2)
+    story = f"story : {STORY} question : {Q} answer :"
+    want = llm.generate(story, params, use_tqdm=False)[0]
+    # max_completion_tokens is max_tokens; developer is system; content parts are joined
+    chat = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "mary moved to the kitchen . "},
+                                                           {"type": "text", "text": "john went to the garden ."}]},
+                         {"role": "user", "content": [{"type": "text", "text": Q}]}],
+            "max_completion_tokens": 2, "selector": "off"}
+    status, out = post(client, "/v1/chat/completions", chat)
+    assert status == 200 and out["choices"][0]["message"]["content"] == want.text == "kitchen"
+    status, out = post(client, "/v1/chat/completions", {**chat, "max_tokens": 4})
+    assert status == 400 and "disagree" in out["error"]["message"]
+    # echo prepends the prompt; a batch of token-id prompts is a batch
+    status, out = post(client, "/v1/completions", {"prompt": story, "max_tokens": 2, "echo": True})
+    assert status == 200 and out["choices"][0]["text"] == story + want.text
+    ids = llm.tokenizer.encode(story)
+    status, out = post(client, "/v1/completions", {"prompt": [ids, ids[:-3] + ids[-3:]], "max_tokens": 2})
+    assert status == 200 and [c["token_ids"] for c in out["choices"]] == [want.token_ids] * 2
+    # suffix: the text after the generation region (infilling)
+    status, out = post(client, "/v1/completions", {"prompt": f"question : {Q} answer :", "suffix": f"story : {STORY}",
+                                                   "max_tokens": 2})
+    infill = llm.generate([[f"question : {Q} answer :", GEN, f"story : {STORY}"]], params, use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == infill.token_ids
+    # stream_options.include_usage sends the usage chunk last
+    resp = client.post("/v1/completions", json={"prompt": story, "max_tokens": 2, "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    usage = json.loads(events[-2])
+    assert events[-1] == "[DONE]" and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
+    status, out = post(client, "/v1/completions", {"prompt": story, "stream_options": {"include_usage": True}})
+    assert status == 400 and "only allowed with stream=true" in out["error"]["message"]
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == llm.max_model_len
