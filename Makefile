@@ -6,10 +6,6 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 MODEL := models/acache-tiny
 STUDY := docs/study
-STORY := story : mary moved to the kitchen . john went to the garden . sandra travelled to the office . mary journeyed to the bathroom .
-SHEET := story : mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils . john has 9 pencils . emma has 3 pencils . sandra has 5 pencils .
-TWOHOP := story : mary went to the garden . john moved to the office . apple went to mary . milk went to john . mary travelled to the cellar .
-GENERATE := $(VENV)/bin/acache generate --model $(MODEL) --threshold 0.9 --cache dual --answer-prompt "answer :"
 
 .PHONY: install run test test-long lint bench study model clean
 
@@ -23,24 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	@echo "== $(MODEL) answers three questions about one shared story (the affix), computed once and reused:"
-	@echo "== direct reuse (no anchors), ACache with 20% and 50% of the story as anchors, full recompute =="
-	@for policy in "none" "attention --anchor-ratio 0.2" "attention --anchor-ratio 0.5" "all"; do \
-		echo "-- --affix-policy $$policy"; \
-		$(GENERATE) --gen-length 2 --block-length 2 --layout prefix --affix "$(STORY)" --affix-policy $$policy \
-			--prompt "question : where is mary ?" --prompt "question : where is john ?" \
-			--prompt "question : where is sandra ?" || exit 1; \
-	done
-	@echo "== arithmetic, the worksheet between the question and the answer (infix layout): a worked sum, smaller count first =="
-	@echo "== (the first held-out worksheet; the shipped model gets 100% of the held-out ones right, docs/model.md; the answers: 5 + 9 = 14, 3 + 5 = 8, 5 + 5 = 10) =="
-	$(GENERATE) --gen-length 6 --block-length 6 --layout infix --affix "$(SHEET)" --affix-policy all \
-		--prompt "question : how many pencils do john and lucas have ?" \
-		--prompt "question : how many pencils do mary and oliver have ?" \
-		--prompt "question : how many pencils do mary and lucas have ?"
-	@echo "== two-hop, the story after the question (suffix layout): who took the object, and where did they go? =="
-	@echo "== (the shipped model gets 100% of the held-out ones right, docs/model.md; the answers: the apple went with mary to the cellar, the milk with john to the office) =="
-	$(GENERATE) --gen-length 2 --block-length 2 --layout suffix --affix "$(TWOHOP)" --affix-policy all \
-		--prompt "question : where is the apple ?" --prompt "question : where is the milk ?"
+	@$(VENV)/bin/acache demo --model $(MODEL)
 
 test: install
 	$(VENV)/bin/ruff check .

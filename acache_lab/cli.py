@@ -127,8 +127,20 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from acache_lab.demo import main
+
+    return main(_with_default_model(args))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the research commands to the ``acache`` sub-command parser ``sub``."""
+    p = sub.add_parser("demo", help="the shipped model answers questions on shared affixes, each policy beside "
+                                    "the expected answer (make run)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_demo)
+
     p = sub.add_parser("train", help="train the project's small diffusion LM on the task suite")
     p.add_argument("--config", required=True, action="append",
                    help="JSON training config (see configs/); repeat it to run several in order, each "

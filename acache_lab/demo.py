@@ -1,0 +1,93 @@
+"""``acache demo`` (``make run``): the shipped model answers questions about shared affixes, each policy's
+answer beside the expected one, with what each request cost.
+
+Three tasks, one layout each: a qa1 story as a prefix, an arithmetic worksheet as an infix, a two-hop
+story as a suffix. Every question is asked under direct reuse (no anchors), ACache with 20% and 50% of
+the affix as anchors, and full recomputation; the affix is computed once and shared by all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from acache import GEN, LLM, Affix, SamplingParams
+from acache.policies import LAYOUTS
+
+
+@dataclass(frozen=True)
+class Demo:
+    title: str
+    layout: str
+    affix: str
+    gen_length: int
+    questions: tuple[tuple[str, str], ...]  # (question, expected answer)
+
+
+DEMOS = (
+    Demo("qa1: where is someone now?", "prefix",
+         "story : mary moved to the kitchen . john went to the garden . sandra travelled to the office . "
+         "mary journeyed to the bathroom .", 2,
+         (("where is mary ?", "bathroom"), ("where is john ?", "garden"), ("where is sandra ?", "office"))),
+    Demo("arithmetic: a worked sum, smaller count first", "infix",
+         "story : mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils . john has 9 pencils . "
+         "emma has 3 pencils . sandra has 5 pencils .", 6,
+         (("how many pencils do john and lucas have ?", "5 + 9 = 14"),
+          ("how many pencils do mary and oliver have ?", "3 + 5 = 8"),
+          ("how many pencils do mary and lucas have ?", "5 + 5 = 10"))),
+    Demo("two-hop: who took the object, and where did they go?", "suffix",
+         "story : mary went to the garden . john moved to the office . apple went to mary . milk went to john . "
+         "mary travelled to the cellar .", 2,
+         (("where is the apple ?", "cellar"), ("where is the milk ?", "office"))),
+)
+POLICIES = (("direct reuse", "none", 0.0), ("ACache 20%", "attention", 0.2), ("ACache 50%", "attention", 0.5),
+            ("full recompute", "all", 1.0))
+
+
+def segments(demo: Demo, question: str) -> list:
+    affix, q, answer = Affix(demo.affix, name="story"), f"question : {question}", "answer :"
+    return {"prefix": [affix, q, answer, GEN], "infix": [q, affix, answer, GEN], "suffix": [q, answer, GEN, affix]}[
+        demo.layout]
+
+
+def run(llm: LLM) -> list[str]:
+    lines = []
+    for demo in DEMOS:
+        assert demo.layout in LAYOUTS
+        width = max(len(q) for q, _ in demo.questions)
+        affix_tokens = len(llm.inputs.encode_text(demo.affix))
+        lines += ["", f"== {demo.title} — the story as the {demo.layout} affix ({affix_tokens} tokens), computed "
+                      "once and shared by every request"]
+        header = f"{'question':<{width}}  {'expected':<12}" + "".join(f"{name:<16}" for name, _, _ in POLICIES)
+        lines += [header, "-" * len(header)]
+        answers, costs = {}, {}
+        for name, policy, ratio in POLICIES:
+            params = SamplingParams(gen_length=demo.gen_length, block_length=demo.gen_length,
+                                    affix_policy=policy, anchor_ratio=ratio)
+            outs = llm.generate([segments(demo, q) for q, _ in demo.questions], params, use_tqdm=False)
+            answers[name] = [o.text for o in outs]
+            costs[name] = (sum(o.stats.affix.recomputed_per_refresh for o in outs) / len(outs),
+                           1000 * sum(o.stats.forward_time_s for o in outs) / len(outs))
+        for i, (question, expected) in enumerate(demo.questions):
+            row = f"{question:<{width}}  {expected:<12}"
+            for name, _, _ in POLICIES:
+                got = answers[name][i]
+                row += f"{(got or '(nothing)') + (' ok' if got == expected else ' x'):<16}"
+            lines.append(row)
+        right = {name: sum(a == e for a, (_, e) in zip(answers[name], demo.questions, strict=True))
+                 for name, _, _ in POLICIES}
+        lines.append(f"{'right':<{width + 14}}" + "".join(f"{right[n]}/{len(demo.questions):<14}"
+                                                           for n, _, _ in POLICIES))
+        lines.append(f"{'tokens a refresh':<{width + 14}}" + "".join(f"{costs[n][0]:<16.0f}" for n, _, _ in POLICIES))
+        lines.append(f"{'forward ms/request':<{width + 14}}" + "".join(f"{costs[n][1]:<16.1f}"
+                                                                       for n, _, _ in POLICIES))
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    print(f"{args.model}: each question under direct reuse, ACache at two anchor ratios and full recompute "
+          "(ok: the expected answer). The model gets 100% of held-out questions right under full recompute "
+          "(docs/model.md); reuse without anchors loses most of that, anchors win it back.")
+    print("\n".join(run(llm)))
+    return 0

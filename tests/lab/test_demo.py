@@ -1,0 +1,18 @@
+"""``acache demo`` (make run): every question with its expected answer and each policy's."""
+
+from __future__ import annotations
+
+from acache import LLM
+from acache.paths import default_model
+from acache_lab.demo import DEMOS, POLICIES, run
+
+
+def test_the_demo_shows_each_policy_beside_the_expected_answer():
+    lines = run(LLM(default_model()))
+    rows = [line for line in lines if any(line.startswith(q) for d in DEMOS for q, _ in d.questions)]
+    assert len(rows) == sum(len(d.questions) for d in DEMOS) == 8
+    for row in rows:
+        assert row.rstrip().endswith("ok")  # full recomputation, the last column, answers every question
+    right = [line.split()[1:] for line in lines if line.startswith("right")]
+    assert len(right) == 3 and all(len(r) == len(POLICIES) for r in right)
+    assert right[0][0] == "0/3" and right[0][-1] == "3/3"  # qa1: direct reuse loses all three, full gets all
