@@ -28,12 +28,12 @@ class LLM:
     sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
     Shared affixes live in the engine's pool (one copy each, evicted when no request holds them);
     ``affix_cache_dir`` loads a saved affix cache into it at start. ``affix_cache_bytes`` bounds the dense
-    store that keeps BiCache's affix hidden states (None: unbounded); ``bicache_profile`` is the depth table
-    for ``affix_policy='bicache-profiled'``.
+    store that keeps BiCache's affix K/V and hidden states (default 1 GiB; None: unbounded);
+    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = None,
+                 max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = 1 << 30,
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None) -> None:
@@ -53,7 +53,7 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
-        self.affix_store = AffixStore(self.model, affix_cache_bytes)
+        self.affix_store = AffixStore(self.model, affix_cache_bytes, keep_hidden=True)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0

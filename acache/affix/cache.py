@@ -413,13 +413,24 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def _remove_stale(root: Path) -> None:
     """Temporary files left by a save that died (held under the lock, none can be in progress)."""
     for tmp in root.glob(".*.tmp-*"):
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only directory: they do no harm there
+            break
 
 
 @contextmanager
 def store_lock(root: Path, exclusive: bool):
-    """The directory's lock: one writer, or any number of readers."""
-    with open(root / LOCK, "a+") as f:
+    """The directory's lock: one writer, or any number of readers. A reader of a directory it cannot write
+    (a cache shipped read-only) reads without it: nobody can be writing there."""
+    try:
+        f = open(root / LOCK, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
+    except OSError as exc:
+        if exclusive:
+            raise AffixStoreError(f"{root}: cannot write the affix cache there ({exc.strerror})") from None
+        yield
+        return
+    with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield

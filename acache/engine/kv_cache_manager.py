@@ -21,7 +21,8 @@ from acache.models.base import DiffusionLM
 class KVCacheManager:
     def __init__(self, model: DiffusionLM, pool: PagePool, store: AffixStore | None = None) -> None:
         self.pool = pool
-        self.store = store if store is not None else AffixStore(model)  # dense: BiCache's hidden states
+        # dense, for BiCache's hidden states: bounded, the hidden states counted in each entry's cost
+        self.store = store if store is not None else AffixStore(model, 1 << 30, keep_hidden=True)
         self.affixes = AffixPageTable(model, pool)
 
     def pages_needed_alone(self, req: Request) -> int:
@@ -33,8 +34,16 @@ class KVCacheManager:
         return shared + self.pool.pages_for(req.private_tokens(indices))
 
     def allocate(self, req: Request) -> bool:
-        """Takes the request's shared affixes and private pages, all or nothing; fills its slot map for
-        every column but the shared ones (set once its anchors are known). False when they cannot be had now."""
+        """Takes the request's shared affixes and private pages, all or nothing (also when computing an
+        affix raises); fills its slot map for every column but the shared ones (set once its anchors are
+        known). False when they cannot be had now."""
+        try:
+            return self._allocate(req)
+        except BaseException:
+            self.free(req)
+            raise
+
+    def _allocate(self, req: Request) -> bool:
         held = self._acquire_shared(req)
         if held is None:
             return False
@@ -55,8 +64,8 @@ class KVCacheManager:
         if req.bicache:
             for index, span in enumerate(req.prompt.affixes):
                 entry, hit = self.store.acquire(req.prompt.affix_ids(span), span.name)
-                self.store.ensure_hidden(entry)
                 req.entries.append((index, entry))
+                self.store.ensure_hidden(entry)
                 req.stats.affix_queries += 1
                 req.stats.affix_hits += hit
         if req.bicache or not req.reuse:
@@ -94,14 +103,19 @@ class KVCacheManager:
         held: list = []
         if not req.reuse or req.bicache:
             return held
-        for index, span in enumerate(req.prompt.affixes):
-            ids = req.prompt.affix_ids(span)
-            if self.affixes.collides(ids):
-                continue
-            got = self.affixes.acquire(ids, span.name)
-            if got is None:
-                for _, affix, _ in held:
-                    self.affixes.release(affix)
-                return None
-            held.append((index, *got))
+        try:
+            for index, span in enumerate(req.prompt.affixes):
+                ids = req.prompt.affix_ids(span)
+                if self.affixes.collides(ids):
+                    continue
+                got = self.affixes.acquire(ids, span.name)
+                if got is None:
+                    for _, affix, _ in held:
+                        self.affixes.release(affix)
+                    return None
+                held.append((index, *got))
+        except BaseException:
+            for _, affix, _ in held:
+                self.affixes.release(affix)
+            raise
         return held

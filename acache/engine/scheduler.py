@@ -100,6 +100,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                self.kv.free(req)  # whatever a failed admission may have left with it
                 req.status = Status.ABORTED
                 return req
         for req in self.running:

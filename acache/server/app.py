@@ -78,7 +78,11 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
             raise BadRequest(f"max_tokens must be positive, got {body.max_tokens}")
         block = min(block, body.max_tokens) if body.block_length is None and block > 0 else block
         gen = -(-body.max_tokens // block) * block if block > 0 else body.max_tokens
-    gen = gen if gen is not None else DEFAULTS.gen_length
+    if gen is None:
+        gen = DEFAULTS.gen_length
+    elif body.block_length is None and body.max_tokens is None and 0 < gen < block:
+        block = gen  # a short generation region is one block
+
     selector = body.selector or DEFAULT_SELECTOR
     kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
               "temperature": body.temperature if body.temperature is not None else DEFAULTS.temperature,
@@ -190,7 +194,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 raise BadRequest(str(exc)) from None
 
         ids = await asyncio.to_thread(encode)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.config.max_position_embeddings}
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     def save_affixes() -> int:
         with engine.lock:  # the engine thread is not stepping while its pages are read
@@ -221,9 +225,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 ids = await asyncio.to_thread(_leading_affix_ids, llm, messages)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        if len(ids) > llm.config.max_position_embeddings:
+        if len(ids) > llm.max_model_len:
             raise BadRequest(f"affix has {len(ids)} tokens, more than the model's context of "
-                             f"{llm.config.max_position_embeddings}")
+                             f"{llm.max_model_len}")
         try:
             affix_id = registry.register(ids, messages, body.name)
         except ValueError as exc:
@@ -338,7 +342,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
 
     def final_text(out, body: DiffusionFields) -> Cut:
-        ids = out.token_ids[:body.max_tokens] if body.max_tokens else out.token_ids
+        ids = out.token_ids[:body.max_tokens] if body.max_tokens is not None else out.token_ids
         return cut_at_stop(ids, llm.tokenizer.decode, stop_list(body.stop))
 
     async def final_output(prompt: AffixPrompt, params: SamplingParams):

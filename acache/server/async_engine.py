@@ -35,6 +35,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = False
         self._aborts: queue_module.SimpleQueue[str] = queue_module.SimpleQueue()
+        self._cancelled: set[str] = set()  # aborted before (or while) being added
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -52,8 +53,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             with self.lock:
-                while not self._aborts.empty():
-                    self.engine.abort(self._aborts.get())
+                self._process_aborts()
                 busy = self.engine.has_unfinished()
                 outputs: list[tuple[str, EngineOutput | BaseException]] = []
                 if busy:
@@ -67,6 +67,14 @@ class AsyncEngine:
             if not busy:
                 self.wake.wait(timeout=0.5)
                 self.wake.clear()
+
+    def _process_aborts(self) -> None:
+        """Aborts what callers gave up on (under the lock); an id not in the engine yet stays cancelled, so
+        that its add, still waiting for the lock, is dropped."""
+        while not self._aborts.empty():
+            request_id = self._aborts.get()
+            if self.engine.abort(request_id):
+                self._cancelled.discard(request_id)
 
     def _fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
         """Aborts every request in the engine; each of them is then told of ``exc``."""
@@ -85,6 +93,9 @@ class AsyncEngine:
     def _add(self, prompt: AffixPrompt, params: SamplingParams, request_id: str, stream: bool,
              generator: torch.Generator | None) -> None:
         with self.lock:
+            if request_id in self._cancelled:  # its caller went away while this waited for the lock
+                self._cancelled.discard(request_id)
+                return
             self.engine.add_request(prompt, params, request_id, generator, stream)
         self.wake.set()
 
@@ -115,6 +126,8 @@ class AsyncEngine:
                 self.request_abort(request_id)
 
     def request_abort(self, request_id: str) -> None:
-        """Asks the loop thread to abort a request (and free its pages) before its next step."""
+        """Asks the loop thread to abort a request (and free its pages) before its next step; a request not
+        added yet is never added."""
+        self._cancelled.add(request_id)
         self._aborts.put(request_id)
         self.wake.set()

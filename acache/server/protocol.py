@@ -19,7 +19,8 @@ class DiffusionFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, description="maps to gen_length (rounded up to whole blocks)")
+    max_tokens: int | None = Field(default=None, ge=1,
+                                   description="maps to gen_length (rounded up to whole blocks)")
     temperature: float | None = None
     seed: int | None = None
     stream: bool = False
@@ -108,7 +109,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(DiffusionFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None

@@ -241,3 +241,31 @@ def test_an_engine_fault_is_raised(llada_dir, monkeypatch):
     with pytest.raises(MemoryError):
         while engine.has_unfinished():
             engine.step()
+
+
+@pytest.mark.parametrize("policy", ["attention", "bicache-matched"])
+def test_a_fault_while_computing_an_affix_at_admission_leaks_nothing(llada_dir, monkeypatch, policy):
+    """Computing the second affix raises: the first is released and no page stays taken, and an abort of
+    the waiting request is safe."""
+    from acache.affix import cache
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
+    real, calls = cache.compute_affix, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory while computing an affix")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "compute_affix", flaky)
+    rid = engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, affix_policy=policy))
+    with pytest.raises(MemoryError):
+        engine.step()
+    assert engine.pool.num_used == engine.affixes.pages_in_use  # only unreferenced cached affixes hold pages
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
+    assert all(e.refcount == 0 for e in engine.kv.store.entries.values())
+    assert engine.abort(rid) and not engine.has_unfinished()
+    assert engine.pool.num_used == engine.affixes.pages_in_use

@@ -65,3 +65,21 @@ def test_fuzzed_bodies_never_answer_500(client, path, body):
     assert resp.status_code < 500, (path, data, resp.text)
     if resp.status_code >= 400:
         assert resp.json()["error"]["message"]
+
+
+def test_a_request_cancelled_while_waiting_to_be_added_is_never_added(llada_dir):
+    """The client goes away while its add waits for the engine's lock, and the loop handles the abort
+    first: the add is dropped, not run to the end for nobody."""
+    from acache import SamplingParams
+    from acache.affix.prompt import AffixPrompt
+    from acache.server.async_engine import AsyncEngine
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    engine = AsyncEngine(llm.engine)
+    engine.request_abort("srv-9")  # the caller's finally, on cancellation
+    with engine.lock:
+        engine._process_aborts()  # the loop's turn: nothing to abort yet
+    engine._add(AffixPrompt((1, 2, 3), 3), SamplingParams(gen_length=8, block_length=8), "srv-9", False, None)
+    assert not llm.engine.has_unfinished()
+    engine._add(AffixPrompt((1, 2, 3), 3), SamplingParams(gen_length=8, block_length=8), "srv-10", False, None)
+    assert llm.engine.request_ids() == ["srv-10"]  # an add nobody cancelled goes in
