@@ -45,8 +45,12 @@ FIELDS = ["prompt", "messages", "max_tokens", "gen_length", "block_length", "ste
 scalars = (st.none() | st.booleans() | st.integers(-3, 70) | st.integers(-2**70, 2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
            | st.sampled_from(["attention", "bicache-matched", "off", "threshold", "", "\ud800", "héllo"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.sampled_from(["role", "content", "name", "x"]), inner, max_size=3), max_leaves=6)
+def nested(inner):
+    return st.one_of(st.lists(inner, max_size=3),
+                     st.dictionaries(st.sampled_from(["role", "content", "name", "x"]), inner, max_size=3))
+
+
+values = st.recursive(scalars, nested, max_leaves=6)
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
 chats = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": st.text(max_size=20)}),

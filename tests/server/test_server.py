@@ -134,7 +134,8 @@ def test_registered_affix(client, server):
 
 @pytest.mark.parametrize("body, message", [
     (b'{"prompt": "x",', "malformed JSON body"),
-    (json.dumps({"prompt": "x", "top_p": 0.5}).encode(), "unknown field 'top_p'"),
+    (json.dumps({"prompt": "x", "top_k": 5}).encode(), "unknown field 'top_k'"),
+    (json.dumps({"prompt": "x", "top_p": 0.5}).encode(), "top_p=0.5 cannot be honoured by this diffusion model"),
     (json.dumps({"prompt": "x" * 600}).encode(), "too long"),
     (json.dumps({"prompt": "x", "threshold": 2}).encode(), "threshold must be in (0, 1]"),
     (json.dumps({"prompt": "x", "max_tokens": 10, "block_length": 4, "gen_length": 10}).encode(),
