@@ -49,8 +49,9 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
     if params.temperature > 0 and generator is None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed or 0)
+    stops = {cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids}
     state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
-                         model.device)
+                         model.device, stops)
     t, dev = state.length, model.device
     shape = (t, cfg.num_kv_heads, cfg.head_dim)
     keys = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]
@@ -109,7 +110,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     finally:
         for entry in held:
             store.release(entry)
-    ids, _ = state.output({cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids})
+    ids, _ = state.output(stops)
     return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
 
 

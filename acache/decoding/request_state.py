@@ -11,7 +11,9 @@ K/V cache (:meth:`RequestState.plan`), and takes the proposals of the current bl
   affixes the non-affix columns plus the anchors);
 * the shifted-head rule of Dream-style models: the column before the generation region is always
   recomputed, and a block's first token is committed alone on its first step when later steps cannot
-  see the column before the block.
+  see the column before the block;
+* the end: after the last block, or after the first finished block that holds a stop token (the output
+  is cut at the first stop token, so decoding the blocks after it would be wasted).
 
 The executor (the paged engine, or the dense reference loop) runs the forward and applies the K/V writes.
 """
@@ -59,7 +61,7 @@ class RequestState:
     """Where one request is in decoding: its canvas, block, step, masks and the columns it recomputes."""
 
     def __init__(self, layout: Layout, params: SamplingParams, mask_token_id: int, pad_token_id: int,
-                 shifted: bool, device: torch.device) -> None:
+                 shifted: bool, device: torch.device, stop_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
         canvas = build_canvas([layout], params.gen_length, mask_token_id, pad_token_id, device)
         self.canvas = canvas
         self.params = params
@@ -69,6 +71,7 @@ class RequestState:
         self.gen_start = canvas.gen_start
         self.mask_token_id = mask_token_id
         self.shifted = shifted
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.phase = Phase.SELECT
         self.block = 0
         self.step = 0
@@ -151,7 +154,9 @@ class RequestState:
             self.phase = Phase.REFRESH if self.is_refresh_step() else Phase.STEP
             return False
         self.block += 1
-        if self.block >= self.params.num_blocks:
+        # a finished block holding a stop token ends the request: the output is cut there whatever follows
+        stopped = not self.stop_token_ids.isdisjoint(self.tokens[start:end].tolist())
+        if stopped or self.block >= self.params.num_blocks:
             self.phase = Phase.DONE
             return True
         self._begin_block()
@@ -166,7 +171,8 @@ class RequestState:
 
     # -- output -----------------------------------------------------------------------------------
     def generated(self, finished_blocks_only: bool = False) -> list[int]:
-        n = self.block * self.params.block_length if finished_blocks_only else self.params.gen_length
+        n = self.block * self.params.block_length if finished_blocks_only or self.phase is Phase.DONE \
+            else self.params.gen_length
         return self.tokens[self.gen_start:self.gen_start + n].tolist()
 
     def output(self, stop_token_ids: set[int], finished_blocks_only: bool = False) -> tuple[list[int], bool]:

@@ -102,7 +102,7 @@ class LLMEngine:
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
-                       stream)
+                       stream, self.scheduler.stop_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; True if it was in the engine."""

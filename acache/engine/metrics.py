@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Timings:
+    """Durations of one kind of batched forward in constant memory (a server runs for months): their
+    count, total and cumulative histogram over ``LATENCY_BUCKETS``."""
+
+    count: int = 0
+    total_s: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        for i, edge in enumerate(LATENCY_BUCKETS):
+            if seconds <= edge:
+                self.buckets[i] += 1
+
+    @property
+    def mean_s(self) -> float:
+        return self.total_s / self.count if self.count else 0.0
 
 
 @dataclass
@@ -14,9 +36,9 @@ class EngineMetrics:
     requests_aborted: int = 0
     requests_failed: int = 0
     generated_tokens: int = 0
-    refresh_times_s: list[float] = field(default_factory=list)  # each batched refresh forward
-    step_times_s: list[float] = field(default_factory=list)  # each batched in-block forward
-    selection_times_s: list[float] = field(default_factory=list)  # each batched anchor selection
+    refresh_times: Timings = field(default_factory=Timings)  # batched refresh forwards
+    step_times: Timings = field(default_factory=Timings)  # batched in-block forwards
+    selection_times: Timings = field(default_factory=Timings)  # batched anchor selections
     refreshed_tokens: int = 0  # tokens fed by all refreshes
     anchors: int = 0  # anchors chosen over all requests
     affix_tokens: int = 0  # shared affix tokens of those requests
@@ -31,12 +53,12 @@ class EngineMetrics:
             "generated_tokens": self.generated_tokens,
             "wall_time_s": wall,
             "throughput_tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,
-            "recompute_latency_total_s": sum(self.refresh_times_s),
-            "recompute_latency_mean_s": statistics.fmean(self.refresh_times_s) if self.refresh_times_s else 0.0,
-            "refreshes": len(self.refresh_times_s),
+            "recompute_latency_total_s": self.refresh_times.total_s,
+            "recompute_latency_mean_s": self.refresh_times.mean_s,
+            "refreshes": self.refresh_times.count,
             "refreshed_tokens": self.refreshed_tokens,
-            "step_time_total_s": sum(self.step_times_s),
-            "selection_latency_total_s": sum(self.selection_times_s),
+            "step_time_total_s": self.step_times.total_s,
+            "selection_latency_total_s": self.selection_times.total_s,
             "peak_kv_pages": peak_pages,
             "peak_kv_bytes": peak_pages * page_bytes,
             "kv_pages_in_use": pages_in_use,

@@ -162,7 +162,7 @@ class Scheduler:
         streaming requests, partial outputs of blocks just completed)."""
         outputs: list[EngineOutput] = []
         if sched.select:
-            self.metrics.selection_times_s.append(result.selection_time_s)
+            self.metrics.selection_times.add(result.selection_time_s)
         for req in sched.select:
             if req.request_id in result.errors:
                 outputs.append(self._fail(req, result.errors[req.request_id]))
@@ -178,8 +178,7 @@ class Scheduler:
             self.metrics.anchors += int(req.state.anchors.sum())
             self.metrics.affix_tokens += req.affix_tokens
         for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
-            times = self.metrics.refresh_times_s if batch.refresh else self.metrics.step_times_s
-            times.append(elapsed)
+            (self.metrics.refresh_times if batch.refresh else self.metrics.step_times).add(elapsed)
             now = time.perf_counter()
             for req in batch.requests:
                 if req.request_id in result.errors:

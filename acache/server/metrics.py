@@ -7,8 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from acache.engine import LLMEngine
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from acache.engine.metrics import LATENCY_BUCKETS
 
 
 class EngineCollector:
@@ -36,10 +35,10 @@ class EngineCollector:
                      for name, value in sorted(self.counters.items())]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"acache_{name}", doc, value=value)
-        times = list(m.refresh_times_s)
-        buckets = [(str(edge), sum(t <= edge for t in times)) for edge in LATENCY_BUCKETS]
+        t = m.refresh_times
+        buckets = [(str(edge), count) for edge, count in zip(LATENCY_BUCKETS, t.buckets, strict=True)]
         yield HistogramMetricFamily("acache_recompute_latency_seconds", "Block-boundary refresh forwards.",
-                                    buckets=[*buckets, ("+Inf", len(times))], sum_value=sum(times))
+                                    buckets=[*buckets, ("+Inf", t.count)], sum_value=t.total_s)
 
 
 def metrics_registry(engine: LLMEngine, counters: dict[str, int]) -> CollectorRegistry:

@@ -59,7 +59,7 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
     while engine.has_unfinished():
         outs += engine.step()
     m = engine.metrics
-    return sum(m.refresh_times_s) + sum(m.step_times_s), max(o.nfe for o in outs), max(o.refreshes for o in outs)
+    return m.refresh_times.total_s + m.step_times.total_s, max(o.nfe for o in outs), max(o.refreshes for o in outs)
 
 
 def run_decode_bench(model: DiffusionLM, prompt_length: int, params_by_cache: dict[str, SamplingParams],

@@ -190,3 +190,19 @@ def test_sampling_noise_does_not_depend_on_batch_mates(family_model):
         batched = tokens(run_engine(family_model, prompts, params, arrivals=[0, trial, 2 * trial]))
         assert batched == [reference_generate(family_model, p, sp).token_ids
                            for p, sp in zip(prompts, params, strict=True)]
+
+
+def test_a_block_holding_a_stop_token_ends_the_request(family_model):
+    """The output is cut at the first stop token, so the blocks after the one that holds it are never decoded:
+    the same tokens for fewer forwards, on the engine and on the reference path alike."""
+    prompt = random_prompts([6], seed=4)[0]
+    params = SamplingParams(gen_length=32, block_length=8, threshold=0.5)
+    full = run_engine(family_model, [prompt], params)[0]
+    assert full.refreshes == 4
+    stop = full.token_ids[2]  # in the first block
+    first = full.token_ids.index(stop)
+    stopping = SamplingParams(gen_length=32, block_length=8, threshold=0.5, stop_token_ids=(stop,))
+    cut = run_engine(family_model, [prompt], stopping)[0]
+    ref = reference_generate(family_model, prompt, stopping)
+    assert cut.token_ids == ref.token_ids == full.token_ids[:first] and cut.stopped
+    assert cut.refreshes == ref.refreshes == 1 and cut.nfe == ref.nfe < full.nfe
