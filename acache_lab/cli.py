@@ -43,7 +43,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from acache_lab.train.trainer import TrainConfig, train
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, train
 
     # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
     configs = [TrainConfig.from_file(path) for path in args.config]
@@ -51,7 +55,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         configs[-1].out = args.out
     total_s = 0.0
     for config in configs:
-        summary = train(config)
+        out = Path(config.out)
+        resume = args.resume and (out / RESUME_FILE).is_file()
+        if args.resume and not resume and (out / "training_log.json").is_file():
+            done = json.loads((out / "training_log.json").read_text())
+            if done.get("config") == asdict(config) and not done.get("interrupted"):
+                print(f"{config.out}: finished before, skipped")
+                total_s += done["train_time_s"]
+                continue
+        summary = train(config, resume=resume)
+        if summary.get("interrupted"):
+            print(f"stopped after {summary['steps_done']} steps; wrote {config.out}; continue with the same "
+                  "command and --resume")
+            return 130
         total_s += summary["train_time_s"]
         last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
         print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss "
@@ -146,6 +162,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSON training config (see configs/); repeat it to run several in order, each "
                         "starting from the one before through its init_from")
     p.add_argument("--out", default=None, help="override the (last config's) output directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run stopped with Ctrl-C: configs already finished are skipped, the stopped one "
+                        "continues from its output directory")
     p.set_defaults(func=_cmd_train)
 
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)

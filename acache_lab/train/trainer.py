@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -190,6 +192,14 @@ class Batcher:
         self.pad = self.eos
         self._counter = TRAIN_SEED_BASE
 
+    def state(self) -> dict:
+        """Where the data stream is, for a resumed run to continue it exactly."""
+        return {"rng": self.rng.getstate(), "counter": self._counter}
+
+    def restore(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self._counter = state["counter"]
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
@@ -338,7 +348,13 @@ def start_from_(model: LLaDAModel, path: str | Path) -> None:
             p.copy_(q.to(p.dtype))
 
 
-def train(config: TrainConfig, progress: bool = True) -> dict:
+RESUME_FILE = "resume_state.pt"
+
+
+def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
+    """Trains, writing the checkpoint, its log and loss curve to ``config.out``. Ctrl-C stops at the step
+    under way and saves everything so far, plus the optimizer and data state; ``resume=True`` continues
+    such a run from there, as if it had never stopped."""
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
     spec = SPECIAL_TOKENS["llada"]
@@ -372,12 +388,69 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
     gen = torch.Generator().manual_seed(config.seed + 1)
     log: list[dict] = []
     probes: list[dict] = []
-    started = time.perf_counter()
     window: list[float] = []
-    bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
-    steps_done = 0
+    steps_done, spent = 0, 0.0
+    if resume:
+        state_file = Path(config.out) / RESUME_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"nothing to resume in {config.out}: no {RESUME_FILE} (only a run stopped "
+                                    "with Ctrl-C leaves one)")
+        state = torch.load(state_file, weights_only=False)
+        if state["config"] != asdict(config):
+            raise ValueError(f"{state_file} was written by another config; resume with the one that started it")
+        start_from_(model, config.out)
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        batcher.restore(state["batcher"])
+        steps_done, spent, log, probes, window = (state["steps_done"], state["train_time_s"], state["log"],
+                                                  state["probes"], state["window"])
+    started = time.perf_counter() - spent
+    bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
+               initial=steps_done, total=config.steps)
+    stop = {"asked": False}
+
+    def on_sigint(signum, frame) -> None:
+        if stop["asked"]:
+            raise KeyboardInterrupt
+        stop["asked"] = True
+        bar.write("Ctrl-C: stopping after this step and saving a resumable run (Ctrl-C again quits at once)")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    try:
+        steps_done = _train_steps(config, model, opt, batcher, probe, gen, lr_at, bar, log, probes, window, started,
+                                  steps_done, stop)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    interrupted = stop["asked"] and steps_done < config.steps
+    bar.close()
+    model.eval()
+    out = Path(config.out)
+    tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
+    save_checkpoint(model, out, tokenizer, tok_config)
+    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
+               "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
+               "log": log, "probes": probes, "interrupted": interrupted}
+    (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_loss(log, out / "loss_curve.png", probes)
+    if interrupted:
+        torch.save({"config": asdict(config), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                    "batcher": batcher.state(),
+                    "steps_done": steps_done, "train_time_s": summary["train_time_s"], "log": log,
+                    "probes": probes, "window": window}, out / RESUME_FILE)
+    else:
+        (out / RESUME_FILE).unlink(missing_ok=True)
+    return summary
+
+
+def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,
+                 window: list, started: float, steps_done: int, stop: dict) -> int:
+    """The training loop from ``steps_done``; returns the steps done. A step under way when Ctrl-C comes
+    (``stop["asked"]``) finishes first, so the saved state is a whole step's."""
     for step in bar:
-        if time.perf_counter() - started > 60 * config.time_limit_minutes or step == config.stop_after:
+        if stop["asked"] or time.perf_counter() - started > 60 * config.time_limit_minutes \
+                or step == config.stop_after:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -400,23 +473,13 @@ def train(config: TrainConfig, progress: bool = True) -> dict:
             log.append({"step": steps_done, "loss": mean, "lr": lr_at(step),
                         "elapsed_s": time.perf_counter() - started})
             bar.set_postfix(loss=f"{mean:.3f}")
-            window = []
+            window.clear()
         if probe is not None and (steps_done % config.eval_every == 0 or steps_done == config.steps):
             accuracy = probe(model, config.bf16)
             probes.append({"step": steps_done, "accuracy": accuracy, "elapsed_s": time.perf_counter() - started})
             bar.write(f"step {steps_done}: held-out one-shot exact match "
                       + ", ".join(f"{t} {100 * a:.0f}%" for t, a in accuracy.items()))
-    bar.close()
-    model.eval()
-    out = Path(config.out)
-    tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
-    save_checkpoint(model, out, tokenizer, tok_config)
-    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
-               "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
-               "log": log, "probes": probes}
-    (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_loss(log, out / "loss_curve.png", probes)
-    return summary
+    return steps_done
 
 
 def plot_loss(log: list[dict], path: Path, probes: list[dict] | None = None) -> bool:

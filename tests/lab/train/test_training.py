@@ -258,3 +258,40 @@ def test_shipped_model_answers_held_out_questions():
     # at least 18 of the 20 fixed questions right per cell, a worked sum ("4 + 7 = 11") on every token
     assert {(s.task, s.layout): s.accuracy >= 0.9 for s in scores} == {
         (t, lay): True for t in ("qa1", "arith", "twohop") for lay in ("prefix", "infix", "suffix")}
+
+
+def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    def config(out):
+        return TrainConfig(out=str(tmp_path / out), steps=6, batch_size=4, lr=3e-3, warmup=2, log_every=2,
+                           model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64), tasks=("qa1",),
+                           min_sentences=2, max_sentences=2, bf16=False)
+
+    straight = train(config("straight"), progress=False)
+    real = Batcher.batch
+
+    def batch(self, step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 3 runs: it finishes, then the run stops
+        return real(self, step)
+
+    monkeypatch.setattr(Batcher, "batch", batch)
+    stopped = train(config("stopped"), progress=False)
+    assert stopped["interrupted"] and stopped["steps_done"] == 4
+    assert (tmp_path / "stopped" / "resume_state.pt").is_file()
+    monkeypatch.setattr(Batcher, "batch", real)
+    with pytest.raises(ValueError, match="another config"):
+        train(TrainConfig(**{**asdict(config("stopped")), "lr": 1e-3, "model": config("stopped").model}),
+              progress=False, resume=True)
+    resumed = train(config("stopped"), progress=False, resume=True)
+    assert resumed["steps_done"] == 6 and not resumed["interrupted"]
+    assert [r["loss"] for r in resumed["log"]] == [r["loss"] for r in straight["log"]]
+    from acache.models.loader import load_model
+
+    a, b = load_model(tmp_path / "straight"), load_model(tmp_path / "stopped")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not (tmp_path / "stopped" / "resume_state.pt").exists()
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        train(config("straight"), progress=False, resume=True)
