@@ -220,8 +220,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--system-prompt", default=None, help="shared system prompt (default: a built-in one)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--system-prompt", default=None, help="shared system prompt (default: the workload's)")
+    p.add_argument("--prompts", default="auto", choices=["auto", "english", "tasks"],
+                   help="auto: English unless the server's tokenizer refuses it, then the task suite's words")
+    p.add_argument("--seed", type=int, default=0, help="seed of the task-suite story")
+    p.add_argument("--json", default=None, help="also write the report and every request's timing here")
     p.set_defaults(func=_cmd_bench_serve)
 
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
