@@ -13,9 +13,11 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "== setting up $(VENV): pip, then torch (a CPU build, about 200 MB; kept if the venv has one), then acache"
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[dev]'
+	@echo "== $(VENV) is ready"
 	touch $@
 
 run: install

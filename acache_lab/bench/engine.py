@@ -304,7 +304,7 @@ def main(args) -> int:
 
     if args.warmup:  # one untimed pair first, so the first timed run does not pay for lazy initialisation
         prompts, wb = requests(batches[0])
-        for reuse in (False, True):
+        for reuse in tqdm((False, True), desc="bench warm-up (untimed)", unit="run"):
             run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
     with tqdm(total=2 * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
