@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -266,10 +265,10 @@ def test_burst_of_mixed_requests_each_answers_as_alone(server):
 def test_non_streaming_client_that_disconnects_is_aborted(server):
     aborted = metric(server, "requests_aborted_total")
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
-    body = json.dumps({"prompt": "Write a long story.", "gen_length": 256, "block_length": 8, "threshold": 1.0})
+    body = json.dumps({"prompt": "Write a long story.", "gen_length": 480, "block_length": 8, "threshold": 1.0})
     conn.request("POST", "/v1/completions", body=body,
                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    time.sleep(0.3)
+    assert wait_until(lambda: metric(server, "requests_running") == 1, 10, poll=0.02)  # 480 steps under way
     conn.sock.close()
     conn.close()
     assert wait_until(lambda: metric(server, "requests_aborted_total") == aborted + 1, 30)
