@@ -110,7 +110,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     finally:
         for entry in held:
             store.release(entry)
-    ids, _ = state.output(stops)
+    ids, _ = state.output()
     return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
 
 

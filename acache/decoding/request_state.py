@@ -101,6 +101,8 @@ class RequestState:
             raise RuntimeError("a request's recompute set is fixed once, before its first block")
         self.anchors = anchors & shared
         self.recompute = self.base_recompute(shared) | self.anchors
+        # fixed from here on: every refresh feeds these columns against the rest
+        self._refresh_fed, self._refresh_past = self._cols[self.recompute], self._cols[~self.recompute]
         self._begin_block()
 
     @property
@@ -133,8 +135,8 @@ class RequestState:
         if self.params.cache == "none":
             return StepPlan(cols, cols[:0], cols[start:end], refresh=False, write=False)
         if self.phase is Phase.REFRESH:
-            fed = cols[self.recompute]
-            return StepPlan(fed, cols[~self.recompute], torch.searchsorted(fed, cols[start:end]), True, True)
+            fed = self._refresh_fed
+            return StepPlan(fed, self._refresh_past, torch.searchsorted(fed, cols[start:end]), True, True)
         block = cols[:end - start]
         if self.params.cache == "prefix":
             return StepPlan(cols[start:], cols[:start], block, refresh=False, write=False)
@@ -175,8 +177,8 @@ class RequestState:
             else self.params.gen_length
         return self.tokens[self.gen_start:self.gen_start + n].tolist()
 
-    def output(self, stop_token_ids: set[int], finished_blocks_only: bool = False) -> tuple[list[int], bool]:
+    def output(self, finished_blocks_only: bool = False) -> tuple[list[int], bool]:
         """The generated ids cut at the first stop token, and whether a stop token cut them."""
         ids = self.generated(finished_blocks_only)
-        cut = truncate_at_stop(ids, stop_token_ids)
+        cut = truncate_at_stop(ids, self.stop_token_ids)
         return cut, len(cut) < len(ids)

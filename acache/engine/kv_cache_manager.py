@@ -35,39 +35,46 @@ class KVCacheManager:
 
     def allocate(self, req: Request) -> bool:
         """Takes the request's shared affixes and private pages, all or nothing (also when computing an
-        affix raises); fills its slot map for every column but the shared ones (set once its anchors are
-        known). False when they cannot be had now."""
+        affix raises: what it took so far goes back through :meth:`free`); fills its slot map for every
+        column but the shared ones (set once its anchors are known). False when they cannot be had now."""
         try:
-            return self._allocate(req)
+            if self._allocate(req):
+                return True
         except BaseException:
             self.free(req)
             raise
+        self.free(req)
+        return False
 
     def _allocate(self, req: Request) -> bool:
-        held = self._acquire_shared(req)
-        if held is None:
-            return False
-        need = self.pool.pages_for(req.private_tokens([i for i, _, _ in held]))
+        """Acquires into ``req`` as it goes, so that :meth:`free` can undo a partial admission."""
+        req.stats.affix_hits = 0  # a request that waited counts only the try that admits it
+        if req.reuse and not req.bicache:
+            for index, span in enumerate(req.prompt.affixes):
+                ids = req.prompt.affix_ids(span)
+                if self.affixes.collides(ids):  # another affix holds its hash: computed privately instead
+                    continue
+                got = self.affixes.acquire(ids, span.name)
+                if got is None:
+                    return False
+                req.shared.append((index, got[0]))
+                req.stats.affix_hits += got[1]
+        need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
-        if pages is None and self.affixes.evict_until(need, keep={a.key for _, a, _ in held}):
+        if pages is None and self.affixes.evict_until(need, keep={a.key for _, a in req.shared}):
             pages = self.pool.allocate(need)
         if pages is None:
-            for _, affix, _ in held:
-                self.affixes.release(affix)
             return False
-        req.shared = [(i, affix) for i, affix, _ in held]
         req.private_pages = pages
         req.private_slots = self.pool.slots(pages, len(pages) * self.pool.page_size)
         req.stats.private_pages = len(pages)
-        req.stats.affix_queries = len(held)
-        req.stats.affix_hits = sum(hit for _, _, hit in held)
         if req.bicache:
             for index, span in enumerate(req.prompt.affixes):
                 entry, hit = self.store.acquire(req.prompt.affix_ids(span), span.name)
                 req.entries.append((index, entry))
                 self.store.ensure_hidden(entry)
-                req.stats.affix_queries += 1
                 req.stats.affix_hits += hit
+        req.stats.affix_queries = len(req.shared) + len(req.entries)
         if req.bicache or not req.reuse:
             req.slot_map = req.private_slots[:req.length].clone()
         return True
@@ -95,27 +102,3 @@ class KVCacheManager:
         for _, entry in req.entries:
             self.store.release(entry)
         req.entries = []
-
-    def _acquire_shared(self, req: Request) -> list | None:
-        """``(index, shared affix, hit)`` of each affix the request shares from pool pages, or None
-        (holding nothing) when their pages cannot be had now. An affix whose hash another one holds is
-        left to be computed privately."""
-        held: list = []
-        if not req.reuse or req.bicache:
-            return held
-        try:
-            for index, span in enumerate(req.prompt.affixes):
-                ids = req.prompt.affix_ids(span)
-                if self.affixes.collides(ids):
-                    continue
-                got = self.affixes.acquire(ids, span.name)
-                if got is None:
-                    for _, affix, _ in held:
-                        self.affixes.release(affix)
-                    return None
-                held.append((index, *got))
-        except BaseException:
-            for _, affix, _ in held:
-                self.affixes.release(affix)
-            raise
-        return held

@@ -57,9 +57,9 @@ class LLMEngine:
         self.kv = KVCacheManager(model, self.pool, affix_source)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv,
-                                   len(model.layers), {model.config.eos_token_id, *stop_token_ids}, self.metrics,
-                                   bicache_profile)
+                                   len(model.layers), self.metrics, bicache_profile)
         self.runner = ModelRunner(model, self.pool)
+        self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
         context = model.config.max_position_embeddings
         if c.max_model_len is not None and not 0 < c.max_model_len <= context:
@@ -102,7 +102,7 @@ class LLMEngine:
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
-                       stream, self.scheduler.stop_token_ids)
+                       stream, self.stop_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; True if it was in the engine."""

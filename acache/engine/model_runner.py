@@ -70,13 +70,8 @@ class ModelRunner:
         for batch in sched.forwards:
             _sync(self.device)
             t0 = time.perf_counter()
-            reqs = [r for r in batch.requests if r.request_id not in out.errors]
-
-            def run(sub: list[Request], batch: ForwardBatch = batch) -> dict:
-                plans = [batch.plans[batch.requests.index(r)] for r in sub]
-                return self._forward(ForwardBatch(sub, plans, batch.refresh, batch.split))
-
-            out.samples.update(self._contained(reqs, run, out.errors))
+            out.samples.update(self._contained(batch.requests, lambda sub, b=batch: self._forward(b.only(sub)),
+                                               out.errors))
             _sync(self.device)
             out.forward_times_s.append(time.perf_counter() - t0)
         return out

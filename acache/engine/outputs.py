@@ -20,6 +20,12 @@ class ForwardBatch:
     refresh: bool
     split: int | None = None
 
+    def only(self, requests: list[Request]) -> ForwardBatch:
+        """The same forward for some of its requests (to rerun them apart when one of them fails)."""
+        keep = {id(r) for r in requests}
+        pairs = [(r, p) for r, p in zip(self.requests, self.plans, strict=True) if id(r) in keep]
+        return ForwardBatch([r for r, _ in pairs], [p for _, p in pairs], self.refresh, self.split)
+
 
 @dataclass
 class SchedulerOutput:

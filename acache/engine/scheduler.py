@@ -65,12 +65,11 @@ def split_ragged(batch: ForwardBatch, max_padding: float = MAX_PADDING) -> list[
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_layers: int, stop_token_ids: set[int],
-                 metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_layers: int, metrics: EngineMetrics,
+                 bicache_profile: BiCacheProfile | None = None) -> None:
         self.config = config
         self.kv = kv
         self.num_layers = num_layers
-        self.stop_token_ids = stop_token_ids
         self.metrics = metrics
         self.bicache_profile = bicache_profile
         self.waiting: deque[Request] = deque()
@@ -200,12 +199,9 @@ class Scheduler:
                     outputs.append(self._output(req, Status.RUNNING, finished=False))
         return outputs
 
-    def _stops(self, req: Request) -> set[int]:
-        return self.stop_token_ids | set(req.params.stop_token_ids)
-
     def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
         state = req.state
-        ids, stopped = ([], False) if error else state.output(self._stops(req), finished_blocks_only=not finished)
+        ids, stopped = ([], False) if error else state.output(finished_blocks_only=not finished)
         anchors = state.positions[state.anchors].tolist() if finished else []
         return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count, req.stats,
                             state.nfe, state.refreshes, req.bicache_depth, finished=finished, stopped=stopped,

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -253,9 +252,6 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    def generator(params: SamplingParams) -> torch.Generator | None:
-        return params.generator(llm.device)
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
@@ -347,7 +343,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     async def final_output(prompt: AffixPrompt, params: SamplingParams):
         try:
-            outputs = [o async for o in engine.generate(prompt, params, stream=False, generator=generator(params))]
+            outputs = [o async for o in engine.generate(prompt, params, stream=False)]
         except (RequestFailed, EngineFailed) as exc:
             raise RequestError(str(exc)) from None
         return outputs[-1]
@@ -371,7 +367,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             yield event(None, None, first=True)
         stops = stop_list(body.stop)
         try:
-            async for out in engine.generate(prompt, params, stream=True, generator=generator(params)):
+            async for out in engine.generate(prompt, params, stream=True):
                 cut = final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
                     yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.max_tokens))

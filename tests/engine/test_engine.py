@@ -10,17 +10,15 @@ from acache.engine import EngineConfig, LLMEngine, Status
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.affix.helpers import layouts
+from tests.helpers import run_engine
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
 
 def run_all(engine, requests):
-    ids = [engine.add_request(p, params, generator=gen) for p, params, gen in requests]
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id] = out
-    return [outs[i] for i in ids]
+    """``requests`` as ``(prompt, params, generator)``, all arriving together."""
+    prompts, params, gens = zip(*requests, strict=True)
+    return run_engine(engine.model, list(prompts), list(params), engine=engine, generators=gens)
 
 
 def mixed_requests(n, params, seed=0):
