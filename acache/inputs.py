@@ -42,7 +42,6 @@ def prompt_list(prompts: object) -> list:
                     f"got {type(prompts).__name__}")
 
 
-
 def sampling_params_list(sampling_params: object, n: int) -> list[SamplingParams]:
     """One SamplingParams for every prompt, or a list of them, one per prompt (None: the defaults)."""
     if sampling_params is None:
@@ -59,7 +58,6 @@ def sampling_params_list(sampling_params: object, n: int) -> list[SamplingParams
         return list(sampling_params)
     raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
                     f"got {type(sampling_params).__name__}")
-
 
 
 class InputProcessor:
@@ -85,8 +83,7 @@ class InputProcessor:
             resolved = prompt
         elif isinstance(prompt, str):
             if chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = self.encode_text(self.render_chat([{"role": "user", "content": prompt}]))
             else:
                 ids = self.tokenizer.encode(prompt)
             resolved = AffixPrompt(tuple(ids), len(ids))

@@ -82,6 +82,8 @@ class RequestState:
         self.nfe = 0
         self.refreshes = 0
         self._cols = torch.arange(self.length, device=device)
+        self._plans: dict[Phase, StepPlan] = {}
+        self._plans_block = -1
 
     # -- the columns a refresh recomputes ---------------------------------------------------------
     def base_recompute(self, shared: torch.Tensor) -> torch.Tensor:
@@ -128,8 +130,17 @@ class RequestState:
         return self.step == 0 or (interval is not None and self.step % interval == 0)
 
     def plan(self) -> StepPlan:
+        """What the next forward feeds; the same for every step of a phase within a block, so it is built
+        once a block and phase, not at every step."""
         if self.phase not in (Phase.REFRESH, Phase.STEP):
             raise RuntimeError(f"request in phase {self.phase.value} has no forward to plan")
+        if self._plans_block != self.block:
+            self._plans, self._plans_block = {}, self.block
+        if self.phase not in self._plans:
+            self._plans[self.phase] = self._make_plan()
+        return self._plans[self.phase]
+
+    def _make_plan(self) -> StepPlan:
         start, end = self.block_cols
         cols = self._cols
         if self.params.cache == "none":
