@@ -12,6 +12,7 @@ from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
 from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES, LAYOUTS
 from acache.sampling_params import SamplingParams
+from acache.scoring import DEFAULT_SAMPLES
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
 
@@ -66,6 +67,16 @@ class DefaultsParser(argparse.ArgumentParser):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's own), float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -174,7 +185,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
     app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                      min_document_tokens=args.min_document_tokens, affix_cache_dir=cache_dir,
-                     affix_registry_bytes=args.affix_registry_bytes)
+                     affix_registry_bytes=args.affix_registry_bytes,
+                     loglikelihood_samples=args.loglikelihood_samples)
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -220,10 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (or set ACACHE_API_KEY, which "
-                        "keeps the key out of the process list)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer endpoints (or set "
+                        "ACACHE_API_KEY, which keeps the key out of the process list)")
     p.add_argument("--affix-registry-bytes", type=parse_size, default="64MiB",
                    help="bytes kept of affixes registered with POST /v1/affixes, least recently used out")
+    p.add_argument("--loglikelihood-samples", type=_positive_int, default=DEFAULT_SAMPLES,
+                   help="Monte Carlo draws per split behind echo+logprobs (a request's mc_samples overrides it); "
+                        "the estimate's standard error shrinks as 1/sqrt(draws), see docs/lm_eval.md")
     p.add_argument("--affix-cache-dir", default=None,
                    help="load the shared affixes from DIR at start, save them there at shutdown and on "
                         "POST /v1/affixes/save, so a restart serves warm")

@@ -188,8 +188,8 @@ class RequestState:
             else self.params.gen_length
         return self.tokens[self.gen_start:self.gen_start + n].tolist()
 
-    def output(self, finished_blocks_only: bool = False) -> tuple[list[int], bool]:
-        """The generated ids cut at the first stop token, and whether a stop token cut them."""
+    def output(self, finished_blocks_only: bool = False) -> tuple[list[int], int | None]:
+        """The generated ids cut at the first stop token, and that stop token (None if none cut them)."""
         ids = self.generated(finished_blocks_only)
         cut = truncate_at_stop(ids, self.stop_token_ids)
-        return cut, len(cut) < len(ids)
+        return cut, ids[len(cut)] if len(cut) < len(ids) else None

@@ -61,5 +61,9 @@ class EngineOutput:
     refreshes: int = 0
     bicache_depth: int | None = None
     finished: bool = True
-    stopped: bool = False  # a stop token ended the output before gen_length
+    stop_token_id: int | None = None  # the stop token that ended the output before gen_length (not in token_ids)
     error: str | None = None  # why the request failed (status FAILED)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_token_id is not None

@@ -201,11 +201,11 @@ class Scheduler:
 
     def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
         state = req.state
-        ids, stopped = ([], False) if error else state.output(finished_blocks_only=not finished)
+        ids, stop_token = ([], None) if error else state.output(finished_blocks_only=not finished)
         anchors = state.positions[state.anchors].tolist() if finished else []
         return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count, req.stats,
-                            state.nfe, state.refreshes, req.bicache_depth, finished=finished, stopped=stopped,
-                            error=error)
+                            state.nfe, state.refreshes, req.bicache_depth, finished=finished,
+                            stop_token_id=stop_token, error=error)
 
     def _finish(self, req: Request) -> EngineOutput:
         self.finish(req)

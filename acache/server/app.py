@@ -21,15 +21,18 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.policies import AFFIX_POLICIES
 from acache.sampling_params import SamplingParams
+from acache.scoring import DEFAULT_SAMPLES
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
 from acache.server.guard import Guard
+from acache.server.logprobs import Scorer
 from acache.server.metrics import metrics_registry, render_metrics
 from acache.server.protocol import (
     NEUTRAL,
     AffixRegistration,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     DiffusionFields,
     TokenizeRequest,
     error_body,
@@ -98,8 +101,9 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
-               affix_registry_bytes: int = 64 << 20) -> FastAPI:
+               affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES) -> FastAPI:
     engine = AsyncEngine(llm.engine)
+    scorer = Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock)
     registry = AffixRegistry(affix_registry_bytes)
     affixer = AutoAffixer(llm, min_document_tokens)
     counters: Counter[str] = Counter()
@@ -181,19 +185,37 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
+        check_model(body)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages")
         def encode() -> list[int]:
             try:
                 if body.prompt is not None:
-                    return llm.tokenizer.encode(body.prompt)
-                return llm.inputs.encode_text(llm.inputs.render_chat([m.as_dict()
-                                                                      for m in body.messages]))
+                    return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                text = llm.inputs.render_chat([m.as_dict() for m in body.messages], body.add_generation_prompt)
+                return llm.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 
         ids = await asyncio.to_thread(encode)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body)
+        vocab = llm.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """What a remote client needs to tokenize as the server does (lm-eval's ``tokenizer_backend=remote``)."""
+        tok = llm.tokenizer
+        return {"tokenizer_class": "acache.Tokenizer", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.config.get("pad_token"), "chat_template": tok.chat_template,
+                "model_max_length": llm.max_model_len, "vocab_size": llm.config.vocab_size}
 
     def save_affixes() -> int:
         with engine.lock:  # the engine thread is not stepping while its pages are read
@@ -261,7 +283,21 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 affix_ids, _, name = registry.get(body.affix)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        params = sampling_params(body, reuse=affix_ids is not None)
+        score_only = body.max_tokens == 0
+        if score_only and not body.echo:
+            raise BadRequest("max_tokens=0 generates nothing: it is allowed only with echo=true, which returns the "
+                             "prompt (scored, with logprobs)")
+        if score_only and body.stream:
+            raise BadRequest("max_tokens=0 generates nothing to stream: use stream=false")
+        if body.mc_samples is not None and body.logprobs is None:
+            raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs too")
+        if body.logprobs is not None and body.stream:
+            raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
+        if body.logprobs is not None and body.suffix:
+            raise BadRequest("logprobs with suffix (infilling) are not implemented: the generated tokens must end "
+                             "the sequence")
+        params = sampling_params(body.model_copy(update={"max_tokens": None}) if score_only else body,
+                                 reuse=affix_ids is not None)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         raw = body.prompt
@@ -282,7 +318,16 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         for p in prompts:
-            prompt_fits(p, params)
+            if body.logprobs is not None and p.gen_at != len(p.token_ids):
+                raise BadRequest("logprobs need the generation region at the end of the prompt; affix_layout "
+                                 "'suffix' puts the affix after it")
+            if score_only:
+                try:
+                    p.check_fits(llm.config.vocab_size, llm.max_model_len, 0)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+            else:
+                prompt_fits(p, params)
         counters["requests_total"] += len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
@@ -290,11 +335,20 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                      media_type="text/event-stream")
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, p in enumerate(prompts):
-            out = await until_disconnect(request, final_output(p, params))
-            cut = final_text(out, body)
+            if score_only:
+                out, cut, finish = None, Cut("", [], False), "length"
+            else:
+                out = await until_disconnect(request, final_output(p, params))
+                cut = final_text(out, body)
+                finish = finish_reason(out, params, cut, body.max_tokens)
             echoed = (texts[i] if isinstance(texts[i], str) else llm.tokenizer.decode(texts[i])) if body.echo else ""
-            choices.append({"index": i, "text": echoed + cut.text, "logprobs": None, "token_ids": cut.token_ids,
-                            "finish_reason": finish_reason(out, params, cut, body.max_tokens)})
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = await until_disconnect(request, asyncio.to_thread(
+                    scorer.completion, p.token_ids, scored_tokens(out, cut, body.max_tokens), bool(body.echo),
+                    body.logprobs, body.seed, body.mc_samples))
+            choices.append({"index": i, "text": echoed + cut.text, "logprobs": logprobs, "token_ids": cut.token_ids,
+                            "finish_reason": finish})
             usage["prompt_tokens"] += len(p.token_ids)
             usage["completion_tokens"] += len(cut.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -321,6 +375,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true")
+        if body.mc_samples is not None and not body.logprobs:
+            raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs=true too")
+        if body.logprobs and body.stream:
+            raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
         params = sampling_params(body, reuse=bool(prompt.affixes))
         prompt_fits(prompt, params)
         counters["requests_total"] += 1
@@ -330,9 +390,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                      media_type="text/event-stream")
         out = await until_disconnect(request, final_output(prompt, params))
         cut = final_text(out, body)
+        logprobs = None
+        if body.logprobs:
+            logprobs = await until_disconnect(request, asyncio.to_thread(
+                scorer.chat, prompt.token_ids, cut.token_ids, body.top_logprobs or 0, body.seed, body.mc_samples))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": cut.text},
-                             "finish_reason": finish_reason(out, params, cut, body.max_tokens),
+                             "logprobs": logprobs, "finish_reason": finish_reason(out, params, cut, body.max_tokens),
                              "token_ids": cut.token_ids}],
                 "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
@@ -414,6 +478,15 @@ def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` rendered as the start of a conversation (what a chat will reuse)."""
     prompt = llm.chat_prompt(messages + [{"role": "user", "content": ""}], affix_messages=range(len(messages)))
     return list(prompt.affix_ids(prompt.affixes[0]))
+
+
+def scored_tokens(out, cut: Cut, max_tokens: int | None) -> list[int]:
+    """The generated tokens logprobs cover: the text's, plus the stop token that ended it (as OpenAI-style
+    servers report it, and as lm-eval expects: one entry per generated token, even when it is the EOS)."""
+    ids = list(cut.token_ids)
+    if out is not None and out.stopped and not cut.stopped and len(ids) < (max_tokens or len(ids) + 1):
+        ids.append(out.stop_token_id)
+    return ids
 
 
 def finish_reason(out, params: SamplingParams, cut: Cut, max_tokens: int | None = None) -> str:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from acache.server.protocol import error_body
 
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
 
 def authorized(header: str, key: str) -> bool:
     """``Bearer <key>`` (the scheme in any case), compared in constant time."""
@@ -18,7 +20,7 @@ def authorized(header: str, key: str) -> bool:
 
 
 class Guard:
-    """Answers 401 on /v1 and /tokenize without the API key (when there is one); reads a request's body up
+    """Answers 401 on /v1 and the tokenizer endpoints without the API key (when there is one); reads a request's body up
     to ``max_bytes`` before the app sees it and answers 413 past that; the app then reads the buffered body
     as usual. ``on_error(status)`` counts each refusal."""
 
@@ -35,7 +37,7 @@ class Guard:
             return
         headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
-        protected = self.api_key is not None and (path.startswith("/v1") or path == "/tokenize")
+        protected = self.api_key is not None and (path.startswith("/v1") or path in TOKENIZER_PATHS)
         if protected and not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
             await self._refuse(send, 401, error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                                      "authentication_error", code="invalid_api_key"))

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from acache.policies import COMMIT_RULES
 
+MAX_LOGPROBS = 20
+MAX_MC_SAMPLES = 1024
+
 
 class DiffusionFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -42,7 +45,6 @@ class DiffusionFields(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = None
     # OpenAI fields with no effect on decoding, accepted as the API accepts them
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -58,8 +60,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "presence_penalty": ((None, 0, 0.0), "tokens are committed in parallel and in any order, so there is no "
                                          "left-to-right history to penalise"),
     "logit_bias": ((None, {}), "biasing the logits is not implemented"),
-    "top_logprobs": ((None, 0), "per-token log-probabilities of a diffusion model are not returned"),
-    "logprobs": ((None, False, 0), "per-token log-probabilities of a diffusion model are not returned"),
     "best_of": ((None, 1), "only one candidate is decoded per request"),
     "tools": ((None, []), "tool calling is not implemented"),
     "functions": ((None, []), "function calling is not implemented"),
@@ -79,8 +79,13 @@ class CompletionRequest(DiffusionFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     affix_layout: Literal["prefix", "suffix"] = "prefix"
     suffix: str | None = Field(default=None, description="text after the generation region (infilling)")
+    max_tokens: int | None = Field(default=None, ge=0, description="maps to gen_length (rounded up to whole "
+                                   "blocks); 0 only with echo, to score the prompt")
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                 description="per-token log-likelihood estimates plus this many top tokens")
+    mc_samples: int | None = Field(default=None, ge=1, le=MAX_MC_SAMPLES,
+                                   description="Monte Carlo draws per split for logprobs (acache.scoring)")
     best_of: int | None = None
 
 
@@ -111,6 +116,9 @@ class ChatCompletionRequest(DiffusionFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    mc_samples: int | None = Field(default=None, ge=1, le=MAX_MC_SAMPLES,
+                                   description="Monte Carlo draws per split for logprobs (acache.scoring)")
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
@@ -138,6 +146,15 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -35,11 +35,13 @@ NEUTRAL_OK = [("top_p", 1), ("top_p", 1.0), ("frequency_penalty", 0), ("presence
               ("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"), ("seed", 3)]
 REFUSED = [("top_p", 0.9, "nucleus sampling"), ("frequency_penalty", 0.5, "no left-to-right history"),
            ("presence_penalty", -1.0, "no left-to-right history"), ("logit_bias", {"5": 10.0}, "biasing"),
-           ("logprobs", 2, "log-probabilities"), ("best_of", 3, "one candidate"), ("n", 2, "only n=1")]
-CHAT_NEUTRAL_OK = [("max_completion_tokens", 2), ("logprobs", False), ("top_logprobs", 0), ("tools", []),
+           ("best_of", 3, "one candidate"), ("n", 2, "only n=1")]
+CHAT_NEUTRAL_OK = [("max_completion_tokens", 2), ("logprobs", False), ("logprobs", True), ("top_logprobs", 0),
+                   ("tools", []),
                    ("tool_choice", "none"), ("parallel_tool_calls", True), ("response_format", {"type": "text"}),
                    ("modalities", ["text"])]
-CHAT_REFUSED = [("logprobs", True, "log-probabilities"), ("tools", [{"type": "function"}], "tool calling"),
+CHAT_REFUSED = [("top_logprobs", 2, "needs logprobs=true"), ("top_logprobs", 21, "less than or equal to 20"),
+                ("tools", [{"type": "function"}], "tool calling"),
                 ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"], "only text"),
                 ("reasoning_effort", "high", "no reasoning mode")]
 

@@ -1,0 +1,78 @@
+"""The ``logprobs`` objects of completions and chat, filled from :mod:`acache.scoring`.
+
+Completions (legacy shape): ``tokens``, ``token_logprobs``, ``top_logprobs`` and ``text_offset``, one entry a
+token. With ``echo`` the prompt's tokens come first (the first of them has no value, as in OpenAI's API), and
+the values from any prompt token to the end of the prompt add up to the estimate of ``log p(that suffix of
+the prompt | what precedes it)``; the generated tokens follow, whose values add up to the estimate of
+``log p(generated | prompt)``. lm-eval's loglikelihood requests read exactly such sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from acache.models.base import DiffusionLM
+from acache.models.tokenizer import Tokenizer
+from acache.scoring import TokenLogprobs, token_logprobs
+
+
+class Scorer:
+    """Scores token sequences with the served model; ``lock`` (the engine's) is held around each forward so
+    scoring interleaves with the engine's steps instead of racing them."""
+
+    def __init__(self, model: DiffusionLM, tokenizer: Tokenizer, samples: int,
+                 lock: contextlib.AbstractContextManager | None = None) -> None:
+        self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
+
+    def score(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
+              samples: int | None) -> TokenLogprobs:
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        return token_logprobs(self.model, token_ids, start, samples or self.samples, generator, top_k,
+                              lock=self.lock)
+
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
+                   seed: int | None, samples: int | None) -> dict:
+        """The completions ``logprobs`` object over the echoed prompt (if ``echo``) and the generated tokens."""
+        tokens: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if echo:
+            tokens += list(prompt_ids)
+            values.append(None)
+            tops.append(None)
+            if len(prompt_ids) > 1:
+                scored = self.score(prompt_ids, 1, top_k, seed, samples)
+                values += scored.values
+                tops += [self._named(t) for t in scored.top]
+        if generated:
+            scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples)
+            tokens += list(generated)
+            values += scored.values
+            tops += [self._named(t) for t in scored.top]
+        pieces = [self.piece(t) for t in tokens]
+        offsets = [len(self.tokenizer.decode(tokens[:i + 1])) - len(pieces[i]) for i in range(len(tokens))]
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops if top_k else None,
+                "text_offset": offsets}
+
+    def chat(self, prompt_ids: Sequence[int], generated: Sequence[int], top_k: int, seed: int | None,
+             samples: int | None) -> dict:
+        """The chat ``logprobs`` object: one entry a generated token."""
+        if not generated:
+            return {"content": []}
+        scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples)
+        content = []
+        for token, value, top in zip(generated, scored.values, scored.top, strict=True):
+            piece = self.piece(token)
+            content.append({"token": piece, "logprob": value, "bytes": list(piece.encode()),
+                            "top_logprobs": [{"token": self.piece(t), "logprob": v,
+                                              "bytes": list(self.piece(t).encode())} for t, v in top.items()]})
+        return {"content": content}
+
+    def _named(self, top: dict[int, float]) -> dict[str, float]:
+        return {self.piece(t): v for t, v in top.items()}

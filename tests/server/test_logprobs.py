@@ -1,0 +1,189 @@
+"""echo + logprobs (what lm-eval's loglikelihood requests send), chat logprobs, and the tokenizer endpoints a
+remote client tokenizes with, on the shipped model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from acache import LLM
+from acache.scoring import continuation_logprob, split_estimates
+from acache.server.app import create_app
+from acache_lab.tasks.generators import PLACES, held_out
+
+STORY = "story : mary moved to the kitchen . john went to the garden . question : where is mary ? answer :"
+SAMPLES = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from acache.paths import default_model
+
+    llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES)) as client:
+        yield client, llm
+
+
+def post(client, path, body):
+    resp = client.post(path, json=body)
+    return resp.status_code, resp.json()
+
+
+def lm_eval_loglikelihood_payload(ids_batch):
+    """What lm-eval 0.4's local-completions sends for loglikelihood requests with a tokenizer: context and
+    continuation as one token-id prompt, echo, one top logprob, one generated token (which it drops)."""
+    return {"model": "tiny", "prompt": ids_batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+
+
+def lm_eval_slice(choice, ctxlen):
+    """lm-eval's reading of the answer: the sum of the token values after the context, without the last."""
+    values = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(values), all(v == max(t.values()) for v, t in zip(values, tops, strict=True))
+
+
+def test_lm_eval_loglikelihood_requests_get_the_paper_estimate(setup):
+    client, llm = setup
+    ctx = llm.tokenizer.encode(STORY)
+    conts = [llm.tokenizer.encode(" " + p) for p in ("kitchen", "garden", "office")]
+    status, out = post(client, "/v1/completions", lm_eval_loglikelihood_payload([ctx + c for c in conts]))
+    assert status == 200, out
+    scores = []
+    for choice, cont in zip(out["choices"], conts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1 == len(lp["tokens"]) == len(lp["text_offset"])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        total, _ = lm_eval_slice(choice, len(ctx))
+        want = continuation_logprob(llm.model, ctx, cont, SAMPLES, torch.Generator().manual_seed(1234))
+        assert total == pytest.approx(want, abs=1e-6)
+        scores.append(total)
+    assert scores[0] == max(scores)  # mary is in the kitchen
+
+
+def test_score_only_echo_and_every_split(setup):
+    client, llm = setup
+    ids = llm.tokenizer.encode(STORY + " kitchen")
+    status, out = post(client, "/v1/completions", {"prompt": STORY + " kitchen", "max_tokens": 0, "echo": True,
+                                                   "logprobs": 0, "seed": 5, "mc_samples": 3})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == STORY + " kitchen" and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    values = choice["logprobs"]["token_logprobs"]
+    assert choice["logprobs"]["top_logprobs"] is None and len(values) == len(ids)
+    want = split_estimates(llm.model, ids, range(1, len(ids)), 3, torch.Generator().manual_seed(5))
+    for c in (1, len(ids) // 2, len(ids) - 1):
+        assert sum(values[c:]) == pytest.approx(want[c - 1], abs=1e-6)
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    offsets, pieces = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert all(STORY[o:o + len(p)] == p for o, p in zip(offsets[:-1], pieces[:-1], strict=True))
+
+
+def test_seed_and_samples_steer_the_estimate(setup):
+    client, _ = setup
+    def values(**kw):
+        body = {"prompt": STORY + " kitchen", "max_tokens": 0, "echo": True, "logprobs": 0, **kw}
+        return post(client, "/v1/completions", body)[1]["choices"][0]["logprobs"]["token_logprobs"]
+    assert values(seed=1) == values(seed=1) != values(seed=2)
+    assert values(seed=1) != values(seed=1, mc_samples=2)
+    assert values() == values(seed=0)  # no seed: seed 0, so a score is reproducible
+
+
+def test_generated_tokens_logprobs(setup):
+    client, llm = setup
+    status, out = post(client, "/v1/completions", {"prompt": STORY, "max_tokens": 2, "logprobs": 2, "seed": 3})
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["text"] == "kitchen"
+    lp = choice["logprobs"]
+    # the EOS that ended the answer is reported too (its text is empty), as lm-eval expects
+    assert lp["tokens"] == ["kitchen", ""] and all(len(t) == 2 for t in lp["top_logprobs"])
+    ctx = llm.tokenizer.encode(STORY)
+    want = continuation_logprob(llm.model, ctx, choice["token_ids"] + [llm.config.eos_token_id], SAMPLES,
+                                torch.Generator().manual_seed(3))
+    assert sum(lp["token_logprobs"]) == pytest.approx(want, abs=1e-6)
+    assert max(lp["top_logprobs"][0], key=lp["top_logprobs"][0].get) == "kitchen"
+
+
+def test_chat_logprobs(setup):
+    client, llm = setup
+    body = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
+                         {"role": "user", "content": "where is john ?"}],
+            "max_tokens": 2, "logprobs": True, "top_logprobs": 3, "selector": "off", "seed": 4}
+    status, out = post(client, "/v1/chat/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "garden" and [c["token"] for c in content] == ["garden"]
+    assert len(content[0]["top_logprobs"]) == 3 and content[0]["bytes"] == list(b"garden")
+    prompt = llm.chat_prompt([m for m in body["messages"]])
+    want = continuation_logprob(llm.model, prompt.token_ids, choice["token_ids"], SAMPLES,
+                                torch.Generator().manual_seed(4))
+    assert content[0]["logprob"] == pytest.approx(want, abs=1e-6)
+    status, out = post(client, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": 0})
+    assert status == 200 and out["choices"][0]["logprobs"] is None
+
+
+def test_multiple_choice_through_the_server_beats_chance(setup):
+    """Every place as a choice: the answer scored highest is the right one far more often than 1 in 8."""
+    client, llm = setup
+    right = 0
+    examples = held_out("qa1", 12, 6)
+    for e in examples:
+        ctx = llm.tokenizer.encode(f"story : {' '.join(e.affix)} question : {' '.join(e.question)} answer :")
+        prompts = [ctx + llm.tokenizer.encode(p) for p in PLACES]
+        out = post(client, "/v1/completions", lm_eval_loglikelihood_payload(prompts))[1]
+        scores = [lm_eval_slice(c, len(ctx))[0] for c in out["choices"]]
+        right += PLACES[scores.index(max(scores))] == e.answer[0]
+    assert right >= 10
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": STORY, "max_tokens": 0}, "only with echo=true"),
+    ({"prompt": STORY, "max_tokens": 0, "echo": True, "stream": True}, "nothing to stream"),
+    ({"prompt": STORY, "max_tokens": 2, "logprobs": 1, "stream": True}, "use stream=false"),
+    ({"prompt": STORY, "max_tokens": 2, "logprobs": 21}, "less than or equal to 20"),
+    ({"prompt": STORY, "max_tokens": 2, "logprobs": -1}, "greater than or equal to 0"),
+    ({"prompt": STORY, "max_tokens": -1, "echo": True}, "greater than or equal to 0"),
+    ({"prompt": STORY, "max_tokens": 2, "mc_samples": 4}, "pass logprobs too"),
+    ({"prompt": STORY, "max_tokens": 2, "logprobs": 1, "mc_samples": 0}, "greater than or equal to 1"),
+    ({"prompt": STORY, "max_tokens": 2, "logprobs": 1, "mc_samples": 5000}, "less than or equal to 1024"),
+    ({"prompt": "question : where is mary ? answer :", "suffix": "story : mary moved to the kitchen .",
+      "max_tokens": 2, "logprobs": 1}, "suffix (infilling) are not implemented"),
+    ({"prompt": [5, 500], "max_tokens": 0, "echo": True, "logprobs": 1}, "not in the model's vocabulary"),
+    ({"prompt": [5] * 300, "max_tokens": 0, "echo": True, "logprobs": 1}, "exceed the model's context"),
+])
+def test_bad_logprobs_requests(setup, body, message):
+    client, _ = setup
+    status, out = post(client, "/v1/completions", body)
+    assert status == 400 and message in out["error"]["message"], out
+
+
+def test_bad_chat_logprobs_requests(setup):
+    client, _ = setup
+    base = {"messages": [{"role": "user", "content": "where is mary ?"}], "max_tokens": 2}
+    for extra, message in [({"mc_samples": 3}, "pass logprobs=true too"),
+                           ({"logprobs": True, "stream": True}, "use stream=false"),
+                           ({"top_logprobs": 1}, "needs logprobs=true")]:
+        status, out = post(client, "/v1/chat/completions", {**base, **extra})
+        assert status == 400 and message in out["error"]["message"], out
+
+
+def test_tokenizer_endpoints_a_remote_client_uses(setup):
+    client, llm = setup
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == llm.tokenizer.eos_token and info["chat_template"] == llm.tokenizer.chat_template
+    assert info["model_max_length"] == llm.max_model_len
+    status, out = post(client, "/tokenize", {"prompt": "Where is Mary?", "add_special_tokens": False})
+    assert status == 200 and out["tokens"] == llm.tokenizer.encode("where is mary ?")
+    status, back = post(client, "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": "where is mary ?"}
+    status, chat = post(client, "/tokenize", {"messages": [{"role": "user", "content": "where is mary ?"}],
+                                              "add_generation_prompt": False})
+    assert status == 200 and post(client, "/detokenize", {"tokens": chat["tokens"]})[1]["prompt"].endswith("?")
+    for body, message in [({"tokens": [1, 10**6]}, "outside the vocabulary"), ({"tokens": "x"}, "tokens"),
+                          ({"tokens": [1], "model": "other"}, "not served here")]:
+        status, out = post(client, "/detokenize", body)
+        assert status == 400 and message in out["error"]["message"], out
