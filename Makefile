@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 MODEL := models/acache-tiny
 STUDY := docs/study
 
-.PHONY: install run test test-long lint bench study model clean
+.PHONY: install run test test-long lint bench study model eval-lm clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,13 @@ test: install
 test-long: install
 	ACACHE_HYPOTHESIS_PROFILE=long ACACHE_FUZZ_EXAMPLES=3000 $(PY) -m pytest -q tests/engine/test_properties.py \
 		tests/server/test_app.py
+
+# lm-evaluation-harness (installed here as the lmeval extra) against a started `acache serve`, on the shipped
+# model's own tasks: two generate-until, two multiple-choice through echo+logprobs (docs/lm_eval.md; about
+# 15 minutes on 2 CPU cores)
+eval-lm: install
+	$(PY) -m pip install -q -e '.[lmeval]'
+	$(VENV)/bin/acache eval lm --model $(MODEL) --limit 50 --out build/lm_eval
 
 bench: install
 	$(VENV)/bin/acache bench decode

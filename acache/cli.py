@@ -141,7 +141,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             continue
         print(f"> {question}")
         print(out.text)
-        line = (f"[{s.num_generated_tokens} tokens, NFE {s.nfe} ({s.refreshes} refreshes), "
+        tokens = f"{s.num_generated_tokens} token{'s' if s.num_generated_tokens != 1 else ''}"
+        line = (f"[{tokens}, NFE {s.nfe} ({s.refreshes} refreshes), "
                 f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}")
         if affix is not None:
             line += (f"; affix {affix.selector} {'hit' if affix.affix_hits else 'miss'}, "

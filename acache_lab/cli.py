@@ -103,6 +103,12 @@ def _cmd_eval_accuracy(args: argparse.Namespace) -> int:
     return main(_with_default_model(args))
 
 
+def _cmd_eval_lm(args: argparse.Namespace) -> int:
+    from acache_lab.eval.lm import main
+
+    return main(args)
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from acache_lab.bench.engine import main
 
@@ -192,6 +198,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a depth table from `acache bicache-profile`: adds the bicache-profiled selector")
     _add_model_args(p)
     p.set_defaults(func=_cmd_eval_accuracy)
+
+    p = evaluate.add_parser("lm", help="lm-evaluation-harness against acache serve on the model's own tasks "
+                            "(needs pip install 'acache[lmeval]')")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--limit", type=int, default=50, help="held-out documents a task")
+    p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
+    p.add_argument("--tasks", type=lambda s: s.split(","), default=None,
+                   help="comma-separated subset of acache_qa1, acache_arith, acache_qa1_mc, acache_arith_mc")
+    p.add_argument("--samples", type=int, default=32, help="the server's --loglikelihood-samples")
+    p.add_argument("--port", type=int, default=8765, help="port of the server this command starts")
+    p.add_argument("--base-url", default=None, help="use the server running here instead of starting one (it must "
+                   "serve the model as 'acache')")
+    p.add_argument("--out", default="build/lm_eval", help="task files, lm-eval's results and lm_eval.md")
+    p.add_argument("--variance", action="store_true", help="instead: the log-likelihood estimate's spread over 8 "
+                   "seeds at 1, 4, 16 and 64 samples, on --limit arithmetic documents (no server, no lm-eval)")
+    p.set_defaults(func=_cmd_eval_lm)
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
