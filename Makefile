@@ -47,18 +47,18 @@ bench: install
 # sweep over tasks x layouts x selectors x anchor ratios (300 held-out requests a point), BiCache's profiled
 # depth table calibrated on task requests outside the held-out stream
 study: install
-	$(VENV)/bin/acache eval tasks --model $(MODEL) --json $(STUDY)/tasks.json
-	$(VENV)/bin/acache eval staleness --model $(MODEL) --out $(STUDY)
+	$(VENV)/bin/acache eval tasks --model $(MODEL) --json $(STUDY)/tasks.json --overwrite
+	$(VENV)/bin/acache eval staleness --model $(MODEL) --out $(STUDY) --overwrite
 	$(VENV)/bin/acache bicache-profile --model $(MODEL) --calibration tasks --samples 120 --gen-length 2 \
-		--out $(STUDY)/bicache_profile.json
+		--out $(STUDY)/bicache_profile.json --overwrite
 	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 --out $(STUDY) \
-		--bicache-profile $(STUDY)/bicache_profile.json
+		--bicache-profile $(STUDY)/bicache_profile.json --overwrite
 
 # retrains the shipped model from its seed (docs/model.md, run 30): four configs, 83 minutes on 2 CPU cores,
 # then its held-out scores; it overwrites $(MODEL), which git can restore
 RECIPE := run30-stage1 run30-stage1-cont run30-stage2 run30-cont
 model: install
-	OMP_NUM_THREADS=2 $(VENV)/bin/acache train $(foreach c,$(RECIPE),--config configs/$(c).json)
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train $(foreach c,$(RECIPE),--config configs/$(c).json) --overwrite
 	$(VENV)/bin/acache eval tasks --model $(MODEL)
 
 clean:

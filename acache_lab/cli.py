@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from acache.cli import _add_model_args
+from acache.cli import _add_model_args, parse_size
 
 
 def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
@@ -53,6 +53,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
         configs[-1].out = args.out
+    from acache_lab.outputs import refuse_tracked
+
+    refuse_tracked([c.out for c in configs], args.overwrite)
     total_s = 0.0
     for config in configs:
         out = Path(config.out)
@@ -129,7 +132,7 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=64, help="fixed steps (gen/4) so both modes do equal work")
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=int, default=4 << 30, help="bytes of the KV page pool")
+    p.add_argument("--kv-cache-memory", type=parse_size, default="4GiB", help="size of the KV page pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per mode and batch size, interleaved; the median by wall time is reported")
@@ -139,8 +142,7 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
-    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    _add_model_args(p)
 
 
 def _cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -153,6 +155,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from acache_lab.demo import main
 
     return main(_with_default_model(args))
+
+
+OUTPUT_ARGS = ("out", "json", "plot")
+
+
+def _guarded(func):
+    """Runs a command after checking that its outputs overwrite no file git tracks (unless --overwrite)."""
+    def run(args: argparse.Namespace) -> int:
+        from acache_lab.outputs import refuse_tracked
+
+        refuse_tracked([getattr(args, name, None) for name in OUTPUT_ARGS], args.overwrite)
+        return func(args)
+    return run
+
+
+def _add_overwrite(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow the outputs to replace files tracked by git (the published figures and model)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -171,7 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue a run stopped with Ctrl-C: configs already finished are skipped, the stopped one "
                         "continues from its output directory")
-    p.set_defaults(func=_cmd_train)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_train))
 
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
     p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")
@@ -179,13 +200,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None)
     _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_tasks)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_eval_tasks))
 
     p = evaluate.add_parser("staleness", help="per-layer cosine of affix K/V computed alone vs in context")
     _add_study_args(p, examples=50)
     p.add_argument("--out", default="results/staleness", help="directory for staleness.json and staleness.png")
     _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_staleness)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_eval_staleness))
 
     p = evaluate.add_parser("accuracy", help="exact match per task x layout x selector x anchor ratio")
     _add_study_args(p, examples=300)
@@ -197,7 +220,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bicache-profile", default=None,
                    help="a depth table from `acache bicache-profile`: adds the bicache-profiled selector")
     _add_model_args(p)
-    p.set_defaults(func=_cmd_eval_accuracy)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_eval_accuracy))
 
     p = evaluate.add_parser("lm", help="lm-evaluation-harness against acache serve on the model's own tasks "
                             "(needs pip install 'acache[lmeval]')")
@@ -213,7 +237,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="build/lm_eval", help="task files, lm-eval's results and lm_eval.md")
     p.add_argument("--variance", action="store_true", help="instead: the log-likelihood estimate's spread over 8 "
                    "seeds at 1, 4, 16 and 64 samples, on --limit arithmetic documents (no server, no lm-eval)")
-    p.set_defaults(func=_cmd_eval_lm)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_eval_lm))
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
@@ -227,15 +252,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bins", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     _add_model_args(p)
-    p.set_defaults(func=_cmd_bicache_profile)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bicache_profile))
 
     bench_parser = sub.add_parser("bench", help="benchmarks (default: the engine benchmark)")
     _add_engine_bench_args(bench_parser)
-    bench_parser.set_defaults(func=_cmd_bench_engine)
+    _add_overwrite(bench_parser)
+    bench_parser.set_defaults(func=_guarded(_cmd_bench_engine))
     bench = bench_parser.add_subparsers(dest="bench", required=False)
     p = bench.add_parser("engine", help="dual cache alone vs ACache on the paged engine (the paper's Tables 2-4)")
     _add_engine_bench_args(p)
-    p.set_defaults(func=_cmd_bench_engine)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bench_engine))
     p = bench.add_parser("serve", help="load a running server: throughput, latency, time to first block")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--concurrency", type=int, default=8)
@@ -247,19 +275,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: English unless the server's tokenizer refuses it, then the task suite's words")
     p.add_argument("--seed", type=int, default=0, help="seed of the task-suite story")
     p.add_argument("--json", default=None, help="also write the report and every request's timing here")
-    p.set_defaults(func=_cmd_bench_serve)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bench_serve))
 
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
     p.add_argument("--family", default="llada", choices=["llada", "dream"])
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--caches", default="none,prefix,dual")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-length", type=int, default=128, help="random prompt tokens a request")
+    p.add_argument("--gen-length", type=int, default=256, help="tokens generated a request")
+    p.add_argument("--block-length", type=int, default=32, help="block size of the generation region")
+    p.add_argument("--steps", type=int, default=64, help="low-confidence steps in all (fixed, so every cache does "
+                   "the same number of forwards)")
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    p.add_argument("--caches", default="none,prefix,dual", help="comma-separated caches to time, side by side")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per cache; the median is reported")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--json", default=None, help="also write the results to this file")
     _add_model_args(p)
-    p.set_defaults(func=_cmd_bench_decode)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bench_decode))

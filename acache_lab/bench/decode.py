@@ -109,7 +109,7 @@ def main(args) -> int:
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     torch.manual_seed(args.seed)
     if args.model:
-        model = load_model(args.model, dtype=dtype, device=device)
+        model = load_model(args.model, dtype=args.dtype, device=device)
         described = str(args.model)
     else:
         shape = dict(DEFAULT_SHAPE)
@@ -120,7 +120,7 @@ def main(args) -> int:
     params = {c: SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                                 remasking="low_confidence", cache=c) for c in caches}
     rows = run_decode_bench(model, args.prompt_length, params, args.repeats, args.batch_size, args.seed)
-    header = (f"model: {described} ({n_params / 1e6:.1f}M parameters), {dtype}, {device}; "
+    header = (f"model: {described} ({n_params / 1e6:.1f}M parameters), {model.dtype}, {device}; "
               f"prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "
               f"steps {params[caches[0]].steps_per_block * params[caches[0]].num_blocks} (low-confidence), "
               f"batch {args.batch_size}, median of {args.repeats}; torch {torch.__version__}, "

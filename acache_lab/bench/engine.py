@@ -282,7 +282,7 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be at least 1, not {args.repeats}")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     if args.model:
-        model = load_model(args.model, dtype=dtype, device=device)
+        model = load_model(args.model, dtype=args.dtype, device=device)
         described = str(args.model)
     else:
         model = random_model("llada", SMOL_SHAPE, dtype, device, args.seed)
@@ -327,7 +327,7 @@ def main(args) -> int:
                                    "acache mixed"),
                           run_grouped(model, prompts, w, b, args.page_size, args.kv_cache_memory, params)))
         mixed = [median_run([m[0] for m in mixed]), median_run([m[1] for m in mixed])]
-    header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {dtype}, {device}; affix {w.affix_len}, "
+    header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {model.dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
               f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "

@@ -1,0 +1,39 @@
+"""Where the research commands write: never over a file git tracks unless the caller says ``--overwrite``.
+
+The shipped plots, tables and model live in the repository; a benchmark or study pointed at them by
+mistake would silently replace the published figures with a run from another machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def tracked_files(path: str | Path) -> list[str]:
+    """The files git tracks at ``path`` (a file, or everything under a directory); none outside a repository."""
+    path = Path(path).absolute()
+    anchor = path if path.is_dir() else path.parent
+    while not anchor.exists():
+        anchor = anchor.parent
+    try:
+        done = subprocess.run(["git", "ls-files", "--", str(path)], cwd=anchor, capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
+
+
+def refuse_tracked(paths: Iterable[str | Path | None], overwrite: bool) -> None:
+    """Raises a ValueError naming the tracked files ``paths`` would overwrite, unless ``overwrite``."""
+    if overwrite:
+        return
+    for path in paths:
+        if path is None:
+            continue
+        tracked = tracked_files(path)
+        if tracked:
+            shown = ", ".join(tracked[:3]) + (f" and {len(tracked) - 3} more" if len(tracked) > 3 else "")
+            raise ValueError(f"{path} would overwrite files tracked by git ({shown}); write elsewhere (build/ is "
+                             "ignored) or pass --overwrite")
