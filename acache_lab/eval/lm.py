@@ -201,6 +201,7 @@ def variance_study(model_dir: str, samples: list[int], seeds: int, documents: in
     import statistics
 
     import torch
+    from tqdm.auto import tqdm
 
     from acache.llm import LLM
     from acache.scoring import continuation_logprob
@@ -210,9 +211,11 @@ def variance_study(model_dir: str, samples: list[int], seeds: int, documents: in
     records = task_records("acache_arith_mc", documents, seed=0)
     rows = []
     picks_at: dict[int, list[list[int]]] = {}
+    bar = tqdm(total=len(samples) * len(records), desc="loglikelihood variance", unit="doc")
     for n in samples:
         spreads, picks = [], []
         for r in records:
+            bar.update(1)
             ctx = encode(f"story : {r['story']} question : {r['question']} answer :")
             per_seed = [[continuation_logprob(llm.model, ctx, encode(c), n, torch.Generator().manual_seed(s))
                          for c in r["choices"]] for s in range(seeds)]

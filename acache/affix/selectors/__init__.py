@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnchors
 from acache.affix.selectors.base import AnchorSelector, anchor_count
+from acache.affix.selectors.cacheblend import CacheBlendAnchors
 from acache.affix.selectors.kv_deviation import KVDeviationAnchors
 from acache.affix.selectors.simple import AllAnchors, FirstK, NoAnchors, RandomAnchors
 from acache.policies import SELECTORS as SELECTOR_NAMES
 
 SELECTORS: dict[str, type[AnchorSelector]] = {
-    cls.name: cls for cls in (AttentionAnchors, KVDeviationAnchors, QueryAttentionAnchors, FirstK,
-                              RandomAnchors, NoAnchors, AllAnchors)
+    cls.name: cls for cls in (AttentionAnchors, KVDeviationAnchors, CacheBlendAnchors, QueryAttentionAnchors,
+                              FirstK, RandomAnchors, NoAnchors, AllAnchors)
 }
 if tuple(SELECTORS) != SELECTOR_NAMES:
     raise ImportError(f"acache.policies.SELECTORS {SELECTOR_NAMES} does not list the registered selectors "
