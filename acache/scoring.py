@@ -90,17 +90,25 @@ def _masked_logprobs(model: DiffusionLM, ids: torch.Tensor, masks: torch.Tensor,
     return torch.cat(out)
 
 
-def split_estimates(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
-                    generator: torch.Generator, batch_size: int = 64,
-                    lock: contextlib.AbstractContextManager | None = None) -> list[float]:
-    """``E_c``, the Monte Carlo estimate of ``log p(token_ids[c:] | token_ids[:c])``, for each ``c`` in
-    ``starts``; ``lock`` is held around each forward (the server's engine lock)."""
+def bound_draws(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
+                generator: torch.Generator, batch_size: int = 64,
+                lock: contextlib.AbstractContextManager | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every single draw of the bound: ``samples`` values for each split in ``starts`` (float64), and the
+    index into ``starts`` each belongs to."""
     for c in starts:
         _check(model, token_ids, c, samples)
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     masks, weights, owner = _masked_rows(len(token_ids), starts, samples, generator)
-    scores = _masked_logprobs(model, ids, masks, batch_size, lock) * weights
-    totals = torch.zeros(len(starts), dtype=torch.float64).index_add_(0, owner, scores)
+    return _masked_logprobs(model, ids, masks, batch_size, lock) * weights, owner
+
+
+def split_estimates(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
+                    generator: torch.Generator, batch_size: int = 64,
+                    lock: contextlib.AbstractContextManager | None = None) -> list[float]:
+    """``E_c``, the Monte Carlo estimate of ``log p(token_ids[c:] | token_ids[:c])``, for each ``c`` in
+    ``starts``: the mean of its draws. ``lock`` is held around each forward (the server's engine lock)."""
+    draws, owner = bound_draws(model, token_ids, starts, samples, generator, batch_size, lock)
+    totals = torch.zeros(len(starts), dtype=torch.float64).index_add_(0, owner, draws)
     return (totals / samples).tolist()
 
 

@@ -20,7 +20,10 @@ from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
 from acache_lab.tasks.generators import TASKS, held_out
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
-STUDY_SELECTORS = ("attention", "kv-deviation", "query-attention", "first-k", "random", "bicache-matched")
+STUDY_SELECTORS = ("attention", "attention-full", "kv-deviation", "cacheblend", "query-attention", "first-k",
+                   "random", "bicache-matched")
+#: study labels that are a policy with a non-default anchor query: ACache with queries from a no-cache forward
+VARIANTS = {"attention-full": ("attention", "full")}
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -31,7 +34,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
-    runs += [(s, r, s) for s in selectors for r in ratios if r > 0]
+    runs += [(s, r, VARIANTS.get(s, (s,))[0]) for s in selectors for r in ratios if r > 0]
     cells: list[Cell] = []
     bar = tqdm(total=len(tasks) * len(layouts) * len(runs), desc="accuracy sweep", unit="cell", disable=not progress)
     for task in tasks:
@@ -39,7 +42,8 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
         for layout in layouts:
             prompts = task_prompts(llm, exs, layout)
             for label, ratio, policy in runs:
-                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, seed=seed)
+                query = VARIANTS[label][1] if label in VARIANTS else "probe"
+                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, anchor_query=query, seed=seed)
                 correct = exact_matches(llm, prompts, exs, params)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs)))
                 if label == "none":  # ratio 0 is direct reuse for every selector
