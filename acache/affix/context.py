@@ -22,6 +22,14 @@ def request_seed(seed: int | None, token_ids: Sequence[int]) -> int:
     return zlib.crc32(data)
 
 
+def kv_deviation(keys: torch.Tensor, values: torch.Tensor, cached_keys: torch.Tensor,
+                 cached_values: torch.Tensor) -> torch.Tensor:
+    """``sum over heads of ||K - K_cached|| + ||V - V_cached||`` per token, for ``[..., H, D]`` tensors (float32):
+    CacheBlend's measure of how stale a cached token is."""
+    return ((keys.float() - cached_keys.float()).norm(dim=-1).sum(-1)
+            + (values.float() - cached_values.float()).norm(dim=-1).sum(-1))
+
+
 def compact_index(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns where ``mask [B, T]`` holds, in order, per row: ``index [B, F]`` padded with ``fill``
     and ``valid [B, F]``; ``F`` is the largest count of any row."""
@@ -84,6 +92,7 @@ class SelectionContext:
     row_seeds: list[int] | None = None  # per request, for selectors that draw at random
     _probe: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _full: ForwardOutput | None = field(default=None, repr=False)
+    _first_layers: ForwardOutput | None = field(default=None, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -117,6 +126,24 @@ class SelectionContext:
             c = self.canvas
             self._full = self.model(c.tokens, c.positions, c.valid, return_kv=True, capture_queries=True)
         return self._full
+
+    def first_layers(self) -> ForwardOutput:
+        """Layers 0 and 1 of the whole canvas in full context (K/V captured): the first layer whose K/V go
+        stale is layer 1, since layer 0's depend on each token alone."""
+        if self._first_layers is None:
+            c, model = self.canvas, self.model
+            self._first_layers = model.run_layers(model.embed(c.tokens), c.positions, c.valid, None,
+                                                  range(0, min(2, model.config.num_layers)), return_kv=True)
+        return self._first_layers
+
+    def first_stale_deviation(self) -> torch.Tensor:
+        """``[B, T]``: each column's ``sum over heads of ||K - K_cached|| + ||V - V_cached||`` at layer 1, its K/V
+        in full context against the cached affix K/V placed there (read only at affix columns)."""
+        t = self.canvas.total
+        if self.model.config.num_layers < 2:
+            return torch.zeros(self.canvas.tokens.shape, dtype=torch.float32, device=self.canvas.tokens.device)
+        kv = self.first_layers().kv
+        return kv_deviation(kv.keys[1], kv.values[1], self.kv.keys[1][:, :t], self.kv.values[1][:, :t])
 
     def attention_mass(self, queries: list[torch.Tensor], q_cols: torch.Tensor,
                        q_valid: torch.Tensor) -> torch.Tensor:

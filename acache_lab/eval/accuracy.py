@@ -20,8 +20,8 @@ from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
 from acache_lab.tasks.generators import TASKS, held_out
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
-STUDY_SELECTORS = ("attention", "attention-full", "kv-deviation", "cacheblend", "query-attention", "first-k",
-                   "random", "bicache-matched")
+STUDY_SELECTORS = ("attention", "attention-full", "attention-deviation", "kv-deviation", "cacheblend",
+                   "query-attention", "first-k", "random", "bicache-matched")
 #: study labels that are a policy with a non-default anchor query: ACache with queries from a no-cache forward
 VARIANTS = {"attention-full": ("attention", "full")}
 

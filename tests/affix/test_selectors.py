@@ -169,3 +169,26 @@ def test_selector_registry():
         make_selector("best")
     with pytest.raises(ValueError, match="query source"):
         make_selector("attention", query="oracle")
+
+
+def test_attention_deviation_reads_what_is_both_read_and_stale():
+    """Mask 5 reads affix column 0, mask 6 column 1; column 2 is the stalest but unread. The product of the
+    attention mass (1, 1, 0) and the layer-1 deviation (1, 3, 10) keeps column 1: attention alone ties 0
+    and 1, deviation alone would keep column 2."""
+    ctx = hand_context(layers=2)  # canvas: affix 0-2, question 3-4, masks 5-6
+    for col, dim in ((0, 1), (1, 2), (2, 3)):
+        ctx.kv.keys[0][0, col, 0] = unit(dim, 1.0)
+    fed = torch.tensor([[3, 4, 5, 6]])
+    q = torch.stack([unit(5), unit(5), unit(1), unit(2)])[None, :, None, :]
+    ctx._probe = (ForwardOutput(hidden=torch.zeros(1, 4, 8), queries=[q]), fed, torch.ones(1, 4, dtype=torch.bool))
+    t = ctx.canvas.total
+    keys = [torch.zeros(1, t, 1, 8) for _ in range(2)]
+    values = [torch.zeros(1, t, 1, 8) for _ in range(2)]
+    keys[1][0, :3, 0, 0] = torch.tensor([1.0, 3.0, 6.0])
+    values[1][0, 2, 0, 0] = 4.0  # column 2: ||dK|| + ||dV|| = 10
+    ctx._first_layers = ForwardOutput(hidden=torch.zeros(1, t, 8),
+                                      kv=KVCache(keys, values, ctx.canvas.positions, ctx.canvas.valid))
+    assert ctx.first_stale_deviation()[0, :3].tolist() == pytest.approx([1.0, 3.0, 10.0])
+    scores = make_selector("attention-deviation").scores(ctx)[0]
+    assert scores[:3].tolist() == pytest.approx([1.0, 3.0, 0.0], abs=1e-3)
+    assert make_selector("attention-deviation").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [1]

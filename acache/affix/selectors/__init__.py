@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnchors
+from acache.affix.selectors.attention_deviation import AttentionDeviationAnchors
 from acache.affix.selectors.base import AnchorSelector, anchor_count
 from acache.affix.selectors.cacheblend import CacheBlendAnchors
 from acache.affix.selectors.kv_deviation import KVDeviationAnchors
@@ -10,8 +11,8 @@ from acache.affix.selectors.simple import AllAnchors, FirstK, NoAnchors, RandomA
 from acache.policies import SELECTORS as SELECTOR_NAMES
 
 SELECTORS: dict[str, type[AnchorSelector]] = {
-    cls.name: cls for cls in (AttentionAnchors, KVDeviationAnchors, CacheBlendAnchors, QueryAttentionAnchors,
-                              FirstK, RandomAnchors, NoAnchors, AllAnchors)
+    cls.name: cls for cls in (AttentionAnchors, AttentionDeviationAnchors, KVDeviationAnchors, CacheBlendAnchors,
+                              QueryAttentionAnchors, FirstK, RandomAnchors, NoAnchors, AllAnchors)
 }
 if tuple(SELECTORS) != SELECTOR_NAMES:
     raise ImportError(f"acache.policies.SELECTORS {SELECTOR_NAMES} does not list the registered selectors "
@@ -21,8 +22,8 @@ if tuple(SELECTORS) != SELECTOR_NAMES:
 def make_selector(name: str, query: str = "probe") -> AnchorSelector:
     if name not in SELECTORS:
         raise ValueError(f"unknown anchor selector {name!r}; known: {', '.join(SELECTORS)}")
-    if name == "attention":
-        return AttentionAnchors(query)
+    if name in ("attention", "attention-deviation"):
+        return SELECTORS[name](query)
     return SELECTORS[name]()
 
 

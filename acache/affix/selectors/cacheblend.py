@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from acache.affix.context import SelectionContext, compact_index
+from acache.affix.context import SelectionContext, compact_index, kv_deviation
 from acache.affix.selectors.base import AnchorSelector, anchor_count
 
 
@@ -26,13 +26,6 @@ def carried_counts(k: int, n: int, steps: int) -> list[int]:
     if steps <= 1:
         return [k] * max(steps, 0)
     return [round(k + (start - k) * (steps - 1 - s) / (steps - 1)) for s in range(steps)]
-
-
-def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor,
-              cached_v: torch.Tensor) -> torch.Tensor:
-    """``sum over heads of ||dK|| + ||dV||`` per token, for ``[..., H, D]`` tensors."""
-    return ((fresh_k.float() - cached_k.float()).norm(dim=-1).sum(-1)
-            + (fresh_v.float() - cached_v.float()).norm(dim=-1).sum(-1))
 
 
 def keep_most(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
@@ -61,12 +54,10 @@ class CacheBlendAnchors(AnchorSelector):
                 for row in range(b)]
         if layers < 2:  # every K/V is context-free: nothing deviates; keep the first tokens
             return self._keep(ctx, torch.zeros(b, t, device=c.tokens.device), affix, plan, None)
-        # layers 0 and 1 on every token, in full context
-        out = model.run_layers(model.embed(c.tokens), c.positions, c.valid, None, range(0, 2), return_kv=True)
+        out = ctx.first_layers()  # layers 0 and 1 on every token, in full context
         hidden = torch.cat((out.hidden, out.hidden[:, :1]), 1)  # plus a trash column for padded writes
         width = hidden.shape[-1]
-        dev = deviation(out.kv.keys[1], out.kv.values[1], ctx.kv.keys[1][:, :t], ctx.kv.values[1][:, :t])
-        carried = self._keep(ctx, dev, affix, plan, 0)
+        carried = self._keep(ctx, ctx.first_stale_deviation(), affix, plan, 0)
         for layer in range(2, layers):
             fed, fed_valid = compact_index(c.valid & (~affix | carried), fill=t)
             cached, cached_valid = compact_index(affix & ~carried, fill=t)
@@ -76,7 +67,7 @@ class CacheBlendAnchors(AnchorSelector):
                                     range(layer, layer + 1), return_kv=True)
             hidden = hidden.scatter(1, fed[..., None].expand(-1, -1, width), step.hidden)
             dev = torch.zeros(b, t, dtype=torch.float32, device=c.tokens.device)
-            fresh = deviation(step.kv.keys[0], step.kv.values[0],
+            fresh = kv_deviation(step.kv.keys[0], step.kv.values[0],
                               ctx.kv.keys[layer].gather(1, at[..., None, None].expand_as(step.kv.keys[0])),
                               ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0])))
             dev.scatter_(1, at, torch.where(fed_valid, fresh, torch.zeros_like(fresh)))

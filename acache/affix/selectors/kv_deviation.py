@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from acache.affix.context import SelectionContext
+from acache.affix.context import SelectionContext, kv_deviation
 from acache.affix.selectors.base import AnchorSelector
 
 
@@ -18,7 +18,6 @@ class KVDeviationAnchors(AnchorSelector):
         t = ctx.canvas.total
         score = torch.zeros(ctx.affix_slot.shape, dtype=torch.float32, device=ctx.affix_slot.device)
         for layer in range(full.num_layers):
-            dk = (full.keys[layer].float() - ctx.kv.keys[layer][:, :t].float()).norm(dim=-1).sum(-1)
-            dv = (full.values[layer].float() - ctx.kv.values[layer][:, :t].float()).norm(dim=-1).sum(-1)
-            score += dk + dv
+            score += kv_deviation(full.keys[layer], full.values[layer], ctx.kv.keys[layer][:, :t],
+                                  ctx.kv.values[layer][:, :t])
         return score
