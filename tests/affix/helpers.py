@@ -37,3 +37,20 @@ def affix_run(model, prompts, params, store=None, engine=None, bicache_profile=N
     prompts = prompts if isinstance(prompts, list) else [prompts]
     engine = engine or affix_engine(model, store, bicache_profile)
     return run_engine(model, prompts, params, arrivals=arrivals, engine=engine)
+
+
+def selection_context(model, prompts, gen_length: int, store=None):
+    """The all-mask canvas of ``prompts`` (one AffixPrompt or a list) with their affixes' cached K/V placed:
+    what a selector sees at admission."""
+    from acache.affix.context import SelectionContext
+    from acache.affix.placement import place_affixes
+    from acache.affix.store import AffixStore
+    from acache.decoding.canvas import build_canvas
+
+    prompts = prompts if isinstance(prompts, list) else [prompts]
+    store = store or AffixStore(model)
+    canvas = build_canvas([p.layout for p in prompts], gen_length, model.config.mask_token_id,
+                          model.config.pad_token_id, model.device)
+    kv, slot = place_affixes(model, canvas, [[(s.start, store.compute(p.affix_ids(s))) for s in p.affixes]
+                                             for p in prompts])
+    return SelectionContext(model, canvas, slot, kv)

@@ -7,17 +7,14 @@ import math
 import pytest
 import torch
 
-from acache.affix.context import SelectionContext
-from acache.affix.placement import place_affixes
 from acache.affix.selectors import make_selector
 from acache.affix.selectors.cacheblend import carried_counts
 from acache.affix.store import AffixStore
-from acache.decoding.canvas import build_canvas
 from acache.models.kv import KVCache
 from acache.models.loader import load_model
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from tests.affix.helpers import affix_run, layouts
+from tests.affix.helpers import affix_run, layouts, selection_context
 from tests.conftest import tiny_checkpoint
 
 
@@ -81,40 +78,26 @@ def naive_cacheblend(model, prompt, gen_length, ratio):
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
 @pytest.mark.parametrize("ratio", [0.2, 0.35])
 def test_gradual_filtering_matches_the_naive_loop(deep_model, position, ratio):
-    model = deep_model
     prompt = layouts(affix_len=14, question_len=4)[position]
-    gen_length = 6
-    canvas = build_canvas([prompt.layout], gen_length, model.config.mask_token_id, model.config.pad_token_id,
-                          model.device)
-    store = AffixStore(model)
-    placed = [[(span.start, store.compute(prompt.affix_ids(span))) for span in prompt.affixes]]
-    kv, slot = place_affixes(model, canvas, placed)
     with torch.inference_mode():
-        got = make_selector("cacheblend").select(SelectionContext(model, canvas, slot, kv), ratio)[0]
-        want = naive_cacheblend(model, prompt, gen_length, ratio)
+        got = make_selector("cacheblend").select(selection_context(deep_model, prompt, 6), ratio)[0]
+        want = naive_cacheblend(deep_model, prompt, 6, ratio)
     assert got.nonzero().flatten().tolist() == want
     assert len(want) == sum(math.ceil(ratio * s.length - 1e-9) for s in prompt.affixes)
 
 
 def test_a_batch_selects_as_each_request_alone(deep_model):
-    model = deep_model
     prompts = list(layouts(affix_len=14, question_len=4).values())
     ratios = [0.2, 0.5, 0.1, 0.3]
-    canvas = build_canvas([p.layout for p in prompts], 6, model.config.mask_token_id, model.config.pad_token_id,
-                          model.device)
-    store = AffixStore(model)
-    kv, slot = place_affixes(model, canvas, [[(s.start, store.compute(p.affix_ids(s))) for s in p.affixes]
-                                             for p in prompts])
+    store = AffixStore(deep_model)
     with torch.inference_mode():
-        batched = make_selector("cacheblend").select(SelectionContext(model, canvas, slot, kv), ratios)
+        ctx = selection_context(deep_model, prompts, 6, store)
+        batched = make_selector("cacheblend").select(ctx, ratios)
         for row, (p, r) in enumerate(zip(prompts, ratios, strict=True)):
-            alone_canvas = build_canvas([p.layout], 6, model.config.mask_token_id, model.config.pad_token_id,
-                                        model.device)
-            akv, aslot = place_affixes(model, alone_canvas, [[(s.start, store.compute(p.affix_ids(s)))
-                                                              for s in p.affixes]])
-            alone = make_selector("cacheblend").select(SelectionContext(model, alone_canvas, aslot, akv), r)[0]
+            alone_ctx = selection_context(deep_model, p, 6, store)
+            alone = make_selector("cacheblend").select(alone_ctx, r)[0]
             # rows are padded on the left in a batch: compare the anchors' positions
-            assert canvas.positions[row][batched[row]].tolist() == alone_canvas.positions[0][alone].tolist()
+            assert ctx.canvas.positions[row][batched[row]].tolist() == alone_ctx.canvas.positions[0][alone].tolist()
 
 
 def test_the_schedule_shrinks_to_the_anchor_count():

@@ -9,14 +9,12 @@ import pytest
 import torch
 
 from acache.affix.context import CanvasKV, SelectionContext
-from acache.affix.placement import place_affixes
 from acache.affix.selectors import SELECTORS, anchor_count, make_selector
-from acache.affix.store import AffixStore
 from acache.decoding.canvas import Layout, build_canvas
 from acache.models.base import ForwardOutput
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
-from tests.affix.helpers import layouts
+from tests.affix.helpers import layouts, selection_context
 
 
 def _rot(vec, pos, theta):
@@ -75,12 +73,10 @@ def test_attention_score_matches_naive_formula(family_model, query, position):
     model = family_model
     prompt = layouts(affix_len=10, question_len=4)[position]
     gen_length = 8
-    canvas = build_canvas([prompt.layout], gen_length, model.config.mask_token_id, model.config.pad_token_id,
-                          model.device)
-    entry = AffixStore(model).compute(prompt.affix_ids(prompt.affixes[0]))
-    kv, slot = place_affixes(model, canvas, [[(prompt.affixes[0].start, entry)]])
     with torch.inference_mode():
-        got = make_selector("attention", query).scores(SelectionContext(model, canvas, slot, kv))
+        ctx = selection_context(model, prompt, gen_length)
+        got = make_selector("attention", query).scores(ctx)
+    slot = ctx.affix_slot
     want = naive_attention_scores(model, prompt, gen_length, query)
     for col, value in want.items():
         assert got[0, col].item() == pytest.approx(value, rel=1e-4, abs=1e-4)
