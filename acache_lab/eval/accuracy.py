@@ -15,9 +15,11 @@ from tqdm.auto import tqdm
 
 from acache.llm import LLM
 from acache.policies import LAYOUTS
+from acache_lab.eval.cost import request_passes
 from acache_lab.eval.metrics import Cell, summary_table, sweep_table
 from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
 from acache_lab.tasks.generators import TASKS, held_out
+from acache_lab.tasks.render import answer_length
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 STUDY_SELECTORS = ("attention", "attention-full", "attention-deviation", "kv-deviation", "cacheblend",
@@ -45,12 +47,68 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 query = VARIANTS[label][1] if label in VARIANTS else "probe"
                 params = task_params(task, affix_policy=policy, anchor_ratio=ratio, anchor_query=query, seed=seed)
                 correct = exact_matches(llm, prompts, exs, params)
-                cells.append(Cell(task, layout, label, ratio, correct, len(exs)))
+                cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio)
+                cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
                 if label == "none":  # ratio 0 is direct reuse for every selector
-                    cells += [Cell(task, layout, s, 0.0, correct, len(exs)) for s in selectors if 0.0 in ratios]
+                    cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost) for s in selectors
+                              if 0.0 in ratios]
                 bar.update(1)
     bar.close()
     return cells
+
+
+def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, ratio: float) -> float | None:
+    """Mean selection + refresh passes of the requests, in full forwards of each request's canvas (None for
+    BiCache, which recomputes layers rather than tokens)."""
+    if policy is not None and policy.startswith("bicache"):
+        return None
+    layers, gen = llm.config.num_layers, answer_length(task)
+    shares = []
+    for p in prompts:
+        canvas = len(p.token_ids) + gen
+        spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio)
+        shares.append(spent / (canvas * layers))
+    return sum(shares) / len(shares)
+
+
+def plot_compute(cells: list[Cell], path: str | Path) -> bool:
+    """Accuracy against what each policy spends (selection plus the refresh, in full forwards of the
+    canvas), a line per selector over its ratios: "recovers more at the same cost" reads left-to-right."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    tasks = list(dict.fromkeys(c.task for c in cells))
+    layouts = list(dict.fromkeys(c.layout for c in cells))
+    fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(4.2 * len(layouts), 3.2 * len(tasks)),
+                             squeeze=False, sharey=True)
+    for i, task in enumerate(tasks):
+        for j, layout in enumerate(layouts):
+            ax = axes[i][j]
+            mine = [c for c in cells if c.task == task and c.layout == layout and c.compute is not None]
+            for ref, marker in (("none", "x"), ("full", "s")):
+                for c in (c for c in mine if c.selector == ref):
+                    ax.scatter([c.compute], [100 * c.accuracy], marker=marker, color="black", zorder=3,
+                               label="direct reuse" if ref == "none" else "full recompute")
+            for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+                pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
+                ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
+                        linewidth=2.2 if sel in ("attention", "attention-deviation") else 1.0, label=sel)
+            ax.set_title(f"{task} — {layout}")
+            ax.set_xlabel("selection + refresh (full forwards)")
+            if j == 0:
+                ax.set_ylabel("exact match (%)")
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def plot_sweep(cells: list[Cell], path: str | Path) -> bool:
@@ -109,6 +167,8 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     written = [out / "accuracy.json", out / "accuracy.md"]
     if plot_sweep(cells, out / "accuracy.png"):
         written.append(out / "accuracy.png")
+    if plot_compute(cells, out / "accuracy_compute.png"):
+        written.append(out / "accuracy_compute.png")
     return written
 
 

@@ -36,6 +36,7 @@ class Cell:
     ratio: float
     correct: int
     total: int
+    compute: float | None = None  # mean selection + refresh passes a request, in full forwards of its canvas
 
     @property
     def accuracy(self) -> float:
@@ -47,13 +48,16 @@ class Cell:
 
     def as_dict(self) -> dict:
         lo, hi = self.interval
-        return {"task": self.task, "layout": self.layout, "selector": self.selector, "ratio": self.ratio,
-                "correct": self.correct, "total": self.total, "accuracy": self.accuracy, "ci95": [lo, hi]}
+        out = {"task": self.task, "layout": self.layout, "selector": self.selector, "ratio": self.ratio,
+               "correct": self.correct, "total": self.total, "accuracy": self.accuracy, "ci95": [lo, hi]}
+        if self.compute is not None:
+            out["compute"] = self.compute
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict) -> Cell:
         return cls(raw["task"], raw["layout"], raw["selector"], float(raw["ratio"]), int(raw["correct"]),
-                   int(raw["total"]))
+                   int(raw["total"]), raw.get("compute"))
 
 
 def _pct(cell: Cell | None) -> str:

@@ -1,0 +1,57 @@
+"""What a policy costs a request, in token-layer passes (one token through one layer), selection included.
+
+Counted for the study's setting: the answer region is one block on the dual cache, so a request runs one
+refresh at its block boundary (the recompute set through every layer) and the same in-block steps under
+every policy (left out, being equal). Selection is counted from each selector's definition:
+
+* ``attention``, ``query-attention``: the probe, every non-affix column through every layer;
+* ``attention`` with full queries, ``kv-deviation``: a full forward of the canvas;
+* ``attention-deviation``: the probe plus layers 0 and 1 of every column;
+* ``cacheblend``: layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens
+  through each later layer;
+* ``first-k``, ``random``, ``none``, ``all``: nothing.
+
+BiCache is left out: it recomputes layers, not tokens, and selects nothing.
+"""
+
+from __future__ import annotations
+
+from acache.affix.selectors import anchor_count
+from acache.affix.selectors.cacheblend import carried_counts
+
+FREE = ("first-k", "random", "none", "all")
+
+
+def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+    """Token-layer passes of choosing the anchors of one request: a ``canvas``-column request whose affixes
+    have ``affixes`` tokens each, on a ``layers``-layer model."""
+    other = canvas - sum(affixes)
+    if policy in FREE:
+        return 0
+    if policy in ("attention", "query-attention"):
+        return canvas * layers if policy == "attention" and query == "full" else other * layers
+    if policy == "kv-deviation":
+        return canvas * layers
+    if policy == "attention-deviation":
+        return other * layers + canvas * min(2, layers)
+    if policy == "cacheblend":
+        plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1)) for n in affixes]
+        later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
+        return canvas * min(2, layers) + later
+    raise ValueError(f"no cost model for policy {policy!r}")
+
+
+def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+    """Token-layer passes of one refresh: the anchors and every non-affix column through every layer (the
+    whole canvas without the affix cache)."""
+    if policy is None:
+        return canvas * layers
+    anchors = sum(anchor_count(ratio, n, policy) for n in affixes)
+    return (canvas - sum(affixes) + anchors) * layers
+
+
+def request_passes(policy: str | None, query: str, canvas: int, affixes: list[int], layers: int,
+                   ratio: float) -> int:
+    """Selection plus the block-boundary refresh."""
+    select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio)
+    return select + refresh_passes(policy, canvas, affixes, layers, ratio)

@@ -1,0 +1,37 @@
+"""The cost model of the study: each selector's passes from its definition, on the mean qa1 request."""
+
+from __future__ import annotations
+
+import pytest
+
+from acache_lab.eval.cost import refresh_passes, request_passes, selection_passes
+
+# a 48-column canvas: an affix of 38 tokens, 8 other prompt tokens, 2 masks; 4 layers; k = ceil(0.2 * 38) = 8
+CANVAS, AFFIX, LAYERS, RATIO = 48, [38], 4, 0.2
+
+
+@pytest.mark.parametrize("policy, query, passes", [
+    ("attention", "probe", 10 * 4),
+    ("query-attention", "probe", 10 * 4),
+    ("attention", "full", 48 * 4),
+    ("kv-deviation", "probe", 48 * 4),
+    ("attention-deviation", "probe", 10 * 4 + 48 * 2),
+    ("cacheblend", "probe", 48 * 2 + (10 + 16) + (10 + 12)),  # carries 16, then 12, keeps 8
+    ("first-k", "probe", 0), ("random", "probe", 0), ("none", "probe", 0), ("all", "probe", 0),
+])
+def test_selection_passes(policy, query, passes):
+    assert selection_passes(policy, query, CANVAS, AFFIX, LAYERS, RATIO) == passes
+
+
+def test_refresh_and_request_passes():
+    assert refresh_passes("attention", CANVAS, AFFIX, LAYERS, RATIO) == (10 + 8) * 4
+    assert refresh_passes("none", CANVAS, AFFIX, LAYERS, RATIO) == 10 * 4
+    assert refresh_passes("all", CANVAS, AFFIX, LAYERS, RATIO) == refresh_passes(None, CANVAS, AFFIX, LAYERS, 0.0)
+    assert request_passes(None, "probe", CANVAS, AFFIX, LAYERS, 0.0) == 48 * 4
+    assert request_passes("cacheblend", "probe", CANVAS, [20, 18], LAYERS, 0.5) == (
+        48 * 2 + (10 + 20 + 18) + (10 + 15 + 14) + (10 + 10 + 9) * 4)
+
+
+def test_unknown_policy_is_named():
+    with pytest.raises(ValueError, match="no cost model for policy 'bicache-matched'"):
+        selection_passes("bicache-matched", "probe", CANVAS, AFFIX, LAYERS, RATIO)
