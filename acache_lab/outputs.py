@@ -18,11 +18,11 @@ def tracked_files(path: str | Path) -> list[str]:
     while not anchor.exists():
         anchor = anchor.parent
     try:
-        done = subprocess.run(["git", "ls-files", "--", str(path)], cwd=anchor, capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        done = subprocess.run(["git", "ls-files", "-z", "--", str(path)], cwd=anchor, capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):  # no git: nothing can be known to be tracked
         return []
-    return done.stdout.split() if done.returncode == 0 else []
+    return [name for name in done.stdout.split("\0") if name] if done.returncode == 0 else []
 
 
 def refuse_tracked(paths: Iterable[str | Path | None], overwrite: bool) -> None:

@@ -99,3 +99,16 @@ def test_bad_top_k_and_empty_continuation(family_model):
         token_logprobs(family_model, [1, 2, 3], 1, 2, torch.Generator(), top_k=-1)
     with pytest.raises(ValueError, match="continuation is empty"):
         continuation_logprob(family_model, [1, 2], [], 2, torch.Generator())
+
+
+def test_a_set_cancel_event_stops_scoring(family_model):
+    import threading
+
+    from acache.scoring import ScoringCancelled
+
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(ScoringCancelled):
+        split_estimates(family_model, [1, 2, 3, 4], [1, 2], 3, torch.Generator(), cancel=cancel)
+    with pytest.raises(ScoringCancelled):
+        token_logprobs(family_model, [1, 2, 3, 4], 1, 3, torch.Generator(), top_k=2, cancel=cancel)

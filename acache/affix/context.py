@@ -68,6 +68,16 @@ class CanvasKV:
             kv.mask = kv.mask & valid
         return kv
 
+    def gather_layer(self, index: torch.Tensor, valid: torch.Tensor, layer: int) -> KVCache:
+        """Like :meth:`gather`, for a forward that runs ``layer`` alone: only that layer is gathered (every
+        entry of the result is it; a forward reads the entry at its own layer index)."""
+        expanded = index[:, :, None, None].expand(-1, -1, *self.keys[layer].shape[2:])
+        keys = torch.gather(self.keys[layer], 1, expanded)
+        values = torch.gather(self.values[layer], 1, expanded)
+        n = len(self.keys)
+        return KVCache([keys] * n, [values] * n, torch.gather(self.positions, 1, index),
+                       torch.gather(self.valid, 1, index) & valid)
+
     def scatter(self, index: torch.Tensor, kv: KVCache, layers: range | None = None) -> None:
         """Writes ``kv`` (one entry per layer of ``layers``) into columns ``index [B, F]``."""
         layers = layers if layers is not None else range(len(self.keys))
@@ -142,7 +152,7 @@ class SelectionContext:
         t = self.canvas.total
         if self.model.config.num_layers < 2:
             return torch.zeros(self.canvas.tokens.shape, dtype=torch.float32, device=self.canvas.tokens.device)
-        kv = self.first_layers().kv
+        kv = self._full.kv if self._full is not None else self.first_layers().kv  # a full forward holds layer 1
         return kv_deviation(kv.keys[1], kv.values[1], self.kv.keys[1][:, :t], self.kv.values[1][:, :t])
 
     def attention_mass(self, queries: list[torch.Tensor], q_cols: torch.Tensor,

@@ -15,7 +15,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
+    """A special token's text, whether the config stores it as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
     return value
@@ -35,8 +36,8 @@ class Tokenizer:
         if isinstance(template, list):
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token = token_text(self.config.get("bos_token"))
+        self.eos_token = token_text(self.config.get("eos_token"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
+from acache.models.tokenizer import token_text
 from acache.policies import AFFIX_POLICIES
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
@@ -102,8 +106,13 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
                affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES) -> FastAPI:
+    if isinstance(loglikelihood_samples, bool) or not isinstance(loglikelihood_samples, int) \
+            or loglikelihood_samples <= 0:
+        raise ValueError(f"loglikelihood_samples must be a positive integer, got {loglikelihood_samples!r}")
     engine = AsyncEngine(llm.engine)
     scorer = Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock)
+    # one scoring job at a time, on its own thread: it never starves the shared pool the handlers use
+    score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
     registry = AffixRegistry(affix_registry_bytes)
     affixer = AutoAffixer(llm, min_document_tokens)
     counters: Counter[str] = Counter()
@@ -113,6 +122,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         try:
             yield
         finally:
+            score_pool.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()
             if affix_cache_dir is not None:
                 saved = save_affixes()
@@ -207,14 +217,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         """What a remote client needs to tokenize as the server does (lm-eval's ``tokenizer_backend=remote``)."""
         tok = llm.tokenizer
         return {"tokenizer_class": "acache.Tokenizer", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                "pad_token": tok.config.get("pad_token"), "chat_template": tok.chat_template,
+                "pad_token": token_text(tok.config.get("pad_token")), "chat_template": tok.chat_template,
                 "model_max_length": llm.max_model_len, "vocab_size": llm.config.vocab_size}
 
     def save_affixes() -> int:
@@ -341,12 +351,15 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 out = await until_disconnect(request, final_output(p, params))
                 cut = final_text(out, body)
                 finish = finish_reason(out, params, cut, body.max_tokens)
-            echoed = (texts[i] if isinstance(texts[i], str) else llm.tokenizer.decode(texts[i])) if body.echo else ""
+            echoed = ""
+            if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
+                echoed = llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(texts[i], str) \
+                    else texts[i]
             logprobs = None
             if body.logprobs is not None:
-                logprobs = await until_disconnect(request, asyncio.to_thread(
-                    scorer.completion, p.token_ids, scored_tokens(out, cut, body.max_tokens), bool(body.echo),
-                    body.logprobs, body.seed, body.mc_samples))
+                logprobs = await scoring(request, scorer.completion, p.token_ids,
+                                         scored_tokens(out, cut, body.max_tokens), bool(body.echo), body.logprobs,
+                                         body.seed, body.mc_samples)
             choices.append({"index": i, "text": echoed + cut.text, "logprobs": logprobs, "token_ids": cut.token_ids,
                             "finish_reason": finish})
             usage["prompt_tokens"] += len(p.token_ids)
@@ -370,17 +383,17 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                  "registered as messages")
             messages = registered + messages
             registered_count = len(registered)
-        reuse = body.selector != "off"
-        try:
-            prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
         if body.top_logprobs and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true")
         if body.mc_samples is not None and not body.logprobs:
             raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs=true too")
         if body.logprobs and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
+        reuse = body.selector != "off"
+        try:
+            prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         params = sampling_params(body, reuse=bool(prompt.affixes))
         prompt_fits(prompt, params)
         counters["requests_total"] += 1
@@ -392,14 +405,23 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         cut = final_text(out, body)
         logprobs = None
         if body.logprobs:
-            logprobs = await until_disconnect(request, asyncio.to_thread(
-                scorer.chat, prompt.token_ids, cut.token_ids, body.top_logprobs or 0, body.seed, body.mc_samples))
+            logprobs = await scoring(request, scorer.chat, prompt.token_ids, cut.token_ids, body.top_logprobs or 0,
+                                     body.seed, body.mc_samples)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": cut.text},
                              "logprobs": logprobs, "finish_reason": finish_reason(out, params, cut, body.max_tokens),
                              "token_ids": cut.token_ids}],
                 "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
+
+    async def scoring(request: Request, fn: Callable, *args):
+        """Runs a scoring job on the scoring thread; a client that goes away stops it between two batches."""
+        cancel = threading.Event()
+        future = asyncio.get_running_loop().run_in_executor(score_pool, functools.partial(fn, *args, cancel=cancel))
+        try:
+            return await until_disconnect(request, future)
+        finally:
+            cancel.set()  # a no-op once the job is done
 
     def final_text(out, body: DiffusionFields) -> Cut:
         ids = out.token_ids[:body.max_tokens] if body.max_tokens is not None else out.token_ids

@@ -10,6 +10,7 @@ the prompt | what precedes it)``; the generated tokens follow, whose values add 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -28,16 +29,17 @@ class Scorer:
         self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
 
     def score(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
-              samples: int | None) -> TokenLogprobs:
+              samples: int | None, cancel: threading.Event | None = None) -> TokenLogprobs:
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
         return token_logprobs(self.model, token_ids, start, samples or self.samples, generator, top_k,
-                              lock=self.lock)
+                              lock=self.lock, cancel=cancel)
 
     def piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's own text, special tokens included (an EOS is reported as itself, not as nothing)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
-                   seed: int | None, samples: int | None) -> dict:
+                   seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> dict:
         """The completions ``logprobs`` object over the echoed prompt (if ``echo``) and the generated tokens."""
         tokens: list[int] = []
         values: list[float | None] = []
@@ -47,25 +49,26 @@ class Scorer:
             values.append(None)
             tops.append(None)
             if len(prompt_ids) > 1:
-                scored = self.score(prompt_ids, 1, top_k, seed, samples)
+                scored = self.score(prompt_ids, 1, top_k, seed, samples, cancel)
                 values += scored.values
                 tops += [self._named(t) for t in scored.top]
         if generated:
-            scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples)
+            scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples, cancel)
             tokens += list(generated)
             values += scored.values
             tops += [self._named(t) for t in scored.top]
         pieces = [self.piece(t) for t in tokens]
-        offsets = [len(self.tokenizer.decode(tokens[:i + 1])) - len(pieces[i]) for i in range(len(tokens))]
+        offsets = [len(self.tokenizer.decode(tokens[:i + 1], skip_special_tokens=False)) - len(pieces[i])
+                   for i in range(len(tokens))]
         return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops if top_k else None,
                 "text_offset": offsets}
 
     def chat(self, prompt_ids: Sequence[int], generated: Sequence[int], top_k: int, seed: int | None,
-             samples: int | None) -> dict:
+             samples: int | None, cancel: threading.Event | None = None) -> dict:
         """The chat ``logprobs`` object: one entry a generated token."""
         if not generated:
             return {"content": []}
-        scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples)
+        scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples, cancel)
         content = []
         for token, value, top in zip(generated, scored.values, scored.top, strict=True):
             piece = self.piece(token)

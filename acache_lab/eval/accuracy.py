@@ -95,6 +95,8 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
                                label="direct reuse" if ref == "none" else "full recompute")
             for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
                 pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
+                if not pts:  # BiCache: no token count to cost
+                    continue
                 ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
                         linewidth=2.2 if sel in ("attention", "attention-deviation") else 1.0, label=sel)
             ax.set_title(f"{task} — {layout}")

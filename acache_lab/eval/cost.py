@@ -28,13 +28,16 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     other = canvas - sum(affixes)
     if policy in FREE:
         return 0
-    if policy in ("attention", "query-attention"):
-        return canvas * layers if policy == "attention" and query == "full" else other * layers
-    if policy == "kv-deviation":
+    full_queries = query == "full" and policy in ("attention", "attention-deviation")
+    if policy == "kv-deviation" or full_queries:  # a full forward (which holds layer 1's K/V too)
         return canvas * layers
+    if policy in ("attention", "query-attention"):
+        return other * layers
     if policy == "attention-deviation":
         return other * layers + canvas * min(2, layers)
     if policy == "cacheblend":
+        if layers < 2:  # nothing to measure: no forward runs
+            return 0
         plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1)) for n in affixes]
         later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
         return canvas * min(2, layers) + later

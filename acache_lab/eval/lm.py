@@ -133,8 +133,9 @@ def markdown(results: dict, model: str, samples: int, limit: int, seconds: float
         value = row.get(f"{metric},none")
         err = row.get(f"{metric}_stderr,none")
         chance = f"{CHANCE[task]:.3f}" if task in CHANCE else "—"
-        err_text = f"{err:.3f}" if isinstance(err, float) else "—"
-        lines.append(f"| {task} | {LM_TASKS[task][1]} | {metric} | {value:.3f} | {err_text} | {chance} |")
+        value_text = f"{value:.3f}" if isinstance(value, (int, float)) else "—"
+        err_text = f"{err:.3f}" if isinstance(err, (int, float)) else "—"
+        lines.append(f"| {task} | {LM_TASKS[task][1]} | {metric} | {value_text} | {err_text} | {chance} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,9 +168,10 @@ def main(args) -> int:
     try:
         if args.base_url is None:
             print(f"starting acache serve {model} on {base} ...", file=sys.stderr, flush=True)
+            server_env = {k: v for k, v in os.environ.items() if k != "ACACHE_API_KEY"}  # lm-eval sends no key
             proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", model, "--port", str(args.port),
                                      "--served-model-name", "acache", "--loglikelihood-samples",
-                                     str(args.samples), "--log-level", "warning"])
+                                     str(args.samples), "--log-level", "warning"], env=server_env)
         try:
             _wait_healthy(base, proc)
         except RuntimeError as exc:
@@ -185,7 +187,11 @@ def main(args) -> int:
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     results = read_results(out / "results")
     table = markdown(results, model if args.model else "models/acache-tiny", args.samples, args.limit,
                      time.time() - started)
@@ -212,12 +218,12 @@ def variance_study(model_dir: str, samples: list[int], seeds: int, documents: in
     from acache.scoring import bound_draws, continuation_logprob
 
     llm = LLM(model_dir)
-    encode = llm.tokenizer.encode
+    encode = llm.inputs.encode_text
     records = task_records("acache_arith_mc", documents, seed=0)
     contexts = [encode(f"story : {r['story']} question : {r['question']} answer :") for r in records]
     sigmas = []
     for ctx, r in zip(tqdm(contexts, desc="one-draw spread", unit="doc"), records, strict=True):
-        ids = ctx + encode(r["choices"][r["label"]])
+        ids = ctx + encode(" " + r["choices"][r["label"]])  # lm-eval's target delimiter
         one, _ = bound_draws(llm.model, ids, [len(ctx)], draws, torch.Generator().manual_seed(10_000), 256)
         sigmas.append(float(one.std()))
     picks_at: dict[int, list[list[int]]] = {}
@@ -226,7 +232,7 @@ def variance_study(model_dir: str, samples: list[int], seeds: int, documents: in
         picks_at[n] = []
         for ctx, r in zip(contexts, records, strict=True):
             bar.update(1)
-            per_seed = [[continuation_logprob(llm.model, ctx, encode(c), n, torch.Generator().manual_seed(s))
+            per_seed = [[continuation_logprob(llm.model, ctx, encode(" " + c), n, torch.Generator().manual_seed(s))
                          for c in r["choices"]] for s in range(seeds)]
             picks_at[n].append([max(range(len(scores)), key=scores.__getitem__) for scores in per_seed])
     bar.close()

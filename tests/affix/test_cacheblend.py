@@ -86,9 +86,10 @@ def test_gradual_filtering_matches_the_naive_loop(deep_model, position, ratio):
     assert len(want) == sum(math.ceil(ratio * s.length - 1e-9) for s in prompt.affixes)
 
 
-def test_a_batch_selects_as_each_request_alone(deep_model):
+@pytest.mark.parametrize("ratios", [[0.2, 0.5, 0.1, 0.3], [0.5, 0.6, 0.5, 0.7], [0.4, 0.4, 0.9, 0.45]])
+def test_a_batch_selects_as_each_request_alone(deep_model, ratios):
+    """Rows of different lengths are padded on the left; the suffix row's last column is an affix token."""
     prompts = list(layouts(affix_len=14, question_len=4).values())
-    ratios = [0.2, 0.5, 0.1, 0.3]
     store = AffixStore(deep_model)
     with torch.inference_mode():
         ctx = selection_context(deep_model, prompts, 6, store)

@@ -98,8 +98,9 @@ def test_generated_tokens_logprobs(setup):
     choice = out["choices"][0]
     assert choice["text"] == "kitchen"
     lp = choice["logprobs"]
-    # the EOS that ended the answer is reported too (its text is empty), as lm-eval expects
-    assert lp["tokens"] == ["kitchen", ""] and all(len(t) == 2 for t in lp["top_logprobs"])
+    # the EOS that ended the answer is reported too, as itself, as lm-eval expects
+    eos = llm.tokenizer.decode([llm.config.eos_token_id], skip_special_tokens=False)
+    assert lp["tokens"] == ["kitchen", eos] and eos and all(len(t) == 2 for t in lp["top_logprobs"])
     ctx = llm.tokenizer.encode(STORY)
     want = continuation_logprob(llm.model, ctx, choice["token_ids"] + [llm.config.eos_token_id], SAMPLES,
                                 torch.Generator().manual_seed(3))
@@ -187,3 +188,17 @@ def test_tokenizer_endpoints_a_remote_client_uses(setup):
                           ({"tokens": [1], "model": "other"}, "not served here")]:
         status, out = post(client, "/detokenize", body)
         assert status == 400 and message in out["error"]["message"], out
+
+
+def test_echo_with_a_registered_affix_echoes_what_it_scores(setup):
+    client, llm = setup
+    story = "story : mary moved to the kitchen . john went to the garden ."
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    status, out = post(client, "/v1/completions", {"prompt": " question : where is john ? answer :", "affix": affix,
+                                                   "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, out
+    choice = out["choices"][0]
+    want = llm.tokenizer.encode(story) + llm.tokenizer.encode(" question : where is john ? answer :")
+    assert len(choice["logprobs"]["token_logprobs"]) == len(want)
+    assert choice["text"] == llm.tokenizer.decode(want) and choice["text"].startswith("story :")
+    assert isinstance(client.get("/tokenizer_info").json()["pad_token"], str)

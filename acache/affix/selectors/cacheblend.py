@@ -63,15 +63,16 @@ class CacheBlendAnchors(AnchorSelector):
             cached, cached_valid = compact_index(affix & ~carried, fill=t)
             at = fed.clamp_max(t - 1)
             step = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)),
-                                    c.positions.gather(1, at), fed_valid, ctx.kv.gather(cached, cached_valid),
+                                    c.positions.gather(1, at), fed_valid,
+                                    ctx.kv.gather_layer(cached, cached_valid, layer),
                                     range(layer, layer + 1), return_kv=True)
             hidden = hidden.scatter(1, fed[..., None].expand(-1, -1, width), step.hidden)
-            dev = torch.zeros(b, t, dtype=torch.float32, device=c.tokens.device)
             fresh = kv_deviation(step.kv.keys[0], step.kv.values[0],
-                              ctx.kv.keys[layer].gather(1, at[..., None, None].expand_as(step.kv.keys[0])),
-                              ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0])))
-            dev.scatter_(1, at, torch.where(fed_valid, fresh, torch.zeros_like(fresh)))
-            carried = self._keep(ctx, dev, carried, plan, layer - 1)
+                                 ctx.kv.keys[layer].gather(1, at[..., None, None].expand_as(step.kv.keys[0])),
+                                 ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0])))
+            # padded entries land in the trash column t, never on a real one
+            dev = torch.zeros(b, t + 1, dtype=torch.float32, device=c.tokens.device).scatter_(1, fed, fresh)
+            carried = self._keep(ctx, dev[:, :t], carried, plan, layer - 1)
         return carried
 
     @staticmethod
