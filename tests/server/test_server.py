@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -273,3 +274,28 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
     conn.close()
     assert wait_until(lambda: metric(server, "requests_aborted_total") == aborted + 1, 30)
     assert wait_until(lambda: metric(server, "requests_running") == 0, 10)
+
+
+def test_a_scoring_client_that_disconnects_stops_its_scoring(server):
+    """Scoring runs one job at a time: had the abandoned job (about 200k forward rows) gone on, the short
+    job after it would wait a minute or more; stopped at its next batch, it lets the short one through."""
+    def abandoned_count() -> float:  # a server counter appears on its first increment
+        _, text = raw(server, "GET", "/metrics")
+        return next((float(line.split()[1]) for line in text.splitlines()
+                     if line.startswith("acache_requests_abandoned_total ")), 0.0)
+
+    abandoned = abandoned_count()
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=120)
+    long_body = json.dumps({"prompt": list(range(5, 255)), "max_tokens": 0, "echo": True, "logprobs": 0,
+                            "mc_samples": 1024})
+    conn.request("POST", "/v1/completions", body=long_body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    time.sleep(1.5)  # the long job is scoring
+    conn.sock.close()
+    conn.close()
+    assert wait_until(lambda: abandoned_count() == abandoned + 1, 30)
+    started = time.monotonic()
+    status, text = raw(server, "POST", "/v1/completions", json.dumps(
+        {"prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True, "logprobs": 0, "mc_samples": 1}).encode())
+    assert status == 200 and len(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    assert time.monotonic() - started < 20
