@@ -155,6 +155,29 @@ class SelectionContext:
         kv = self._full.kv if self._full is not None else self.first_layers().kv  # a full forward holds layer 1
         return kv_deviation(kv.keys[1], kv.values[1], self.kv.keys[1][:, :t], self.kv.values[1][:, :t])
 
+    def stale_deviation(self, candidates: torch.Tensor) -> torch.Tensor:
+        """``[B, T]``: the layer-1 deviation of the ``candidates`` columns alone (zero elsewhere), equal to
+        :meth:`first_stale_deviation` there at a fraction of its cost. Layer 0's K/V are context-free, so the
+        candidates and the non-affix columns run layers 0 and 1 against the other affix tokens' cached K/V
+        and get their exact layer-0 outputs; a token's layer-1 K/V depend on nothing else."""
+        c, model = self.canvas, self.model
+        t = c.total
+        if model.config.num_layers < 2:
+            return torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
+        if self._full is not None or self._first_layers is not None:  # already known for every column
+            return self.first_stale_deviation() * candidates
+        affix = self.affix_mask & c.valid
+        fed, fed_valid = compact_index(c.valid & (~affix | candidates), fill=t)
+        cached, cached_valid = compact_index(affix & ~candidates, fill=t)
+        at = fed.clamp_max(t - 1)
+        out = model.run_layers(model.embed(c.tokens.gather(1, at)), c.positions.gather(1, at), fed_valid,
+                               self.kv.gather(cached, cached_valid), range(0, 2), return_kv=True)
+        index = at[..., None, None].expand_as(out.kv.keys[1])
+        fresh = kv_deviation(out.kv.keys[1], out.kv.values[1], self.kv.keys[1].gather(1, index),
+                             self.kv.values[1].gather(1, index))
+        dev = torch.zeros(c.tokens.shape[0], t + 1, dtype=torch.float32, device=c.tokens.device)
+        return dev.scatter_(1, fed, fresh)[:, :t] * candidates
+
     def attention_mass(self, queries: list[torch.Tensor], q_cols: torch.Tensor,
                        q_valid: torch.Tensor) -> torch.Tensor:
         """``I(j) = sum_{l,h,i} softmax_{j in affix}(q_{l,h,i} . k_{l,h,j} / sqrt(d))`` for every column.

@@ -6,7 +6,8 @@ every policy (left out, being equal). Selection is counted from each selector's 
 
 * ``attention``, ``query-attention``: the probe, every non-affix column through every layer;
 * ``attention`` with full queries, ``kv-deviation``: a full forward of the canvas;
-* ``attention-deviation``: the probe plus layers 0 and 1 of every column;
+* ``attention-deviation``: the probe, then layers 0 and 1 of the non-affix columns and of its ``min(n, 2k)``
+  candidates an affix;
 * ``cacheblend``: layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens
   through each later layer;
 * ``first-k``, ``random``, ``none``, ``all``: nothing.
@@ -34,7 +35,8 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     if policy in ("attention", "query-attention"):
         return other * layers
     if policy == "attention-deviation":
-        return other * layers + canvas * min(2, layers)
+        candidates = sum(min(n, 2 * anchor_count(ratio, n, policy)) for n in affixes)
+        return other * layers + (other + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0

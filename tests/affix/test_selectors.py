@@ -168,9 +168,9 @@ def test_selector_registry():
 
 
 def test_attention_deviation_reads_what_is_both_read_and_stale():
-    """Mask 5 reads affix column 0, mask 6 column 1; column 2 is the stalest but unread. The product of the
-    attention mass (1, 1, 0) and the layer-1 deviation (1, 3, 10) keeps column 1: attention alone ties 0
-    and 1, deviation alone would keep column 2."""
+    """Mask 5 reads affix column 0, mask 6 column 1; column 2 is the stalest but unread. With k = 1 the
+    candidates are the 2 most attended (columns 0 and 1); the product of their attention mass (1, 1) and
+    layer-1 deviation (1, 3) keeps column 1: attention alone ties 0 and 1, deviation alone would keep 2."""
     ctx = hand_context(layers=2)  # canvas: affix 0-2, question 3-4, masks 5-6
     for col, dim in ((0, 1), (1, 2), (2, 3)):
         ctx.kv.keys[0][0, col, 0] = unit(dim, 1.0)
@@ -185,6 +185,19 @@ def test_attention_deviation_reads_what_is_both_read_and_stale():
     ctx._first_layers = ForwardOutput(hidden=torch.zeros(1, t, 8),
                                       kv=KVCache(keys, values, ctx.canvas.positions, ctx.canvas.valid))
     assert ctx.first_stale_deviation()[0, :3].tolist() == pytest.approx([1.0, 3.0, 10.0])
-    scores = make_selector("attention-deviation").scores(ctx)[0]
-    assert scores[:3].tolist() == pytest.approx([1.0, 3.0, 0.0], abs=1e-3)
     assert make_selector("attention-deviation").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [1]
+    # at k = 2 every column is a candidate, and the two largest products (3 and 1) win over the unread one
+    assert make_selector("attention-deviation").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [0, 1]
+
+
+def test_candidate_deviation_equals_the_full_pass_there(family_model):
+    """Layers 0-1 of the candidates and non-affix tokens alone give the candidates' exact layer-1 deviation."""
+    prompts = list(layouts(affix_len=12, question_len=4).values())
+    with torch.inference_mode():
+        ctx = selection_context(family_model, prompts, 4)
+        gen = torch.Generator().manual_seed(3)
+        candidates = ctx.affix_mask & (torch.rand(ctx.affix_mask.shape, generator=gen) < 0.4)
+        got = ctx.stale_deviation(candidates)
+        dense = selection_context(family_model, prompts, 4).first_stale_deviation()
+    assert candidates.any() and not got[~candidates].any()
+    assert torch.allclose(got[candidates], dense[candidates], rtol=1e-4, atol=1e-4)

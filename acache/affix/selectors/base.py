@@ -22,6 +22,14 @@ def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
+def keep_most(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` candidates (a ``[T]`` mask) with the highest scores; ties go to the earlier column."""
+    order = torch.sort(torch.where(candidates, scores, float("-inf")), descending=True, stable=True).indices
+    kept = torch.zeros_like(candidates)
+    kept[order[:count]] = True
+    return kept & candidates
+
+
 class AnchorSelector:
     """Chooses which affix tokens a request recomputes. Subclasses define :meth:`scores`."""
 

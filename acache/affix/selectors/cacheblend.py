@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index, kv_deviation
-from acache.affix.selectors.base import AnchorSelector, anchor_count
+from acache.affix.selectors.base import AnchorSelector, anchor_count, keep_most
 
 
 def carried_counts(k: int, n: int, steps: int) -> list[int]:
@@ -26,14 +26,6 @@ def carried_counts(k: int, n: int, steps: int) -> list[int]:
     if steps <= 1:
         return [k] * max(steps, 0)
     return [round(k + (start - k) * (steps - 1 - s) / (steps - 1)) for s in range(steps)]
-
-
-def keep_most(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` candidates (a ``[T]`` mask) with the highest scores; ties go to the earlier column."""
-    order = torch.sort(torch.where(candidates, scores, float("-inf")), descending=True, stable=True).indices
-    kept = torch.zeros_like(candidates)
-    kept[order[:count]] = True
-    return kept & candidates
 
 
 class CacheBlendAnchors(AnchorSelector):

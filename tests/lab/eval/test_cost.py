@@ -15,7 +15,8 @@ CANVAS, AFFIX, LAYERS, RATIO = 48, [38], 4, 0.2
     ("query-attention", "probe", 10 * 4),
     ("attention", "full", 48 * 4),
     ("kv-deviation", "probe", 48 * 4),
-    ("attention-deviation", "probe", 10 * 4 + 48 * 2),
+    ("attention-deviation", "probe", 10 * 4 + (10 + 16) * 2),  # its 2k = 16 candidates
+    ("attention-deviation", "full", 48 * 4),
     ("cacheblend", "probe", 48 * 2 + (10 + 16) + (10 + 12)),  # carries 16, then 12, keeps 8
     ("first-k", "probe", 0), ("random", "probe", 0), ("none", "probe", 0), ("all", "probe", 0),
 ])
