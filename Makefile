@@ -34,8 +34,8 @@ test-long: install
 		tests/server/test_app.py
 
 # lm-evaluation-harness (installed here as the lmeval extra) against a started `acache serve`, on the shipped
-# model's own tasks: two generate-until, two multiple-choice through echo+logprobs (docs/lm_eval.md; 26
-# minutes on 2 CPU cores that other jobs shared)
+# model's own tasks: two generate-until, two multiple-choice through echo+logprobs (docs/lm_eval.md; 19
+# minutes on 2 CPU cores that another job shared)
 eval-lm: install
 	$(PY) -m pip install -q -e '.[lmeval]'
 	$(VENV)/bin/acache eval lm --model $(MODEL) --limit 50 --out build/lm_eval
