@@ -71,9 +71,9 @@ def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, r
     return sum(shares) / len(shares)
 
 
-def plot_compute(cells: list[Cell], path: str | Path) -> bool:
-    """Accuracy against what each policy spends (selection plus the refresh, in full forwards of the
-    canvas), a line per selector over its ratios: "recovers more at the same cost" reads left-to-right."""
+def _panels(cells: list[Cell], path: str | Path, draw, xlabel: str) -> bool:
+    """A panel per task (row) and layout (column), each drawn by ``draw(ax, its cells)``; False without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -88,19 +88,9 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
     for i, task in enumerate(tasks):
         for j, layout in enumerate(layouts):
             ax = axes[i][j]
-            mine = [c for c in cells if c.task == task and c.layout == layout and c.compute is not None]
-            for ref, marker in (("none", "x"), ("full", "s")):
-                for c in (c for c in mine if c.selector == ref):
-                    ax.scatter([c.compute], [100 * c.accuracy], marker=marker, color="black", zorder=3,
-                               label="direct reuse" if ref == "none" else "full recompute")
-            for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
-                pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
-                if not pts:  # BiCache: no token count to cost
-                    continue
-                ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
-                        linewidth=2.2 if sel in ("attention", "attention-deviation") else 1.0, label=sel)
+            draw(ax, [c for c in cells if c.task == task and c.layout == layout])
             ax.set_title(f"{task} — {layout}")
-            ax.set_xlabel("selection + refresh (full forwards)")
+            ax.set_xlabel(xlabel)
             if j == 0:
                 ax.set_ylabel("exact match (%)")
             ax.set_ylim(-2, 102)
@@ -113,48 +103,41 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
     return True
 
 
+def plot_compute(cells: list[Cell], path: str | Path) -> bool:
+    """Accuracy against what each policy spends (selection plus the refresh, in full forwards of the
+    canvas), a line per selector over its ratios: "recovers more at the same cost" reads left-to-right."""
+    def draw(ax, mine: list[Cell]) -> None:
+        mine = [c for c in mine if c.compute is not None]
+        for ref, marker in (("none", "x"), ("full", "s")):
+            for c in (c for c in mine if c.selector == ref):
+                ax.scatter([c.compute], [100 * c.accuracy], marker=marker, color="black", zorder=3,
+                           label="direct reuse" if ref == "none" else "full recompute")
+        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+            pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
+            if pts:  # BiCache has no token count to cost
+                ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
+                        linewidth=2.2 if sel in ("attention", "attention-deviation") else 1.0, label=sel)
+
+    return _panels(cells, path, draw, "selection + refresh (full forwards)")
+
+
 def plot_sweep(cells: list[Cell], path: str | Path) -> bool:
     """Accuracy against anchor ratio: a row per task, a panel per layout, 95% intervals as error bars,
     direct reuse and full recomputation as reference lines."""
-    try:
-        import matplotlib
+    def draw(ax, mine: list[Cell]) -> None:
+        for ref, style in (("none", ":"), ("full", "--")):
+            for c in (c for c in mine if c.selector == ref):
+                ax.axhline(100 * c.accuracy, color="grey", linestyle=style,
+                           label="direct reuse" if ref == "none" else "full recompute")
+        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+            pts = sorted((c for c in mine if c.selector == sel), key=lambda c: c.ratio)
+            err = [[100 * (c.accuracy - c.interval[0]) for c in pts], [100 * (c.interval[1] - c.accuracy)
+                                                                       for c in pts]]
+            ax.errorbar([c.ratio for c in pts], [100 * c.accuracy for c in pts], yerr=err, marker="o", ms=3,
+                        capsize=2, linewidth=2.2 if sel == "attention" else 1.0,
+                        label="ACache (attention)" if sel == "attention" else sel)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    tasks = list(dict.fromkeys(c.task for c in cells))
-    layouts = list(dict.fromkeys(c.layout for c in cells))
-    fig, axes = plt.subplots(len(tasks), len(layouts), figsize=(4.2 * len(layouts), 3.2 * len(tasks)),
-                             squeeze=False, sharey=True)
-    for i, task in enumerate(tasks):
-        for j, layout in enumerate(layouts):
-            ax = axes[i][j]
-            mine = [c for c in cells if c.task == task and c.layout == layout]
-            for ref, style in (("none", ":"), ("full", "--")):
-                for c in (c for c in mine if c.selector == ref):
-                    ax.axhline(100 * c.accuracy, color="grey", linestyle=style,
-                               label="direct reuse" if ref == "none" else "full recompute")
-            for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
-                pts = sorted((c for c in mine if c.selector == sel), key=lambda c: c.ratio)
-                ys = [100 * c.accuracy for c in pts]
-                err = [[100 * (c.accuracy - c.interval[0]) for c in pts], [100 * (c.interval[1] - c.accuracy)
-                                                                           for c in pts]]
-                ax.errorbar([c.ratio for c in pts], ys, yerr=err, marker="o", ms=3, capsize=2,
-                            linewidth=2.2 if sel == "attention" else 1.0,
-                            label="ACache (attention)" if sel == "attention" else sel)
-            ax.set_title(f"{task} — {layout}")
-            ax.set_xlabel("anchor ratio")
-            if j == 0:
-                ax.set_ylabel("exact match (%)")
-            ax.set_ylim(-2, 102)
-            ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _panels(cells, path, draw, "anchor ratio")
 
 
 def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
