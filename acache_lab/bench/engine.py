@@ -26,6 +26,7 @@ from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.sampling_params import SamplingParams
 from acache_lab.bench.decode import random_model
+from acache_lab.bench.flops import FlopCounter, matmul_peak
 
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
@@ -70,6 +71,11 @@ class ModeResult:
     selection_time_s: float
     peak_kv_pages: int
     peak_kv_bytes: int
+    model_flops: int = 0  # useful model arithmetic of the run (acache_lab.bench.flops)
+
+    @property
+    def model_flops_per_s(self) -> float:
+        return self.model_flops / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
 
 @dataclass
@@ -154,17 +160,18 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
         shared, _ = engine.affixes.acquire(ids, "shots")
         engine.affixes.release(shared)
     engine.reset_metrics()
-    start = time.perf_counter()
-    for p, sp in zip(prompts, params, strict=True):
-        engine.add_request(p, sp)
-    while engine.has_unfinished():
-        engine.step()
-    wall = time.perf_counter() - start
+    with FlopCounter(model) as counter:
+        start = time.perf_counter()
+        for p, sp in zip(prompts, params, strict=True):
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            engine.step()
+        wall = time.perf_counter() - start
     s = engine.summary()
     decoded = sum(sp.gen_length for sp in params)
     return ModeResult(mode or ("acache" if reuse else "dual"), batch, wall, decoded,
                       decoded / wall, s["recompute_latency_total_s"], s["step_time_total_s"],
-                      s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"])
+                      s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"], counter.flops)
 
 
 def run_grouped(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int, page_size: int,
@@ -180,7 +187,7 @@ def run_grouped(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, bat
     return ModeResult("acache mixed, grouped", batch, wall, decoded, decoded / wall,
                       sum(r.recompute_latency_s for r in runs), sum(r.step_time_s for r in runs),
                       sum(r.selection_time_s for r in runs), max(r.peak_kv_pages for r in runs),
-                      max(r.peak_kv_bytes for r in runs))
+                      max(r.peak_kv_bytes for r in runs), sum(r.model_flops for r in runs))
 
 
 def median_run(runs: list[ModeResult]) -> ModeResult:
@@ -213,13 +220,15 @@ def _secs(x: float) -> str:
     return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.4f}"
 
 
-def markdown(results: list[ModeResult], comparisons: list[Comparison]) -> str:
+def markdown(results: list[ModeResult], comparisons: list[Comparison], peak_flops: float | None = None) -> str:
     lines = ["| batch | mode | wall s | tokens/s | recompute s | in-block s | selection s | peak KV pages "
-             "| peak KV MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak KV MiB | model GFLOP/s | of peak |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
+        share = f"{100 * r.model_flops_per_s / peak_flops:.1f}%" if peak_flops else "-"
         lines.append(f"| {r.batch} | {r.mode} | {_secs(r.wall_time_s)} | {r.throughput_tokens_per_s:.2f} | "
                      f"{_secs(r.recompute_latency_s)} | {_secs(r.step_time_s)} | {_secs(r.selection_time_s)} | "
-                     f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} |")
+                     f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} | {r.model_flops_per_s / 1e9:.1f} | "
+                     f"{share} |")
     lines += ["", "| batch | recompute latency (ideal) | throughput (ideal) | peak KV (ideal) "
               "| % of ideal (r / t / m) |", "|---:|---:|---:|---:|---:|"]
     for c in comparisons:
@@ -332,13 +341,17 @@ def main(args) -> int:
               f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
               f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")
-    table = markdown(results, comparisons)
+    cfg = model.config
+    peak = matmul_peak(model.dtype, device, 2048, cfg.hidden_size, cfg.intermediate_size)
+    header += (f"; machine peak {peak / 1e9:.1f} GFLOP/s ({model.dtype} matmul 2048 x {cfg.hidden_size} x "
+               f"{cfg.intermediate_size}, measured in this run)")
+    table = markdown(results, comparisons, peak)
     if mixed:
         table += "\n\n" + mixed_markdown(results[-1], *mixed)
     print(header)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"setup": header, "workload": asdict(w),
+        Path(args.json).write_text(json.dumps({"setup": header, "workload": asdict(w), "peak_flops_per_s": peak,
                                                "results": [asdict(r) for r in results],
                                                "comparisons": [asdict(c) for c in comparisons],
                                                "mixed": [asdict(r) for r in mixed]}, indent=2))
