@@ -24,7 +24,6 @@ class FlopCounter:
         self.model = model
         self.flops = 0
         self._handles: list = []
-        self._logits = None
 
     def _layer_hook(self, layer: nn.Module):
         linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
@@ -48,7 +47,6 @@ class FlopCounter:
             self.flops += vocab_flops * out.shape[:-1].numel()
             return out
 
-        self._logits = original
         self.model.logits = counted  # an instance attribute, removed on exit
         return self
 

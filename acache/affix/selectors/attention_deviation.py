@@ -20,7 +20,7 @@ import torch
 
 from acache.affix.context import SelectionContext
 from acache.affix.selectors.attention import AttentionAnchors
-from acache.affix.selectors.base import AnchorSelector, anchor_count, keep_most
+from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
 
 
 class AttentionDeviationAnchors(AnchorSelector):
@@ -33,20 +33,10 @@ class AttentionDeviationAnchors(AnchorSelector):
         raise NotImplementedError("attention-deviation scores its attention candidates only: call select()")
 
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
-        rows = ctx.affix_slot.shape[0]
-        ratios = [ratio] * rows if isinstance(ratio, (int, float)) else list(ratio)
+        sizes = affix_sizes(ctx)
+        ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
+        counts = [[anchor_count(r, n, self.name) for n in row] for r, row in zip(ratios, sizes, strict=True)]
         mass = self.attention.scores(ctx).float()
-        slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
-        counts = [[anchor_count(ratios[r], int((ctx.affix_slot[r] == s).sum()), self.name) for s in range(slots)]
-                  for r in range(rows)]
-        candidates = torch.zeros_like(ctx.affix_mask)
-        for r in range(rows):
-            for s in range(slots):
-                member = ctx.affix_slot[r] == s
-                candidates[r] |= keep_most(mass[r], member, min(int(member.sum()), 2 * counts[r][s]))
-        product = mass * ctx.stale_deviation(candidates)
-        anchors = torch.zeros_like(candidates)
-        for r in range(rows):
-            for s in range(slots):
-                anchors[r] |= keep_most(product[r], candidates[r] & (ctx.affix_slot[r] == s), counts[r][s])
-        return anchors
+        candidates = keep_per_affix(ctx, mass, ctx.affix_mask, [[min(n, 2 * k) for n, k in zip(row, ks, strict=True)]
+                                                                for row, ks in zip(sizes, counts, strict=True)])
+        return keep_per_affix(ctx, mass * ctx.stale_deviation(candidates), candidates, counts)

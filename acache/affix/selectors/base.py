@@ -30,6 +30,23 @@ def keep_most(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> tor
     return kept & candidates
 
 
+def affix_sizes(ctx: SelectionContext) -> list[list[int]]:
+    """The token count of each affix (slot) of each row."""
+    slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
+    return [[int((row == s).sum()) for s in range(slots)] for row in ctx.affix_slot]
+
+
+def keep_per_affix(ctx: SelectionContext, scores: torch.Tensor, candidates: torch.Tensor,
+                   counts: list[list[int]]) -> torch.Tensor:
+    """``[B, T]``: in each affix ``s`` of each row ``r``, the ``counts[r][s]`` candidates with the highest scores."""
+    kept = torch.zeros_like(candidates)
+    for r, row_counts in enumerate(counts):
+        for s, count in enumerate(row_counts):
+            if count:
+                kept[r] |= keep_most(scores[r], candidates[r] & (ctx.affix_slot[r] == s), count)
+    return kept
+
+
 class AnchorSelector:
     """Chooses which affix tokens a request recomputes. Subclasses define :meth:`scores`."""
 

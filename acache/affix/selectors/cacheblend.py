@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index, kv_deviation
-from acache.affix.selectors.base import AnchorSelector, anchor_count, keep_most
+from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
 
 
 def carried_counts(k: int, n: int, steps: int) -> list[int]:
@@ -39,17 +39,19 @@ class CacheBlendAnchors(AnchorSelector):
         b, t = c.tokens.shape
         ratios = [ratio] * b if isinstance(ratio, (int, float)) else list(ratio)
         layers = model.config.num_layers
-        slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
         affix = ctx.affix_mask & c.valid
-        plan = [[carried_counts(anchor_count(ratios[row], int((ctx.affix_slot[row] == s).sum()), self.name),
-                                int((ctx.affix_slot[row] == s).sum()), max(layers - 1, 1)) for s in range(slots)]
-                for row in range(b)]
+        plan = [[carried_counts(anchor_count(ratios[row], n, self.name), n, max(layers - 1, 1)) for n in sizes]
+                for row, sizes in enumerate(affix_sizes(ctx))]
+
+        def keep(scores: torch.Tensor, candidates: torch.Tensor, step: int) -> torch.Tensor:
+            return keep_per_affix(ctx, scores, candidates, [[p[step] for p in row] for row in plan])
+
         if layers < 2:  # every K/V is context-free: nothing deviates; keep the first tokens
-            return self._keep(ctx, torch.zeros(b, t, device=c.tokens.device), affix, plan, None)
+            return keep(torch.zeros(b, t, device=c.tokens.device), affix, 0)
         out = ctx.first_layers()  # layers 0 and 1 on every token, in full context
         hidden = torch.cat((out.hidden, out.hidden[:, :1]), 1)  # plus a trash column for padded writes
         width = hidden.shape[-1]
-        carried = self._keep(ctx, ctx.first_stale_deviation(), affix, plan, 0)
+        carried = keep(ctx.first_stale_deviation(), affix, 0)
         for layer in range(2, layers):
             fed, fed_valid = compact_index(c.valid & (~affix | carried), fill=t)
             cached, cached_valid = compact_index(affix & ~carried, fill=t)
@@ -64,19 +66,5 @@ class CacheBlendAnchors(AnchorSelector):
                                  ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0])))
             # padded entries land in the trash column t, never on a real one
             dev = torch.zeros(b, t + 1, dtype=torch.float32, device=c.tokens.device).scatter_(1, fed, fresh)
-            carried = self._keep(ctx, dev[:, :t], carried, plan, layer - 1)
+            carried = keep(dev[:, :t], carried, layer - 1)
         return carried
-
-    @staticmethod
-    def _keep(ctx: SelectionContext, scores: torch.Tensor, candidates: torch.Tensor, plan: list[list[list[int]]],
-              step: int | None) -> torch.Tensor:
-        """Per row and affix, the planned number of ``candidates`` with the highest ``scores`` at ``step``
-        (the last planned count when ``step`` is None)."""
-        kept = torch.zeros_like(candidates)
-        for row in range(candidates.shape[0]):
-            for slot, counts in enumerate(plan[row]):
-                member = candidates[row] & (ctx.affix_slot[row] == slot)
-                count = counts[step] if step is not None and counts else (counts[-1] if counts else 0)
-                if count:
-                    kept[row] |= keep_most(scores[row], member, count)
-        return kept
