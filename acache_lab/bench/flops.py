@@ -22,8 +22,16 @@ class FlopCounter:
 
     def __init__(self, model: DiffusionLM) -> None:
         self.model = model
-        self.flops = 0
+        self._counted = 0
+        self._pending: list[torch.Tensor] = []  # device scalars, read once: no host sync per layer call
         self._handles: list = []
+
+    @property
+    def flops(self) -> int:
+        if self._pending:
+            self._counted += int(torch.stack([p.to("cpu") for p in self._pending]).sum())
+            self._pending.clear()
+        return self._counted
 
     def _layer_hook(self, layer: nn.Module):
         linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
@@ -33,7 +41,7 @@ class FlopCounter:
             x, key_mask = args[0], args[5]
             fed = key_mask[:, -x.shape[1]:].sum(dim=1)  # the fed tokens are the key set's last columns
             keys = key_mask.sum(dim=1)
-            self.flops += int(2 * linear * fed.sum() + 4 * width * (fed * keys).sum())
+            self._pending.append(2 * linear * fed.sum() + 4 * width * (fed * keys).sum())
         return hook
 
     def __enter__(self) -> FlopCounter:
@@ -44,7 +52,7 @@ class FlopCounter:
 
         def counted(hidden, cols=None, valid=None):
             out = original(hidden, cols, valid)
-            self.flops += vocab_flops * out.shape[:-1].numel()
+            self._counted += vocab_flops * out.shape[:-1].numel()
             return out
 
         self.model.logits = counted  # an instance attribute, removed on exit
