@@ -179,7 +179,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
               page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              affix_cache_dir=cache_dir if warm else None)
+              max_affix_tokens=args.max_affix_tokens, affix_cache_dir=cache_dir if warm else None)
     if warm:
         print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA without --kv-cache-memory: the share of free GPU memory the KV pool takes")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt plus generation accepted (default: the model's context)")
+    p.add_argument("--max-affix-tokens", type=_positive_int, default=None,
+                   help="tokens the shared affixes may hold in the KV pool, least recently used out (default: "
+                        "whatever the pool has free)")
     p.add_argument("--max-request-bytes", type=parse_size, default="1MiB", help="largest request body accepted")
     p.add_argument("--min-document-tokens", type=int, default=128,
                    help="user messages at least this long are affix candidates")

@@ -29,14 +29,16 @@ class LLM:
     Shared affixes live in the engine's pool (one copy each, evicted when no request holds them);
     ``affix_cache_dir`` loads a saved affix cache into it at start. ``affix_cache_bytes`` bounds the dense
     store that keeps BiCache's affix K/V and hidden states (default 1 GiB; None: unbounded);
-    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``.
+    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``. ``max_affix_tokens`` bounds
+    the tokens the shared affixes hold in the pool (None: as much as the pool has free).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = 1 << 30,
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None) -> None:
+                 gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 max_affix_tokens: int | None = None) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.device = parse_device(device)
@@ -59,7 +61,7 @@ class LLM:
         self._next_request_id = 0
         self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
-                                          max_model_len=self.max_model_len)
+                                          max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens)
         self._engine: LLMEngine | None = None
         if affix_cache_dir is not None:
             self.engine.affixes.load(affix_cache_dir)

@@ -56,3 +56,8 @@ def family_model(family_dir):
 def random_prompts(lengths, vocab=256, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def llada_model(llada_dir):
+    return load_model(llada_dir)

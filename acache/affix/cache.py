@@ -82,6 +82,16 @@ class AffixStorage(Protocol[H]):
     def drop(self, handle: H) -> None: ...
 
 
+@dataclass(frozen=True)
+class AffixEvent:
+    """What changed in an affix cache: ``stored`` (computed or loaded) or ``evicted``, by content hash. A
+    cluster's router keeps its map of which replica holds which affix from these, not from guesses."""
+
+    kind: str
+    key: str
+    num_tokens: int
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -145,6 +155,11 @@ class AffixCache(Generic[H]):
         self.entries: OrderedDict[str, H] = OrderedDict()
         self.stats = CacheStats()
         self._fingerprint: str | None = None
+        self.listeners: list[Callable[[AffixEvent], None]] = []
+
+    def _emit(self, kind: str, handle: H) -> None:
+        for listener in self.listeners:
+            listener(AffixEvent(kind, handle.key, len(handle.token_ids)))
 
     @property
     def fingerprint(self) -> str:
@@ -197,6 +212,7 @@ class AffixCache(Generic[H]):
         stored = self.storage.put(self.compute(ids, name))
         stored.refcount = 1
         self.entries[key] = stored
+        self._emit("stored", stored)
         return stored, False
 
     def release(self, entry: H) -> None:
@@ -208,17 +224,27 @@ class AffixCache(Generic[H]):
 
     def evict_until(self, cost: int, keep: set[str] = frozenset()) -> bool:
         """Evicts unreferenced entries, least recently used first, until ``cost`` fits."""
+        return self.evict_while(lambda: not self.storage.has_room(cost), keep)
+
+    def evict_while(self, short: Callable[[], bool], keep: set[str] = frozenset()) -> bool:
+        """Evicts unreferenced entries, least recently used first, while ``short()`` says room is short;
+        True once it no longer does."""
         for key in [k for k, e in self.entries.items() if e.refcount == 0 and k not in keep]:
-            if self.storage.has_room(cost):
+            if not short():
                 break
-            self.storage.drop(self.entries.pop(key))
+            self._drop(key)
             self.stats.evictions += 1
-        return self.storage.has_room(cost)
+        return not short()
 
     def clear(self) -> None:
         """Drops every entry no request holds."""
         for key in [k for k, e in self.entries.items() if e.refcount == 0]:
-            self.storage.drop(self.entries.pop(key))
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        handle = self.entries.pop(key)
+        self.storage.drop(handle)
+        self._emit("evicted", handle)
 
     def _transient(self, entry: AffixEntry) -> AffixEntry:
         self.stats.transient += 1
@@ -322,6 +348,7 @@ class AffixCache(Generic[H]):
             if entry.key in self.entries or not self.evict_until(self.storage.cost(entry.length)):
                 continue
             self.entries[entry.key] = self.storage.put(entry)
+            self._emit("stored", entry)
             loaded += 1
         return loaded
 

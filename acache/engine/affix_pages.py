@@ -32,16 +32,20 @@ class SharedAffix:
 
 
 class PagedStorage:
-    """K/V in pages of the pool; room is free pages."""
+    """K/V in pages of the pool; room is free pages, and at most ``max_pages`` of them for affixes (None:
+    any), so that a bounded share of the pool holds shared affixes whatever the traffic."""
 
-    def __init__(self, pool: PagePool) -> None:
+    def __init__(self, pool: PagePool, max_pages: int | None = None) -> None:
         self.pool = pool
+        self.max_pages = max_pages
+        self.used = 0
 
     def cost(self, num_tokens: int) -> int:
         return self.pool.pages_for(num_tokens)
 
     def has_room(self, cost: int) -> bool:
-        return self.pool.num_free >= cost
+        capped = self.max_pages is not None and self.used + cost > self.max_pages
+        return not capped and self.pool.num_free >= cost
 
     def put(self, entry: AffixEntry) -> SharedAffix:
         pages = self.pool.allocate(self.pool.pages_for(entry.length))
@@ -53,6 +57,7 @@ class PagedStorage:
         except Exception:
             self.pool.free(pages)
             raise
+        self.used += len(pages)
         return SharedAffix(entry.key, entry.token_ids, pages, slots, name=entry.name)
 
     def read(self, handle: SharedAffix) -> AffixEntry:
@@ -60,12 +65,25 @@ class PagedStorage:
 
     def drop(self, handle: SharedAffix) -> None:
         self.pool.free(handle.pages)
+        self.used -= len(handle.pages)
 
 
 class AffixPageTable(AffixCache[SharedAffix]):
-    def __init__(self, model: DiffusionLM, pool: PagePool) -> None:
-        super().__init__(model, PagedStorage(pool), wait_when_full=True)
+    """``max_tokens`` bounds the tokens the shared affixes may hold, rounded up to whole pages (None: the
+    pool); an affix longer than that is computed with its request instead of shared."""
+
+    def __init__(self, model: DiffusionLM, pool: PagePool, max_tokens: int | None = None) -> None:
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens <= 0):
+            raise ValueError(f"max_affix_tokens must be a positive integer or None, got {max_tokens!r}")
+        max_pages = None if max_tokens is None else pool.pages_for(max_tokens)
+        super().__init__(model, PagedStorage(pool, max_pages), wait_when_full=True)
         self.pool = pool
+
+    def fits(self, num_tokens: int) -> bool:
+        """An affix of ``num_tokens`` can be shared at all under the cap."""
+        cap = self.storage.max_pages
+        return cap is None or self.pool.pages_for(num_tokens) <= cap
 
     @property
     def pages_in_use(self) -> int:

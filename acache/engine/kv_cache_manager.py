@@ -19,18 +19,23 @@ from acache.models.base import DiffusionLM
 
 
 class KVCacheManager:
-    def __init__(self, model: DiffusionLM, pool: PagePool, store: AffixStore | None = None) -> None:
+    def __init__(self, model: DiffusionLM, pool: PagePool, store: AffixStore | None = None,
+                 max_affix_tokens: int | None = None) -> None:
         self.pool = pool
         # dense, for BiCache's hidden states: bounded, the hidden states counted in each entry's cost
         self.store = store if store is not None else AffixStore(model, 1 << 30, keep_hidden=True)
-        self.affixes = AffixPageTable(model, pool)
+        self.affixes = AffixPageTable(model, pool, max_affix_tokens)
+
+    def shareable(self, req: Request) -> list[int]:
+        """The request's affixes that can take shared pages (the others are computed with it)."""
+        return [i for i, span in enumerate(req.prompt.affixes) if self.affixes.fits(span.length)]
 
     def pages_needed_alone(self, req: Request) -> int:
         """Pages the request needs in an empty pool: its private pages plus its shared affixes' pages."""
         if req.bicache or not req.reuse:
             return self.pool.pages_for(req.length)
-        indices = list(range(len(req.prompt.affixes)))
-        shared = sum(self.pool.pages_for(span.length) for span in req.prompt.affixes)
+        indices = self.shareable(req)
+        shared = sum(self.pool.pages_for(req.prompt.affixes[i].length) for i in indices)
         return shared + self.pool.pages_for(req.private_tokens(indices))
 
     def allocate(self, req: Request) -> bool:
@@ -50,7 +55,8 @@ class KVCacheManager:
         """Acquires into ``req`` as it goes, so that :meth:`free` can undo a partial admission."""
         req.stats.affix_hits = 0  # a request that waited counts only the try that admits it
         if req.reuse and not req.bicache:
-            for index, span in enumerate(req.prompt.affixes):
+            for index in self.shareable(req):
+                span = req.prompt.affixes[index]
                 ids = req.prompt.affix_ids(span)
                 if self.affixes.collides(ids):  # another affix holds its hash: computed privately instead
                     continue
@@ -61,7 +67,8 @@ class KVCacheManager:
                 req.stats.affix_hits += got[1]
         need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
-        if pages is None and self.affixes.evict_until(need, keep={a.key for _, a in req.shared}):
+        if pages is None and self.affixes.evict_while(lambda: self.pool.num_free < need,
+                                                       keep={a.key for _, a in req.shared}):
             pages = self.pool.allocate(need)
         if pages is None:
             return False

@@ -41,6 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None  # prompt plus generation; None: the model's context
+    max_affix_tokens: int | None = None  # tokens the shared affixes may hold; None: as the pool allows
 
 
 class LLMEngine:
@@ -54,7 +55,7 @@ class LLMEngine:
             memory = DEFAULT_CPU_KV_BYTES
         self.pool = PagePool.from_budget(model.config, c.page_size, model.dtype, model.device, memory,
                                          c.gpu_memory_utilization)
-        self.kv = KVCacheManager(model, self.pool, affix_source)
+        self.kv = KVCacheManager(model, self.pool, affix_source, c.max_affix_tokens)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv,
                                    len(model.layers), self.metrics, bicache_profile)

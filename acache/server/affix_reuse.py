@@ -14,10 +14,13 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from acache.affix.chat import chat_segments
-from acache.affix.prompt import GEN, Affix, AffixPrompt, affix_key, resolve_segments
-from acache.llm import LLM
+from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, affix_key, resolve_segments
+from acache.inputs import InputProcessor
+
+AFFIX_MARKER = "<|affix|>"  # where an infix completion places its registered affix
 
 
 class AffixRegistry:
@@ -65,53 +68,78 @@ class AffixRegistry:
 
 
 class AutoAffixer:
-    def __init__(self, llm: LLM, min_document_tokens: int = 128, max_tracked: int = 65536) -> None:
-        self.llm = llm
+    """``held(ids)``: the engine already holds this affix. ``listeners`` hear of every candidate seen, by
+    content hash and length (a cluster's router sends the next request with that span to the replica that
+    saw it, so that the second sighting, which makes it an affix, happens there)."""
+
+    def __init__(self, inputs: InputProcessor, held: Callable[[tuple[int, ...]], bool] = lambda ids: False,
+                 min_document_tokens: int = 128, max_tracked: int = 65536) -> None:
+        self.inputs = inputs
+        self.held = held
         self.min_document_tokens = min_document_tokens
         self.max_tracked = max_tracked
+        self.listeners: list[Callable[[str, int], None]] = []
         self._seen: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _seen_before(self, key: str) -> bool:
+    def _seen_before(self, ids: list[int]) -> bool:
+        key = affix_key(ids)
         with self._lock:
             count = self._seen.pop(key, 0) + 1
             self._seen[key] = count
             while len(self._seen) > self.max_tracked:
                 self._seen.popitem(last=False)
-            return count >= 2
-
-    def _held(self, ids: list[int]) -> bool:
-        """The engine already holds a shared copy (loaded from --affix-cache-dir, say): reuse it at once."""
-        return self.llm.engine.affixes.lookup(tuple(ids)) is not None
+        for listener in self.listeners:
+            listener(key, len(ids))
+        return count >= 2
 
     def _encode(self, text: str) -> list[int]:
-        return self.llm.inputs.encode_text(text)
+        return self.inputs.encode_text(text)
 
-    def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0) -> AffixPrompt:
-        """The chat through the model's template, candidates seen before marked as affixes. The first
-        ``registered`` messages come from a registered affix: they form an affix of their own, always."""
+    def chat_candidates(self, messages: list[dict], reuse: bool, registered: int = 0) -> list[Segment]:
+        """The chat through the model's template with every candidate span as an :class:`Affix` of token ids:
+        the messages before the last user message, every long user message, and the first ``registered``
+        messages (a registered affix, an affix of its own)."""
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages))
         candidates = set(range(last_user)) | set(range(registered))
         for i, m in enumerate(messages):
             if m["role"] == "user" and len(self._encode(m["content"])) >= self.min_document_tokens:
                 candidates.add(i)
         chosen = sorted(candidates) if reuse else []
-        segments = chat_segments(messages, self.llm.inputs.render_chat, chosen,
+        segments = chat_segments(messages, self.inputs.render_chat, chosen,
                                  split_before=[registered] if registered else [])
+        return [Affix(token_ids=self._encode(seg.text), name=seg.name) if isinstance(seg, Affix) else seg
+                for seg in segments]
+
+    def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0) -> AffixPrompt:
+        """The chat's candidates that were seen before (or registered, or held) kept as affixes."""
         kept = []
-        for n, seg in enumerate(segments):
+        for n, seg in enumerate(self.chat_candidates(messages, reuse, registered)):
             if isinstance(seg, Affix):
-                ids = self._encode(seg.text)
-                forced = (registered and n == 0) or self._held(ids)
-                seg = Affix(token_ids=ids, name=seg.name) if forced or self._seen_before(affix_key(ids)) else seg.text
+                ids = list(seg.token_ids)
+                forced = (registered and n == 0) or self.held(tuple(ids))
+                if not (forced or self._seen_before(ids)):
+                    seg = ids
             kept.append(seg)
         return resolve_segments(kept, self._encode)
 
     def completion_prompt(self, prompt: str | list[int], affix: tuple[int, ...] | None, name: str | None,
                           layout: str) -> AffixPrompt:
-        body = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """The affix before the prompt (prefix), after the generation region (suffix), or in place of the
+        prompt's one ``AFFIX_MARKER`` (infix)."""
+        if layout == "infix":
+            if affix is None:
+                raise ValueError("affix_layout 'infix' places a registered affix: pass 'affix' too")
+            if not isinstance(prompt, str) or prompt.count(AFFIX_MARKER) != 1:
+                raise ValueError(f"affix_layout 'infix' needs a text prompt holding {AFFIX_MARKER!r} exactly once, "
+                                 "where the affix goes")
+        body = self._encode(prompt) if isinstance(prompt, str) and layout != "infix" else prompt
         if affix is None:
             return AffixPrompt(tuple(body), len(body))
         segment = Affix(token_ids=affix, name=name)
-        segments = [segment, body, GEN] if layout == "prefix" else [body, GEN, segment]
+        if layout == "infix":
+            before, after = prompt.split(AFFIX_MARKER)
+            segments = [before, segment, after, GEN]
+        else:
+            segments = [segment, list(body), GEN] if layout == "prefix" else [list(body), GEN, segment]
         return resolve_segments(segments, self._encode)

@@ -114,7 +114,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     # one scoring job at a time, on its own thread: it never starves the shared pool the handlers use
     score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
     registry = AffixRegistry(affix_registry_bytes)
-    affixer = AutoAffixer(llm, min_document_tokens)
+    affixer = AutoAffixer(llm.inputs, lambda ids: llm.engine.affixes.lookup(ids) is not None, min_document_tokens)
     counters: Counter[str] = Counter()
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -131,6 +131,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
                   lifespan=lifespan)
     app.state.engine = engine
+    app.state.affixer = affixer
+    app.state.registry = registry
     app.state.counters = counters
     registry_metrics = metrics_registry(llm.engine, counters)
 

@@ -77,7 +77,9 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
 
 class CompletionRequest(DiffusionFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    affix_layout: Literal["prefix", "suffix"] = "prefix"
+    affix_layout: Literal["prefix", "infix", "suffix"] = Field(
+        default="prefix", description="where the registered affix goes: before the prompt, in place of the prompt's "
+        "one '<|affix|>' (infix), or after the generation region")
     suffix: str | None = Field(default=None, description="text after the generation region (infilling)")
     max_tokens: int | None = Field(default=None, ge=0, description="maps to gen_length (rounded up to whole "
                                    "blocks); 0 only with echo, to score the prompt")

@@ -114,3 +114,25 @@ def test_fields_with_an_effect(setup):
     status, out = post(client, "/v1/completions", {"prompt": story, "stream_options": {"include_usage": True}})
     assert status == 400 and "only allowed with stream=true" in out["error"]["message"]
     assert client.get("/v1/models").json()["data"][0]["max_model_len"] == llm.max_model_len
+
+
+def test_an_affix_placed_inside_the_prompt(setup):
+    """affix_layout 'infix' puts the registered affix where the prompt's one '<|affix|>' is; the answer is the
+    offline path's for the same segments, and every malformed use is a 400 that says what is wrong."""
+    from acache import Affix
+
+    client, llm = setup
+    story = f"story : {STORY}"
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    body = {"prompt": f"question : {Q} <|affix|> answer :", "affix": affix, "affix_layout": "infix", "max_tokens": 2}
+    status, out = post(client, "/v1/completions", body)
+    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention")
+    segments = [f"question : {Q} ", Affix(token_ids=tuple(llm.tokenizer.encode(story))), " answer :", GEN]
+    want = llm.generate([segments], params, use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    for change, why in [({"prompt": f"question : {Q} answer :"}, "holding '<|affix|>' exactly once"),
+                        ({"prompt": "<|affix|> <|affix|> answer :"}, "holding '<|affix|>' exactly once"),
+                        ({"prompt": llm.tokenizer.encode("answer :")}, "needs a text prompt"),
+                        ({"affix": None}, "pass 'affix' too")]:
+        status, out = post(client, "/v1/completions", {**body, **change})
+        assert status == 400 and why in out["error"]["message"], (change, out)
