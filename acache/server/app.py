@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from acache.affix.prompt import AffixPrompt
+from acache.inputs import InputProcessor
 from acache.llm import LLM
 from acache.models.tokenizer import token_text
 from acache.policies import AFFIX_POLICIES
@@ -255,7 +256,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                 raise BadRequest("messages must not be empty")
             messages = [m.as_dict() for m in body.messages]
             try:
-                ids = await asyncio.to_thread(_leading_affix_ids, llm, messages)
+                ids = await asyncio.to_thread(leading_affix_ids, llm.inputs, messages)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         if len(ids) > llm.max_model_len:
@@ -498,9 +499,9 @@ class ClientGone(Exception):
     """The client went away before its answer was ready."""
 
 
-def _leading_affix_ids(llm: LLM, messages: list[dict]) -> list[int]:
+def leading_affix_ids(inputs: InputProcessor, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` rendered as the start of a conversation (what a chat will reuse)."""
-    prompt = llm.chat_prompt(messages + [{"role": "user", "content": ""}], affix_messages=range(len(messages)))
+    prompt = inputs.chat_prompt(messages + [{"role": "user", "content": ""}], affix_messages=range(len(messages)))
     return list(prompt.affix_ids(prompt.affixes[0]))
 
 

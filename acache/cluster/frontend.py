@@ -1,0 +1,176 @@
+"""The cluster's front door: the same OpenAI endpoints as the single server, each request forwarded to an
+engine replica with its affix spans attached for the router. It tokenizes (no weights), keeps the registry
+of affixes registered through it (so that any replica can serve an affix registered through another), and
+retries a request whose replica died before answering."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from acache.affix.prompt import Affix, affix_key
+from acache.cluster.forwarding import ForwardedRequest, ResponseStart
+from acache.inputs import InputProcessor
+from acache.models.loader import read_config
+from acache.models.tokenizer import Tokenizer
+from acache.server.affix_reuse import AffixRegistry, AutoAffixer
+from acache.server.app import leading_affix_ids
+from acache.server.guard import authorized
+from acache.server.protocol import AffixRegistration, ChatCompletionRequest, error_body
+
+log = logging.getLogger("acache.cluster")
+REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    model: str
+    directory: str
+    namespace: str
+    max_model_len: int | None = None
+    min_document_tokens: int = 128
+    affix_registry_bytes: int = 64 << 20
+    max_request_bytes: int = 1 << 20
+    api_key: str | None = None
+    retries: int = 1  # further replicas tried when one dies before answering
+
+
+class SpanExtractor:
+    """A request's affix spans as the replica will find them: a registered affix by id, a chat's candidate
+    spans (earlier messages, long user messages) by the same rules as the single server."""
+
+    def __init__(self, settings: FrontendSettings) -> None:
+        _, config = read_config(settings.model)
+        context = config.max_position_embeddings
+        self.inputs = InputProcessor(Tokenizer.from_dir(settings.model), config, settings.max_model_len or context)
+        self.affixer = AutoAffixer(self.inputs, min_document_tokens=settings.min_document_tokens)
+        self.registry = AffixRegistry(settings.affix_registry_bytes)
+
+    def spans(self, path: str, body: dict) -> tuple[tuple[tuple[str, int], ...], tuple | None]:
+        """(spans, the registered affix the request names); nothing when the body is not one this knows
+        (the replica answers it with the single server's error)."""
+        registered = None
+        if isinstance(body.get("affix"), str):
+            try:
+                registered = self.registry.get(body["affix"])
+            except ValueError:
+                return (), None
+        if path == "/v1/completions":
+            ids = registered[0] if registered else None
+            return (((affix_key(ids), len(ids)),) if ids else ()), registered
+        if path == "/v1/chat/completions":
+            request = ChatCompletionRequest.model_validate(body)
+            messages = [m.as_dict() for m in request.messages]
+            count = 0
+            if registered is not None and registered[1] is not None:
+                messages, count = list(registered[1]) + messages, len(registered[1])
+            segments = self.affixer.chat_candidates(messages, request.selector != "off", count)
+            found = tuple((affix_key(s.token_ids), len(s.token_ids)) for s in segments if isinstance(s, Affix))
+            return found, registered
+        return (), registered
+
+    def register(self, body: dict) -> None:
+        """Mirrors a registration a replica accepted (the id is the content's hash: the same everywhere)."""
+        reg = AffixRegistration.model_validate(body)
+        if reg.text is not None:
+            self.registry.register(self.inputs.encode_text(reg.text), None, reg.name)
+        else:
+            messages = [m.as_dict() for m in reg.messages]
+            self.registry.register(leading_affix_ids(self.inputs, messages), messages, reg.name)
+
+
+def error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+    return JSONResponse(error_body(message, kind), status_code=status)
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it passes ``limit`` bytes (counted as received, whatever the headers say)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_frontend(settings: FrontendSettings, engine, directory) -> FastAPI:
+    """The FastAPI app that forwards to ``engine`` (a Serve handle to the replicas)."""
+    extractor = SpanExtractor(settings)
+    app = FastAPI(title="acache cluster", description="OpenAI-compatible front door of acache replicas")
+
+    async def attempt(forwarded: ForwardedRequest) -> tuple[ResponseStart, AsyncIterator]:
+        stream = engine.options(stream=True).handle.remote(forwarded)
+        start = await stream.__anext__()
+        return start, stream
+
+    async def forward(forwarded: ForwardedRequest) -> Response:
+        tries = settings.retries + 1
+        for n in range(tries):
+            try:
+                start, stream = await attempt(forwarded)
+                if not forwarded.stream:  # the whole answer before any byte goes out: a retry stays possible
+                    body = b"".join([chunk async for chunk in stream])
+                    return Response(body, status_code=start.status, headers=_headers(start))
+                return StreamingResponse(_relay(stream), status_code=start.status, headers=_headers(start))
+            except REPLICA_GONE as exc:
+                log.warning("replica gone while serving %s (try %d of %d): %s", forwarded.path, n + 1, tries, exc)
+                last = exc
+        return error(503, f"the replica serving this request died and {tries - 1} retry failed too "
+                          f"({type(last).__name__}); the cluster is replacing it, try again")
+
+    @app.get("/cluster/stats")
+    async def stats():
+        """Per replica: shared affixes held, affix hits and queries (from the replicas' own reports)."""
+        return await directory.snapshot.remote()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
+    async def relay(path: str, request: Request):
+        path = "/" + path
+        body = await read_body(request, settings.max_request_bytes)
+        if body is None:
+            return error(413, f"request body exceeds {settings.max_request_bytes} bytes", "invalid_request_error")
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
+        trusted = settings.api_key is None or authorized(request.headers.get("authorization", ""), settings.api_key)
+        parsed: dict = {}
+        spans, registered = (), None
+        if trusted and request.method == "POST" and body:
+            try:
+                parsed = json.loads(body)
+                if isinstance(parsed, dict):
+                    spans, registered = extractor.spans(path, parsed)
+            except Exception:  # a body the replica will refuse, with the single server's message
+                parsed = {}
+        forwarded = ForwardedRequest(request.method, path, body, headers, request.url.query, spans, registered,
+                                     stream=isinstance(parsed, dict) and parsed.get("stream") is True)
+        response = await forward(forwarded)
+        if path == "/v1/affixes" and response.status_code == 200:
+            try:
+                extractor.register(parsed)
+            except Exception as exc:  # the replica accepted it, so this should not happen: say so
+                log.warning("could not mirror an affix registration: %s", exc)
+        return response
+
+    return app
+
+
+def _headers(start: ResponseStart) -> dict[str, str]:
+    return {k: v for k, v in start.headers if k.lower() not in HOP_HEADERS}
+
+
+async def _relay(stream) -> AsyncIterator[bytes]:
+    """A streamed answer's chunks; a replica that dies mid-stream ends it with an error event (what was sent
+    cannot be taken back, so it is not retried)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except REPLICA_GONE as exc:
+        message = f"the replica serving this stream died ({type(exc).__name__}); the answer is incomplete"
+        yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n".encode()

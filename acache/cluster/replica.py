@@ -1,0 +1,93 @@
+"""One engine replica of a cluster: the single server's app over its own engine, reporting what its affix
+cache stores, evicts and sees to the affix directory. A replica started with a shared ``affix_cache_dir``
+loads the affixes saved there (a warm start) and reports them at once, so the router sends their
+documents to it from its first request."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+from ray import serve
+
+from acache.cluster.forwarding import ForwardedRequest, ResponseStart, call_app
+
+log = logging.getLogger("acache.cluster")
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What every replica is built from: the arguments of ``LLM`` and of the server's app."""
+
+    model: str
+    served_model_name: str
+    directory: str
+    namespace: str
+    llm: dict = field(default_factory=dict)  # LLM keyword arguments
+    app: dict = field(default_factory=dict)  # create_app keyword arguments
+    affix_cache_dir: str | None = None
+    threads: int | None = None
+
+
+class EngineReplica:
+    def __init__(self, settings: ReplicaSettings) -> None:
+        from acache import LLM
+        from acache.server.app import create_app
+
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        cache_dir = Path(settings.affix_cache_dir) if settings.affix_cache_dir else None
+        warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
+        self.llm = LLM(settings.model, affix_cache_dir=cache_dir if warm else None, **settings.llm)
+        self.app = create_app(self.llm, settings.served_model_name, affix_cache_dir=cache_dir, **settings.app)
+        self.cache_dir = cache_dir
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        affixes = self.llm.engine.affixes
+        self._events: collections.deque = collections.deque(
+            ("stored", e.key, e.length) for e in affixes.entries.values())
+        affixes.listeners.append(lambda e: self._events.append((e.kind, e.key, e.num_tokens)))
+        self.app.state.affixer.listeners.append(lambda key, n: self._events.append(("seen", key, n)))
+        self.directory = ray.get_actor(settings.directory, namespace=settings.namespace)
+        self._started = False
+        if self._events:
+            log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(self._events), cache_dir)
+
+    async def _flush(self) -> None:
+        """Sends the events since the last flush, and the cumulative hit counts, to the directory."""
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        stats = self.llm.engine.affixes.stats
+        await self.directory.report.remote(self.replica_id, events, {"hits": stats.hits, "queries": stats.queries})
+
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """Serves one forwarded request; the directory hears of its affix events before the request ends."""
+        if not self._started:
+            self.app.state.engine.start()
+            await self._flush()
+            self._started = True
+        if request.registered is not None:
+            ids, messages, name = request.registered
+            self.app.state.registry.register(list(ids), messages, name)
+        try:
+            async for item in call_app(self.app, request):
+                yield item
+        finally:
+            await self._flush()
+
+    def __del__(self) -> None:
+        """Ray Serve's graceful shutdown: stop the engine thread, save the affixes to the shared directory."""
+        engine = getattr(getattr(self, "app", None), "state", None)
+        if engine is None:
+            return
+        self.app.state.engine.shutdown()
+        if self.cache_dir is not None:
+            try:
+                self.llm.save_affix_cache(self.cache_dir)
+            except Exception as exc:  # shutting down: say so, do not raise from __del__
+                log.warning("replica %s could not save its affixes to %s: %s", self.replica_id, self.cache_dir, exc)
