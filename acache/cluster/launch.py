@@ -3,6 +3,7 @@ engine replicas behind the chosen router, and the frontend on Serve's HTTP proxy
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -86,7 +87,5 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
 def stop(cluster: ClusterSettings) -> None:
     """Removes the application and its directory (the Ray instance stays)."""
     serve.delete(cluster.app_name)
-    try:
+    with contextlib.suppress(ValueError):  # already gone
         ray.kill(ray.get_actor(cluster.directory, namespace=NAMESPACE))
-    except ValueError:  # already gone
-        pass

@@ -56,20 +56,23 @@ class EngineReplica:
         self._started = False
         if self._events:
             log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(self._events), cache_dir)
+        ray.get(self._report())  # before its first request: the router knows at once what it holds
 
-    async def _flush(self) -> None:
-        """Sends the events since the last flush, and the cumulative hit counts, to the directory."""
+    def _report(self):
+        """Sends the events since the last report, and the cumulative hit counts, to the directory."""
         events = []
         while self._events:
             events.append(self._events.popleft())
         stats = self.llm.engine.affixes.stats
-        await self.directory.report.remote(self.replica_id, events, {"hits": stats.hits, "queries": stats.queries})
+        return self.directory.report.remote(self.replica_id, events, {"hits": stats.hits, "queries": stats.queries})
+
+    async def _flush(self) -> None:
+        await self._report()
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Serves one forwarded request; the directory hears of its affix events before the request ends."""
         if not self._started:
             self.app.state.engine.start()
-            await self._flush()
             self._started = True
         if request.registered is not None:
             ids, messages, name = request.registered
@@ -82,8 +85,7 @@ class EngineReplica:
 
     def __del__(self) -> None:
         """Ray Serve's graceful shutdown: stop the engine thread, save the affixes to the shared directory."""
-        engine = getattr(getattr(self, "app", None), "state", None)
-        if engine is None:
+        if getattr(self, "app", None) is None:  # the constructor failed: nothing was started
             return
         self.app.state.engine.shutdown()
         if self.cache_dir is not None:

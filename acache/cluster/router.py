@@ -65,11 +65,12 @@ class SpanAwareRouter(FIFOMixin, RequestRouter):
         in_flight: dict[str, dict[str, int]] = defaultdict(dict)
         for replica, theirs in self._in_flight.values():
             in_flight[replica].update(theirs)
+        holdings = {}
         try:
-            holdings = await self.directory.holdings.remote(spans, list(by_id), dict(in_flight))
+            if spans:
+                holdings = await self.directory.holdings.remote(spans, list(by_id), dict(in_flight))
         except ray.exceptions.RayError as exc:  # without the map, route by load rather than fail the request
             log.warning("affix directory unavailable (%s); routing by load", exc)
-            holdings = {}
         order = rank_replicas(list(by_id), loads, holdings, self._balance)
         return [[by_id[r]] for r in order]
 

@@ -1,7 +1,7 @@
 """The routing rule, apart from Ray: the replica holding the most of a request's affix tokens, unless its
-queue is longer than the shortest by both margins of :class:`Balance`; a request whose spans nobody holds
-goes to the least loaded replica, ties to the one holding the fewest affix tokens (so that new documents
-spread over the replicas' caches instead of piling onto one)."""
+queue is longer than the shortest by both margins of :class:`Balance`. Spans no replica holds or has seen
+go to the replica holding the fewest affix tokens (so that new documents spread over the replicas' caches
+instead of piling onto one), under the same load check; a request without spans goes to the least loaded."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class Balance:
 
 def rank_replicas(replicas: list[str], loads: dict[str, int], holdings: dict[str, Holding],
                   balance: Balance = Balance()) -> list[str]:
-    """Replicas in order of preference. ``holdings`` per replica covers the request's spans only; a request
-    that no replica holds or has seen is ranked by load, then by the affix tokens a replica holds."""
+    """Replicas in order of preference. ``holdings`` per replica covers the request's spans (empty: the
+    request has none)."""
     if not replicas:
         return []
     least = min(loads.get(r, 0) for r in replicas)
@@ -48,8 +48,12 @@ def rank_replicas(replicas: list[str], loads: dict[str, int], holdings: dict[str
     ranked = sorted(replicas, key=by_load)
     best = max(affinity(r) for r in replicas)
     if best == (0, 0):
-        return ranked
-    favoured = [r for r in ranked if affinity(r) == best]
+        if not holdings:
+            return ranked
+        favoured = sorted(replicas, key=lambda r: (holdings.get(r, Holding()).total, loads.get(r, 0), r))[:1]
+    else:
+        favoured = [r for r in ranked if affinity(r) == best]
     if balance.overloaded(loads.get(favoured[0], 0), least):
         return ranked
-    return favoured + [r for r in ranked if r not in favoured]
+    rest = sorted((r for r in replicas if r not in favoured), key=lambda r: (*(-a for a in affinity(r)), by_load(r)))
+    return favoured + rest

@@ -1,0 +1,134 @@
+"""A local Ray cluster of two engine replicas (the shipped model, CPU): answers equal the single server's,
+the span-aware router keeps each document on one replica (hit rate) where Serve's default router does not,
+a dead replica's requests are retried or fail clearly, and a replica starts warm from a shared directory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from acache import LLM
+from acache.cluster.frontend import FrontendSettings
+from acache.cluster.launch import NAMESPACE, ClusterSettings, start, stop
+from acache.cluster.replica import ReplicaSettings
+from acache.paths import default_model
+from acache.server.app import create_app
+from acache_lab.bench.cluster import call, documents_workload, run
+from tests.server.helpers import free_port
+
+CAP = 144  # nine 16-token pages: three of the workload's 38-token documents per replica, of six
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray instance for the module; Serve's HTTP proxy keeps the first port it is given, so every cluster
+    of the module is served there."""
+    ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    yield free_port()
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return documents_workload(documents=6, questions=12, seed=0)
+
+
+@pytest.fixture(scope="module")
+def single_answers(workload):
+    """The single-process server's answers to the same requests."""
+    llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    with TestClient(create_app(llm, "tiny")) as client:
+        ids = [client.post("/v1/affixes", json={"text": t}).json()["id"] for t in workload.documents]
+        outs = [client.post("/v1/completions", json={**body, "affix": ids[d]}).json()
+                for d, body in workload.requests]
+    return [o["choices"][0]["token_ids"] for o in outs]
+
+
+def cluster(port: int, router: str, app_name: str, **llm) -> tuple[ClusterSettings, str]:
+    settings = ClusterSettings(replicas=2, router=router, port=port, app_name=app_name)
+    model = str(default_model())
+    replica = ReplicaSettings(model, "tiny", settings.directory, NAMESPACE, threads=1,
+                              llm={"kv_cache_memory": 1 << 24, "max_affix_tokens": CAP, **llm.pop("llm", {})},
+                              **llm)
+    start(settings, replica, FrontendSettings(model, settings.directory, NAMESPACE))
+    return settings, f"http://127.0.0.1:{settings.port}"
+
+
+def test_span_aware_routing_keeps_documents_on_one_replica(local_ray, workload, single_answers):
+    rates = {}
+    for router in ("span", "default"):
+        settings, url = cluster(local_ray, router, f"test-{router}")
+        try:
+            result = run(url, workload, concurrency=4)
+            stats = call(url, "/cluster/stats")[1]
+        finally:
+            stop(settings)
+        assert result.statuses == [200] * len(workload.requests), result.errors
+        assert result.answers == single_answers, router
+        assert stats["affix_queries"] == len(workload.requests)
+        assert len(stats["replicas"]) == 2
+        rates[router] = stats["affix_hit_rate"]
+    assert rates["span"] >= 0.9, rates
+    assert rates["default"] <= 0.75 and rates["span"] - rates["default"] >= 0.2, rates
+
+
+def replica_actors(app_name: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app_name}#EngineReplica")]
+
+
+def test_a_dead_replica_loses_no_request_and_gets_no_more(local_ray, workload, single_answers):
+    settings, url = cluster(local_ray, "span", "test-kill")
+    try:
+        result = {}
+        load = threading.Thread(target=lambda: result.update(r=run(url, workload, concurrency=4)))
+        load.start()
+        time.sleep(1.0)
+        victim = replica_actors("test-kill")[0]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        load.join(timeout=300)
+        r = result["r"]
+        # a request on the dead replica is retried on the other; one that still fails says why
+        for status, answer, want in zip(r.statuses, r.answers, single_answers, strict=True):
+            assert (status, answer) == (200, want) or status == 503, status
+        assert all("replica serving this request died" in e for e in r.errors), r.errors
+        assert r.statuses.count(200) >= len(r.statuses) - 2
+        after = run(url, documents_workload(documents=2, questions=6, seed=1), concurrency=2)
+        assert after.statuses == [200] * 12, after.errors
+        dead_id = victim.rsplit("#", 1)[-1]
+        deadline = time.time() + 30
+        while dead_id in call(url, "/cluster/stats")[1]["replicas"] and time.time() < deadline:
+            time.sleep(0.5)
+        assert dead_id not in call(url, "/cluster/stats")[1]["replicas"]
+    finally:
+        stop(settings)
+
+
+def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload, single_answers, tmp_path):
+    llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    with TestClient(create_app(llm, "tiny", affix_cache_dir=tmp_path)) as client:
+        for text in workload.documents[:2]:
+            affix = client.post("/v1/affixes", json={"text": text}).json()["id"]
+            body = {"prompt": "question : where is mary ? answer :", "affix": affix, "max_tokens": 2}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/affixes/save").json()["saved"] == 2
+    settings, url = cluster(local_ray, "span", "test-warm", affix_cache_dir=str(tmp_path),
+                            llm={"max_affix_tokens": None})
+    try:
+        held = call(url, "/cluster/stats")[1]
+        assert [row["affixes"] for row in held["replicas"].values()] == [2, 2]
+        picked = [i for i, (d, _) in enumerate(workload.requests) if d < 2][:6]
+        sub = type(workload)(workload.documents[:2], [workload.requests[i] for i in picked], [0.0] * len(picked))
+        result = run(url, sub, concurrency=2)
+        assert result.answers == [single_answers[i] for i in picked]
+        stats = call(url, "/cluster/stats")[1]
+        assert stats["affix_hits"] == stats["affix_queries"] == len(picked)
+    finally:
+        stop(settings)
