@@ -175,6 +175,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cache_dir = Path(args.affix_cache_dir) if args.affix_cache_dir else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_cluster(args, cache_dir)
     warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
               page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
@@ -191,6 +193,63 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _wants_cuda(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
+    """``acache serve --replicas N``: N engine replicas on Ray Serve behind the span-aware router."""
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    try:
+        from acache.cluster.frontend import FrontendSettings
+        from acache.cluster.launch import NAMESPACE, ClusterSettings, connect, start, stop
+        from acache.cluster.replica import ReplicaSettings
+    except ImportError as exc:
+        raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
+                         "pip install 'acache[cluster]'") from None
+    cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
+                              host=args.host, port=args.port, balance_absolute=args.balance_abs,
+                              balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
+                              gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0)
+    name = args.served_model_name or Path(args.model).resolve().name
+    api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
+    llm = {"dtype": args.dtype, "device": args.device, "max_batch_size": args.max_num_seqs,
+           "page_size": args.page_size, "kv_cache_memory": args.kv_cache_memory,
+           "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
+           "max_affix_tokens": args.max_affix_tokens}
+    app = {"api_key": api_key, "max_request_bytes": args.max_request_bytes,
+           "min_document_tokens": args.min_document_tokens, "affix_registry_bytes": args.affix_registry_bytes,
+           "loglikelihood_samples": args.loglikelihood_samples}
+    model = str(Path(args.model).resolve())
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // cluster.replicas)
+    replica = ReplicaSettings(model, name, cluster.directory, NAMESPACE, llm, app,
+                              str(cache_dir.resolve()) if cache_dir else None, threads)
+    frontend = FrontendSettings(model, cluster.directory, NAMESPACE, args.max_model_len, args.min_document_tokens,
+                                args.affix_registry_bytes, args.max_request_bytes, api_key)
+    connect(cluster)
+
+    def terminate(*_) -> None:  # after ray.init, which sets a handler of its own
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        start(cluster, replica, frontend)
+        print(f"serving {name} on http://{args.host}:{args.port} with {cluster.replicas} replicas on Ray Serve "
+              f"({cluster.router} router); /cluster/stats has each replica's affixes and hit rate", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("stopping the cluster", flush=True)
+    finally:
+        stop(cluster)
     return 0
 
 
@@ -260,6 +319,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-document-tokens", type=int, default=128,
                    help="user messages at least this long are affix candidates")
     p.add_argument("--log-level", default="warning")
+    cluster = p.add_argument_group("cluster (Ray Serve, pip install 'acache[cluster]')")
+    cluster.add_argument("--replicas", type=_positive_int, default=None,
+                         help="run this many engine replicas on Ray Serve behind one endpoint")
+    cluster.add_argument("--ray-address", default=None,
+                         help="join this Ray cluster (e.g. 'auto' or ray://HEAD:10001) instead of starting one")
+    cluster.add_argument("--router", default="span", choices=["span", "default"],
+                         help="span: to the replica holding the request's affixes (any position); default: Ray "
+                              "Serve's power of two choices")
+    cluster.add_argument("--balance-abs", type=int, default=64,
+                         help="affinity yields to load when the favoured replica's queue is this many requests "
+                              "longer than the shortest ...")
+    cluster.add_argument("--balance-rel", type=float, default=1.5, help="... and this many times as long")
+    cluster.add_argument("--threads-per-replica", type=_positive_int, default=None,
+                         help="torch threads of each replica (default: this machine's cores / replicas)")
+    cluster.add_argument("--cpus-per-replica", type=float, default=0.0,
+                         help="CPUs Ray reserves for each replica (0: replicas share the machine freely)")
     _add_model_args(p)
     p.set_defaults(func=_cmd_serve)
 

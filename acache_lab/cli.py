@@ -37,6 +37,10 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from acache_lab.bench.cluster import bench_cluster
+
+        return bench_cluster(args)
     from acache_lab.bench.serve import main
 
     return main(args)
@@ -275,6 +279,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto: English unless the server's tokenizer refuses it, then the task suite's words")
     p.add_argument("--seed", type=int, default=0, help="seed of the task-suite story")
     p.add_argument("--json", default=None, help="also write the report and every request's timing here")
+    group = p.add_argument_group("cluster: start N replicas here, once per router, on the documents workload")
+    group.add_argument("--replicas", type=int, default=None, help="start this many replicas (instead of --url)")
+    group.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    group.add_argument("--documents", type=int, default=6)
+    group.add_argument("--questions", type=int, default=12, help="requests per document")
+    group.add_argument("--max-affix-tokens", type=int, default=144,
+                       help="each replica's affix share (default: three of the workload's documents)")
+    group.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    group.add_argument("--port", type=int, default=8000)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_serve))
 

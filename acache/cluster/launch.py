@@ -15,6 +15,7 @@ from acache.cluster.directory import AffixDirectory
 from acache.cluster.frontend import FrontendSettings, build_frontend
 from acache.cluster.replica import EngineReplica, ReplicaSettings
 from acache.cluster.router import SpanAwareRouter
+from acache.cluster.routing import Balance
 
 NAMESPACE = "acache"
 ROUTERS = ("span", "default")
@@ -34,6 +35,7 @@ class ClusterSettings:
     balance_absolute: int = 64
     balance_relative: float = 1.5
     cpus_per_replica: float = 0.0
+    gpus_per_replica: float = 0.0
     max_ongoing_requests: int = 256
     health_check_period_s: float = 2.0
 
@@ -42,6 +44,7 @@ class ClusterSettings:
             raise ValueError(f"replicas must be a positive integer, got {self.replicas!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        Balance(self.balance_absolute, self.balance_relative)  # refused here, not inside the router
 
     @property
     def directory(self) -> str:
@@ -59,11 +62,16 @@ class Frontend:
         return build_frontend(self.settings, self.engine, directory)
 
 
-def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
-    """Deploys the application and returns once every replica is ready (Serve keeps running after)."""
+def connect(cluster: ClusterSettings) -> None:
+    """Starts a local Ray instance, or joins ``ray_address``'s (a no-op when Ray is up in this process)."""
     if not ray.is_initialized():
         ray.init(address=cluster.ray_address, namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=bool(os.environ.get("ACACHE_RAY_LOGS")))
+
+
+def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
+    """Deploys the application and returns once every replica is ready (Serve keeps running after)."""
+    connect(cluster)
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
     directory = ray.remote(AffixDirectory).options(name=cluster.directory, namespace=NAMESPACE,
                                                    lifetime="detached", get_if_exists=True, num_cpus=0).remote()
@@ -77,7 +85,8 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
     engine = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=cluster.replicas,
                               max_ongoing_requests=cluster.max_ongoing_requests,
                               health_check_period_s=cluster.health_check_period_s,
-                              ray_actor_options={"num_cpus": cluster.cpus_per_replica},
+                              ray_actor_options={"num_cpus": cluster.cpus_per_replica,
+                                                 "num_gpus": cluster.gpus_per_replica},
                               request_router_config=router)
     front = serve.deployment(Frontend, name="Frontend", num_replicas=1, max_ongoing_requests=4096,
                              ray_actor_options={"num_cpus": 0})

@@ -112,6 +112,9 @@ def bench_cluster(args) -> int:
     from acache.cluster.replica import ReplicaSettings
     from acache.paths import default_model
 
+    for name in ("replicas", "documents", "questions", "max_affix_tokens", "threads", "concurrency"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     model = str(args.model or default_model())
     workload = documents_workload(args.documents, args.questions, args.seed)
     rows = {}
