@@ -69,6 +69,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
 
 
+def _add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="split the model over this many processes (CPU: gloo; CUDA: nccl, one GPU each)")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -117,14 +122,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cache_dir = Path(args.affix_cache) if args.affix_cache else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache {cache_dir} exists and is not a directory")
+    if cache_dir is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
+                         "slice of every affix)")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,
-              bicache_profile=args.bicache_profile)
+              bicache_profile=args.bicache_profile, tensor_parallel_size=args.tensor_parallel_size)
     prompts = args.prompt
     if affix_text is not None:
         affix = Affix(affix_text, name="affix")
         prompts = [layout_segments(args.layout, affix, p, args.answer_prompt) for p in args.prompt]
-    outputs = llm.generate(prompts, params, chat=args.chat)
+    try:
+        outputs = llm.generate(prompts, params, chat=args.chat)
+    finally:
+        llm.close()
     if cache_dir is not None:
         llm.save_affix_cache(cache_dir)
     for question, out in zip(args.prompt, outputs, strict=True):
@@ -176,12 +187,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
     if args.replicas is not None or args.ray_address is not None:
+        if args.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a cluster's replicas "
+                             "are one process each")
         return _serve_cluster(args, cache_dir)
+    if cache_dir is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
+                         "slice of every affix)")
     warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
               page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              max_affix_tokens=args.max_affix_tokens, affix_cache_dir=cache_dir if warm else None)
+              max_affix_tokens=args.max_affix_tokens, affix_cache_dir=cache_dir if warm else None,
+              tensor_parallel_size=args.tensor_parallel_size)
     if warm:
         print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -192,7 +210,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                      loglikelihood_samples=args.loglikelihood_samples)
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.close()
     return 0
 
 
@@ -267,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per output")
     _add_model_args(p)
     _add_sampling_args(p)
+    _add_tp_arg(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-random-checkpoint", help="write a random-weight checkpoint in the upstream layout")
@@ -336,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--cpus-per-replica", type=float, default=0.0,
                          help="CPUs Ray reserves for each replica (0: replicas share the machine freely)")
     _add_model_args(p)
+    _add_tp_arg(p)
     p.set_defaults(func=_cmd_serve)
 
     for plugin in entry_points(group="acache.commands"):  # the research side's commands (acache_lab)

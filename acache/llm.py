@@ -11,9 +11,12 @@ from tqdm.auto import tqdm
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
-from acache.engine import EngineConfig, EngineOutput, LLMEngine
+from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
+from acache.engine.llm_engine import DEFAULT_CPU_KV_BYTES
+from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
-from acache.models.loader import load_model, parse_device
+from acache.models.loader import load_model, parse_device, read_config
+from acache.models.tensor_parallel import check_divisible, shard_model
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
 from acache.sampling_params import SamplingParams
@@ -31,6 +34,8 @@ class LLM:
     store that keeps BiCache's affix K/V and hidden states (default 1 GiB; None: unbounded);
     ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``. ``max_affix_tokens`` bounds
     the tokens the shared affixes hold in the pool (None: as much as the pool has free).
+    ``tensor_parallel_size`` K > 1 splits every layer over K processes (gloo on CPU, nccl on CUDA, one GPU
+    each), spawned here and stopped by :meth:`close`; ``tensor_parallel_rank`` is set only in those processes.
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -38,12 +43,37 @@ class LLM:
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 max_affix_tokens: int | None = None) -> None:
+                 max_affix_tokens: int | None = None, tensor_parallel_size: int = 1,
+                 tensor_parallel_rank: tuple | None = None) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         self.device = parse_device(device)
         self.model_path = Path(model)
+        self.tensor_parallel_size = tensor_parallel_size
+        self._tp_workers: list = []
+        self._channel = None
+        self._closed = False
+        tp = None
+        if tensor_parallel_size != 1 or tensor_parallel_rank is not None:
+            check_divisible(read_config(model)[1], tensor_parallel_size)
+            if affix_cache_dir is not None:
+                raise ValueError("affix_cache_dir is not supported with tensor parallelism (each rank holds a "
+                                 "slice of every affix)")
+            tp, self._channel = self._join_group(tensor_parallel_rank, dict(
+                dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed,
+                affix_cache_bytes=affix_cache_bytes, bicache_profile=bicache_profile, page_size=page_size,
+                kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len, max_affix_tokens=max_affix_tokens))
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", tp.rank)
         self.model = load_model(model, dtype=dtype, device=self.device)
+        if tp is not None:
+            shard_model(self.model, tp)
+            kv_cache_memory = self._channel.agree_min(kv_cache_memory or self._default_kv_budget(
+                gpu_memory_utilization))
         self.dtype = self.model.dtype
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
@@ -62,16 +92,48 @@ class LLM:
         self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
                                           max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens)
-        self._engine: LLMEngine | None = None
+        self._engine: LLMEngine | MirroredEngine | None = None
         if affix_cache_dir is not None:
             self.engine.affixes.load(affix_cache_dir)
+        if tp is not None and tp.rank > 0:
+            serve_rank(self.engine, self._channel)  # a worker rank: replays rank 0's engine until it stops
+            parallel.leave()
+
+    def _join_group(self, rank: tuple | None, kwargs: dict):
+        """Rank 0 (``rank`` None) spawns the other ranks and joins; a spawned rank joins with its own."""
+        if rank is None:
+            tp, channel, self._tp_workers = parallel.start(self.tensor_parallel_size, self.device, _tp_worker,
+                                                           (str(self.model_path), kwargs))
+            return tp, channel
+        return parallel.join(*rank)
+
+    def _default_kv_budget(self, fraction: float) -> int:
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * fraction)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks (a no-op without tensor parallelism)."""
+        if self._channel is not None and self._tp_workers:
+            self.engine.close()
+            for p in self._tp_workers:
+                p.join(timeout=30)
+            self._tp_workers = []
+            self._channel = None
+            self._engine = None
+            self._closed = True
+            parallel.leave()
 
     @property
     def engine(self) -> LLMEngine:
         """The paged engine, built on first use."""
+        if self._closed:
+            raise RuntimeError("this LLM was closed: its tensor-parallel ranks are gone")
         if self._engine is None:
-            self._engine = LLMEngine(self.model, self.engine_config, self.stop_token_ids, self.affix_store,
-                                     self.bicache_profile)
+            engine = LLMEngine(self.model, self.engine_config, self.stop_token_ids, self.affix_store,
+                               self.bicache_profile)
+            self._engine = MirroredEngine(engine, self._channel) if self._tp_workers else engine
         return self._engine
 
     def save_affix_cache(self, path: str | Path) -> Path:
@@ -153,3 +215,9 @@ class LLM:
                                       s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth)
         wall = (s.finished or s.arrival) - s.arrival
         return RequestStats(len(out.token_ids), out.nfe, out.refreshes, s.forward_time_s, wall, s.max_batch, affix)
+
+
+def _tp_worker(rank: int, world_size: int, init_method: str, backend: str, model: str, kwargs: dict) -> None:
+    """Entry point of a spawned tensor-parallel rank: an LLM that serves rank 0's engine calls, then exits."""
+    LLM(model, tensor_parallel_size=world_size, tensor_parallel_rank=(rank, world_size, init_method, backend),
+        **kwargs)

@@ -153,7 +153,8 @@ class SelectionContext:
         if self.model.config.num_layers < 2:
             return torch.zeros(self.canvas.tokens.shape, dtype=torch.float32, device=self.canvas.tokens.device)
         kv = self._full.kv if self._full is not None else self.first_layers().kv  # a full forward holds layer 1
-        return kv_deviation(kv.keys[1], kv.values[1], self.kv.keys[1][:, :t], self.kv.values[1][:, :t])
+        return self.model.reduce_heads(kv_deviation(kv.keys[1], kv.values[1], self.kv.keys[1][:, :t],
+                                                    self.kv.values[1][:, :t]))
 
     def stale_deviation(self, candidates: torch.Tensor) -> torch.Tensor:
         """``[B, T]``: the layer-1 deviation of the ``candidates`` columns alone (zero elsewhere), equal to
@@ -173,8 +174,8 @@ class SelectionContext:
         out = model.run_layers(model.embed(c.tokens.gather(1, at)), c.positions.gather(1, at), fed_valid,
                                self.kv.gather(cached, cached_valid), range(0, 2), return_kv=True)
         index = at[..., None, None].expand_as(out.kv.keys[1])
-        fresh = kv_deviation(out.kv.keys[1], out.kv.values[1], self.kv.keys[1].gather(1, index),
-                             self.kv.values[1].gather(1, index))
+        fresh = model.reduce_heads(kv_deviation(out.kv.keys[1], out.kv.values[1], self.kv.keys[1].gather(1, index),
+                                                self.kv.values[1].gather(1, index)))
         dev = torch.zeros(c.tokens.shape[0], t + 1, dtype=torch.float32, device=c.tokens.device)
         return dev.scatter_(1, fed, fresh)[:, :t] * candidates
 
@@ -214,4 +215,4 @@ class SelectionContext:
                 probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
                 mass = (torch.nan_to_num(probs, nan=0.0) * weight).sum(dim=(1, 2))
                 scores.scatter_add_(1, keys_at, mass * keys_valid)
-        return scores
+        return self.model.reduce_heads(scores)

@@ -42,6 +42,7 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.tp = None  # a TensorParallel when this layer holds one rank's slice (o and down then sum over ranks)
 
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
@@ -57,10 +58,11 @@ class DecoderLayer(nn.Module):
         if past_k is not None:
             keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
         out = attend(apply_rope(q, *rope_q), apply_rope(keys, *rope_k), values, key_mask)
-        x = x + self.o_proj(out.reshape(b, t, -1))
+        attn = self.o_proj(out.reshape(b, t, -1))
+        x = x + (attn if self.tp is None else self.tp.reduce(attn))
         h = self.mlp_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x, q, k, v
+        mlp = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + (mlp if self.tp is None else self.tp.reduce(mlp)), q, k, v
 
 
 class DiffusionLM(nn.Module):
@@ -80,6 +82,12 @@ class DiffusionLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.tp = None  # set by acache.models.tensor_parallel.shard_model
+
+    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """A sum over attention heads computed from this process's heads, completed over the tensor-parallel
+        ranks (unchanged without tensor parallelism)."""
+        return t if self.tp is None else self.tp.reduce(t)
 
     # -- upstream format, one implementation per family -------------------------------------------
     @classmethod

@@ -31,6 +31,7 @@ class ModelConfig:
     pad_token_id: int
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
+    head_size: int | None = None  # set where heads are not hidden_size / num_heads (a tensor-parallel shard)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -38,7 +39,7 @@ class ModelConfig:
                      "intermediate_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.family} config: {name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"{self.family} config: hidden size {self.hidden_size} is not divisible by "
                 f"{self.num_heads} attention heads")
@@ -54,7 +55,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size if self.head_size is not None else self.hidden_size // self.num_heads
 
 
 def require(raw: dict[str, Any], key: str, family: str) -> Any:

@@ -128,6 +128,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             if affix_cache_dir is not None:
                 saved = save_affixes()
                 log.warning("saved %d shared affixes to %s", saved, affix_cache_dir)
+            llm.close()  # the tensor-parallel ranks, if any
 
     app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
                   lifespan=lifespan)
@@ -304,6 +305,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             raise BadRequest("max_tokens=0 generates nothing to stream: use stream=false")
         if body.mc_samples is not None and body.logprobs is None:
             raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs too")
+        scoring_allowed(body.logprobs is not None)
         if body.logprobs is not None and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
         if body.logprobs is not None and body.suffix:
@@ -390,6 +392,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             raise BadRequest("top_logprobs needs logprobs=true")
         if body.mc_samples is not None and not body.logprobs:
             raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs=true too")
+        scoring_allowed(bool(body.logprobs))
         if body.logprobs and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
         reuse = body.selector != "off"
@@ -416,6 +419,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                              "token_ids": cut.token_ids}],
                 "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
+
+    def scoring_allowed(wanted: bool) -> None:
+        """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror."""
+        if wanted and llm.tensor_parallel_size > 1:
+            raise BadRequest("logprobs are not supported with --tensor-parallel-size > 1 yet")
 
     async def scoring(request: Request, fn: Callable, *args):
         """Runs a scoring job on the scoring thread; a client that goes away stops it between two batches."""

@@ -61,9 +61,10 @@ class CacheBlendAnchors(AnchorSelector):
                                     ctx.kv.gather_layer(cached, cached_valid, layer),
                                     range(layer, layer + 1), return_kv=True)
             hidden = hidden.scatter(1, fed[..., None].expand(-1, -1, width), step.hidden)
-            fresh = kv_deviation(step.kv.keys[0], step.kv.values[0],
-                                 ctx.kv.keys[layer].gather(1, at[..., None, None].expand_as(step.kv.keys[0])),
-                                 ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0])))
+            fresh = model.reduce_heads(kv_deviation(
+                step.kv.keys[0], step.kv.values[0],
+                ctx.kv.keys[layer].gather(1, at[..., None, None].expand_as(step.kv.keys[0])),
+                ctx.kv.values[layer].gather(1, at[..., None, None].expand_as(step.kv.values[0]))))
             # padded entries land in the trash column t, never on a real one
             dev = torch.zeros(b, t + 1, dtype=torch.float32, device=c.tokens.device).scatter_(1, fed, fresh)
             carried = keep(dev[:, :t], carried, layer - 1)

@@ -20,4 +20,4 @@ class KVDeviationAnchors(AnchorSelector):
         for layer in range(full.num_layers):
             score += kv_deviation(full.keys[layer], full.values[layer], ctx.kv.keys[layer][:, :t],
                                   ctx.kv.values[layer][:, :t])
-        return score
+        return ctx.model.reduce_heads(score)

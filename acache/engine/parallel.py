@@ -1,0 +1,131 @@
+"""One engine over tensor-parallel ranks. Every rank holds the same engine over its slice of the model (see
+:mod:`acache.models.tensor_parallel`): the scheduler is deterministic, so ranks fed the same calls make the
+same decisions and meet at the same collectives. Rank 0 is the engine a caller sees
+(:class:`MirroredEngine`); each call that changes engine state is broadcast first on a gloo control group,
+and the other ranks replay it (:func:`serve_rank`) until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from acache.models.tensor_parallel import TensorParallel
+
+log = logging.getLogger("acache.parallel")
+
+
+class Channel:
+    """Rank 0's calls, broadcast to every rank as picklable tuples."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def send(self, call: tuple) -> None:
+        dist.broadcast_object_list([call], src=0, group=self.group)
+
+    def receive(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a KV budget measured per device, say)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+class MirroredEngine:
+    """Rank 0's view of the engine: ``add_request``, ``step`` and ``abort`` reach every rank; everything else
+    (checks, queries, metrics) is read from rank 0's own engine."""
+
+    def __init__(self, engine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+
+    def add_request(self, prompt, params, request_id: str | None = None, generator: torch.Generator | None = None,
+                    stream: bool = False) -> str:
+        state = generator.get_state() if generator is not None else None
+        request_id = self.engine.add_request(prompt, params, request_id, generator, stream)
+        self.channel.send(("add", prompt, params, request_id, state, stream))
+        return request_id
+
+    def step(self):
+        self.channel.send(("step",))
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        if found:
+            self.channel.send(("abort", request_id))
+        return found
+
+    def close(self) -> None:
+        self.channel.send(("stop",))
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def serve_rank(engine, channel: Channel) -> None:
+    """A rank other than 0: replays rank 0's engine calls until it sends ``stop``."""
+    while True:
+        call = channel.receive()
+        if call[0] == "stop":
+            return
+        if call[0] == "add":
+            _, prompt, params, request_id, state, stream = call
+            generator = None
+            if state is not None:
+                generator = torch.Generator(engine.model.device)
+                generator.set_state(state)
+            engine.add_request(prompt, params, request_id, generator, stream)
+        elif call[0] == "step":
+            engine.step()
+        elif call[0] == "abort":
+            engine.abort(call[1])
+        else:
+            raise RuntimeError(f"unknown engine call {call[0]!r} from rank 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, world_size: int, init_method: str, backend: str) -> tuple[TensorParallel, Channel]:
+    """Joins the group (``backend`` for the model's collectives, gloo for the control channel)."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    control = dist.new_group(backend="gloo")
+    return TensorParallel(rank, world_size), Channel(control)
+
+
+def leave() -> None:
+    """Leaves the group, so that this process can build another tensor-parallel LLM later."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start(world_size: int, device: torch.device, worker: Callable, worker_args: tuple
+          ) -> tuple[TensorParallel, Channel, list]:
+    """Spawns ranks 1..world_size-1 running ``worker(rank, world_size, init_method, backend, *worker_args)``
+    and joins the group as rank 0."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, world_size):
+        p = ctx.Process(target=worker, args=(rank, world_size, init_method, backend, *worker_args), daemon=True,
+                        name=f"acache-tp-{rank}")
+        p.start()
+        procs.append(p)
+    tp, channel = join(0, world_size, init_method, backend)
+    return tp, channel, procs

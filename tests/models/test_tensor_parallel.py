@@ -1,0 +1,130 @@
+"""Tensor parallelism over gloo: two processes give the tokens one process gives (fp32), for both families,
+with requests of mixed selectors, lengths and sampling arriving in one batch; and the clear refusals."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from acache import LLM, SamplingParams
+from acache.models.config import ModelConfig
+from acache.models.tensor_parallel import shard_config
+from tests.affix.helpers import layouts
+
+
+def mixed():
+    prompts = [layouts(seed=s)[k] for s in range(2) for k in ["prefix", "infix", "suffix", "two-affix"]]
+    params = [SamplingParams(gen_length=(8, 16)[i % 2], block_length=8, threshold=0.5,
+                             affix_policy=(None, "attention", "cacheblend", "kv-deviation")[i % 4],
+                             anchor_ratio=(0.2, 0.5)[i % 2], temperature=1.0 if i % 3 == 0 else 0.0, seed=i)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+def test_two_ranks_give_the_tokens_of_one(family_dir):
+    prompts, params = mixed()
+    one = LLM(family_dir, kv_cache_memory=1 << 24, max_batch_size=3)
+    want = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(family_dir, kv_cache_memory=1 << 24, max_batch_size=3, tensor_parallel_size=2)
+    try:
+        assert two.model.config.num_kv_heads == 1 and two.model.layers[0].q_proj.out_features == 32
+        got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        # a second call on the same ranks, after the first left nothing behind
+        assert [o.token_ids for o in two.generate(prompts[:3], params[:3], use_tqdm=False)] == want[:3]
+    finally:
+        two.close()
+    assert all(not p.is_alive() for p in two._tp_workers) and two._tp_workers == []
+
+
+@pytest.mark.parametrize("size, why", [(3, "does not divide the model's num_heads"), (0, "positive integer"),
+                                       (True, "positive integer")])
+def test_a_size_that_does_not_split_the_model_is_refused(llada_dir, size, why):
+    with pytest.raises(ValueError, match=why):
+        LLM(llada_dir, tensor_parallel_size=size)
+
+
+def test_a_saved_affix_cache_is_refused_under_tensor_parallelism(llada_dir, tmp_path):
+    with pytest.raises(ValueError, match="affix_cache_dir is not supported with tensor parallelism"):
+        LLM(llada_dir, tensor_parallel_size=2, affix_cache_dir=tmp_path)
+
+
+def test_a_shard_keeps_whole_heads_of_the_same_size():
+    cfg = ModelConfig("llada", 256, 64, 2, 4, 2, 128, 10000.0, 1e-5, 512, 1, 2, 2)
+    local = shard_config(cfg, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.head_dim) == (2, 1, 64, 16)
+    with pytest.raises(ValueError, match="does not divide the model's num_kv_heads"):
+        shard_config(cfg, 4)
+
+
+def test_serve_with_two_ranks_answers_as_one(tmp_path):
+    """``acache serve -tp 2`` on the shipped model: the single-process answers, streaming included; logprobs
+    (scoring outside the engine) are refused with a clear 400; SIGTERM stops both ranks."""
+    import json
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from fastapi.testclient import TestClient
+
+    from acache.paths import default_model
+    from acache.server.app import create_app
+    from tests.server.helpers import start_server
+
+    story = "story : mary moved to the kitchen . john went to the garden ."
+    bodies = [{"prompt": f"{story} question : where is {who} ? answer :", "max_tokens": n}
+              for who, n in (("mary", 2), ("john", 4))]
+    with TestClient(create_app(LLM(default_model(), kv_cache_memory=1 << 24), "tiny")) as client:
+        want = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    proc, port = start_server(["--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"])
+
+    def post(body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        got = [json.loads(post(b)[1])["choices"][0]["text"] for b in bodies]
+        assert got == want
+        status, text = post({**bodies[1], "stream": True})
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want[1]
+        status, text = post({**bodies[0], "logprobs": 1})
+        assert status == 400 and "not supported with --tensor-parallel-size > 1" in text
+        ranks = [int(line.split()[0]) for line in _children(proc.pid)]
+        assert len(ranks) == 1  # rank 1, spawned by the server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)  # uvicorn shuts down gracefully (rank 1 told to stop), then re-raises SIGTERM
+    deadline = time.time() + 30
+    while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in ranks)
+
+
+def _children(pid: int) -> list[str]:
+    """``/proc`` stat lines of the processes whose parent is ``pid`` (but not the resource tracker)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            line = stat.read_text()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(line.rsplit(")", 1)[1].split()[1]) == pid and b"resource_tracker" not in cmd:
+            out.append(line)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
