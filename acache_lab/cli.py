@@ -37,7 +37,7 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    if args.replicas is not None:
+    if getattr(args, "replicas", None) is not None:
         from acache_lab.bench.cluster import bench_cluster
 
         return bench_cluster(args)

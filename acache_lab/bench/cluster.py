@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYOUTS = ("infix", "suffix")
+POSITIONS = ("infix", "suffix")
 
 
 @dataclass
@@ -39,7 +39,7 @@ def documents_workload(documents: int = 6, questions: int = 12, seed: int = 0) -
         texts.append("story : " + " ".join(examples[0].affix))
         for i in range(questions):
             q = " ".join(examples[i % len(examples)].question)
-            layout = LAYOUTS[(i // len(examples)) % 2]
+            layout = POSITIONS[(i // len(examples)) % 2]
             prompt = f"question : {q} <|affix|> answer :" if layout == "infix" else f"question : {q} answer :"
             requests.append((d, {"prompt": prompt, "affix_layout": layout, "max_tokens": (2, 4)[i % 2],
                                  "anchor_ratio": (0.1, 0.2, 0.3)[i % 3]}))
