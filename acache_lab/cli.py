@@ -284,8 +284,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     group.add_argument("--documents", type=int, default=6)
     group.add_argument("--questions", type=int, default=12, help="requests per document")
-    group.add_argument("--max-affix-tokens", type=int, default=144,
-                       help="each replica's affix share (default: three of the workload's documents)")
+    group.add_argument("--sentences", type=int, default=6, help="sentences a document (six tokens each)")
+    group.add_argument("--max-affix-tokens", type=int, default=None,
+                       help="each replica's affix share (default: its share of the documents, documents/replicas)")
     group.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     group.add_argument("--port", type=int, default=8000)
     _add_overwrite(p)

@@ -28,14 +28,15 @@ class Workload:
     delays: list[float]  # seconds each request waits before it is sent
 
 
-def documents_workload(documents: int = 6, questions: int = 12, seed: int = 0) -> Workload:
-    """``documents`` qa1 stories of equal length (six sentences), each asked ``questions`` times."""
+def documents_workload(documents: int = 6, questions: int = 12, seed: int = 0, sentences: int = 6) -> Workload:
+    """``documents`` qa1 stories of equal length (``sentences`` six-word sentences, plus "story :"), each
+    asked ``questions`` times."""
     from acache_lab.tasks.generators import qa1
 
     rng = random.Random(f"cluster-workload:{seed}")
     texts, requests = [], []
     for d in range(documents):
-        examples = qa1(rng, sentences=6, questions=3)
+        examples = qa1(rng, sentences=sentences, questions=3)
         texts.append("story : " + " ".join(examples[0].affix))
         for i in range(questions):
             q = " ".join(examples[i % len(examples)].question)
@@ -112,16 +113,20 @@ def bench_cluster(args) -> int:
     from acache.cluster.replica import ReplicaSettings
     from acache.paths import default_model
 
-    for name in ("replicas", "documents", "questions", "max_affix_tokens", "threads", "concurrency"):
+    for name in ("replicas", "documents", "questions", "sentences", "threads", "concurrency"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     model = str(args.model or default_model())
-    workload = documents_workload(args.documents, args.questions, args.seed)
+    workload = documents_workload(args.documents, args.questions, args.seed, args.sentences)
+    page = 16  # the engine's default page size
+    per_replica = -(-args.documents // args.replicas)
+    doc_pages = -(-(6 * args.sentences + 2) // page)
+    cap = args.max_affix_tokens or per_replica * doc_pages * page  # the replica's share of the documents
     rows = {}
     for router in ("span", "default"):
         cluster = ClusterSettings(replicas=args.replicas, router=router, port=args.port, app_name=f"bench-{router}")
         replica = ReplicaSettings(model, "bench", cluster.directory, NAMESPACE, threads=args.threads,
-                                  llm={"kv_cache_memory": 1 << 26, "max_affix_tokens": args.max_affix_tokens})
+                                  llm={"kv_cache_memory": 1 << 26, "max_affix_tokens": cap})
         start(cluster, replica, FrontendSettings(model, cluster.directory, NAMESPACE))
         try:
             url = f"http://127.0.0.1:{args.port}"
@@ -136,5 +141,6 @@ def bench_cluster(args) -> int:
                                                  for k, v in rows[router].items() if k != "errors"), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"replicas": args.replicas, "documents": args.documents,
-                                               "questions": args.questions, "rows": rows}, indent=2) + "\n")
+                                               "questions": args.questions, "sentences": args.sentences,
+                                               "max_affix_tokens": cap, "rows": rows}, indent=2) + "\n")
     return 0 if all(r["succeeded"] == r["requests"] for r in rows.values()) else 1

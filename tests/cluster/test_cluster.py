@@ -37,7 +37,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def workload():
-    return documents_workload(documents=6, questions=12, seed=0)
+    return documents_workload(documents=6, questions=20, seed=0)
 
 
 @pytest.fixture(scope="module")
