@@ -28,6 +28,13 @@ class SamplingParams:
     ``bicache-matched`` recomputes the deepest ``ceil(anchor_ratio * layers)`` layers instead, and
     ``bicache-profiled`` takes that depth from a profile (``LLM(bicache_profile=...)``).
     ``None`` computes affix tokens like any other prompt tokens.
+
+    Two approximations past the token-count ideal (both off by default): ``far_mask_window`` W leaves the
+    mask columns of blocks more than W blocks after the current one out of every forward, fed or
+    attended (DPad's observation: far masks carry almost nothing); ``focus_layers`` L runs an in-block
+    step's first L layers on the whole block, then only the ``focus_ratio`` of its masked tokens that
+    attention marks as most likely to be decoded (FOCUS), the block's other tokens attended at the later
+    layers through their K/V of the last refresh.
     """
 
     gen_length: int = 128
@@ -44,6 +51,9 @@ class SamplingParams:
     affix_policy: str | None = None
     anchor_ratio: float = 0.2
     anchor_query: str = "probe"
+    far_mask_window: int | None = None
+    focus_layers: int | None = None
+    focus_ratio: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("threshold", "factor", "temperature", "anchor_ratio"):
@@ -101,6 +111,19 @@ class SamplingParams:
                 raise ValueError(f"affix reuse runs on the dual cache: set cache='dual' (got {self.cache!r})")
         if not 0.0 <= self.anchor_ratio <= 1.0:
             raise ValueError(f"anchor_ratio must be in [0, 1], got {self.anchor_ratio}")
+        for name in ("far_mask_window", "focus_layers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if self.focus_layers is not None:
+            if self.focus_layers == 0:
+                raise ValueError("focus_layers must be at least 1: importance is read from the last of them")
+            if self.cache != "dual":
+                raise ValueError(f"focus_layers focuses the dual cache's in-block steps: set cache='dual' "
+                                 f"(got {self.cache!r})")
+        if isinstance(self.focus_ratio, bool) or not isinstance(self.focus_ratio, (int, float)) \
+                or not 0.0 < self.focus_ratio <= 1.0:
+            raise ValueError(f"focus_ratio must be in (0, 1], got {self.focus_ratio!r}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
 

@@ -140,18 +140,33 @@ class RequestState:
             self._plans[self.phase] = self._make_plan()
         return self._plans[self.phase]
 
+    def far_columns(self) -> torch.Tensor:
+        """``[T]``: the generation columns of blocks more than ``far_mask_window`` blocks after the current
+        one (all False without a window). They are still masks; a block's first step, a refresh, feeds
+        the ones its window has reached."""
+        far = torch.zeros(self.length, dtype=torch.bool, device=self._cols.device)
+        window = self.params.far_mask_window
+        if window is not None:
+            edge = self.block_cols[1] + window * self.params.block_length
+            far[edge:self.gen_start + self.params.gen_length] = True
+        return far
+
     def _make_plan(self) -> StepPlan:
         start, end = self.block_cols
         cols = self._cols
+        near = ~self.far_columns()
         if self.params.cache == "none":
-            return StepPlan(cols, cols[:0], cols[start:end], refresh=False, write=False)
+            fed = cols[near]
+            return StepPlan(fed, cols[:0], torch.searchsorted(fed, cols[start:end]), refresh=False, write=False)
         if self.phase is Phase.REFRESH:
-            fed = self._refresh_fed
-            return StepPlan(fed, self._refresh_past, torch.searchsorted(fed, cols[start:end]), True, True)
+            fed = self._refresh_fed[near[self._refresh_fed]]
+            past = self._refresh_past[near[self._refresh_past]]
+            return StepPlan(fed, past, torch.searchsorted(fed, cols[start:end]), True, True)
         block = cols[:end - start]
         if self.params.cache == "prefix":
-            return StepPlan(cols[start:], cols[:start], block, refresh=False, write=False)
-        return StepPlan(cols[start:end], torch.cat((cols[:start], cols[end:])), block, refresh=False, write=False)
+            return StepPlan(cols[start:][near[start:]], cols[:start], block, refresh=False, write=False)
+        past = torch.cat((cols[:start], cols[end:][near[end:]]))
+        return StepPlan(cols[start:end], past, block, refresh=False, write=False)
 
     def commit(self, x0: torch.Tensor, conf: torch.Tensor) -> bool:
         """Takes the block's proposals ``x0``/``conf`` ``[L]`` of the forward just planned; True when done."""

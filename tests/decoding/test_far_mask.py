@@ -1,0 +1,87 @@
+"""Far-mask pruning (``far_mask_window``): its definition on a hand-built request, its no-op window, and the
+engine against the reference path with mixed windows arriving at different steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acache.decoding.canvas import Layout
+from acache.decoding.request_state import Phase, RequestState
+from acache.reference import reference_generate
+from acache.sampling_params import SamplingParams
+from tests.affix.helpers import layouts
+from tests.conftest import random_prompts
+from tests.helpers import run_engine, tokens
+
+
+def state(window, cache="dual", suffix=()):
+    prompt = tuple(range(10, 16)) + tuple(suffix)
+    s = RequestState(Layout(prompt, 6), SamplingParams(gen_length=32, block_length=8, cache=cache,
+                                                       far_mask_window=window), 99, 98, False, torch.device("cpu"))
+    none = torch.zeros(s.length, dtype=torch.bool)
+    s.set_recompute(none, none)
+    return s
+
+
+def cols(t):
+    return set(t.tolist())
+
+
+def test_far_blocks_are_neither_fed_nor_attended():
+    """Prompt 0-5, four blocks of 8 (6-13, 14-21, 22-29, 30-37), two suffix tokens 38-39; window 1."""
+    s = state(1, suffix=(20, 21))
+    far = cols(torch.arange(22, 38))
+    refresh = s.plan()
+    assert refresh.refresh and cols(refresh.fed) == set(range(40)) - far and not cols(refresh.past)
+    s.phase = Phase.STEP
+    step = s.plan()
+    assert cols(step.fed) == set(range(6, 14)) and cols(step.past) == set(range(40)) - far - set(range(6, 14))
+    s.block, s.phase = 2, Phase.REFRESH  # the window has reached every block: nothing is far
+    assert not bool(s.far_columns().any()) and cols(s.plan().fed) == set(range(40))
+    s.block, s.phase = 1, Phase.STEP
+    assert cols(s.plan().past) == set(range(40)) - set(range(14, 22)) - set(range(38 - 8, 38))
+    for cache in ("none", "prefix"):
+        s = state(0, cache)
+        if cache == "prefix":
+            s.phase = Phase.STEP
+        plan = s.plan()
+        assert cols(plan.fed) & set(range(14, 38)) == set() and 6 in cols(plan.fed)
+        assert [int(plan.fed[i]) for i in plan.block] == list(range(6, 14))
+
+
+def test_a_window_that_covers_every_block_changes_nothing(family_model):
+    prompts = random_prompts([7, 12, 3], seed=11)
+    base = dict(gen_length=32, block_length=8, threshold=0.5)
+    want = run_engine(family_model, prompts, SamplingParams(**base))
+    got = run_engine(family_model, prompts, SamplingParams(**base, far_mask_window=3))
+    assert tokens(got) == tokens(want)
+    pruned = run_engine(family_model, prompts, SamplingParams(**base, far_mask_window=0))
+    assert tokens(pruned) != tokens(want)  # non-vacuity: on this model the far masks do matter
+
+
+def test_the_engine_equals_the_reference_with_mixed_windows(family_model):
+    prompts = [layouts(seed=s)[k] for s in range(2) for k in ("prefix", "suffix", "two-affix")]
+    params = []
+    for i in range(len(prompts)):
+        reuse = i % 2 == 1
+        params.append(SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=0.5,
+                                     far_mask_window=(None, 0, 1)[i % 3], affix_policy="attention" if reuse else None,
+                                     cache="prefix" if not reuse and i % 3 == 2 else "dual"))
+    outs = run_engine(family_model, prompts, params, arrivals=[0, 0, 1, 3, 4, 4])
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        assert out.token_ids == reference_generate(family_model, prompt, p).token_ids
+
+
+@pytest.mark.parametrize("field, value, why", [("far_mask_window", -1, "non-negative integer"),
+                                               ("far_mask_window", 1.5, "non-negative integer"),
+                                               ("far_mask_window", True, "non-negative integer"),
+                                               ("focus_layers", 0, "at least 1"),
+                                               ("focus_ratio", 0.0, r"focus_ratio must be in \(0, 1\]"),
+                                               ("focus_ratio", 1.5, r"focus_ratio must be in \(0, 1\]")])
+def test_bad_pruning_parameters_are_refused(field, value, why):
+    with pytest.raises(ValueError, match=why):
+        SamplingParams(**{field: value})
+    if field == "focus_layers":
+        with pytest.raises(ValueError, match="set cache='dual'"):
+            SamplingParams(focus_layers=1, cache="prefix")
