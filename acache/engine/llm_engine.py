@@ -102,6 +102,9 @@ class LLMEngine:
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
+        if params.focus_layers is not None and self.model.shifted_logits:
+            raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
+                             "predicts a token from the column before it, which FOCUS may have left out")
         return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
                        stream, self.stop_token_ids)
 

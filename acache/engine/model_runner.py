@@ -24,6 +24,7 @@ from acache.affix.placement import place_affixes
 from acache.affix.selectors import make_selector
 from acache.decoding.canvas import build_canvas
 from acache.decoding.sampler import propose
+from acache.engine.focus import focused_step
 from acache.engine.outputs import ForwardBatch, RunnerOutput, SchedulerOutput
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
@@ -153,11 +154,19 @@ class ModelRunner:
         else:
             past_slots = torch.where(past_valid, slot_maps[rows, past], torch.full_like(past, trash))
             paged = PagedKV(self.pool, past_slots, positions[rows, past], past_valid) if past.shape[1] else None
-            out = self.model(tokens[rows, fed], positions[rows, fed], fed_valid, past=paged, return_kv=batch.refresh)
-            if batch.refresh:
-                write = torch.where(fed_valid, slot_maps[rows, fed], torch.full_like(fed, trash))
-                self.pool.write(write, out.kv.keys, out.kv.values)
-            hidden = out.hidden
+            focus = reqs[0].params.focus_layers if not batch.refresh and paged is not None else None
+            if focus is not None and focus < len(self.model.layers):
+                masked = (tokens[rows, fed] == self.model.config.mask_token_id) & fed_valid
+                ratios = torch.tensor([r.params.focus_ratio for r in reqs], device=dev)
+                hidden, kept = focused_step(self.model, self.pool, tokens[rows, fed], positions[rows, fed], fed_valid,
+                                            slot_maps[rows, fed], paged, masked, ratios, focus)
+            else:
+                out = self.model(tokens[rows, fed], positions[rows, fed], fed_valid, past=paged,
+                                 return_kv=batch.refresh)
+                if batch.refresh:
+                    write = torch.where(fed_valid, slot_maps[rows, fed], torch.full_like(fed, trash))
+                    self.pool.write(write, out.kv.keys, out.kv.values)
+                hidden, kept = out.hidden, None
         logits = self.model.logits(hidden, block, fed_valid)
         samples = {}
         for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
@@ -165,6 +174,10 @@ class ModelRunner:
             gens = [req.generator] if req.params.temperature > 0 else None
             x0, conf = propose(logits[i:i + 1, :n], req.params.temperature, gens,
                                mask_token_id=req.state.mask_token_id)
+            if kept is not None:  # a token FOCUS left out has no proposal: it cannot be committed this step
+                out_of_focus = ~kept[i, plan.block]
+                x0[0, out_of_focus] = req.state.mask_token_id
+                conf[0, out_of_focus] = -1.0
             samples[req.request_id] = (x0[0], conf[0])
         return samples
 

@@ -141,7 +141,8 @@ class Scheduler:
             else:
                 plan = req.state.plan()
                 split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
-                key = (plan.refresh, split, len(plan.fed) > req.params.block_length)
+                focus = None if plan.refresh else req.params.focus_layers  # one early depth a forward
+                key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus)
                 cost = len(plan.fed)
             if used.get(key, 0) and used[key] + cost > budget:
                 continue
