@@ -121,9 +121,9 @@ class SamplingParams:
             if self.cache != "dual":
                 raise ValueError(f"focus_layers focuses the dual cache's in-block steps: set cache='dual' "
                                  f"(got {self.cache!r})")
-            if self.remasking != "threshold":
-                raise ValueError(f"focus_layers works with remasking='threshold' (got {self.remasking!r}): a rule "
-                                 "with a quota a step could have to commit tokens FOCUS left out")
+            if self.remasking == "factor":
+                raise ValueError("focus_layers works with remasking 'threshold' or 'low_confidence', not 'factor': "
+                                 "its count could reach tokens FOCUS left out")
         if isinstance(self.focus_ratio, bool) or not isinstance(self.focus_ratio, (int, float)) \
                 or not 0.0 < self.focus_ratio <= 1.0:
             raise ValueError(f"focus_ratio must be in (0, 1], got {self.focus_ratio!r}")

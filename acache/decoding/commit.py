@@ -30,6 +30,10 @@ class CommitRule:
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def least_commits(self, step: int) -> int:
+        """The fewest positions a step commits (of a one-row block): what FOCUS must keep at least."""
+        return 1
+
 
 class LowConfidence(CommitRule):
     """LLaDA's low-confidence remasking: a fixed quota a step from the linear schedule."""
@@ -51,6 +55,9 @@ class LowConfidence(CommitRule):
             self.schedule = torch.cat((torch.ones_like(rest[:, :1]), rest), dim=1)
         else:
             self.schedule = self.quota_schedule(num_masked, self.steps)
+
+    def least_commits(self, step: int) -> int:
+        return int(self.schedule[0, step]) if step < self.steps else 1 << 30
 
     def select(self, conf: torch.Tensor, masked: torch.Tensor, step: int) -> torch.Tensor:
         # The schedule covers every mask of the block; past it (never reached) commit what is left.

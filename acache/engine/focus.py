@@ -8,7 +8,8 @@ proposals; the others cannot be committed this step.
 Definitions, for one request and the last early layer ``l``: the importance of a fed token ``j`` is
 ``sum over heads h and valid fed queries i of softmax_s(q_{h,i} . k_{h,s} / sqrt(d))[j]``, the softmax over
 every key the step attends to (the cached ones and the fed ones, RoPE applied); the kept tokens are the
-``max(1, ceil(ratio x masked))`` masked tokens of highest importance (ties to the earlier column).
+``max(1, ceil(ratio x masked))`` masked tokens of highest importance (ties to the earlier column), and at
+least as many as the commit rule commits this step (low-confidence's quota).
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, ke
     return model.reduce_heads(received)
 
 
-def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.Tensor) -> torch.Tensor:
-    """``[B, F]`` bool: per row, the ``max(1, ceil(ratio x masked))`` masked tokens of highest importance."""
+def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.Tensor,
+                 least: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, F]`` bool: per row, the ``max(1, least, ceil(ratio x masked))`` masked tokens of highest importance
+    (``least``: what the row's commit rule commits this step at the fewest, a quota rule's quota)."""
     count = torch.ceil(ratios * masked.sum(-1)).long().clamp_min(1)
+    if least is not None:
+        count = torch.maximum(count, least)
     score = importance.masked_fill(~masked, float("-inf"))
     order = score.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
@@ -55,7 +60,8 @@ def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.T
 @torch.inference_mode()
 def focused_step(model: DiffusionLM, pool: PagePool, tokens: torch.Tensor, positions: torch.Tensor,
                  valid: torch.Tensor, fed_slots: torch.Tensor, past: PagedKV, masked: torch.Tensor,
-                 ratios: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 ratios: torch.Tensor, layers: int, least: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One focused in-block step of the fed tokens ``[B, F]`` (``fed_slots``: where their K/V of the last
     refresh are). Returns the final-normed hidden states ``[B, F, hidden]`` (zero where not kept) and the
     kept tokens ``[B, F]``."""
@@ -63,7 +69,7 @@ def focused_step(model: DiffusionLM, pool: PagePool, tokens: torch.Tensor, posit
     early = model.run_layers(model.embed(tokens), positions, valid, past, range(0, layers), return_kv=True,
                              capture_queries=True)
     importance = attention_received(model, layers - 1, early.queries[-1], early.kv.keys[-1], positions, valid, past)
-    kept = focus_tokens(importance, masked & valid, ratios)
+    kept = focus_tokens(importance, masked & valid, ratios, least)
     at, at_valid = compact_index(kept, fill=f)
     at = at.clamp_max(f - 1)
     dropped, dropped_valid = compact_index(valid & ~kept, fill=f)

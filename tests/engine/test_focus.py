@@ -95,17 +95,19 @@ def test_a_focused_step_is_its_definition(llada_model, ratio):
 
 def test_focused_requests_batched_with_others_equal_each_alone(llada_model):
     prompts = random_prompts([7, 12, 3, 9], seed=5)
-    params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=0.5,
-                             focus_layers=(1, None, 1, 1)[i], focus_ratio=(0.25, 0.25, 0.5, 1.0)[i])
-              for i in range(4)]
+    rules = [dict(threshold=0.5), dict(threshold=0.5), dict(remasking="low_confidence", steps=8), dict(threshold=0.7)]
+    params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, focus_layers=(1, None, 1, 1)[i],
+                             focus_ratio=(0.25, 0.25, 0.1, 1.0)[i], **rules[i]) for i in range(4)]
     config = dict(page_size=4, kv_cache_memory=1 << 22)
     batched = run_engine(llada_model, prompts, params, arrivals=[0, 0, 2, 5],
                          engine=LLMEngine(llada_model, EngineConfig(max_num_seqs=4, **config)))
+    mask = llada_model.config.mask_token_id
     for prompt, p, out in zip(prompts, params, batched, strict=True):
+        assert mask not in out.token_ids and len(out.token_ids) == p.gen_length  # every column committed, never a mask
         alone = run_engine(llada_model, [prompt], [p], engine=LLMEngine(llada_model, EngineConfig(**config)))
         assert out.token_ids == alone[0].token_ids
-    plain = run_engine(llada_model, prompts, [SamplingParams(gen_length=p.gen_length, block_length=8, threshold=0.5)
-                                              for p in params])
+    plain = run_engine(llada_model, prompts, [SamplingParams(gen_length=p.gen_length, block_length=8, **rules[i])
+                                              for i, p in enumerate(params)])
     assert tokens(batched) != tokens(plain)  # non-vacuity: FOCUS does change decoding on this model
     assert batched[0].nfe >= plain[0].nfe  # fewer tokens proposed a step: never fewer steps
 
@@ -116,5 +118,5 @@ def test_focus_is_refused_where_it_cannot_hold(dream_dir):
     engine = LLMEngine(load_model(dream_dir), EngineConfig(kv_cache_memory=1 << 20))
     with pytest.raises(ValueError, match="focus_layers is not supported for dream"):
         engine.add_request([1, 2, 3], SamplingParams(gen_length=8, block_length=8, focus_layers=1))
-    with pytest.raises(ValueError, match="works with remasking='threshold'"):
-        SamplingParams(focus_layers=1, remasking="low_confidence")
+    with pytest.raises(ValueError, match="not 'factor'"):
+        SamplingParams(focus_layers=1, remasking="factor")
