@@ -144,6 +144,11 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    help="skip the untimed warm-up pair before timing")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--plot", default=None, help="also draw the three ratios against their ideals to this PNG")
+    p.add_argument("--focus-layers", type=int, default=None,
+                   help="also run ACache with FOCUS: this many layers on the whole block, then the focused tokens")
+    p.add_argument("--focus-ratio", type=float, default=None, help="share of a block's masks FOCUS keeps (0.25)")
+    p.add_argument("--far-mask-window", type=int, default=None,
+                   help="also run ACache with far-mask pruning: blocks attended past the current one")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)
@@ -203,6 +208,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_study_args(p, examples=100)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None)
+    p.add_argument("--block-length", type=int, default=None,
+                   help="blocks that divide each task's answer region (default: the region as one block)")
+    p.add_argument("--focus-layers", type=int, default=None, help="FOCUS: layers run on the whole block")
+    p.add_argument("--focus-ratio", type=float, default=None, help="FOCUS: share of a block's masks kept")
+    p.add_argument("--far-mask-window", type=int, default=None, help="far-mask pruning: blocks attended ahead")
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_tasks))

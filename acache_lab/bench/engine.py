@@ -128,9 +128,11 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
     return prompts, Workload(span.length, question, gen, gen, gen, 0.2)
 
 
-def workload_params(w: Workload, reuse: bool) -> SamplingParams:
+def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> SamplingParams:
+    """The workload's parameters; ``prune`` adds FOCUS and far-mask fields (``focus_layers``, ...)."""
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
-                          remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio)
+                          remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio,
+                          **(prune or {}))
 
 
 def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
@@ -315,16 +317,26 @@ def main(args) -> int:
         prompts, wb = requests(batches[0])
         for reuse in tqdm((False, True), desc="bench warm-up (untimed)", unit="run"):
             run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
-    with tqdm(total=2 * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
+    prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
+                               ("far_mask_window", args.far_mask_window)) if v is not None}
+    if prune.keys() == {"focus_ratio"}:
+        raise ValueError("--focus-ratio needs --focus-layers")
+    pruned_name = "acache+" + "+".join(f"{k}={v}" for k, v in prune.items())
+    modes = 3 if prune else 2
+    with tqdm(total=modes * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
             prompts, w = requests(b)
-            runs: dict[bool, list[ModeResult]] = {False: [], True: []}
-            for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both modes alike
+            runs: dict[object, list[ModeResult]] = {False: [], True: [], "pruned": []}
+            for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits every mode alike
                 for reuse in (False, True):
                     runs[reuse].append(run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory))
                     bar.update(1)
-            pair = {reuse: median_run(r) for reuse, r in runs.items()}
-            results += [pair[False], pair[True]]
+                if prune:
+                    runs["pruned"].append(run_mode(model, prompts, w, True, b, args.page_size, args.kv_cache_memory,
+                                                   [workload_params(w, True, prune)] * len(prompts), pruned_name))
+                    bar.update(1)
+            pair = {reuse: median_run(r) for reuse, r in runs.items() if r}
+            results += [pair[False], pair[True]] + ([pair["pruned"]] if prune else [])
             comparisons.append(compare(pair[False], pair[True], w, args.page_size))
     mixed = []
     if args.mixed:
@@ -346,6 +358,11 @@ def main(args) -> int:
     header += (f"; machine peak {peak / 1e9:.1f} GFLOP/s ({model.dtype} matmul 2048 x {cfg.hidden_size} x "
                f"{cfg.intermediate_size}, measured in this run)")
     table = markdown(results, comparisons, peak)
+    if prune:
+        speed = {(r.batch, r.mode): r.throughput_tokens_per_s for r in results}
+        table += "\n\n" + "\n".join(
+            f"batch {b}: {pruned_name} at {speed[(b, pruned_name)] / speed[(b, 'dual')]:.2f}x the dual cache's "
+            f"tokens/s ({speed[(b, 'acache')] / speed[(b, 'dual')]:.2f}x for plain ACache)" for b in batches)
     if mixed:
         table += "\n\n" + mixed_markdown(results[-1], *mixed)
     print(header)

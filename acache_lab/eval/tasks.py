@@ -27,12 +27,17 @@ class TaskScore:
 
 
 def task_params(task: str, **overrides) -> SamplingParams:
-    """The study's decoding: the task's answer region as one block, threshold 0.9, dual cache."""
-    fixed = {"gen_length", "block_length"} & set(overrides)
-    if fixed:
-        raise ValueError(f"{sorted(fixed)} are set by the task's answer region, not by the caller")
+    """The study's decoding: the task's answer region as one block, threshold 0.9, dual cache. A
+    ``block_length`` override must divide the answer region (blocks of 1 column for a 2-column answer, of 2 or 3
+    for a 6-column one), so that far-mask pruning has blocks to prune."""
+    if "gen_length" in overrides:
+        raise ValueError("gen_length is set by the task's answer region, not by the caller")
     n = answer_length(task)
-    return SamplingParams(**{"gen_length": n, "block_length": n, "threshold": 0.9, "cache": "dual", **overrides})
+    block = overrides.pop("block_length", n) or n
+    if n % block:
+        block = n  # a task whose answer region the blocks do not divide decodes it as one block
+    return SamplingParams(**{"gen_length": n, "block_length": block, "threshold": 0.9, "cache": "dual",
+                             **overrides})
 
 
 def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:
@@ -47,21 +52,25 @@ def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example],
 
 
 def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
-             layouts: tuple[str, ...] = LAYOUTS) -> list[TaskScore]:
+             layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None) -> list[TaskScore]:
+    """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask)."""
     scores = []
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, task_params(task))
+            params = task_params(task, **dict(overrides or {}))
+            correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
             scores.append(TaskScore(task, layout, correct, len(exs)))
     return scores
 
 
 def main(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
-    scores = evaluate(llm, args.examples, args.sentences, args.seed)
+    overrides = {k: getattr(args, k) for k in ("block_length", "focus_layers", "focus_ratio", "far_mask_window")
+                 if getattr(args, k, None) is not None}
+    scores = evaluate(llm, args.examples, args.sentences, args.seed, overrides=overrides)
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
-          "threshold 0.9, dual cache, full recomputation")
+          "threshold 0.9, dual cache, full recomputation" + "".join(f", {k} {v}" for k, v in overrides.items()))
     print("| task | prefix | infix | suffix |")
     print("|---|---:|---:|---:|")
     for task in TASKS:

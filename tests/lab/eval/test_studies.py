@@ -60,8 +60,11 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
     assert (arith.gen_length, arith.block_length, arith.affix_policy) == (6, 6, "none")
     # the study's defaults are defaults: the reference path without a cache, or another threshold
     assert (task_params("qa1", cache="none").cache, task_params("qa1", threshold=0.5).threshold) == ("none", 0.5)
-    with pytest.raises(ValueError, match=r"\['gen_length'\] are set by the task's answer region"):
+    with pytest.raises(ValueError, match="gen_length is set by the task's answer region"):
         task_params("qa1", gen_length=8)
+    # blocks that divide the answer region, for far-mask pruning; one that does not is the region as one block
+    assert [task_params("arith", block_length=b).block_length for b in (2, 3, 4)] == [2, 3, 6]
+    assert task_params("qa1", block_length=1, far_mask_window=0).far_mask_window == 0
 
 
 def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_model_dir, tmp_path):
