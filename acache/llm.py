@@ -69,11 +69,15 @@ class LLM:
                 max_model_len=max_model_len, max_affix_tokens=max_affix_tokens))
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", tp.rank)
-        self.model = load_model(model, dtype=dtype, device=self.device)
-        if tp is not None:
-            shard_model(self.model, tp)
-            kv_cache_memory = self._channel.agree_min(kv_cache_memory or self._default_kv_budget(
-                gpu_memory_utilization))
+        try:
+            self.model = load_model(model, dtype=dtype, device=self.device)
+            if tp is not None:
+                shard_model(self.model, tp)
+                kv_cache_memory = self._channel.agree_min(kv_cache_memory or self._default_kv_budget(
+                    gpu_memory_utilization))
+        except BaseException:
+            self._stop_workers()  # a rank-0 failure at start leaves no worker and no group behind
+            raise
         self.dtype = self.model.dtype
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
@@ -114,16 +118,22 @@ class LLM:
         return int(free * fraction)
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks (a no-op without tensor parallelism)."""
+        """Stops the tensor-parallel ranks (a no-op without tensor parallelism). Call it when no other thread
+        is stepping the engine (the server's engine thread has stopped)."""
         if self._channel is not None and self._tp_workers:
-            self.engine.close()
-            for p in self._tp_workers:
-                p.join(timeout=30)
-            self._tp_workers = []
-            self._channel = None
+            self._channel.send(("stop",))
+            self._stop_workers()
             self._engine = None
             self._closed = True
-            parallel.leave()
+
+    def _stop_workers(self) -> None:
+        for p in self._tp_workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self._tp_workers = []
+        self._channel = None
+        parallel.leave()
 
     @property
     def engine(self) -> LLMEngine:
@@ -138,6 +148,9 @@ class LLM:
 
     def save_affix_cache(self, path: str | Path) -> Path:
         """Saves every shared affix the engine holds, for a later ``LLM(..., affix_cache_dir=path)``."""
+        if self.tensor_parallel_size > 1:
+            raise ValueError("saving the affix cache is not supported with tensor parallelism (each rank holds a "
+                             "slice of every affix)")
         return self.engine.affixes.save(path)
 
     @property

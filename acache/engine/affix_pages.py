@@ -80,10 +80,22 @@ class AffixPageTable(AffixCache[SharedAffix]):
         super().__init__(model, PagedStorage(pool, max_pages), wait_when_full=True)
         self.pool = pool
 
+    def evict_until(self, cost: int, keep: set[str] = frozenset()) -> bool:
+        """As the base rule, but evicts nothing when the affixes requests hold (and ``keep``) leave no room
+        under the cap for ``cost`` pages whatever is evicted."""
+        pinned = sum(len(e.pages) for k, e in self.entries.items() if e.refcount > 0 or k in keep)
+        if not self.fits_pages(pinned + cost):
+            return False
+        return super().evict_until(cost, keep)
+
+    def fits_pages(self, pages: int) -> bool:
+        """Affixes of ``pages`` pages in all can be shared at once under the cap."""
+        cap = self.storage.max_pages
+        return cap is None or pages <= cap
+
     def fits(self, num_tokens: int) -> bool:
         """An affix of ``num_tokens`` can be shared at all under the cap."""
-        cap = self.storage.max_pages
-        return cap is None or self.pool.pages_for(num_tokens) <= cap
+        return self.fits_pages(self.pool.pages_for(num_tokens))
 
     @property
     def pages_in_use(self) -> int:

@@ -27,8 +27,15 @@ class KVCacheManager:
         self.affixes = AffixPageTable(model, pool, max_affix_tokens)
 
     def shareable(self, req: Request) -> list[int]:
-        """The request's affixes that can take shared pages (the others are computed with it)."""
-        return [i for i, span in enumerate(req.prompt.affixes) if self.affixes.fits(span.length)]
+        """The request's affixes that take shared pages, in order while their pages together fit the affix cap
+        (the others are computed with it: a request must never wait for room only it holds)."""
+        chosen, pages = [], 0
+        for i, span in enumerate(req.prompt.affixes):
+            need = self.pool.pages_for(span.length)
+            if self.affixes.fits_pages(pages + need):
+                chosen.append(i)
+                pages += need
+        return chosen
 
     def pages_needed_alone(self, req: Request) -> int:
         """Pages the request needs in an empty pool: its private pages plus its shared affixes' pages."""

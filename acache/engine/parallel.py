@@ -6,6 +6,7 @@ and the other ranks replay it (:func:`serve_rank`) until told to stop."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from acache.models.tensor_parallel import TensorParallel
 
 log = logging.getLogger("acache.parallel")
+TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the group instead of hanging it
 
 
 class Channel:
@@ -51,6 +53,8 @@ class MirroredEngine:
 
     def add_request(self, prompt, params, request_id: str | None = None, generator: torch.Generator | None = None,
                     stream: bool = False) -> str:
+        if generator is None:  # drawn here, once: a rank drawing its own unseeded noise would decode other tokens
+            generator = params.generator(self.engine.model.device)
         state = generator.get_state() if generator is not None else None
         request_id = self.engine.add_request(prompt, params, request_id, generator, stream)
         self.channel.send(("add", prompt, params, request_id, state, stream))
@@ -66,32 +70,38 @@ class MirroredEngine:
             self.channel.send(("abort", request_id))
         return found
 
-    def close(self) -> None:
-        self.channel.send(("stop",))
-
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
 
 def serve_rank(engine, channel: Channel) -> None:
-    """A rank other than 0: replays rank 0's engine calls until it sends ``stop``."""
+    """A rank other than 0: replays rank 0's engine calls until it sends ``stop``. A call that raises here
+    raised on rank 0 too (the same deterministic engine): rank 0 fails its requests and sends the aborts,
+    so this rank logs it and goes on, as rank 0's server does."""
     while True:
         call = channel.receive()
         if call[0] == "stop":
             return
-        if call[0] == "add":
-            _, prompt, params, request_id, state, stream = call
-            generator = None
-            if state is not None:
-                generator = torch.Generator(engine.model.device)
-                generator.set_state(state)
-            engine.add_request(prompt, params, request_id, generator, stream)
-        elif call[0] == "step":
-            engine.step()
-        elif call[0] == "abort":
-            engine.abort(call[1])
-        else:
-            raise RuntimeError(f"unknown engine call {call[0]!r} from rank 0")
+        try:
+            _replay(engine, call)
+        except Exception as exc:
+            log.warning("rank %d: engine call %r raised %s: %s", dist.get_rank(), call[0], type(exc).__name__, exc)
+
+
+def _replay(engine, call: tuple) -> None:
+    if call[0] == "add":
+        _, prompt, params, request_id, state, stream = call
+        generator = None
+        if state is not None:
+            generator = torch.Generator(engine.model.device)
+            generator.set_state(state)
+        engine.add_request(prompt, params, request_id, generator, stream)
+    elif call[0] == "step":
+        engine.step()
+    elif call[0] == "abort":
+        engine.abort(call[1])
+    else:
+        raise RuntimeError(f"unknown engine call {call[0]!r} from rank 0")
 
 
 def _free_port() -> int:
@@ -102,8 +112,10 @@ def _free_port() -> int:
 
 def join(rank: int, world_size: int, init_method: str, backend: str) -> tuple[TensorParallel, Channel]:
     """Joins the group (``backend`` for the model's collectives, gloo for the control channel)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    control = dist.new_group(backend="gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT)
     return TensorParallel(rank, world_size), Channel(control)
 
 

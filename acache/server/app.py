@@ -128,7 +128,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             if affix_cache_dir is not None:
                 saved = save_affixes()
                 log.warning("saved %d shared affixes to %s", saved, affix_cache_dir)
-            llm.close()  # the tensor-parallel ranks, if any
+            if engine.stopped:
+                llm.close()  # the tensor-parallel ranks, if any; never while the engine thread may step
 
     app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
                   lifespan=lifespan)

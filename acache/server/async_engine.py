@@ -50,6 +50,11 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    @property
+    def stopped(self) -> bool:
+        """No engine thread is running (it never started, or it has exited)."""
+        return self._thread is None or not self._thread.is_alive()
+
     def _loop(self) -> None:
         while not self._stop:
             with self.lock:

@@ -70,3 +70,26 @@ def test_an_affix_longer_than_the_cap_is_computed_with_its_request(llada_model):
 def test_a_bad_cap_is_refused(llada_model, bad):
     with pytest.raises(ValueError, match="max_affix_tokens must be a positive integer"):
         engine(llada_model, max_affix_tokens=bad)
+
+
+def test_two_affixes_that_fit_the_cap_only_apart_never_stall(llada_model):
+    """An 8- and a 20-token affix under a 20-token cap: the first is shared, the second computed with its
+    request (it could only fit by evicting what the same request holds), and nothing waits for ever."""
+    prompt = layouts(affix_len=20)["two-affix"]  # an 8-token system affix, then the 20-token document
+    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.2)
+    capped = engine(llada_model, max_affix_tokens=20)
+    outs = run_engine(llada_model, [prompt, prompt], [params, params], [0, 2], engine=capped)
+    assert len(outs) == 2 and outs[0].token_ids == outs[1].token_ids
+    assert [len(e.token_ids) for e in capped.affixes.entries.values()] == [8]
+
+
+def test_a_capped_cache_evicts_nothing_it_cannot_use(llada_model):
+    """Room the pinned affixes leave under the cap is short: the unpinned ones stay instead of being thrown out."""
+    capped = engine(llada_model, max_affix_tokens=40)  # 10 pages of 4
+    table = capped.affixes
+    held, _ = table.acquire(list(range(1, 21)))  # 5 pages, held by a request
+    free, _ = table.acquire(list(range(30, 46)))  # 4 pages, released below
+    table.release(free)
+    assert not table.evict_until(6) and len(table) == 2  # 5 pinned + 6 > 10: evicting would not help
+    assert table.evict_until(5) and len(table) == 1 and table.storage.used == 5
+    table.release(held)

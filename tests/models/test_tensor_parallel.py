@@ -32,7 +32,13 @@ def test_two_ranks_give_the_tokens_of_one(family_dir):
         assert two.model.config.num_kv_heads == 1 and two.model.layers[0].q_proj.out_features == 32
         got = [o.token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == want
-        # a second call on the same ranks, after the first left nothing behind
+        # unseeded sampling added without a generator (as the server adds requests): every rank draws the same
+        # noise, so the ranks stay in step; then a second call on the same ranks gives the first's tokens
+        engine = two.engine
+        for i in range(3):
+            engine.add_request(prompts[i], SamplingParams(gen_length=16, block_length=8, temperature=1.0))
+        while engine.has_unfinished():
+            engine.step()
         assert [o.token_ids for o in two.generate(prompts[:3], params[:3], use_tqdm=False)] == want[:3]
     finally:
         two.close()
