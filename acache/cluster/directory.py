@@ -37,13 +37,12 @@ class AffixDirectory:
         for kind, key, tokens in events:
             if kind not in EVENT_KINDS:
                 raise ValueError(f"unknown affix event {kind!r}; expected one of {EVENT_KINDS}")
-            owners = self.held[key]
-            if kind == "stored" and replica not in owners:
-                owners[replica] = tokens
+            if kind == "stored" and replica not in self.held.get(key, {}):
+                self.held[key][replica] = tokens
                 self.totals[replica] += tokens
-            elif kind == "evicted" and replica in owners:
-                self.totals[replica] -= owners.pop(replica)
-                if not owners:
+            elif kind == "evicted" and replica in self.held.get(key, {}):
+                self.totals[replica] -= self.held[key].pop(replica)
+                if not self.held[key]:
                     del self.held[key]
             elif kind == "seen":
                 self.seen.pop((key, replica), None)

@@ -5,6 +5,7 @@ retries a request whose replica died before answering."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -106,23 +107,29 @@ def build_frontend(settings: FrontendSettings, engine, directory) -> FastAPI:
     extractor = SpanExtractor(settings)
     app = FastAPI(title="acache cluster", description="OpenAI-compatible front door of acache replicas")
 
-    async def attempt(forwarded: ForwardedRequest) -> tuple[ResponseStart, AsyncIterator]:
-        stream = engine.options(stream=True).handle.remote(forwarded)
-        start = await stream.__anext__()
-        return start, stream
-
     async def forward(forwarded: ForwardedRequest) -> Response:
         tries = settings.retries + 1
         for n in range(tries):
+            stream = engine.options(stream=True).handle.remote(forwarded)
+            relayed = False
             try:
-                start, stream = await attempt(forwarded)
+                start = await stream.__anext__()
                 if not forwarded.stream:  # the whole answer before any byte goes out: a retry stays possible
                     body = b"".join([chunk async for chunk in stream])
                     return Response(body, status_code=start.status, headers=_headers(start))
+                relayed = True
                 return StreamingResponse(_relay(stream), status_code=start.status, headers=_headers(start))
+            except StopAsyncIteration:
+                return error(502, "the replica ended the request without an answer")
+            except ray.exceptions.RayTaskError as exc:  # raised by the replica's own code: a retry would too
+                log.warning("replica failed on %s: %s", forwarded.path, exc)
+                return error(500, "the replica failed on this request; its log has the details")
             except REPLICA_GONE as exc:
                 log.warning("replica gone while serving %s (try %d of %d): %s", forwarded.path, n + 1, tries, exc)
                 last = exc
+            finally:
+                if not relayed:  # a client that went away (or a failed try) cancels the replica's work
+                    stream.cancel()
         return error(503, f"the replica serving this request died and {tries - 1} retry failed too "
                           f"({type(last).__name__}); the cluster is replacing it, try again")
 
@@ -139,21 +146,25 @@ def build_frontend(settings: FrontendSettings, engine, directory) -> FastAPI:
             return error(413, f"request body exceeds {settings.max_request_bytes} bytes", "invalid_request_error")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
         trusted = settings.api_key is None or authorized(request.headers.get("authorization", ""), settings.api_key)
-        parsed: dict = {}
+        parsed: object = None
         spans, registered = (), None
         if trusted and request.method == "POST" and body:
             try:
                 parsed = json.loads(body)
-                if isinstance(parsed, dict):
-                    spans, registered = extractor.spans(path, parsed)
-            except Exception:  # a body the replica will refuse, with the single server's message
-                parsed = {}
+            except ValueError:  # a body the replica will refuse, with the single server's message
+                parsed = None
+        stream = isinstance(parsed, dict) and parsed.get("stream") is True
+        if isinstance(parsed, dict):
+            try:  # tokenizing a large body: off the event loop that relays every stream
+                spans, registered = await asyncio.to_thread(extractor.spans, path, parsed)
+            except Exception:  # the replica answers it, with the single server's message
+                spans, registered = (), None
         forwarded = ForwardedRequest(request.method, path, body, headers, request.url.query, spans, registered,
-                                     stream=isinstance(parsed, dict) and parsed.get("stream") is True)
+                                     stream=stream)
         response = await forward(forwarded)
-        if path == "/v1/affixes" and response.status_code == 200:
+        if path == "/v1/affixes" and response.status_code == 200 and isinstance(parsed, dict):
             try:
-                extractor.register(parsed)
+                await asyncio.to_thread(extractor.register, parsed)
             except Exception as exc:  # the replica accepted it, so this should not happen: say so
                 log.warning("could not mirror an affix registration: %s", exc)
         return response
@@ -167,10 +178,16 @@ def _headers(start: ResponseStart) -> dict[str, str]:
 
 async def _relay(stream) -> AsyncIterator[bytes]:
     """A streamed answer's chunks; a replica that dies mid-stream ends it with an error event (what was sent
-    cannot be taken back, so it is not retried)."""
+    cannot be taken back, so it is not retried). A client that goes away cancels the replica's work."""
+    finished = False
     try:
         async for chunk in stream:
             yield chunk
+        finished = True
     except REPLICA_GONE as exc:
+        finished = True
         message = f"the replica serving this stream died ({type(exc).__name__}); the answer is incomplete"
         yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n".encode()
+    finally:
+        if not finished:
+            stream.cancel()

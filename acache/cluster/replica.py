@@ -67,7 +67,12 @@ class EngineReplica:
         return self.directory.report.remote(self.replica_id, events, {"hits": stats.hits, "queries": stats.queries})
 
     async def _flush(self) -> None:
-        await self._report()
+        """Reports without failing the request it follows: a directory that is gone costs the router its map
+        (it then routes by load), never an answer."""
+        try:
+            await self._report()
+        except Exception as exc:
+            log.warning("replica %s could not report to the affix directory: %s", self.replica_id, exc)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Serves one forwarded request; the directory hears of its affix events before the request ends."""
@@ -76,7 +81,10 @@ class EngineReplica:
             self._started = True
         if request.registered is not None:
             ids, messages, name = request.registered
-            self.app.state.registry.register(list(ids), messages, name)
+            try:
+                self.app.state.registry.register(list(ids), messages, name)
+            except ValueError as exc:  # larger than this replica's registry: the app answers the unknown id
+                log.warning("replica %s could not hold a registered affix: %s", self.replica_id, exc)
         try:
             async for item in call_app(self.app, request):
                 yield item

@@ -6,18 +6,22 @@ document lands on one replica before its first one has been admitted."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import defaultdict
 
 import ray
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve._private.request_router.request_router import RequestRouter
 
 from acache.cluster.routing import Balance, rank_replicas
 
 log = logging.getLogger("acache.cluster")
+DIRECTORY_TIMEOUT_S = 1.0  # a slow directory costs a request its affinity, not its latency
+IN_FLIGHT_TTL_S = 600.0  # a routed request not reported finished by then is forgotten
 
 
 def request_spans(pending: PendingRequest | None) -> dict[str, int]:
@@ -27,13 +31,16 @@ def request_spans(pending: PendingRequest | None) -> dict[str, int]:
     return dict(getattr(pending.args[0], "spans", ()) or ())
 
 
-class SpanAwareRouter(FIFOMixin, RequestRouter):
+class SpanAwareRouter(RequestRouter):
+    """Each pending request is matched to the replica chosen for it (by request id), not to the oldest one."""
+
     def initialize_state(self, directory: str, namespace: str, balance_absolute: int = 64,
                          balance_relative: float = 1.5) -> None:
         self._directory_name, self._namespace = directory, namespace
         self._directory = None
         self._balance = Balance(balance_absolute, balance_relative)
-        self._in_flight: dict[str, tuple[str, dict[str, int]]] = {}  # request id -> (replica, spans)
+        self._in_flight: dict[str, tuple[str, dict[str, int], float]] = {}  # request id -> (replica, spans, since)
+        self._done_early: dict[str, float] = {}  # finished before its routing was recorded
 
     @property
     def directory(self):
@@ -42,6 +49,7 @@ class SpanAwareRouter(FIFOMixin, RequestRouter):
         return self._directory
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Queue lengths the replicas reported (cached or probed); a replica that did not answer is absent."""
         loads: dict[str, int] = {}
         unknown = []
         for r in replicas:
@@ -60,27 +68,49 @@ class SpanAwareRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not by_id:
             return []
-        spans = request_spans(pending_request)
-        loads = await self._loads(candidate_replicas)
-        in_flight: dict[str, dict[str, int]] = defaultdict(dict)
-        for replica, theirs in self._in_flight.values():
-            in_flight[replica].update(theirs)
-        holdings = {}
         try:
-            if spans:
-                holdings = await self.directory.holdings.remote(spans, list(by_id), dict(in_flight))
-        except ray.exceptions.RayError as exc:  # without the map, route by load rather than fail the request
-            log.warning("affix directory unavailable (%s); routing by load", exc)
-        order = rank_replicas(list(by_id), loads, holdings, self._balance)
+            order = await self._rank(by_id, request_spans(pending_request))
+        except Exception as exc:  # a routing fault must not strand the request: any replica will do
+            log.warning("span-aware routing failed (%s: %s); trying every replica", type(exc).__name__, exc)
+            return [candidate_replicas]
         return [[by_id[r]] for r in order]
+
+    async def _rank(self, by_id: dict[str, RunningReplica], spans: dict[str, int]) -> list[str]:
+        loads = await self._loads(list(by_id.values()))
+        holdings = {}
+        if spans:
+            self._expire()
+            in_flight: dict[str, dict[str, int]] = defaultdict(dict)
+            for replica, theirs, _ in self._in_flight.values():
+                in_flight[replica].update(theirs)
+            try:
+                holdings = await asyncio.wait_for(
+                    self.directory.holdings.remote(spans, list(by_id), dict(in_flight)), DIRECTORY_TIMEOUT_S)
+            except (ray.exceptions.RayError, ValueError, asyncio.TimeoutError) as exc:
+                log.warning("affix directory unavailable (%s); routing by load", exc)
+        answered = [r for r in by_id if r in loads]
+        silent = [r for r in by_id if r not in loads]  # no queue length: tried last, never "the least loaded"
+        return rank_replicas(answered, loads, holdings, self._balance) + silent
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - IN_FLIGHT_TTL_S
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v[2] >= cutoff}
+        self._done_early = {k: t for k, t in self._done_early.items() if t >= cutoff}
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         spans = request_spans(pending_request)
-        if spans:
-            self._in_flight[pending_request.metadata.internal_request_id] = (replica_id.unique_id, spans)
+        request_id = pending_request.metadata.internal_request_id
+        if spans and self._done_early.pop(request_id, None) is None:
+            self._in_flight[request_id] = (replica_id.unique_id, spans, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.pop(internal_request_id, None)
+        entry = self._in_flight.get(internal_request_id)
+        if entry is None:
+            self._done_early[internal_request_id] = time.monotonic()
+            while len(self._done_early) > 4096:  # most are requests without spans, never routed by them
+                del self._done_early[next(iter(self._done_early))]
+        elif entry[0] == replica_id.unique_id:  # not a rejected earlier try of the same request
+            del self._in_flight[internal_request_id]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -88,5 +118,5 @@ class SpanAwareRouter(FIFOMixin, RequestRouter):
         self._in_flight = {k: v for k, v in self._in_flight.items() if v[0] != dead}
         try:
             self.directory.forget.remote(dead)
-        except ray.exceptions.RayError as exc:
+        except (ray.exceptions.RayError, ValueError) as exc:
             log.warning("could not tell the affix directory that replica %s died: %s", dead, exc)

@@ -67,3 +67,9 @@ def test_affinity_yields_to_load_only_past_both_thresholds():
 def test_bad_balance_thresholds_are_refused(absolute, relative, why):
     with pytest.raises(ValueError, match=f"the {why} balance threshold"):
         Balance(absolute, relative)
+
+
+def test_sightings_and_stray_evictions_leave_no_entries_behind():
+    d = AffixDirectory(max_seen=4)
+    d.report("a", [("seen", f"doc{i}", 5) for i in range(100)] + [("evicted", "never-stored", 5)])
+    assert d.held == {} and len(d.seen) == 4 and d.snapshot()["replicas"] == {}
