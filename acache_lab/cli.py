@@ -210,6 +210,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--block-length", type=int, default=None,
                    help="blocks that divide each task's answer region (default: the region as one block)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="the threshold rule's confidence (default 0.9; 1.0 commits one token a step)")
     p.add_argument("--focus-layers", type=int, default=None, help="FOCUS: layers run on the whole block")
     p.add_argument("--focus-ratio", type=float, default=None, help="FOCUS: share of a block's masks kept")
     p.add_argument("--far-mask-window", type=int, default=None, help="far-mask pruning: blocks attended ahead")

@@ -66,11 +66,13 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
 
 def main(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
-    overrides = {k: getattr(args, k) for k in ("block_length", "focus_layers", "focus_ratio", "far_mask_window")
+    overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
+                                               "far_mask_window")
                  if getattr(args, k, None) is not None}
     scores = evaluate(llm, args.examples, args.sentences, args.seed, overrides=overrides)
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
-          "threshold 0.9, dual cache, full recomputation" + "".join(f", {k} {v}" for k, v in overrides.items()))
+          "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
+          + "".join(f", {k} {v}" for k, v in overrides.items()))
     print("| task | prefix | infix | suffix |")
     print("|---|---:|---:|---:|")
     for task in TASKS:
