@@ -124,6 +124,8 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random SmolLM2-135M-shaped LLaDA)")
+    p.add_argument("--shape", default="smollm2-135m", choices=["smollm2-135m", "llada-8b"],
+                   help="the random model's shape when no --model is given")
     p.add_argument("--workload", default="shape", choices=["shape", "tasks"],
                    help="shape: random tokens in the paper's GSM8K-like shape; tasks: held-out qa1 stories (needs "
                         "--model)")

@@ -3,6 +3,8 @@ few steps on the task suite so they carry its word-level tokenizer)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,9 @@ from acache.models.checkpoint import make_random_checkpoint
 from acache.models.loader import load_model
 
 torch.set_num_threads(2)
+
+# ACACHE_TEST_DEVICE=cuda runs the tests that take family_model / llada_model on a GPU (scripts/gpu_check.sh)
+DEVICE = os.environ.get("ACACHE_TEST_DEVICE", "cpu")
 
 # Large enough weights that attention is sharp and greedy decoding varies from token to token.
 TEST_STD = 0.15
@@ -50,7 +55,7 @@ def family_dir(request, llada_dir, dream_dir):
 
 @pytest.fixture(scope="session")
 def family_model(family_dir):
-    return load_model(family_dir)
+    return load_model(family_dir, device=DEVICE)
 
 
 def random_prompts(lengths, vocab=256, seed=0):
@@ -60,4 +65,4 @@ def random_prompts(lengths, vocab=256, seed=0):
 
 @pytest.fixture(scope="session")
 def llada_model(llada_dir):
-    return load_model(llada_dir)
+    return load_model(llada_dir, device=DEVICE)

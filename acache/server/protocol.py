@@ -38,6 +38,10 @@ class DiffusionFields(BaseModel):
     remasking: Literal[COMMIT_RULES] | None = None
     factor: float | None = None
     anchor_ratio: float | None = None
+    far_mask_window: int | None = Field(default=None, description="blocks after the current one attended (far-mask "
+                                        "pruning; default all)")
+    focus_layers: int | None = Field(default=None, description="FOCUS: layers an in-block step runs on the whole block")
+    focus_ratio: float | None = Field(default=None, description="FOCUS: share of a block's masks the later layers keep")
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")
     # OpenAI fields a diffusion model honours only at their neutral value (NEUTRAL says which and why)

@@ -45,9 +45,10 @@ def random_model(family: str, shape: dict, dtype: torch.dtype, device: torch.dev
     config = random_config(cls.family, vocab, mask_token_id=vocab - 1, eos_token_id=vocab - 2,
                            layers=shape["layers"], hidden_size=shape["hidden_size"], heads=shape["heads"],
                            kv_heads=shape.get("kv_heads"), intermediate_size=shape["intermediate_size"])
-    model = cls(config)
+    with torch.device(device):  # built where it runs: an 8B shape never passes through host memory whole
+        model = cls(config).to(dtype)
     init_random_(model, seed)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:

@@ -31,6 +31,11 @@ from acache_lab.bench.flops import FlopCounter, matmul_peak
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
               "vocab_size": 49152}
+# GSAI-ML/LLaDA-8B-Instruct's shape (config.json: n_layers 32, d_model 4096, n_heads 32, mlp_hidden_size 12288,
+# embedding_size 126464), for the GPU run
+LLADA_8B_SHAPE = {"layers": 32, "hidden_size": 4096, "heads": 32, "kv_heads": 32, "intermediate_size": 12288,
+                  "vocab_size": 126464}
+SHAPES = {"smollm2-135m": SMOL_SHAPE, "llada-8b": LLADA_8B_SHAPE}
 
 
 @dataclass
@@ -296,8 +301,9 @@ def main(args) -> int:
         model = load_model(args.model, dtype=args.dtype, device=device)
         described = str(args.model)
     else:
-        model = random_model("llada", SMOL_SHAPE, dtype, device, args.seed)
-        described = "random LLaDA at SmolLM2-135M shape (" + ", ".join(f"{k}={v}" for k, v in SMOL_SHAPE.items()) + ")"
+        shape = SHAPES[args.shape]
+        model = random_model("llada", shape, dtype, device, args.seed)
+        described = f"random LLaDA at {args.shape} shape (" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
     w = Workload(args.affix_len, args.question_len, args.gen_length, args.block_length, args.steps, args.ratio)
     if args.workload == "tasks":
         if not args.model:

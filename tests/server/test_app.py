@@ -41,7 +41,7 @@ def test_health_is_503_once_the_engine_has_failed(llada_dir, monkeypatch):
 FIELDS = ["prompt", "messages", "max_tokens", "gen_length", "block_length", "steps", "threshold", "factor",
           "temperature", "seed", "remasking", "selector", "anchor_ratio", "affix", "stop", "stream", "n", "model",
           "text", "name", "affix_layout", "bogus", "top_p", "logprobs", "suffix", "echo", "max_completion_tokens",
-          "stream_options", "tools", "response_format", "best_of"]
+          "stream_options", "tools", "response_format", "best_of", "far_mask_window", "focus_layers", "focus_ratio"]
 scalars = (st.none() | st.booleans() | st.integers(-3, 70) | st.integers(-2**70, 2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
            | st.sampled_from(["attention", "bicache-matched", "off", "threshold", "", "\ud800", "héllo"]))
