@@ -149,6 +149,7 @@ class ModelRunner:
         tokens = torch.stack([F.pad(r.state.tokens, (0, width - r.length)) for r in reqs])
         positions = torch.stack([F.pad(r.state.positions, (0, width - r.length)) for r in reqs])
         slot_maps = torch.stack([F.pad(r.slot_map, (0, width - r.length), value=trash) for r in reqs])
+        kept = None  # FOCUS's kept tokens, on a focused step
         if batch.split is not None:
             hidden = self._bicache_refresh(batch, tokens, positions, slot_maps, fed, fed_valid)
         else:
@@ -167,7 +168,7 @@ class ModelRunner:
                 if batch.refresh:
                     write = torch.where(fed_valid, slot_maps[rows, fed], torch.full_like(fed, trash))
                     self.pool.write(write, out.kv.keys, out.kv.values)
-                hidden, kept = out.hidden, None
+                hidden = out.hidden
         logits = self.model.logits(hidden, block, fed_valid)
         samples = {}
         for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
