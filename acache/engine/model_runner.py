@@ -28,6 +28,7 @@ from acache.engine.focus import focused_step
 from acache.engine.outputs import ForwardBatch, RunnerOutput, SchedulerOutput
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
+from acache.engine.step_keys import StackedKV, StepKeyCache
 from acache.models.base import DiffusionLM
 
 
@@ -58,10 +59,12 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = model.device
+        self.step_keys = StepKeyCache(pool, model.config.head_dim, model.config.rope_theta)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        self.step_keys.keep_only({r.request_id for b in sched.forwards if not b.refresh for r in b.requests})
         if sched.select:
             _sync(self.device)
             t0 = time.perf_counter()
@@ -163,6 +166,10 @@ class ModelRunner:
                 hidden, kept = focused_step(self.model, self.pool, tokens[rows, fed], positions[rows, fed], fed_valid,
                                             slot_maps[rows, fed], paged, masked, ratios, focus, least)
             else:
+                if not batch.refresh and paged is not None:  # the block's key set, rotated once a refresh
+                    paged = StackedKV([self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
+                                                          r.state.positions[p.past]) for r, p in zip(reqs, plans,
+                                                                                                  strict=True)], dev)
                 out = self.model(tokens[rows, fed], positions[rows, fed], fed_valid, past=paged,
                                  return_kv=batch.refresh)
                 if batch.refresh:

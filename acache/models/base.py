@@ -46,18 +46,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, key_mask: torch.Tensor
+                past_v: torch.Tensor | None, key_mask: torch.Tensor, past_rotated: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns the new states and the fed tokens' pre-RoPE q, k, v."""
+        """Returns the new states and the fed tokens' pre-RoPE q, k, v. With ``past_rotated`` the past keys
+        are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once)."""
         b, t, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
-        keys, values = k, v
-        if past_k is not None:
-            keys, values = torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
-        out = attend(apply_rope(q, *rope_q), apply_rope(keys, *rope_k), values, key_mask)
+        if past_k is None:
+            keys, values = apply_rope(k, *rope_k), v
+        elif past_rotated:
+            keys, values = torch.cat((past_k, apply_rope(k, *rope_k)), dim=1), torch.cat((past_v, v), dim=1)
+        else:
+            keys, values = apply_rope(torch.cat((past_k, k), dim=1), *rope_k), torch.cat((past_v, v), dim=1)
+        out = attend(apply_rope(q, *rope_q), keys, values, key_mask)
         attn = self.o_proj(out.reshape(b, t, -1))
         x = x + (attn if self.tp is None else self.tp.reduce(attn))
         h = self.mlp_norm(x)
@@ -143,9 +147,12 @@ class DiffusionLM(nn.Module):
         if past is not None:
             if past.num_layers != len(self.layers):
                 raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
-            key_positions = torch.cat((past.positions, positions), dim=1)
             key_mask = torch.cat((past.mask, attention_mask), dim=1)
-            rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
+            if getattr(past, "rotated", False):  # only the fed keys are rotated here
+                rope_k = rope_q
+            else:
+                key_positions = torch.cat((past.positions, positions), dim=1)
+                rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
         else:
             key_mask, rope_k = attention_mask, rope_q
         keys, values, queries, inputs = [], [], [], []
@@ -154,7 +161,8 @@ class DiffusionLM(nn.Module):
                 inputs.append(x)
             past_k = past.keys[i] if past is not None else None
             past_v = past.values[i] if past is not None else None
-            x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask)
+            x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask,
+                                        past is not None and getattr(past, "rotated", False))
             if return_kv:
                 keys.append(k)
                 values.append(v)

@@ -20,6 +20,7 @@ class KVCache:
     values: list[torch.Tensor]
     positions: torch.Tensor
     mask: torch.Tensor
+    rotated: bool = False  # keys already rotated to ``positions`` (a key set reused across steps)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):

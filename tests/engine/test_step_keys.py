@@ -1,0 +1,32 @@
+"""A request's in-block key set, gathered and rotated once a refresh: the same keys the model would rotate at
+attend time, rebuilt after a refresh, and padded per layer for a batch."""
+
+from __future__ import annotations
+
+import torch
+
+from acache.engine.page_pool import PagePool
+from acache.engine.step_keys import StackedKV, StepKeyCache
+from acache.models.layers import apply_rope, rope_tables
+
+
+def test_step_keys_are_the_pool_keys_rotated_and_reused_until_a_refresh(llada_model):
+    cfg = llada_model.config
+    pool = PagePool(cfg, 4, 4, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for k in pool.keys:
+        k.copy_(torch.randn(k.shape, generator=g))
+    cache = StepKeyCache(pool, cfg.head_dim, cfg.rope_theta)
+    slots, positions = torch.tensor([3, 0, 7]), torch.tensor([0, 5, 9])
+    first = cache.get("a", 1, slots, positions)
+    want = apply_rope(pool.keys[1][slots][None], *rope_tables(positions[None], cfg.head_dim, cfg.rope_theta))[0]
+    assert torch.equal(first.keys[1], want) and torch.equal(first.values[0], pool.values[0][slots])
+    pool.keys[1].zero_()  # a refresh writes the pool; the same refresh count still reads the kept set
+    assert cache.get("a", 1, slots, positions) is first
+    assert not cache.get("a", 2, slots, positions).keys[1].any()
+    cache.get("b", 1, slots[:1], positions[:1])
+    stacked = StackedKV([cache.entries["a"], cache.entries["b"]], torch.device("cpu"))
+    assert stacked.rotated and stacked.keys[0].shape[:2] == (2, 3) and stacked.mask.tolist() == [[True] * 3,
+                                                                                                 [True, False, False]]
+    cache.keep_only({"b"})
+    assert set(cache.entries) == {"b"}
