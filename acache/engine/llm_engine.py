@@ -42,6 +42,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None  # prompt plus generation; None: the model's context
     max_affix_tokens: int | None = None  # tokens the shared affixes may hold; None: as the pool allows
+    # in-block steps keep their key set gathered and rotated from refresh to refresh: faster on CPU, where the
+    # per-layer gather and rotation dominate a step, at the cost of a dense copy of each stepping request's
+    # cached K/V outside the pool; None: on CPU only (on a GPU the memory is worth more than the copy)
+    reuse_step_keys: bool | None = None
 
 
 class LLMEngine:
@@ -59,7 +63,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv,
                                    len(model.layers), self.metrics, bicache_profile)
-        self.runner = ModelRunner(model, self.pool)
+        reuse = c.reuse_step_keys if c.reuse_step_keys is not None else model.device.type == "cpu"
+        self.runner = ModelRunner(model, self.pool, reuse_step_keys=reuse)
         self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
         context = model.config.max_position_embeddings

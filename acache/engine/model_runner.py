@@ -55,16 +55,18 @@ def _sync(device: torch.device) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: DiffusionLM, pool: PagePool) -> None:
+    def __init__(self, model: DiffusionLM, pool: PagePool, reuse_step_keys: bool = True) -> None:
         self.model = model
         self.pool = pool
         self.device = model.device
-        self.step_keys = StepKeyCache(pool, model.config.head_dim, model.config.rope_theta)
+        self.step_keys = StepKeyCache(pool, model.config.head_dim, model.config.rope_theta) if reuse_step_keys \
+            else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        self.step_keys.keep_only({r.request_id for b in sched.forwards if not b.refresh for r in b.requests})
+        if self.step_keys is not None:
+            self.step_keys.keep_only({r.request_id for b in sched.forwards if not b.refresh for r in b.requests})
         if sched.select:
             _sync(self.device)
             t0 = time.perf_counter()
@@ -166,7 +168,7 @@ class ModelRunner:
                 hidden, kept = focused_step(self.model, self.pool, tokens[rows, fed], positions[rows, fed], fed_valid,
                                             slot_maps[rows, fed], paged, masked, ratios, focus, least)
             else:
-                if not batch.refresh and paged is not None:  # the block's key set, rotated once a refresh
+                if self.step_keys is not None and not batch.refresh and paged is not None:  # rotated once a refresh
                     paged = StackedKV([self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
                                                           r.state.positions[p.past]) for r, p in zip(reqs, plans,
                                                                                                   strict=True)], dev)

@@ -30,3 +30,25 @@ def test_step_keys_are_the_pool_keys_rotated_and_reused_until_a_refresh(llada_mo
                                                                                                  [True, False, False]]
     cache.keep_only({"b"})
     assert set(cache.entries) == {"b"}
+
+
+def test_reused_step_keys_change_no_token(family_model):
+    """The same mixed requests, arriving at different steps, with and without the kept key sets."""
+    from acache.engine import EngineConfig, LLMEngine
+    from acache.sampling_params import SamplingParams
+    from tests.affix.helpers import layouts
+    from tests.helpers import run_engine
+
+    prompts = [layouts(seed=s)[k] for s in range(2) for k in ("prefix", "infix", "suffix")]
+    params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=(0.5, 0.9)[i % 2],
+                             refresh_interval=(None, 2, None)[i % 3], cache=("dual", "dual", "prefix")[i % 3],
+                             affix_policy="attention" if i % 3 != 2 else None, far_mask_window=(None, 1)[i % 2])
+              for i in range(6)]
+    outs = {}
+    for reuse in (False, True):
+        engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 22, max_num_seqs=3,
+                                                      reuse_step_keys=reuse))
+        outs[reuse] = [o.token_ids for o in run_engine(family_model, prompts, params, [0, 0, 1, 2, 4, 4],
+                                                       engine=engine)]
+        assert (engine.runner.step_keys is not None) == reuse
+    assert outs[True] == outs[False]
