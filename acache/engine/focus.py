@@ -27,15 +27,20 @@ from acache.models.layers import apply_rope, rope_tables
 def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, keys: torch.Tensor,
                        positions: torch.Tensor, valid: torch.Tensor, past: PagedKV) -> torch.Tensor:
     """``[B, F]``: the attention each fed token receives from the valid fed queries at ``layer`` (pre-RoPE
-    ``queries``/``keys`` ``[B, F, H, D]`` of the fed tokens; ``past`` the cached keys)."""
+    ``queries``/``keys`` ``[B, F, H, D]`` of the fed tokens; ``past`` the cached keys, pre-RoPE in the pool or
+    rotated in a block's kept set)."""
     cfg = model.config
     d = cfg.head_dim
     rep = cfg.num_heads // cfg.num_kv_heads
-    qr = apply_rope(queries, *rope_tables(positions, d, cfg.rope_theta)).float()
-    all_keys = torch.cat((past.keys[layer], keys), dim=1)
-    key_pos = torch.cat((past.positions, positions), dim=1)
+    fed_rope = rope_tables(positions, d, cfg.rope_theta)
+    qr = apply_rope(queries, *fed_rope).float()
     key_ok = torch.cat((past.mask, valid), dim=1)
-    kr = apply_rope(all_keys, *rope_tables(key_pos, d, cfg.rope_theta)).float().repeat_interleave(rep, dim=2)
+    if getattr(past, "rotated", False):  # a block's kept key set: rotated already
+        kr = torch.cat((past.keys[layer], apply_rope(keys, *fed_rope)), dim=1)
+    else:
+        key_pos = torch.cat((past.positions, positions), dim=1)
+        kr = apply_rope(torch.cat((past.keys[layer], keys), dim=1), *rope_tables(key_pos, d, cfg.rope_theta))
+    kr = kr.float().repeat_interleave(rep, dim=2)
     logits = torch.einsum("bihd,bshd->bhis", qr, kr) / math.sqrt(d)
     probs = torch.softmax(logits.masked_fill(~key_ok[:, None, None, :], float("-inf")), dim=-1)
     probs = probs * valid[:, None, :, None]
@@ -57,6 +62,33 @@ def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.T
     return (rank < count[:, None]) & masked
 
 
+class _Layers:
+    def __init__(self, fn, n: int) -> None:
+        self.fn, self.n = fn, n
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.fn(layer)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _WithDropped:
+    """A block's kept (rotated) key set plus the dropped block tokens' K/V of the last refresh, rotated here."""
+
+    rotated = True
+
+    def __init__(self, model: DiffusionLM, pool: PagePool, past, slots: torch.Tensor, positions: torch.Tensor,
+                 valid: torch.Tensor) -> None:
+        cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+        self.keys = _Layers(lambda i: torch.cat((past.keys[i], apply_rope(pool.keys[i][slots], cos, sin)), 1),
+                            len(pool.keys))
+        self.values = _Layers(lambda i: torch.cat((past.values[i], pool.values[i][slots]), 1), len(pool.values))
+        self.positions = torch.cat((past.positions, positions), 1)
+        self.mask = torch.cat((past.mask, valid), 1)
+        self.num_layers = len(pool.keys)
+
+
 @torch.inference_mode()
 def focused_step(model: DiffusionLM, pool: PagePool, tokens: torch.Tensor, positions: torch.Tensor,
                  valid: torch.Tensor, fed_slots: torch.Tensor, past: PagedKV, masked: torch.Tensor,
@@ -75,9 +107,12 @@ def focused_step(model: DiffusionLM, pool: PagePool, tokens: torch.Tensor, posit
     dropped, dropped_valid = compact_index(valid & ~kept, fill=f)
     dropped = dropped.clamp_max(f - 1)
     cached = torch.where(dropped_valid, fed_slots.gather(1, dropped), torch.full_like(dropped, pool.trash_slot))
-    later = PagedKV(pool, torch.cat((past.keys.slots, cached), 1),
-                    torch.cat((past.positions, positions.gather(1, dropped)), 1),
-                    torch.cat((past.mask, dropped_valid), 1))
+    dropped_pos = positions.gather(1, dropped)
+    if getattr(past, "rotated", False):
+        later = _WithDropped(model, pool, past, cached, dropped_pos, dropped_valid)
+    else:
+        later = PagedKV(pool, torch.cat((past.keys.slots, cached), 1), torch.cat((past.positions, dropped_pos), 1),
+                        torch.cat((past.mask, dropped_valid), 1))
     width = early.hidden.shape[-1]
     late = model.run_layers(early.hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),
                             at_valid, later, range(layers, len(model.layers)))

@@ -160,6 +160,10 @@ class ModelRunner:
         else:
             past_slots = torch.where(past_valid, slot_maps[rows, past], torch.full_like(past, trash))
             paged = PagedKV(self.pool, past_slots, positions[rows, past], past_valid) if past.shape[1] else None
+            if self.step_keys is not None and not batch.refresh and paged is not None:  # rotated once a refresh
+                paged = StackedKV([self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
+                                                      r.state.positions[p.past]) for r, p in zip(reqs, plans,
+                                                                                              strict=True)], dev)
             focus = reqs[0].params.focus_layers if not batch.refresh and paged is not None else None
             if focus is not None and focus < len(self.model.layers):
                 masked = (tokens[rows, fed] == self.model.config.mask_token_id) & fed_valid
@@ -168,10 +172,6 @@ class ModelRunner:
                 hidden, kept = focused_step(self.model, self.pool, tokens[rows, fed], positions[rows, fed], fed_valid,
                                             slot_maps[rows, fed], paged, masked, ratios, focus, least)
             else:
-                if self.step_keys is not None and not batch.refresh and paged is not None:  # rotated once a refresh
-                    paged = StackedKV([self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
-                                                          r.state.positions[p.past]) for r, p in zip(reqs, plans,
-                                                                                                  strict=True)], dev)
                 out = self.model(tokens[rows, fed], positions[rows, fed], fed_valid, past=paged,
                                  return_kv=batch.refresh)
                 if batch.refresh:

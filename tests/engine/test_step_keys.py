@@ -52,3 +52,18 @@ def test_reused_step_keys_change_no_token(family_model):
                                                        engine=engine)]
         assert (engine.runner.step_keys is not None) == reuse
     assert outs[True] == outs[False]
+
+
+def test_focused_steps_read_the_kept_key_set_as_they_read_the_pool(llada_model):
+    from acache.engine import EngineConfig, LLMEngine
+    from acache.sampling_params import SamplingParams
+    from tests.conftest import random_prompts
+    from tests.helpers import run_engine
+
+    prompts = random_prompts([7, 12, 3, 9], seed=5)
+    params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=0.5, focus_layers=1,
+                             focus_ratio=(0.25, 0.5)[i % 2], far_mask_window=(None, 1)[i % 2]) for i in range(4)]
+    outs = [[o.token_ids for o in run_engine(llada_model, prompts, params, [0, 0, 2, 5], engine=LLMEngine(
+        llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 22, reuse_step_keys=reuse)))]
+        for reuse in (False, True)]
+    assert outs[0] == outs[1]
