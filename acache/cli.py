@@ -195,19 +195,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
     warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_num_seqs,
-              page_size=args.page_size, kv_cache_memory=args.kv_cache_memory,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              max_affix_tokens=args.max_affix_tokens, affix_cache_dir=cache_dir if warm else None,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(args.model, affix_cache_dir=cache_dir if warm else None, tensor_parallel_size=args.tensor_parallel_size,
+              **_serve_llm_kwargs(args))
     if warm:
         print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
-    app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                     min_document_tokens=args.min_document_tokens, affix_cache_dir=cache_dir,
-                     affix_registry_bytes=args.affix_registry_bytes,
-                     loglikelihood_samples=args.loglikelihood_samples)
+    app = create_app(llm, name, affix_cache_dir=cache_dir, **_serve_app_kwargs(args, api_key))
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     try:
@@ -215,6 +209,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _serve_llm_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings of ``acache serve``, the same for one process and for every cluster replica."""
+    return {"dtype": args.dtype, "device": args.device, "max_batch_size": args.max_num_seqs,
+            "page_size": args.page_size, "kv_cache_memory": args.kv_cache_memory,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
+            "max_affix_tokens": args.max_affix_tokens}
+
+
+def _serve_app_kwargs(args: argparse.Namespace, api_key: str | None) -> dict:
+    return {"api_key": api_key, "max_request_bytes": args.max_request_bytes,
+            "min_document_tokens": args.min_document_tokens, "affix_registry_bytes": args.affix_registry_bytes,
+            "loglikelihood_samples": args.loglikelihood_samples}
 
 
 def _wants_cuda(device: str) -> bool:
@@ -243,13 +251,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
                               gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
-    llm = {"dtype": args.dtype, "device": args.device, "max_batch_size": args.max_num_seqs,
-           "page_size": args.page_size, "kv_cache_memory": args.kv_cache_memory,
-           "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-           "max_affix_tokens": args.max_affix_tokens}
-    app = {"api_key": api_key, "max_request_bytes": args.max_request_bytes,
-           "min_document_tokens": args.min_document_tokens, "affix_registry_bytes": args.affix_registry_bytes,
-           "loglikelihood_samples": args.loglikelihood_samples}
+    llm = _serve_llm_kwargs(args)
+    app = _serve_app_kwargs(args, api_key)
     model = str(Path(args.model).resolve())
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // cluster.replicas)
     replica = ReplicaSettings(model, name, cluster.directory, NAMESPACE, llm, app,

@@ -19,7 +19,8 @@ import math
 import torch
 
 from acache.affix.context import compact_index
-from acache.engine.page_pool import PagedKV, PagePool
+from acache.decoding.commit import commit_top_k
+from acache.engine.page_pool import LayerView, PagedKV, PagePool
 from acache.models.base import DiffusionLM
 from acache.models.layers import apply_rope, rope_tables
 
@@ -35,7 +36,7 @@ def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, ke
     fed_rope = rope_tables(positions, d, cfg.rope_theta)
     qr = apply_rope(queries, *fed_rope).float()
     key_ok = torch.cat((past.mask, valid), dim=1)
-    if getattr(past, "rotated", False):  # a block's kept key set: rotated already
+    if past.rotated:  # a block's kept key set: rotated already
         kr = torch.cat((past.keys[layer], apply_rope(keys, *fed_rope)), dim=1)
     else:
         key_pos = torch.cat((past.positions, positions), dim=1)
@@ -55,22 +56,7 @@ def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.T
     count = torch.ceil(ratios * masked.sum(-1)).long().clamp_min(1)
     if least is not None:
         count = torch.maximum(count, least)
-    score = importance.masked_fill(~masked, float("-inf"))
-    order = score.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device)
-                                            .expand_as(order).contiguous())
-    return (rank < count[:, None]) & masked
-
-
-class _Layers:
-    def __init__(self, fn, n: int) -> None:
-        self.fn, self.n = fn, n
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.fn(layer)
-
-    def __len__(self) -> int:
-        return self.n
+    return commit_top_k(importance.masked_fill(~masked, float("-inf")), masked, count)
 
 
 class _WithDropped:
@@ -81,12 +67,12 @@ class _WithDropped:
     def __init__(self, model: DiffusionLM, pool: PagePool, past, slots: torch.Tensor, positions: torch.Tensor,
                  valid: torch.Tensor) -> None:
         cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
-        self.keys = _Layers(lambda i: torch.cat((past.keys[i], apply_rope(pool.keys[i][slots], cos, sin)), 1),
-                            len(pool.keys))
-        self.values = _Layers(lambda i: torch.cat((past.values[i], pool.values[i][slots]), 1), len(pool.values))
+        self.keys = LayerView(lambda i: torch.cat((past.keys[i], apply_rope(pool.keys[i][slots], cos, sin)), 1),
+                              pool.num_layers)
+        self.values = LayerView(lambda i: torch.cat((past.values[i], pool.values[i][slots]), 1), pool.num_layers)
         self.positions = torch.cat((past.positions, positions), 1)
         self.mask = torch.cat((past.mask, valid), 1)
-        self.num_layers = len(pool.keys)
+        self.num_layers = pool.num_layers
 
 
 @torch.inference_mode()
@@ -108,10 +94,10 @@ def focused_step(model: DiffusionLM, pool: PagePool, tokens: torch.Tensor, posit
     dropped = dropped.clamp_max(f - 1)
     cached = torch.where(dropped_valid, fed_slots.gather(1, dropped), torch.full_like(dropped, pool.trash_slot))
     dropped_pos = positions.gather(1, dropped)
-    if getattr(past, "rotated", False):
+    if past.rotated:
         later = _WithDropped(model, pool, past, cached, dropped_pos, dropped_valid)
     else:
-        later = PagedKV(pool, torch.cat((past.keys.slots, cached), 1), torch.cat((past.positions, dropped_pos), 1),
+        later = PagedKV(pool, torch.cat((past.slots, cached), 1), torch.cat((past.positions, dropped_pos), 1),
                         torch.cat((past.mask, dropped_valid), 1))
     width = early.hidden.shape[-1]
     late = model.run_layers(early.hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),

@@ -8,6 +8,7 @@ on write.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -95,26 +96,30 @@ class PagePool:
             self.values[layer][flat] = values[j].reshape(-1, *values[j].shape[-2:]).to(self.values[layer].dtype)
 
 
-class _LayerGather:
-    """``view[l]`` gathers layer ``l``'s slots when the model reaches that layer, not before."""
+class LayerView:
+    """``view[l]`` is ``layer(l)``, computed when the model reaches layer ``l``, not before: a key set read
+    from the pool, or assembled, one layer at a time."""
 
-    def __init__(self, tensors: list[torch.Tensor], slots: torch.Tensor) -> None:
-        self.tensors, self.slots = tensors, slots
+    def __init__(self, layer: Callable[[int], torch.Tensor], num_layers: int) -> None:
+        self.layer, self.num_layers = layer, num_layers
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.tensors[layer][self.slots]
+        return self.layer(layer)
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return self.num_layers
 
 
 class PagedKV:
     """A key set read through a slot map: what the model attends to, gathered layer by layer from the
     pool (shared affix pages and private pages alike)."""
 
+    rotated = False  # pre-RoPE keys, rotated at attend time
+
     def __init__(self, pool: PagePool, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
-        self.keys = _LayerGather(pool.keys, slots)
-        self.values = _LayerGather(pool.values, slots)
+        self.slots = slots
+        self.keys = LayerView(lambda layer: pool.keys[layer][slots], pool.num_layers)
+        self.values = LayerView(lambda layer: pool.values[layer][slots], pool.num_layers)
         self.positions = positions
         self.mask = mask
         self.num_layers = pool.num_layers

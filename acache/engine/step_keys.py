@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from acache.engine.page_pool import PagePool
+from acache.engine.page_pool import LayerView, PagePool
 from acache.models.layers import apply_rope, rope_tables
 
 
@@ -25,21 +25,16 @@ class StepKeys:
     positions: torch.Tensor  # [P]
 
 
-class _Stacked:
-    """``view[l]``: layer ``l`` of every row's set, padded to the longest, built when first asked for."""
-
-    def __init__(self, rows: list[list[torch.Tensor]], width: int) -> None:
-        self.rows, self.width = rows, width
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        first = self.rows[0][layer]
-        out = first.new_zeros(len(self.rows), self.width, *first.shape[1:])
-        for i, row in enumerate(self.rows):
-            out[i, :row[layer].shape[0]] = row[layer]
+def _stacked(rows: list[list[torch.Tensor]], width: int) -> LayerView:
+    """Layer ``l`` of every row's set, padded to the longest, built when first asked for."""
+    def layer(index: int) -> torch.Tensor:
+        first = rows[0][index]
+        out = first.new_zeros(len(rows), width, *first.shape[1:])
+        for i, row in enumerate(rows):
+            out[i, :row[index].shape[0]] = row[index]
         return out
 
-    def __len__(self) -> int:
-        return len(self.rows[0])
+    return LayerView(layer, len(rows[0]))
 
 
 class StackedKV:
@@ -49,8 +44,8 @@ class StackedKV:
 
     def __init__(self, sets: list[StepKeys], device: torch.device) -> None:
         width = max(s.positions.numel() for s in sets)
-        self.keys = _Stacked([s.keys for s in sets], width)
-        self.values = _Stacked([s.values for s in sets], width)
+        self.keys = _stacked([s.keys for s in sets], width)
+        self.values = _stacked([s.values for s in sets], width)
         self.positions = torch.zeros(len(sets), width, dtype=torch.long, device=device)
         self.mask = torch.zeros(len(sets), width, dtype=torch.bool, device=device)
         for i, s in enumerate(sets):

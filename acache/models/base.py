@@ -148,7 +148,7 @@ class DiffusionLM(nn.Module):
             if past.num_layers != len(self.layers):
                 raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
             key_mask = torch.cat((past.mask, attention_mask), dim=1)
-            if getattr(past, "rotated", False):  # only the fed keys are rotated here
+            if past.rotated:  # only the fed keys are rotated here
                 rope_k = rope_q
             else:
                 key_positions = torch.cat((past.positions, positions), dim=1)
@@ -162,7 +162,7 @@ class DiffusionLM(nn.Module):
             past_k = past.keys[i] if past is not None else None
             past_v = past.values[i] if past is not None else None
             x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask,
-                                        past is not None and getattr(past, "rotated", False))
+                                        past is not None and past.rotated)
             if return_kv:
                 keys.append(k)
                 values.append(v)

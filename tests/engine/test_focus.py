@@ -46,7 +46,7 @@ def naive_focus(model, pool, past, tokens, positions, valid, fed_slots, ratios, 
     for b in range(tokens.shape[0]):
         n = int(valid[b].sum())
         toks, pos = tokens[b, :n][None], positions[b, :n][None]
-        ps = past.keys.slots[b][past.mask[b]]
+        ps = past.slots[b][past.mask[b]]
         pp = past.positions[b][past.mask[b]][None]
         dense = KVCache([k[ps][None] for k in pool.keys], [v[ps][None] for v in pool.values], pp,
                         torch.ones_like(pp, dtype=torch.bool))
