@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from acache import LLM
 from acache.paths import default_model
 from acache.server.app import create_app
-from tests.server.helpers import start_server
+from tests.server.helpers import start_server, wait_until
 
 SYSTEM = "story : mary moved to the kitchen . john went to the garden . sandra went to the office ."
 QUESTIONS = ["where is mary ?", "where is john ?", "where is sandra ?"]
@@ -35,21 +35,31 @@ def streamed_text(port: int, body: dict) -> str:
     return text
 
 
+def cluster_stats(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster/stats", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
 def test_serve_with_replicas_streams_the_single_servers_answers():
     llm = LLM(default_model(), kv_cache_memory=1 << 24)
     with TestClient(create_app(llm, "tiny")) as client:
         want = [client.post("/v1/chat/completions", json=chat(q, False, 2 + 2 * (i % 2))).json()
                 ["choices"][0]["message"]["content"] for i, q in enumerate(QUESTIONS * 2)]
     proc, port = start_server(["--replicas", "2", "--kv-cache-memory", "16MiB"])
+    failure = None
     try:
         got = [streamed_text(port, chat(q, True, 2 + 2 * (i % 2))) for i, q in enumerate(QUESTIONS * 2)]
         assert got == want
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster/stats", timeout=30) as resp:
-            stats = json.loads(resp.read())
-        assert len(stats["replicas"]) == 2
+        # a replica Ray replaced (its memory monitor may kill one on a loaded machine) reports on its start
+        assert wait_until(lambda: len(cluster_stats(port)["replicas"]) == 2, 90, poll=1.0), cluster_stats(port)
+        stats = cluster_stats(port)
         # the system prompt is an affix from its second sighting: the router sent its sightings to one replica
         assert sum(row["affixes"] for row in stats["replicas"].values()) == 1
+    except AssertionError as exc:
+        failure = exc
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-        assert code == 0
+        log = proc.stdout.read().decode(errors="replace")
+    assert failure is None, f"{failure}\n--- the server's output ---\n{log[-4000:]}"
+    assert code == 0, log[-4000:]
