@@ -208,6 +208,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
     p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")
     _add_study_args(p, examples=100)
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: qa1,arith,twohop; codes is the "
+                   "demonstration task of models/acache-tiny-plus)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None)
     p.add_argument("--block-length", type=int, default=None,
@@ -230,8 +232,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = evaluate.add_parser("accuracy", help="exact match per task x layout x selector x anchor ratio")
     _add_study_args(p, examples=300)
-    p.add_argument("--tasks", default=None, help="comma-separated subset of the tasks (default: all)")
-    p.add_argument("--layouts", default=None, help="comma-separated subset of prefix,infix,suffix (default: all)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: qa1,arith,twohop; codes has "
+                   "demonstrations as its affix)")
+    p.add_argument("--layouts", default=None, help="comma-separated layouts of prefix,infix,suffix (default: all "
+                   "three), and two-affix for codes (demonstrations and the request's story, each cached)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default="results/accuracy", help="directory for accuracy.json/.md/.png")
     p.add_argument("--json", default=None, help="also write the JSON here")

@@ -3,7 +3,8 @@
 For every task x layout the held-out requests are decoded with threshold 0.9 on the dual cache under
 every policy: full recomputation without the affix cache (``full``), direct reuse (``none``), all
 anchors (``all``), and each selector at each anchor ratio. A ratio of 0 selects no anchor, which is
-direct reuse by definition, so those points are the ``none`` run and are not decoded again.
+direct reuse by definition, so those points are the ``none`` run and are not decoded again. A task whose
+affix is demonstrations also runs without them (``without``), which shows what they are worth.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from tqdm.auto import tqdm
 from acache.llm import LLM
 from acache.policies import LAYOUTS
 from acache_lab.eval.cost import request_passes
-from acache_lab.eval.metrics import Cell, summary_table, sweep_table
+from acache_lab.eval.metrics import REFERENCE_LABELS, REFERENCES, Cell, summary_table, sweep_table
 from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
-from acache_lab.tasks.generators import TASKS, held_out
-from acache_lab.tasks.render import answer_length
+from acache_lab.tasks.generators import DEMO_TASKS, TASKS, held_out
+from acache_lab.tasks.render import TWO_AFFIXES, answer_length, render_prompts
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 STUDY_SELECTORS = ("attention", "attention-full", "attention-deviation", "kv-deviation", "cacheblend",
@@ -38,11 +39,18 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
     runs += [(s, r, VARIANTS.get(s, (s,))[0]) for s in selectors for r in ratios if r > 0]
     cells: list[Cell] = []
-    bar = tqdm(total=len(tasks) * len(layouts) * len(runs), desc="accuracy sweep", unit="cell", disable=not progress)
+    total = sum(len(runs) + (t in DEMO_TASKS) for t in tasks) * len(layouts)
+    bar = tqdm(total=total, desc="accuracy sweep", unit="cell", disable=not progress)
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
             prompts = task_prompts(llm, exs, layout)
+            if task in DEMO_TASKS:  # the same requests with the demonstrations left out, fully recomputed
+                bare = render_prompts(llm.tokenizer, exs, layout, drop_affix=True)
+                correct = exact_matches(llm, bare, exs, task_params(task, affix_policy=None, seed=seed))
+                cells.append(Cell(task, layout, "without", 0.0, correct, len(exs),
+                                  compute_cost(llm, bare, task, None, "probe", 0.0)))
+                bar.update(1)
             for label, ratio, policy in runs:
                 query = VARIANTS[label][1] if label in VARIANTS else "probe"
                 params = task_params(task, affix_policy=policy, anchor_ratio=ratio, anchor_query=query, seed=seed)
@@ -112,7 +120,7 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
             for c in (c for c in mine if c.selector == ref):
                 ax.scatter([c.compute], [100 * c.accuracy], marker=marker, color="black", zorder=3,
                            label="direct reuse" if ref == "none" else "full recompute")
-        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in REFERENCES):
             pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
             if pts:  # BiCache has no token count to cost
                 ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
@@ -125,11 +133,11 @@ def plot_sweep(cells: list[Cell], path: str | Path) -> bool:
     """Accuracy against anchor ratio: a row per task, a panel per layout, 95% intervals as error bars,
     direct reuse and full recomputation as reference lines."""
     def draw(ax, mine: list[Cell]) -> None:
-        for ref, style in (("none", ":"), ("full", "--")):
+        for ref, style in (("none", ":"), ("full", "--"), ("without", "-.")):
             for c in (c for c in mine if c.selector == ref):
                 ax.axhline(100 * c.accuracy, color="grey", linestyle=style,
-                           label="direct reuse" if ref == "none" else "full recompute")
-        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "all", "full")):
+                           label={"none": "direct reuse", "full": "full recompute"}.get(ref, REFERENCE_LABELS[ref]))
+        for sel in dict.fromkeys(c.selector for c in mine if c.selector not in REFERENCES):
             pts = sorted((c for c in mine if c.selector == sel), key=lambda c: c.ratio)
             err = [[100 * (c.accuracy - c.interval[0]) for c in pts], [100 * (c.interval[1] - c.accuracy)
                                                                        for c in pts]]
@@ -160,10 +168,14 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
 def main(args) -> int:
     tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
     layouts = tuple(args.layouts.split(",")) if args.layouts else LAYOUTS
-    for name, given, known in (("task", tasks, TASKS), ("layout", layouts, LAYOUTS)):
+    for name, given, known in (("task", tasks, TASKS + DEMO_TASKS), ("layout", layouts, (*LAYOUTS, TWO_AFFIXES))):
         bad = [x for x in given if x not in known]
         if bad:
             raise ValueError(f"unknown {name} {bad[0]!r}; known: {', '.join(known)}")
+    plain = [t for t in tasks if t not in DEMO_TASKS]
+    if TWO_AFFIXES in layouts and plain:
+        raise ValueError(f"the {TWO_AFFIXES} layout needs tasks with demonstrations ({', '.join(DEMO_TASKS)}); "
+                         f"{plain[0]} has none")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
     selectors = STUDY_SELECTORS + ("bicache-profiled",) if args.bicache_profile else STUDY_SELECTORS

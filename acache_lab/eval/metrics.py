@@ -26,6 +26,13 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
     return min(lo, p), max(hi, p)
 
 
+#: the rows every selector is read against: direct reuse, all anchors, full recomputation, and (for tasks
+#: whose affix is demonstrations) full recomputation with the demonstrations left out
+REFERENCES = ("none", "all", "full", "without")
+REFERENCE_LABELS = {"none": "direct reuse (none)", "all": "all anchors (all)", "full": "full recompute, no cache",
+                    "without": "demonstrations removed"}
+
+
 @dataclass(frozen=True)
 class Cell:
     """One point of the sweep: a task, a layout, a policy and an anchor ratio."""
@@ -72,17 +79,16 @@ def sweep_table(cells: list[Cell], task: str, layout: str) -> str:
     mine = [c for c in cells if c.task == task and c.layout == layout]
     if not mine:
         raise ValueError(f"no results for task {task!r} in layout {layout!r}")
-    ratios = sorted({c.ratio for c in mine if c.selector not in ("none", "full", "all")})
-    selectors = list(dict.fromkeys(c.selector for c in mine if c.selector not in ("none", "full", "all")))
+    ratios = sorted({c.ratio for c in mine if c.selector not in REFERENCES})
+    selectors = list(dict.fromkeys(c.selector for c in mine if c.selector not in REFERENCES))
     at = {(c.selector, c.ratio): c for c in mine}
     lines = ["| selector | " + " | ".join(f"{r:g}" for r in ratios) + " |",
              "|---|" + "---:|" * len(ratios)]
     for sel in selectors:
         lines.append(f"| {sel} | " + " | ".join(_pct(at.get((sel, r))) for r in ratios) + " |")
-    refs = [c for c in mine if c.selector in ("none", "all", "full")]
-    for ref in sorted(refs, key=lambda c: ("none", "all", "full").index(c.selector)):
-        label = {"none": "direct reuse (none)", "all": "all anchors (all)", "full": "full recompute, no cache"}
-        lines.append(f"| {label[ref.selector]} | " + " | ".join(_pct(ref) for _ in ratios) + " |")
+    refs = [c for c in mine if c.selector in REFERENCES]
+    for ref in sorted(refs, key=lambda c: REFERENCES.index(c.selector)):
+        lines.append(f"| {REFERENCE_LABELS[ref.selector]} | " + " | ".join(_pct(ref) for _ in ratios) + " |")
     return "\n".join(lines)
 
 
@@ -97,7 +103,7 @@ def summary_table(cells: list[Cell], focus_ratio: float = 0.2, ours: str = "atte
         direct = next((c for (s, _), c in mine.items() if s == "none"), None)
         full = next((c for (s, _), c in mine.items() if s == "full"), None)
         acache = mine.get((ours, focus_ratio))
-        others = [c for (s, r), c in mine.items() if r == focus_ratio and s not in (ours, "none", "all", "full")]
+        others = [c for (s, r), c in mine.items() if r == focus_ratio and s != ours and s not in REFERENCES]
         best = max(others, key=lambda c: c.correct, default=None)
         best_txt = f"{best.selector}: {_pct(best)}" if best else "–"
         lines.append(f"| {task} | {layout} | {_pct(direct)} | {_pct(acache)} | {best_txt} | {_pct(full)} |")

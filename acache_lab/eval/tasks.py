@@ -10,7 +10,7 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.policies import LAYOUTS
 from acache.sampling_params import SamplingParams
-from acache_lab.tasks.generators import TASKS, Example, held_out
+from acache_lab.tasks.generators import DEMO_TASKS, TASKS, Example, held_out
 from acache_lab.tasks.render import answer_length, render_prompts
 
 
@@ -65,17 +65,21 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
 
 
 def main(args) -> int:
+    tasks = tuple(args.tasks.split(",")) if getattr(args, "tasks", None) else TASKS
+    bad = [t for t in tasks if t not in TASKS + DEMO_TASKS]
+    if bad:
+        raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(TASKS + DEMO_TASKS)}")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
                                                "far_mask_window")
                  if getattr(args, k, None) is not None}
-    scores = evaluate(llm, args.examples, args.sentences, args.seed, overrides=overrides)
+    scores = evaluate(llm, args.examples, args.sentences, args.seed, tasks=tasks, overrides=overrides)
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
           "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
           + "".join(f", {k} {v}" for k, v in overrides.items()))
     print("| task | prefix | infix | suffix |")
     print("|---|---:|---:|---:|")
-    for task in TASKS:
+    for task in tasks:
         row = {s.layout: s for s in scores if s.task == task}
         print(f"| {task} | " + " | ".join(f"{100 * row[lay].accuracy:.1f}%" for lay in LAYOUTS) + " |")
     if args.json:

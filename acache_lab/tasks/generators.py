@@ -6,6 +6,9 @@
   the total two people hold, answered with a short worked sum "A + B = C".
 * ``twohop`` — a story where people pick up objects and move; "where is the OBJECT ?" needs two facts at
   once: who last took the object, and where that person last went.
+* ``codes`` — the paper's own setting, demonstrations as the affix: eight demonstrations ("kitchen is
+  17 .") give each place a number under a code drawn for that set; the request brings its own story and
+  asks where someone is, answered in the demonstrated code. The code exists only in the demonstrations.
 
 Everything is a list of lowercase words from :data:`WORDS`, so a word-level tokenizer covers it exactly.
 Each generator is deterministic in its ``random.Random``.
@@ -41,6 +44,9 @@ class Example:
     affix: tuple[str, ...]  # the shared context
     question: tuple[str, ...]
     answer: tuple[str, ...]
+    #: the request's own context (its story, recomputed with its question), for tasks whose affix is
+    #: demonstrations; in the two-affix layout it is a second affix
+    context: tuple[str, ...] = ()
 
 
 def _sentence(*words: str) -> list[str]:
@@ -54,8 +60,8 @@ def _pickup(obj: str, who: str) -> list[str]:
     return _sentence(obj, "went", "to", who)
 
 
-def qa1(rng: random.Random, sentences: int = 6, questions: int = 3) -> list[Example]:
-    """One story, several questions about people the story mentions."""
+def _moves(rng: random.Random, sentences: int) -> tuple[list[str], dict[str, str]]:
+    """A qa1 story: people move between places; and where each of them last went."""
     people = rng.sample(NAMES, k=min(len(NAMES), max(2, sentences // 2)))
     story: list[str] = []
     where: dict[str, str] = {}
@@ -64,6 +70,12 @@ def qa1(rng: random.Random, sentences: int = 6, questions: int = 3) -> list[Exam
         place = rng.choice([p for p in PLACES if p != where.get(who)])
         story += _sentence(who, rng.choice(MOVES), "to", "the", place)
         where[who] = place
+    return story, where
+
+
+def qa1(rng: random.Random, sentences: int = 6, questions: int = 3) -> list[Example]:
+    """One story, several questions about people the story mentions."""
+    story, where = _moves(rng, sentences)
     asked = rng.sample(sorted(where), k=min(questions, len(where)))
     return [Example("qa1", tuple(story), ("where", "is", who, "?"), (where[who],)) for who in asked]
 
@@ -159,7 +171,28 @@ def grab(rng: random.Random, sentences: int = 4, questions: int = 2) -> list[Exa
     return [Example("grab", tuple(story), (obj, "went", "to", "?"), (held_by[obj],)) for obj in asked]
 
 
-GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop}
+def codes(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Example]:
+    """Demonstrations as the affix: each place's answer under a code drawn for this set ("kitchen is 17 .",
+    one a place); ``questions`` requests share the set, each with its own story of ``sentences`` sentences,
+    asking where someone is, answered in the set's code. Without the demonstrations the code cannot be known.
+
+    The place comes first, where every lookup this model learned finds its key (see :func:`_pickup`), and no
+    person is named: two first versions, solved questions with the place inside ("mary went to the kitchen .
+    where is mary ? 17 ." and "where is the kitchen ? 17 ."), stayed at chance for 8,000 steps each."""
+    code = dict(zip(PLACES, rng.sample(range(1, len(NUMBERS)), len(PLACES)), strict=True))
+    demos = [w for place in rng.sample(PLACES, len(PLACES)) for w in _sentence(place, "is", str(code[place]))]
+    out = []
+    for _ in range(questions):
+        story, where = _moves(rng, sentences)
+        who = rng.choice(sorted(where))
+        out.append(Example("codes", tuple(demos), ("where", "is", who, "?"), (str(code[where[who]]),),
+                           context=tuple(story)))
+    return out
+
+
+GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop, "codes": codes}
+#: the tasks whose affix is demonstrations (the paper's setting); the others' affix is their document
+DEMO_TASKS = ("codes",)
 #: Training-only warm-ups, never evaluated.
 WARMUPS = {"bind": bind, "count": count, "holder": holder, "grab": grab}
 TRAIN_GENERATORS = GENERATORS | WARMUPS

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
+from acache.affix.prompt import GEN, Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.checkpoint import SPECIAL_TOKENS
 from acache_lab.tasks.generators import WORDS, Example
 
@@ -15,7 +15,9 @@ from acache_lab.tasks.generators import WORDS, Example
 #: tight on purpose: every extra masked column is one more all-alike position the answer slot must be
 #: told apart from; with 8 columns the name lookup was found on 1 seed of 3, with 2 on 5 of 8 plus the
 #: full run's (docs/model.md, run 8).
-ANSWER_LENGTHS = {"qa1": 2, "twohop": 2, "bind": 2, "count": 2, "holder": 2, "grab": 2, "arith": 6}
+ANSWER_LENGTHS = {"qa1": 2, "twohop": 2, "bind": 2, "count": 2, "holder": 2, "grab": 2, "arith": 6, "codes": 2}
+#: demonstrations and the request's document, each an affix of its own: ``[demos][story][question][GEN]``
+TWO_AFFIXES = "two-affix"
 
 
 def answer_length(task: str) -> int:
@@ -55,22 +57,37 @@ class Rendered:
     answer: tuple[int, ...]  # answer ids padded with EOS to the task's answer_length
 
 
-def render_prompts(tokenizer, examples: list[Example], layout: str) -> list[AffixPrompt]:
-    """The examples' prompts in ``layout`` with a model's tokenizer (the story marked as the affix)."""
+def render_prompts(tokenizer, examples: list[Example], layout: str, drop_affix: bool = False) -> list[AffixPrompt]:
+    """The examples' prompts in ``layout`` with a model's tokenizer (the story marked as the affix);
+    ``drop_affix`` leaves the affix out (what demonstrations are worth: the same requests without them)."""
     eos = tokenizer.token_to_id(SPECIAL_TOKENS["llada"]["eos"])
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    return [render(e, layout, encode, eos).prompt for e in examples]
+    return [render(e, layout, encode, eos, drop_affix).prompt for e in examples]
 
 
-def render(example: Example, layout: str, encode, eos_id: int) -> Rendered:
+def render(example: Example, layout: str, encode, eos_id: int, drop_affix: bool = False) -> Rendered:
     """The example in ``layout``: prefix ``[story][question] answer :[GEN]``, infix ``[question][story]
-    answer :[GEN]``, suffix ``[question] answer :[GEN][story]``."""
-    affix = Affix(" ".join(("story", ":", *example.affix)), name="context")
+    answer :[GEN]``, suffix ``[question] answer :[GEN][story]``. A task with demonstrations puts them where
+    the story goes (headed "worksheet :") and its own story before the question; in the two-affix layout
+    that story is an affix too (the same tokens as prefix, two cached spans instead of one)."""
     question = " ".join(("question", ":", *example.question))
-    segments = layout_segments(layout, affix, question, "answer :")
+    if example.context:
+        affix = Affix(" ".join(("worksheet", ":", *example.affix)), name="demonstrations")
+        story = " ".join(("story", ":", *example.context))
+        if layout == TWO_AFFIXES:
+            segments = [affix, Affix(story, name="context"), question, "answer :", GEN]
+        else:
+            segments = layout_segments(layout, affix, f"{story} {question}", "answer :")
+    elif layout == TWO_AFFIXES:
+        raise ValueError(f"the {TWO_AFFIXES} layout needs a task with demonstrations; {example.task} has none")
+    else:
+        affix = Affix(" ".join(("story", ":", *example.affix)), name="context")
+        segments = layout_segments(layout, affix, question, "answer :")
+    if drop_affix:  # the task's own affix (its demonstrations, or its document); a second one stays
+        segments = [s for s in segments if s is not affix]
     prompt = resolve_segments(segments, encode)
     answer = encode(" ".join(example.answer))
     length = answer_length(example.task)

@@ -99,6 +99,9 @@ class TrainConfig:
     #: stop after this many steps while the schedule still spans ``steps``: a run cut short (by its time
     #: limit, say) is reproduced exactly by naming the step it stopped at
     stop_after: int | None = None
+    #: a task's own context-length range ``[min, max]`` sentences, instead of the stage's: long documents for
+    #: qa1 in the same batches as short stories for the demonstration tasks
+    task_sentences: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -158,6 +161,12 @@ class TrainConfig:
             raise ValueError("need 1 <= min_sentences <= max_sentences")
         if self.eval_every < 0 or self.eval_examples <= 0 or self.eval_sentences < 1:
             raise ValueError("eval_every must be >= 0, eval_examples and eval_sentences positive")
+        self.task_sentences = {task: tuple(span) for task, span in self.task_sentences.items()}
+        for task, span in self.task_sentences.items():
+            if task not in TRAIN_GENERATORS:
+                raise ValueError(f"task_sentences: unknown task {task!r}; known: {known}")
+            if len(span) != 2 or not 1 <= span[0] <= span[1]:
+                raise ValueError(f"task_sentences[{task!r}] must be [min, max] with 1 <= min <= max, not {span}")
         if self.model.rope_theta is not None and self.model.rope_theta <= 0:
             raise ValueError("model.rope_theta must be positive")
 
@@ -218,7 +227,8 @@ class Batcher:
             task = self.rng.choice(stage.tasks)
             self._counter += 1
             rng = random.Random(f"train:{task}:{self._counter}")
-            sentences = self.rng.randint(stage.min_sentences, stage.max_sentences)
+            lo, hi = self.config.task_sentences.get(task, (stage.min_sentences, stage.max_sentences))
+            sentences = self.rng.randint(lo, hi)
             example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
             rows.append(self.row(example, self.rng.choice(LAYOUTS)))
         return self.collate(rows)

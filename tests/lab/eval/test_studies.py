@@ -37,6 +37,31 @@ def test_sweep_cells_and_report(task_llm, tmp_path):
         sweep(task_llm, examples=1, ratios=(1.5,), progress=False)
 
 
+def test_demonstration_sweep_runs_without_them_and_with_two_affixes(task_llm, tmp_path):
+    """The paper's setting: the demonstrations are the affix; ``without`` decodes the same requests with them
+    left out; in the two-affix layout the request's story is cached too, and all anchors still equal full
+    recomputation."""
+    from acache_lab.eval.accuracy import main
+    from acache_lab.eval.metrics import sweep_table
+    from acache_lab.tasks.generators import held_out
+    from acache_lab.tasks.render import TWO_AFFIXES, render_prompts
+
+    cells = sweep(task_llm, examples=6, sentences=2, tasks=("codes",), layouts=("infix", TWO_AFFIXES),
+                  selectors=("attention",), ratios=(0.2,), progress=False)
+    for layout in ("infix", TWO_AFFIXES):
+        mine = {c.selector: c for c in cells if c.layout == layout}
+        assert set(mine) == {"without", "full", "none", "all", "attention"}
+        assert mine["all"].correct == mine["full"].correct
+        assert "| demonstrations removed |" in sweep_table(cells, "codes", layout)
+    exs = held_out("codes", 2, 2)
+    bare, whole = (render_prompts(task_llm.tokenizer, exs, TWO_AFFIXES, drop) for drop in (True, False))
+    assert [len(p.affixes) for p in bare] == [1, 1] and [len(p.affixes) for p in whole] == [2, 2]
+    assert all(b.affixes[0].length == w.affixes[1].length for b, w in zip(bare, whole, strict=True))  # the story stays
+    args = dict(model="not-loaded", tasks="qa1", layouts=TWO_AFFIXES, examples=1, out=str(tmp_path))
+    with pytest.raises(ValueError, match="two-affix layout needs tasks with demonstrations"):
+        main(type("Args", (), args)())
+
+
 def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
     records = profile(task_llm, examples=3, tasks=("qa1",), layouts=("prefix", "infix"), progress=False)
     assert [r["layout"] for r in records] == ["prefix", "infix"]

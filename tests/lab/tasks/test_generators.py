@@ -7,8 +7,8 @@ import random
 import pytest
 
 from acache.policies import LAYOUTS
-from acache_lab.tasks.generators import TASKS, bind, count, examples, grab, held_out, holder
-from acache_lab.tasks.render import ANSWER_LENGTHS, answer_length, build_word_tokenizer, render
+from acache_lab.tasks.generators import NAMES, PLACES, TASKS, bind, codes, count, examples, grab, held_out, holder
+from acache_lab.tasks.render import ANSWER_LENGTHS, TWO_AFFIXES, answer_length, build_word_tokenizer, render
 
 
 def sentences(words):
@@ -163,3 +163,61 @@ def test_arith_writes_the_smaller_count_first_whatever_order_the_question_names_
     holds = [{s[0]: int(s[2]) for s in sentences(e.affix)} for e in exs]
     # the question names the larger count first in about half the questions: the order is the template's
     assert 0.3 < sum(h[e.question[4]] > h[e.question[6]] for h, e in zip(holds, exs, strict=True)) / len(exs) < 0.7
+
+
+def solve_codes(example):
+    """The code from the demonstrations (each "PLACE is CODE ."), then the code of the place the request's
+    own story last puts the asked person."""
+    code = {}
+    for demo in sentences(example.affix):
+        assert len(demo) == 3 and demo[1] == "is"
+        code[demo[0]] = demo[2]
+    where = {s[0]: s[4] for s in sentences(example.context)}
+    return (code[where[example.question[2]]],)
+
+
+@pytest.mark.parametrize("size", [1, 4, 8])
+def test_codes_demonstrate_each_place_once_and_answer_in_their_code(size):
+    rng = random.Random(13)
+    sets = [codes(rng, size) for _ in range(60)]
+    for exs in sets:
+        assert len({e.affix for e in exs}) == 1 and len(exs) == 3  # the requests share one demonstration set
+        demos = sentences(exs[0].affix)
+        assert sorted(s[0] for s in demos) == sorted(PLACES)  # every place demonstrated, once
+        assert len({s[2] for s in demos}) == len(PLACES)  # a one-to-one code
+        assert not set(exs[0].affix) & set(NAMES)  # no name: no "last mention" of anyone in the affix
+        for ex in exs:
+            assert ex.task == "codes" and len(sentences(ex.context)) == size
+            assert solve_codes(ex) == ex.answer
+    # the code is the demonstrations' own: one place's number changes from set to set
+    assert len({next(s[2] for s in sentences(e[0].affix) if s[0] == "kitchen") for e in sets}) > 10
+
+
+def test_codes_render_the_demonstrations_as_the_affix_in_every_layout_and_as_two_affixes():
+    tok = build_word_tokenizer()
+
+    def encode(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    ex = held_out("codes", 1, 4)[0]
+    rendered = {layout: render(ex, layout, encode, 96) for layout in (*LAYOUTS, TWO_AFFIXES)}
+    for layout in LAYOUTS:
+        (span,) = rendered[layout].prompt.affixes
+        assert tok.decode(list(rendered[layout].prompt.affix_ids(span))) == "worksheet : " + " ".join(ex.affix)
+        text = tok.decode(list(rendered[layout].prompt.token_ids))
+        assert "story : " + " ".join(ex.context) + " question : " + " ".join(ex.question) in text
+    demos, story = rendered[TWO_AFFIXES].prompt.affixes
+    assert tok.decode(list(rendered[TWO_AFFIXES].prompt.affix_ids(story))) == "story : " + " ".join(ex.context)
+    assert (demos.start, story.start) == (0, demos.length)
+    # two cached spans, the same tokens as the prefix layout
+    assert rendered[TWO_AFFIXES].prompt.token_ids == rendered["prefix"].prompt.token_ids
+    with pytest.raises(ValueError, match="needs a task with demonstrations; qa1 has none"):
+        render(held_out("qa1", 1, 4)[0], TWO_AFFIXES, encode, 96)
+
+
+def test_long_documents_reach_two_hundred_tokens():
+    tok = build_word_tokenizer()
+    ex = held_out("qa1", 1, 34)[0]
+    r = render(ex, "prefix", lambda t: tok.encode(t, add_special_tokens=False).ids, 96)
+    assert r.prompt.affixes[0].length >= 200 and len(r.prompt.token_ids) + len(r.answer) <= 256
+    assert solve(ex) == ex.answer

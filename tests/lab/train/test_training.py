@@ -183,6 +183,20 @@ def test_stop_after_cuts_a_run_short_on_the_full_runs_schedule(tmp_path):
     assert cut["log"][-1]["lr"] > full["log"][-1]["lr"]
 
 
+def test_a_tasks_own_sentence_range_replaces_the_stages():
+    """Long documents for qa1 in the same batches as short stories for the demonstration task."""
+    config = TrainConfig(steps=50, batch_size=64, tasks=("qa1", "codes"), min_sentences=3, max_sentences=4,
+                         curriculum_steps=1, task_sentences={"qa1": (30, 34)})
+    ids, answer, _, valid = Batcher(config, build_word_tokenizer()).batch(0)
+    lengths = valid.sum(-1)
+    tok = build_word_tokenizer()
+    demos = torch.tensor([(row == tok.token_to_id("worksheet")).any() for row in ids])
+    assert 0 < demos.sum() < len(ids)
+    assert lengths[~demos].min() >= 30 * 6  # qa1: 30 to 34 sentences of 6 words
+    assert lengths[demos].max() <= 34 + 4 * 6 + 12  # codes: the demonstrations and at most 4 sentences
+    assert (answer.sum(-1) == 2).all()
+
+
 def test_committed_configs_are_valid():
     from acache.paths import REPO_ROOT
 
@@ -244,6 +258,12 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(steps=6, stop_after=7)
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
         TrainConfig(eval_every=-5)
+    with pytest.raises(ValueError, match="task_sentences: unknown task 'qa9'"):
+        TrainConfig(task_sentences={"qa9": (1, 2)})
+    with pytest.raises(ValueError, match=r"task_sentences\['qa1'\] must be \[min, max\] with 1 <= min <= max"):
+        TrainConfig(task_sentences={"qa1": (5, 2)})
+    with pytest.raises(ValueError, match=r"task_sentences\['qa1'\] must be"):
+        TrainConfig(task_sentences={"qa1": (3,)})
     with pytest.raises(FileNotFoundError, match="training config not found"):
         TrainConfig.from_file(tmp_path / "none.json")
 
