@@ -29,6 +29,8 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
 #: the rows every selector is read against: direct reuse, all anchors, full recomputation, and (for tasks
 #: whose affix is demonstrations) full recomputation with the demonstrations left out
 REFERENCES = ("none", "all", "full", "without")
+#: selectors that read what they should predict (the in-context K/V), never a serving option
+ORACLES = ("kv-deviation",)
 REFERENCE_LABELS = {"none": "direct reuse (none)", "all": "all anchors (all)", "full": "full recompute, no cache",
                     "without": "demonstrations removed"}
 
@@ -107,4 +109,32 @@ def summary_table(cells: list[Cell], focus_ratio: float = 0.2, ours: str = "atte
         best = max(others, key=lambda c: c.correct, default=None)
         best_txt = f"{best.selector}: {_pct(best)}" if best else "–"
         lines.append(f"| {task} | {layout} | {_pct(direct)} | {_pct(acache)} | {best_txt} | {_pct(full)} |")
+    return "\n".join(lines)
+
+
+def target_table(cells: list[Cell], ours: str = "attention-deviation", ratio: float = 0.2,
+                 target: float = 0.9) -> str:
+    """Markdown, one row per task and layout: our selector at ``ratio`` against the issue's target, its
+    share of the gap between direct reuse and full recomputation (at least ``target``), and whether it is
+    above the best other non-oracle selector by more than the intervals (its lower bound over their upper)."""
+    lines = [f"| task | layout | direct reuse | full recompute | {ours} @ {ratio:g} | share of the gap "
+             f"| best other non-oracle @ {ratio:g} | above it beyond the intervals | target met |",
+             "|---|---|---:|---:|---:|---:|---|---|---|"]
+    for task, layout in dict.fromkeys((c.task, c.layout) for c in cells):
+        mine = {(c.selector, c.ratio): c for c in cells if c.task == task and c.layout == layout}
+        direct = next((c for (s, _), c in mine.items() if s == "none"), None)
+        full = next((c for (s, _), c in mine.items() if s == "full"), None)
+        own = mine.get((ours, ratio))
+        if direct is None or full is None or own is None:
+            continue
+        gap = full.accuracy - direct.accuracy
+        share = (own.accuracy - direct.accuracy) / gap if gap > 0 else None
+        others = [c for (s, r), c in mine.items() if r == ratio and s != ours and s not in REFERENCES + ORACLES]
+        best = max(others, key=lambda c: c.correct, default=None)
+        ahead = best is None or own.interval[0] > best.interval[1]
+        met = share is not None and share >= target and ahead
+        lines.append(f"| {task} | {layout} | {_pct(direct)} | {_pct(full)} | {_pct(own)} | "
+                     + (f"{100 * share:.0f}%" if share is not None else "no gap") + " | "
+                     + (f"{best.selector}: {_pct(best)}" if best else "–") + f" | {'yes' if ahead else 'no'} | "
+                     + f"{'yes' if met else 'no'} |")
     return "\n".join(lines)

@@ -6,9 +6,10 @@
   the total two people hold, answered with a short worked sum "A + B = C".
 * ``twohop`` — a story where people pick up objects and move; "where is the OBJECT ?" needs two facts at
   once: who last took the object, and where that person last went.
-* ``codes`` — the paper's own setting, demonstrations as the affix: eight demonstrations ("kitchen is
-  17 .") give each place a number under a code drawn for that set; the request brings its own story and
-  asks where someone is, answered in the demonstrated code. The code exists only in the demonstrations.
+* ``codes`` — the paper's own setting, demonstrations as the affix: eight demonstrations ("mary is 17 .")
+  give each person a number under a code drawn for that set; the request brings its own story of pickups
+  and asks who took an object, answered with that person's number. The code exists only in the
+  demonstrations; without them the model answers with the name.
 
 Everything is a list of lowercase words from :data:`WORDS`, so a word-level tokenizer covers it exactly.
 Each generator is deterministic in its ``random.Random``.
@@ -172,21 +173,36 @@ def grab(rng: random.Random, sentences: int = 4, questions: int = 2) -> list[Exa
 
 
 def codes(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Example]:
-    """Demonstrations as the affix: each place's answer under a code drawn for this set ("kitchen is 17 .",
-    one a place); ``questions`` requests share the set, each with its own story of ``sentences`` sentences,
-    asking where someone is, answered in the set's code. Without the demonstrations the code cannot be known.
+    """Demonstrations as the affix, defining the answer's form: each person's number under a code drawn for
+    this set ("mary is 17 .", one a person); ``questions`` requests share the set, each with its own story
+    of ``sentences`` pickups ("apple went to mary .") and the question of ``holder`` ("apple went to ?"),
+    answered not with the name, as without the demonstrations, but with its number in the set's code.
 
-    The place comes first, where every lookup this model learned finds its key (see :func:`_pickup`), and no
-    person is named: two first versions, solved questions with the place inside ("mary went to the kitchen .
-    where is mary ? 17 ." and "where is the kitchen ? 17 ."), stayed at chance for 8,000 steps each."""
-    code = dict(zip(PLACES, rng.sample(range(1, len(NUMBERS)), len(PLACES)), strict=True))
-    demos = [w for place in rng.sample(PLACES, len(PLACES)) for w in _sentence(place, "is", str(code[place]))]
+    The person comes first in the demonstrations, where every lookup this model learned finds its key (see
+    :func:`_pickup`): three first versions keyed by place ("mary went to the kitchen . where is mary ? 17 .",
+    "where is the kitchen ? 17 ." and "kitchen is 17 ." with a qa1 story) stayed at chance for 8,000 steps
+    each, as objects did as keys in runs 14-20 (docs/model.md)."""
+    code = dict(zip(NAMES, rng.sample(range(1, len(NUMBERS)), len(NAMES)), strict=True))
+    demos = [w for who in rng.sample(NAMES, len(NAMES)) for w in _sentence(who, "is", str(code[who]))]
     out = []
     for _ in range(questions):
-        story, where = _moves(rng, sentences)
-        who = rng.choice(sorted(where))
-        out.append(Example("codes", tuple(demos), ("where", "is", who, "?"), (str(code[where[who]]),),
+        objects = rng.sample(OBJECTS, k=min(len(OBJECTS), max(1, sentences)))
+        held_by = dict(zip(objects, rng.sample(NAMES, k=len(objects)), strict=True))
+        story = [w for obj in objects for w in _pickup(obj, held_by[obj])]
+        obj = rng.choice(objects)
+        out.append(Example("codes", tuple(demos), (obj, "went", "to", "?"), (str(code[held_by[obj]]),),
                            context=tuple(story)))
+    return out
+
+
+def codebook(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Example]:
+    """codes' warm-up, as ``count`` is arith's: its second hop alone, the question names the person ("mary is
+    ?" -> "17") beside a story that does not matter."""
+    out = []
+    for ex in codes(rng, sentences, questions):
+        who = rng.choice(NAMES)
+        number = next(n for w, _, n in zip(ex.affix[0::4], ex.affix[1::4], ex.affix[2::4], strict=True) if w == who)
+        out.append(Example("codebook", ex.affix, (who, "is", "?"), (number,), context=ex.context))
     return out
 
 
@@ -194,7 +210,7 @@ GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop, "codes": codes}
 #: the tasks whose affix is demonstrations (the paper's setting); the others' affix is their document
 DEMO_TASKS = ("codes",)
 #: Training-only warm-ups, never evaluated.
-WARMUPS = {"bind": bind, "count": count, "holder": holder, "grab": grab}
+WARMUPS = {"bind": bind, "count": count, "holder": holder, "grab": grab, "codebook": codebook}
 TRAIN_GENERATORS = GENERATORS | WARMUPS
 
 

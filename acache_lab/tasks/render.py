@@ -15,7 +15,8 @@ from acache_lab.tasks.generators import WORDS, Example
 #: tight on purpose: every extra masked column is one more all-alike position the answer slot must be
 #: told apart from; with 8 columns the name lookup was found on 1 seed of 3, with 2 on 5 of 8 plus the
 #: full run's (docs/model.md, run 8).
-ANSWER_LENGTHS = {"qa1": 2, "twohop": 2, "bind": 2, "count": 2, "holder": 2, "grab": 2, "arith": 6, "codes": 2}
+ANSWER_LENGTHS = {"qa1": 2, "twohop": 2, "bind": 2, "count": 2, "holder": 2, "grab": 2, "arith": 6, "codes": 2,
+                  "codebook": 2}
 #: demonstrations and the request's document, each an affix of its own: ``[demos][story][question][GEN]``
 TWO_AFFIXES = "two-affix"
 

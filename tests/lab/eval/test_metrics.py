@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from acache_lab.eval.metrics import Cell, summary_table, sweep_table, wilson_interval
+from acache_lab.eval.metrics import Cell, summary_table, sweep_table, target_table, wilson_interval
 
 
 def _wilson_by_hand(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -66,6 +66,22 @@ def test_summary_table_picks_the_best_other_selector_at_the_focus_ratio():
     assert len(rows) == 3
     assert rows[2] == ("| qa1 | prefix | 60.0 [50, 69] | 85.0 [77, 91] | first-k: 70.0 [60, 78] | "
                        "90.0 [83, 94] |")
+
+
+def test_target_table_reads_the_share_of_the_gap_and_the_margin_over_non_oracles():
+    # attention-deviation at 0.2 recovers 28 of the 30 points (93%); random is far below, and the oracle,
+    # above it, does not count
+    cells = _cells() + [Cell("qa1", "prefix", "attention-deviation", 0.2, 88, 100),
+                        Cell("qa1", "prefix", "kv-deviation", 0.2, 90, 100)]
+    rows = target_table(cells).splitlines()
+    assert rows[2] == ("| qa1 | prefix | 60.0 [50, 69] | 90.0 [83, 94] | 88.0 [80, 93] | 93% | "
+                       "attention: 85.0 [77, 91] | no | no |")  # above attention, but inside its interval
+    cells[4] = Cell("qa1", "prefix", "attention", 0.2, 70, 100)  # attention now far below
+    assert target_table(cells).splitlines()[2].endswith("| attention: 70.0 [60, 78] | yes | yes |")
+    # with demonstrations left out there is still one row per task and layout; no gap reads as such
+    flat = [Cell("codes", "infix", s, r, 50, 100) for s, r in (("none", 0.0), ("full", 0.0),
+                                                                ("attention-deviation", 0.2))]
+    assert "| no gap |" in target_table(flat)
 
 
 def test_cells_round_trip_through_dicts():

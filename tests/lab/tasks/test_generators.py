@@ -7,7 +7,7 @@ import random
 import pytest
 
 from acache.policies import LAYOUTS
-from acache_lab.tasks.generators import NAMES, PLACES, TASKS, bind, codes, count, examples, grab, held_out, holder
+from acache_lab.tasks.generators import NAMES, TASKS, bind, codebook, codes, count, examples, grab, held_out, holder
 from acache_lab.tasks.render import ANSWER_LENGTHS, TWO_AFFIXES, answer_length, build_word_tokenizer, render
 
 
@@ -166,14 +166,14 @@ def test_arith_writes_the_smaller_count_first_whatever_order_the_question_names_
 
 
 def solve_codes(example):
-    """The code from the demonstrations (each "PLACE is CODE ."), then the code of the place the request's
-    own story last puts the asked person."""
+    """The code from the demonstrations (each "NAME is CODE ."), then the code of the person the request's
+    own story gives the asked object."""
     code = {}
     for demo in sentences(example.affix):
         assert len(demo) == 3 and demo[1] == "is"
         code[demo[0]] = demo[2]
-    where = {s[0]: s[4] for s in sentences(example.context)}
-    return (code[where[example.question[2]]],)
+    holder = {s[0]: s[3] for s in sentences(example.context)}
+    return (code[holder[example.question[0]]],)
 
 
 @pytest.mark.parametrize("size", [1, 4, 8])
@@ -183,14 +183,13 @@ def test_codes_demonstrate_each_place_once_and_answer_in_their_code(size):
     for exs in sets:
         assert len({e.affix for e in exs}) == 1 and len(exs) == 3  # the requests share one demonstration set
         demos = sentences(exs[0].affix)
-        assert sorted(s[0] for s in demos) == sorted(PLACES)  # every place demonstrated, once
-        assert len({s[2] for s in demos}) == len(PLACES)  # a one-to-one code
-        assert not set(exs[0].affix) & set(NAMES)  # no name: no "last mention" of anyone in the affix
+        assert sorted(s[0] for s in demos) == sorted(NAMES)  # every person demonstrated, once
+        assert len({s[2] for s in demos}) == len(NAMES)  # a one-to-one code
         for ex in exs:
-            assert ex.task == "codes" and len(sentences(ex.context)) == size
+            assert ex.task == "codes" and len(sentences(ex.context)) == min(size, 6)
             assert solve_codes(ex) == ex.answer
     # the code is the demonstrations' own: one place's number changes from set to set
-    assert len({next(s[2] for s in sentences(e[0].affix) if s[0] == "kitchen") for e in sets}) > 10
+    assert len({next(s[2] for s in sentences(e[0].affix) if s[0] == "mary") for e in sets}) > 10
 
 
 def test_codes_render_the_demonstrations_as_the_affix_in_every_layout_and_as_two_affixes():
@@ -221,3 +220,11 @@ def test_long_documents_reach_two_hundred_tokens():
     r = render(ex, "prefix", lambda t: tok.encode(t, add_special_tokens=False).ids, 96)
     assert r.prompt.affixes[0].length >= 200 and len(r.prompt.token_ids) + len(r.answer) <= 256
     assert solve(ex) == ex.answer
+
+
+def test_codebook_warm_up_asks_the_code_of_a_place_directly():
+    rng = random.Random(17)
+    for size in (1, 3):
+        for ex in codebook(rng, size):
+            demo = next(s for s in sentences(ex.affix) if s[0] == ex.question[0])
+            assert ex.task == "codebook" and ex.question[1:] == ("is", "?") and ex.answer == (demo[2],)
