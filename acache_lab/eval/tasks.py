@@ -10,7 +10,7 @@ from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.policies import LAYOUTS
 from acache.sampling_params import SamplingParams
-from acache_lab.tasks.generators import DEMO_TASKS, TASKS, Example, held_out
+from acache_lab.tasks.generators import TASKS, Example, held_out, parse_tasks
 from acache_lab.tasks.render import answer_length, render_prompts
 
 
@@ -65,10 +65,7 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
 
 
 def main(args) -> int:
-    tasks = tuple(args.tasks.split(",")) if getattr(args, "tasks", None) else TASKS
-    bad = [t for t in tasks if t not in TASKS + DEMO_TASKS]
-    if bad:
-        raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(TASKS + DEMO_TASKS)}")
+    tasks = parse_tasks(getattr(args, "tasks", None))
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
                                                "far_mask_window")

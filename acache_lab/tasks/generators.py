@@ -201,17 +201,28 @@ def codebook(rng: random.Random, sentences: int = 4, questions: int = 3) -> list
     out = []
     for ex in codes(rng, sentences, questions):
         who = rng.choice(NAMES)
-        number = next(n for w, _, n in zip(ex.affix[0::4], ex.affix[1::4], ex.affix[2::4], strict=True) if w == who)
-        out.append(Example("codebook", ex.affix, (who, "is", "?"), (number,), context=ex.context))
+        code = dict(zip(ex.affix[0::4], ex.affix[2::4], strict=True))  # "NAME is CODE ." four words each
+        out.append(Example("codebook", ex.affix, (who, "is", "?"), (code[who],), context=ex.context))
     return out
 
 
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop, "codes": codes}
 #: the tasks whose affix is demonstrations (the paper's setting); the others' affix is their document
 DEMO_TASKS = ("codes",)
+#: every task a study can evaluate
+EVAL_TASKS = TASKS + DEMO_TASKS
 #: Training-only warm-ups, never evaluated.
 WARMUPS = {"bind": bind, "count": count, "holder": holder, "grab": grab, "codebook": codebook}
 TRAIN_GENERATORS = GENERATORS | WARMUPS
+
+
+def parse_tasks(text: str | None) -> tuple[str, ...]:
+    """A command line's comma-separated ``--tasks`` (None: the shipped model's three), each checked."""
+    tasks = tuple(text.split(",")) if text else TASKS
+    bad = [t for t in tasks if t not in EVAL_TASKS]
+    if bad:
+        raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(EVAL_TASKS)}")
+    return tasks
 
 
 def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:

@@ -228,3 +228,12 @@ def test_codebook_warm_up_asks_the_code_of_a_place_directly():
         for ex in codebook(rng, size):
             demo = next(s for s in sentences(ex.affix) if s[0] == ex.question[0])
             assert ex.task == "codebook" and ex.question[1:] == ("is", "?") and ex.answer == (demo[2],)
+
+
+def test_parse_tasks_checks_every_name_against_the_evaluable_tasks():
+    from acache_lab.tasks.generators import parse_tasks
+
+    assert parse_tasks(None) == TASKS
+    assert parse_tasks("codes,qa1") == ("codes", "qa1")
+    with pytest.raises(ValueError, match="unknown task 'bind'; known: qa1, arith, twohop, codes"):
+        parse_tasks("qa1,bind")  # a training warm-up is not evaluated
