@@ -43,6 +43,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
                    help="share of affix tokens recomputed")
     a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES)
+    a.add_argument("--probe-step", action="store_true",
+                   help="let the anchor-selection probe decode the first step (one forward fewer a request)")
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
     a.add_argument("--bicache-profile", default=None, help="depth table for --affix-policy bicache-profiled")
 
@@ -112,7 +114,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             temperature=args.temperature, cache=args.cache,
                             refresh_interval=args.refresh_interval, seed=args.seed,
                             affix_policy=args.affix_policy, anchor_ratio=args.anchor_ratio,
-                            anchor_query=args.anchor_query)
+                            anchor_query=args.anchor_query, probe_step=args.probe_step)
     affix_text = args.affix
     if args.affix_file:
         path = Path(args.affix_file)

@@ -72,6 +72,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
                 keys[layer][c0:c0 + span.length] = entry.keys[layer]
                 values[layer][c0:c0 + span.length] = entry.values[layer]
         depth = split = None
+        done = False
         if bicache:
             depth = bicache_depth(params.affix_policy, params.anchor_ratio, len(model.layers),
                                   int(shared.sum()) / t, bicache_profile)
@@ -82,12 +83,17 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
         elif reuse:
             placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
             kv, slot = place_affixes(model, state.canvas, placements)
-            ctx = SelectionContext(model, state.canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)])
+            ctx = SelectionContext(model, state.canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
+                                   state.base_recompute(shared)[None])
             anchors = make_selector(params.affix_policy, params.anchor_query).select(ctx, params.anchor_ratio)[0]
             state.set_recompute(shared, anchors)
+            if params.probe_step:
+                x0, conf = propose(ctx.probe_logits(params.block_length), params.temperature,
+                                   [generator] if params.temperature > 0 else None, mask_token_id=cfg.mask_token_id)
+                done = state.commit(x0[0], conf[0], probe=True)
         else:
             state.set_recompute(shared, shared)
-        while True:
+        while not done:
             plan = state.plan()
             fed, past = plan.fed, plan.past
             pos = state.positions
@@ -105,8 +111,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             logits = model.logits(hidden, plan.block[None])
             gens = [generator] if params.temperature > 0 else None
             x0, conf = propose(logits, params.temperature, gens, mask_token_id=cfg.mask_token_id)
-            if state.commit(x0[0], conf[0]):
-                break
+            done = state.commit(x0[0], conf[0])
     finally:
         for entry in held:
             store.release(entry)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES
+from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, BICACHE_POLICIES, CACHE_POLICIES, COMMIT_RULES
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,11 @@ class SamplingParams:
     affix's tokens; ``anchor_query`` is where ACache's queries come from (``probe`` or ``full``).
     ``bicache-matched`` recomputes the deepest ``ceil(anchor_ratio * layers)`` layers instead, and
     ``bicache-profiled`` takes that depth from a profile (``LLM(bicache_profile=...)``).
-    ``None`` computes affix tokens like any other prompt tokens.
+    ``None`` computes affix tokens like any other prompt tokens. With ``probe_step`` the forward that
+    selection runs anyway (the probe: the request's own tokens against the shared affixes' cached K/V,
+    as direct reuse computes them) also decodes the first step of the first block, so selection stands in
+    for a denoising step instead of adding a forward; the next forward is the first refresh with anchors.
+    It trades that one step's accuracy (it sees the affix as direct reuse does) for a forward a request.
 
     Two approximations past the token-count ideal (both off by default): ``far_mask_window`` W leaves the
     mask columns of blocks more than W blocks after the current one out of every forward, fed or
@@ -51,6 +55,7 @@ class SamplingParams:
     affix_policy: str | None = None
     anchor_ratio: float = 0.2
     anchor_query: str = "probe"
+    probe_step: bool = False
     far_mask_window: int | None = None
     focus_layers: int | None = None
     focus_ratio: float = 0.25
@@ -127,6 +132,11 @@ class SamplingParams:
         if isinstance(self.focus_ratio, bool) or not isinstance(self.focus_ratio, (int, float)) \
                 or not 0.0 < self.focus_ratio <= 1.0:
             raise ValueError(f"focus_ratio must be in (0, 1], got {self.focus_ratio!r}")
+        if not isinstance(self.probe_step, bool):
+            raise ValueError(f"probe_step must be true or false, got {self.probe_step!r}")
+        if self.probe_step and (self.affix_policy is None or self.affix_policy in BICACHE_POLICIES):
+            raise ValueError("probe_step decodes the first step from the anchor-selection probe: it needs an "
+                             f"anchor affix_policy (not None or BiCache), got {self.affix_policy!r}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
 

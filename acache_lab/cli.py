@@ -151,6 +151,8 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--focus-ratio", type=float, default=None, help="share of a block's masks FOCUS keeps (0.25)")
     p.add_argument("--far-mask-window", type=int, default=None,
                    help="also run ACache with far-mask pruning: blocks attended past the current one")
+    p.add_argument("--probe-step", action="store_true",
+                   help="also run ACache with probe_step: the selection probe decodes the first step")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)
@@ -241,6 +243,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="also write the JSON here")
     p.add_argument("--bicache-profile", default=None,
                    help="a depth table from `acache bicache-profile`: adds the bicache-profiled selector")
+    p.add_argument("--selectors", default=None, help="comma-separated study selectors (default: every one; "
+                   "attention-probe-step is ACache with probe_step)")
+    p.add_argument("--ratios", default=None, help="comma-separated anchor ratios (default: 0,0.1,0.2,0.3,0.5,1)")
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_accuracy))

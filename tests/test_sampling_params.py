@@ -21,6 +21,9 @@ from acache import SamplingParams
     (dict(factor=0), "factor must be positive"),
     (dict(refresh_interval=0), "refresh_interval must be a positive integer"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    (dict(probe_step=True), "probe_step decodes the first step .* needs an anchor affix_policy"),
+    (dict(probe_step=True, affix_policy="bicache-matched"), "probe_step .* got 'bicache-matched'"),
+    (dict(probe_step=1, affix_policy="attention"), "probe_step must be true or false"),
 ])
 def test_invalid_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -100,6 +100,9 @@ class SelectionContext:
     affix_slot: torch.Tensor  # [B, T]: which affix of its row a column belongs to, -1 outside affixes
     kv: CanvasKV  # cached affix K/V placed at the affix columns
     row_seeds: list[int] | None = None  # per request, for selectors that draw at random
+    #: [B, T]: the columns every refresh recomputes before any anchor (``RequestState.base_recompute``), which
+    #: the probe feeds; None: the non-affix columns
+    own: torch.Tensor | None = None
     _probe: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _full: ForwardOutput | None = field(default=None, repr=False)
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
@@ -117,18 +120,28 @@ class SelectionContext:
         return mask
 
     def probe(self) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
-        """The serving-path probe: non-affix tokens (question and masks) against the stale shared affix
-        K/V. Returns the forward (queries captured) and the fed column index and validity."""
+        """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
+        against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries
+        captured) and the fed column index and validity."""
         if self._probe is None:
             c = self.canvas
             t = c.total
-            fed, fed_valid = compact_index(c.valid & ~self.affix_mask, fill=t)
-            cached, cached_valid = compact_index(self.affix_mask, fill=t)
+            own = ~self.affix_mask if self.own is None else self.own
+            fed, fed_valid = compact_index(c.valid & own, fill=t)
+            cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
             gather = fed.clamp_max(t - 1)
             out = self.model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid,
                              past=self.kv.gather(cached, cached_valid), capture_queries=True)
             self._probe = (out, fed, fed_valid)
         return self._probe
+
+    def probe_logits(self, length: int) -> torch.Tensor:
+        """fp32 ``[B, length, V]`` predictions of the first ``length`` generation columns from the probe:
+        what a first denoising step on directly reused affix K/V proposes (``probe_step``)."""
+        out, fed, fed_valid = self.probe()
+        c = self.canvas
+        cols = torch.arange(c.gen_start, c.gen_start + length, device=fed.device).expand(fed.shape[0], -1)
+        return self.model.logits(out.hidden, torch.searchsorted(fed.contiguous(), cols.contiguous()), fed_valid)
 
     def full(self) -> ForwardOutput:
         """A no-cache forward of the whole canvas, affix tokens included (queries and K/V captured)."""

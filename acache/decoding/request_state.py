@@ -168,9 +168,15 @@ class RequestState:
         past = torch.cat((cols[:start], cols[end:][near[end:]]))
         return StepPlan(cols[start:end], past, block, refresh=False, write=False)
 
-    def commit(self, x0: torch.Tensor, conf: torch.Tensor) -> bool:
-        """Takes the block's proposals ``x0``/``conf`` ``[L]`` of the forward just planned; True when done."""
-        refresh = self.phase is Phase.REFRESH
+    def commit(self, x0: torch.Tensor, conf: torch.Tensor, probe: bool = False) -> bool:
+        """Takes the block's proposals ``x0``/``conf`` ``[L]`` of the forward just planned; True when done.
+
+        ``probe`` marks the proposals of the anchor-selection probe (``probe_step``), which decodes the
+        first step of the first block: it wrote no K/V, so the block's next forward is a refresh whatever
+        the interval."""
+        if probe and (self.phase is not Phase.REFRESH or self.block or self.step):
+            raise RuntimeError("the selection probe decodes only the first step of the first block")
+        refresh = self.phase is Phase.REFRESH and not probe
         self.nfe += 1
         self.refreshes += int(refresh)
         start, end = self.block_cols
@@ -179,7 +185,7 @@ class RequestState:
         self.tokens[start:end], self.masked = tokens[0], masked[0]
         self.step += 1
         if bool(self.masked.any()):
-            self.phase = Phase.REFRESH if self.is_refresh_step() else Phase.STEP
+            self.phase = Phase.REFRESH if probe or self.is_refresh_step() else Phase.STEP
             return False
         self.block += 1
         # a finished block holding a stop token ends the request: the output is cut there whatever follows

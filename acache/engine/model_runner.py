@@ -25,7 +25,7 @@ from acache.affix.selectors import make_selector
 from acache.decoding.canvas import build_canvas
 from acache.decoding.sampler import propose
 from acache.engine.focus import focused_step
-from acache.engine.outputs import ForwardBatch, RunnerOutput, SchedulerOutput
+from acache.engine.outputs import ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
 from acache.engine.step_keys import StackedKV, StepKeyCache
@@ -70,7 +70,10 @@ class ModelRunner:
         if sched.select:
             _sync(self.device)
             t0 = time.perf_counter()
-            out.anchors = self._contained(sched.select, self._select, out.errors)
+            for rid, (anchors, sample) in self._contained(sched.select, self._select, out.errors).items():
+                out.anchors[rid] = anchors
+                if sample is not None:
+                    out.probe_samples[rid] = sample
             _sync(self.device)
             out.selection_time_s = time.perf_counter() - t0
         for batch in sched.forwards:
@@ -107,17 +110,18 @@ class ModelRunner:
         return results
 
     # -- anchor selection -----------------------------------------------------------------------
-    def _select(self, reqs: list[Request]) -> dict[str, torch.Tensor | None]:
+    def _select(self, reqs: list[Request]) -> dict[str, tuple[torch.Tensor | None, Sample | None]]:
         """Anchors of each request, chosen with the same selector code as the reference path on a
         padded canvas that holds their shared affix K/V; a batch shares a selector, its query source
-        and ``gen_length`` (the canvas has one generation region), each row keeps its own ratio. A BiCache
-        request instead gets its affixes' cached K/V copied into its private slots."""
-        anchors: dict[str, torch.Tensor | None] = {}
+        and ``gen_length`` (the canvas has one generation region), each row keeps its own ratio. With
+        ``probe_step`` a request also gets the probe's proposals for its first step. A BiCache request
+        instead gets its affixes' cached K/V copied into its private slots."""
+        anchors: dict[str, tuple[torch.Tensor | None, Sample | None]] = {}
         groups: dict[tuple, list[Request]] = {}
         for req in reqs:
             if req.bicache:
                 self._place_bicache(req)
-                anchors[req.request_id] = None
+                anchors[req.request_id] = (None, None)
                 continue
             p = req.params
             groups.setdefault((p.affix_policy, p.anchor_query, p.gen_length), []).append(req)
@@ -128,13 +132,29 @@ class ModelRunner:
             placements = [[(r.prompt.affixes[i].start, a.entry(self.pool)) for i, a in r.shared] for r in group]
             kv, slot = place_affixes(self.model, canvas, placements)
             seeds = [request_seed(r.params.seed, r.prompt.token_ids) for r in group]
-            ctx = SelectionContext(self.model, canvas, slot, kv, seeds)
+            own = torch.zeros_like(canvas.valid)
+            for row, r in enumerate(group):
+                pad = canvas.pad_left[row]
+                own[row, pad:pad + r.length] = r.state.base_recompute(r.shared_mask([i for i, _ in r.shared]))
+            ctx = SelectionContext(self.model, canvas, slot, kv, seeds, own)
             chosen = make_selector(name, query).select(ctx, [r.params.anchor_ratio for r in group])
+            stepping = [r.params.block_length for r in group if r.params.probe_step]
+            logits = ctx.probe_logits(max(stepping)) if stepping else None
             for row, req in enumerate(group):
                 pad = canvas.pad_left[row]
                 cols = slice(pad, pad + req.length)
-                anchors[req.request_id] = chosen[row, cols] & (slot[row, cols] >= 0)
+                sample = None
+                if logits is not None and req.params.probe_step:
+                    sample = self._propose(req, logits[row:row + 1, :req.params.block_length])
+                anchors[req.request_id] = (chosen[row, cols] & (slot[row, cols] >= 0), sample)
         return anchors
+
+    @staticmethod
+    def _propose(req: Request, logits: torch.Tensor) -> Sample:
+        """One request's proposed tokens and confidences from its ``[1, L, V]`` block logits."""
+        gens = [req.generator] if req.params.temperature > 0 else None
+        x0, conf = propose(logits, req.params.temperature, gens, mask_token_id=req.state.mask_token_id)
+        return x0[0], conf[0]
 
     def _place_bicache(self, req: Request) -> None:
         for index, entry in req.entries:
@@ -181,15 +201,12 @@ class ModelRunner:
         logits = self.model.logits(hidden, block, fed_valid)
         samples = {}
         for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
-            n = plan.block.numel()
-            gens = [req.generator] if req.params.temperature > 0 else None
-            x0, conf = propose(logits[i:i + 1, :n], req.params.temperature, gens,
-                               mask_token_id=req.state.mask_token_id)
+            x0, conf = self._propose(req, logits[i:i + 1, :plan.block.numel()])
             if kept is not None:  # a token FOCUS left out has no proposal: it cannot be committed this step
                 out_of_focus = ~kept[i, plan.block]
-                x0[0, out_of_focus] = req.state.mask_token_id
-                conf[0, out_of_focus] = -1.0
-            samples[req.request_id] = (x0[0], conf[0])
+                x0[out_of_focus] = req.state.mask_token_id
+                conf[out_of_focus] = -1.0
+            samples[req.request_id] = (x0, conf)
         return samples
 
     def _bicache_refresh(self, batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,

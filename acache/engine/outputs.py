@@ -9,6 +9,9 @@ import torch
 from acache.decoding.request_state import StepPlan
 from acache.engine.request import Request, RequestStats, Status
 
+#: one request's proposed tokens and their confidences ``[L]`` for its current block
+Sample = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass
 class ForwardBatch:
@@ -38,11 +41,13 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Per request id: chosen anchors (canvas columns), the block's proposed tokens and confidences, or the
-    error that failed it; with the time of each batched selection and forward."""
+    """Per request id: chosen anchors (canvas columns), the block's proposed tokens and confidences (of a
+    forward, or of the selection probe under ``probe_step``), or the error that failed it; with the time of
+    each batched selection and forward."""
 
     anchors: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    samples: dict[str, Sample] = field(default_factory=dict)
+    probe_samples: dict[str, Sample] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     selection_time_s: float = 0.0
     forward_times_s: list[float] = field(default_factory=list)  # one per ForwardBatch, in order

@@ -23,7 +23,7 @@ from acache.affix.bicache import BiCacheProfile, bicache_depth
 from acache.decoding.request_state import Phase
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
-from acache.engine.outputs import EngineOutput, ForwardBatch, RunnerOutput, SchedulerOutput
+from acache.engine.outputs import EngineOutput, ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.request import Request, Status
 
 
@@ -168,6 +168,8 @@ class Scheduler:
                 outputs.append(self._fail(req, result.errors[req.request_id]))
                 continue
             req.stats.selection_time_s = result.selection_time_s
+            if req.stats.first_scheduled is None:
+                req.stats.first_scheduled = time.perf_counter()
             anchors = result.anchors[req.request_id]
             if req.bicache:
                 none = req.shared_mask([])
@@ -177,6 +179,8 @@ class Scheduler:
                 self.kv.map_slots(req)
             self.metrics.anchors += int(req.state.anchors.sum())
             self.metrics.affix_tokens += req.affix_tokens
+            if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step
+                outputs += self._commit(req, result.probe_samples[req.request_id], probe=True)
         for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
             (self.metrics.refresh_times if batch.refresh else self.metrics.step_times).add(elapsed)
             now = time.perf_counter()
@@ -192,13 +196,18 @@ class Scheduler:
                 if batch.refresh:
                     s.refresh_times_s.append(elapsed)
                     self.metrics.refreshed_tokens += req.state.recompute_count
-                block = req.state.block
-                x0, conf = result.samples[req.request_id]
-                if req.state.commit(x0, conf):
-                    outputs.append(self._finish(req))
-                elif req.stream and req.state.block != block:
-                    outputs.append(self._output(req, Status.RUNNING, finished=False))
+                outputs += self._commit(req, result.samples[req.request_id])
         return outputs
+
+    def _commit(self, req: Request, sample: Sample, probe: bool = False) -> list[EngineOutput]:
+        """Commits one step's proposals; returns the request's output when it finished, or its partial
+        output when a streaming request just completed a block."""
+        block = req.state.block
+        if req.state.commit(*sample, probe=probe):
+            return [self._finish(req)]
+        if req.stream and req.state.block != block:
+            return [self._output(req, Status.RUNNING, finished=False)]
+        return []
 
     def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
         state = req.state

@@ -97,6 +97,8 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     for name in ("threshold", "remasking", "factor", "anchor_ratio", "far_mask_window", "focus_layers", "focus_ratio"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
+    if body.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
+        kwargs["probe_step"] = True
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # name the request's fields, not SamplingParams'
@@ -316,6 +318,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                  reuse=affix_ids is not None)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
+        if body.probe_step and affix_ids is None:
+            raise BadRequest("probe_step applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         raw = body.prompt
         texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not texts or any(t == "" or t == [] for t in texts):

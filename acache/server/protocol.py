@@ -43,6 +43,8 @@ class DiffusionFields(BaseModel):
     focus_layers: int | None = Field(default=None, description="FOCUS: layers an in-block step runs on the whole block")
     focus_ratio: float | None = Field(default=None, description="FOCUS: share of a block's masks the later layers keep")
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")
+    probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "
+                                    "step (one forward fewer); only where an affix is reused")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")
     # OpenAI fields a diffusion model honours only at their neutral value (NEUTRAL says which and why)
     top_p: float | None = None

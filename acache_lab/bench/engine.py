@@ -134,7 +134,7 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
 
 
 def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> SamplingParams:
-    """The workload's parameters; ``prune`` adds FOCUS and far-mask fields (``focus_layers``, ...)."""
+    """The workload's parameters; ``prune`` adds FOCUS, far-mask and probe-step fields (``focus_layers``, ...)."""
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
                           remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio,
                           **(prune or {}))
@@ -324,7 +324,8 @@ def main(args) -> int:
         for reuse in tqdm((False, True), desc="bench warm-up (untimed)", unit="run"):
             run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
     prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
-                               ("far_mask_window", args.far_mask_window)) if v is not None}
+                               ("far_mask_window", args.far_mask_window),
+                               ("probe_step", True if args.probe_step else None)) if v is not None}
     if prune.keys() == {"focus_ratio"}:
         raise ValueError("--focus-ratio needs --focus-layers")
     pruned_name = "acache+" + "+".join(f"{k}={v}" for k, v in prune.items())
@@ -370,7 +371,8 @@ def main(args) -> int:
             f"batch {b}: {pruned_name} at {speed[(b, pruned_name)] / speed[(b, 'dual')]:.2f}x the dual cache's "
             f"tokens/s ({speed[(b, 'acache')] / speed[(b, 'dual')]:.2f}x for plain ACache)" for b in batches)
     if mixed:
-        table += "\n\n" + mixed_markdown(results[-1], *mixed)
+        plain = next(r for r in results if r.mode == "acache" and r.batch == batches[-1])
+        table += "\n\n" + mixed_markdown(plain, *mixed)
     print(header)
     print(table)
     if args.json:

@@ -25,8 +25,10 @@ from acache_lab.tasks.render import TWO_AFFIXES, answer_length, render_prompts
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 STUDY_SELECTORS = ("attention", "attention-full", "attention-deviation", "kv-deviation", "cacheblend",
                    "query-attention", "first-k", "random", "bicache-matched")
-#: study labels that are a policy with a non-default anchor query: ACache with queries from a no-cache forward
-VARIANTS = {"attention-full": ("attention", "full")}
+#: study labels that are a policy with other settings: ACache with queries from a no-cache forward, and ACache
+#: whose selection probe also decodes the first step (``probe_step``)
+VARIANTS = {"attention-full": {"affix_policy": "attention", "anchor_query": "full"},
+            "attention-probe-step": {"affix_policy": "attention", "probe_step": True}}
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -37,7 +39,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
-    runs += [(s, r, VARIANTS.get(s, (s,))[0]) for s in selectors for r in ratios if r > 0]
+    runs += [(s, r, VARIANTS.get(s, {"affix_policy": s})["affix_policy"]) for s in selectors for r in ratios if r > 0]
     cells: list[Cell] = []
     total = sum(len(runs) + (t in DEMO_TASKS) for t in tasks) * len(layouts)
     bar = tqdm(total=total, desc="accuracy sweep", unit="cell", disable=not progress)
@@ -52,8 +54,9 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                                   compute_cost(llm, bare, task, None, "probe", 0.0)))
                 bar.update(1)
             for label, ratio, policy in runs:
-                query = VARIANTS[label][1] if label in VARIANTS else "probe"
-                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, anchor_query=query, seed=seed)
+                extra = {k: v for k, v in VARIANTS.get(label, {}).items() if k != "affix_policy"}
+                query = extra.get("anchor_query", "probe")
+                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
@@ -167,6 +170,35 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     return written
 
 
+def parse_selectors(text: str | None, profiled: bool) -> tuple[str, ...]:
+    """The study's selectors from ``a,b,c`` (default: every one of :data:`STUDY_SELECTORS`, and
+    ``bicache-profiled`` with a profile); the variants outside it are chosen by name."""
+    every = STUDY_SELECTORS + (("bicache-profiled",) if profiled else ())
+    if text is None:
+        return every
+    every += tuple(v for v in VARIANTS if v not in every)
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in chosen if x not in every]
+    if bad or not chosen:
+        hint = " (bicache-profiled needs --bicache-profile)" if "bicache-profiled" in bad else ""
+        raise ValueError(f"unknown study selector {bad[0] if bad else text!r}{hint}; known: {', '.join(every)}")
+    return chosen
+
+
+def parse_ratios(text: str | None) -> tuple[float, ...]:
+    """Anchor ratios from ``0.1,0.2`` (default :data:`RATIOS`), each in [0, 1]."""
+    if text is None:
+        return RATIOS
+    try:
+        ratios = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--ratios takes comma-separated numbers in [0, 1], got {text!r}") from None
+    bad = [r for r in ratios if not 0.0 <= r <= 1.0]
+    if bad:
+        raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
+    return ratios
+
+
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
     layouts = tuple(args.layouts.split(",")) if args.layouts else LAYOUTS
@@ -179,8 +211,9 @@ def main(args) -> int:
                          f"{plain[0]} has none")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
-    selectors = STUDY_SELECTORS + ("bicache-profiled",) if args.bicache_profile else STUDY_SELECTORS
-    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors)
+    selectors = parse_selectors(args.selectors, bool(args.bicache_profile))
+    ratios = parse_ratios(args.ratios)
+    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios)
     written = write_report(cells, args.out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

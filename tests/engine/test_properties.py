@@ -2,9 +2,9 @@
 
 Hypothesis draws batches of 1-12 requests that mix prompt lengths; no affix, prefix, infix, suffix and
 two affixes; ``gen_length`` and ``block_length``; each commit rule; thresholds and factors; temperature
-0 and > 0 with seeds; every cache policy; every selector and both BiCache modes; ratios in [0, 1];
-refresh intervals; and arrivals at different engine steps, on engines of different page sizes, slots
-and token budgets. Each request's tokens, anchors and NFE must
+0 and > 0 with seeds; every cache policy; every selector (with and without ``probe_step``) and both
+BiCache modes; ratios in [0, 1]; refresh intervals; and arrivals at different engine steps, on engines
+of different page sizes, slots and token budgets. Each request's tokens, anchors and NFE must
 equal the reference's. ``make test`` runs a derandomized profile; ``make test-long`` the long one.
 """
 
@@ -72,6 +72,7 @@ def requests(draw):
         kw["affix_policy"] = draw(st.sampled_from(AFFIX_POLICIES))
         kw["anchor_ratio"] = draw(st.floats(0.0, 1.0))
         kw["anchor_query"] = draw(st.sampled_from(["probe", "full"]))
+        kw["probe_step"] = kw["affix_policy"] not in ("bicache-matched", "bicache-profiled") and draw(st.booleans())
     arrival = draw(st.integers(0, 6))
     return prompt, SamplingParams(**kw), arrival
 

@@ -136,3 +136,30 @@ def test_an_affix_placed_inside_the_prompt(setup):
                         ({"affix": None}, "pass 'affix' too")]:
         status, out = post(client, "/v1/completions", {**body, **change})
         assert status == 400 and why in out["error"]["message"], (change, out)
+
+
+def test_probe_step(setup):
+    """probe_step reaches the engine when an affix is reused (the offline path's answer); without an affix, or
+    with a selector that has no probe, it is a 400 that names it."""
+    from acache import Affix
+
+    client, llm = setup
+    story = f"story : {STORY}"
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "probe_step": True}
+    status, out = post(client, "/v1/completions", body)
+    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention", probe_step=True)
+    segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
+                GEN]
+    want = llm.generate([segments], params, use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    status, out = post(client, "/v1/completions", {"prompt": f"{story} question : {Q} answer :", "max_tokens": 2,
+                                                   "probe_step": True})
+    assert status == 400 and "probe_step applies to a reused affix" in out["error"]["message"]
+    status, out = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": Q}], "max_tokens": 2,
+                                                        "probe_step": True})
+    assert status == 200  # a chat with no shared span yet decodes as usual
+    status, out = post(client, "/v1/completions", {**body, "selector": "bicache-matched"})
+    assert status == 400 and "probe_step" in out["error"]["message"] and "selector" in out["error"]["message"]
+    status, out = post(client, "/v1/completions", {**body, "probe_step": "yes"})
+    assert status == 400 and "probe_step" in str(out)

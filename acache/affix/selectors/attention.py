@@ -47,5 +47,5 @@ class QueryAttentionAnchors(AnchorSelector):
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         out, fed, fed_valid = ctx.probe()
         t = ctx.canvas.total
-        question = (~ctx.gen_mask).gather(1, fed.clamp_max(t - 1)) & fed_valid
+        question = (~ctx.gen_mask & ~ctx.affix_mask).gather(1, fed.clamp_max(t - 1)) & fed_valid
         return ctx.attention_mass(out.queries, fed.clamp_max(t - 1), question)

@@ -85,3 +85,20 @@ def test_bench_command_reports_the_median_of_interleaved_repeats(task_model_dir,
     capsys.readouterr()
     assert main([*args, "--repeats", "0"]) == 2
     assert "--repeats must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_a_variant_runs_beside_plain_acache_and_the_mixed_batch_compares_with_plain(task_model_dir, tmp_path,
+                                                                                     capsys):
+    from acache.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--workload", "tasks", "--model", str(task_model_dir), "--sentences", "3", "--batch-sizes",
+                 "2", "--probe-step", "--no-warmup", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["results"]] == ["dual", "acache", "acache+probe_step=True"]
+    plain = written["results"][1]
+    assert written["mixed"][0]["mode"] == "acache mixed"
+    printed = capsys.readouterr().out
+    mixed_table = printed[printed.index("| batch | run |"):]
+    assert mixed_table.splitlines()[2].startswith("| 2 | acache | ")  # the homogeneous row is plain ACache
+    assert f"{plain['throughput_tokens_per_s']:.2f}" in mixed_table.splitlines()[2]

@@ -109,3 +109,30 @@ def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_
     cells = sweep(llm, examples=3, tasks=("qa1",), layouts=("prefix",), selectors=("bicache-profiled",),
                   ratios=(0.0, 0.2), progress=False)
     assert {(c.selector, c.ratio) for c in cells} >= {("bicache-profiled", 0.0), ("bicache-profiled", 0.2)}
+
+
+def test_study_variants_and_the_selector_and_ratio_options(task_llm):
+    """attention-probe-step is ACache with probe_step: its cells equal a direct run of those parameters."""
+    from acache_lab.eval.accuracy import parse_ratios, parse_selectors
+    from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
+    from acache_lab.tasks.generators import held_out
+
+    cells = sweep(task_llm, examples=5, tasks=("qa1",), layouts=("infix",), selectors=("attention-probe-step",),
+                  ratios=(0.5,), progress=False)
+    got = {c.selector: c.correct for c in cells if c.ratio == 0.5}
+    exs = held_out("qa1", 5, 6, 0)
+    want = exact_matches(task_llm, task_prompts(task_llm, exs, "infix"), exs,
+                         task_params("qa1", affix_policy="attention", anchor_ratio=0.5, seed=0, probe_step=True))
+    assert got == {"attention-probe-step": want}
+    assert parse_selectors("attention, random", False) == ("attention", "random")
+    assert parse_selectors("attention-probe-step", False) == ("attention-probe-step",)
+    assert "attention-probe-step" not in parse_selectors(None, False)  # not in the default study
+    assert parse_selectors(None, True)[-1] == "bicache-profiled"
+    with pytest.raises(ValueError, match="bicache-profiled needs --bicache-profile"):
+        parse_selectors("bicache-profiled", False)
+    with pytest.raises(ValueError, match="unknown study selector 'attn'"):
+        parse_selectors("attention,attn", False)
+    assert parse_ratios("0.2,1") == (0.2, 1.0)
+    for bad, why in (("0.2,x", "comma-separated numbers"), ("1.5", "must be in")):
+        with pytest.raises(ValueError, match=why):
+            parse_ratios(bad)
