@@ -58,6 +58,8 @@ study: install
 		--sentences 6 --examples 300 --seed 0 --out $(STUDY)/demonstrations --overwrite
 	$(VENV)/bin/acache eval accuracy --model $(PLUS) --tasks qa1,twohop --sentences 34 --examples 300 --seed 0 \
 		--out $(STUDY)/long --overwrite
+	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 \
+		--selectors attention,attention-probe-step --ratios 0.2,1.0 --out $(STUDY)/probe_step --overwrite
 
 # retrains the shipped model from its seed (docs/model.md, run 30): four configs, 83 minutes on 2 CPU cores,
 # then its held-out scores; it overwrites $(MODEL), which git can restore
