@@ -10,6 +10,7 @@ from importlib.metadata import entry_points, version
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
+from acache.models.registry import MODEL_CLASSES
 from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES, LAYOUTS
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
@@ -171,7 +172,8 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
     out = make_random_checkpoint(
         args.family, args.out, layers=args.layers, hidden_size=args.hidden_size, heads=args.heads,
         kv_heads=args.kv_heads, intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
-        max_seq_len=args.max_seq_len, seed=args.seed, shards=args.shards, dtype=args.dtype, std=args.std)
+        max_seq_len=args.max_seq_len, seed=args.seed, shards=args.shards, dtype=args.dtype, std=args.std,
+        block_size=args.block_size)
     print(f"wrote a random {args.family} checkpoint to {out}")
     return 0
 
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-random-checkpoint", help="write a random-weight checkpoint in the upstream layout")
-    p.add_argument("--family", required=True, choices=["llada", "dream"])
+    p.add_argument("--family", required=True, choices=[c.family for c in MODEL_CLASSES])
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="block-causal families (fast_dllm_v2): the attention mask's block length (default 32)")
     p.add_argument("--shards", type=int, default=1, help="split the weights over this many files")
     p.add_argument("--dtype", default="float32")
     p.set_defaults(func=_cmd_make_random_checkpoint)

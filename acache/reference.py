@@ -51,7 +51,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
         generator = torch.Generator(device=model.device).manual_seed(params.seed or 0)
     stops = {cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids}
     state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
-                         model.device, stops)
+                         model.device, stops, cfg.block_size)
     t, dev = state.length, model.device
     shape = (t, cfg.num_kv_heads, cfg.head_dim)
     keys = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]

@@ -48,9 +48,15 @@ def dream_dir(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory.mktemp("dream"), "dream")
 
 
-@pytest.fixture(scope="session", params=["llada", "dream"])
-def family_dir(request, llada_dir, dream_dir):
-    return {"llada": llada_dir, "dream": dream_dir}[request.param]
+@pytest.fixture(scope="session")
+def blockdiff_dir(tmp_path_factory):
+    """Fast-dLLM v2's layout with attention blocks of 4, so short prompts already span several of them."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("fast-dllm-v2"), "fast_dllm_v2", block_size=4)
+
+
+@pytest.fixture(scope="session", params=["llada", "dream", "fast_dllm_v2"])
+def family_dir(request, llada_dir, dream_dir, blockdiff_dir):
+    return {"llada": llada_dir, "dream": dream_dir, "fast_dllm_v2": blockdiff_dir}[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -40,5 +40,10 @@ def run_engine(model, prompts, params, arrivals: Sequence[int] | None = None, en
     return [done[ids[i]] for i in range(len(prompts))]
 
 
+def block_causal(model) -> bool:
+    """Whether ``model`` attends block-causally (block diffusion), where a few bidirectional properties differ."""
+    return model.config.block_size is not None
+
+
 def tokens(outs: Sequence[EngineOutput]) -> list[list[int]]:
     return [o.token_ids for o in outs]

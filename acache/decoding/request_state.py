@@ -14,6 +14,10 @@ K/V cache (:meth:`RequestState.plan`), and takes the proposals of the current bl
   see the column before the block;
 * the end: after the last block, or after the first finished block that holds a stop token (the output
   is cut at the first stop token, so decoding the blocks after it would be wasted).
+* block-causal models (``attention_block``): a step feeds the whole attention blocks its block touches
+  (and, for a shifted model, the column before it) against the K/V of the attention blocks before them,
+  which are final, so every cache is exact; shared affix columns in an attention block that also holds
+  other columns are recomputed at every refresh (their K/V depend on those columns).
 
 The executor (the paged engine, or the dense reference loop) runs the forward and applies the K/V writes.
 """
@@ -24,6 +28,7 @@ import enum
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from acache.decoding.canvas import Layout, build_canvas
 from acache.decoding.commit import commit_step, make_commit_rule
@@ -61,7 +66,8 @@ class RequestState:
     """Where one request is in decoding: its canvas, block, step, masks and the columns it recomputes."""
 
     def __init__(self, layout: Layout, params: SamplingParams, mask_token_id: int, pad_token_id: int,
-                 shifted: bool, device: torch.device, stop_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
+                 shifted: bool, device: torch.device, stop_token_ids: frozenset[int] | set[int] = frozenset(),
+                 attention_block: int | None = None) -> None:
         canvas = build_canvas([layout], params.gen_length, mask_token_id, pad_token_id, device)
         self.canvas = canvas
         self.params = params
@@ -72,6 +78,7 @@ class RequestState:
         self.mask_token_id = mask_token_id
         self.shifted = shifted
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.attention_block = attention_block  # the model's block-causal block length (None: bidirectional)
         self.phase = Phase.SELECT
         self.block = 0
         self.step = 0
@@ -94,6 +101,11 @@ class RequestState:
         if self.shifted and self.gen_start > 0:
             recompute = recompute.clone()
             recompute[self.gen_start - 1] = True
+        if self.attention_block is not None:  # an attention block mixing shared and own columns: all fresh
+            size = self.attention_block
+            blocks = -(-self.length // size)
+            own = F.pad(~shared, (0, blocks * size - self.length)).view(blocks, size).any(-1)
+            recompute = recompute | own.repeat_interleave(size)[:self.length]
         return recompute
 
     def set_recompute(self, shared: torch.Tensor, anchors: torch.Tensor) -> None:
@@ -120,8 +132,10 @@ class RequestState:
     @property
     def force_head(self) -> bool:
         """A shifted model commits a block's first token alone on its first step when later steps feed
-        the block without the column before it: every cache but ``none``, unless every step refreshes."""
-        return self.shifted and self.params.cache != "none" and self.params.refresh_interval != 1
+        the block without the column before it: every cache but ``none``, unless every step refreshes or
+        the model is block-causal (its steps feed that column)."""
+        return (self.shifted and self.params.cache != "none" and self.params.refresh_interval != 1
+                and self.attention_block is None)
 
     def is_refresh_step(self) -> bool:
         if self.params.cache == "none":
@@ -162,11 +176,24 @@ class RequestState:
             fed = self._refresh_fed[near[self._refresh_fed]]
             past = self._refresh_past[near[self._refresh_past]]
             return StepPlan(fed, past, torch.searchsorted(fed, cols[start:end]), True, True)
+        if self.attention_block is not None:
+            first, last = self.step_span()
+            block = cols[start - first:end - first]
+            fed = cols[first:][near[first:]] if self.params.cache == "prefix" else cols[first:last]
+            return StepPlan(fed, cols[:first], block, refresh=False, write=False)
         block = cols[:end - start]
         if self.params.cache == "prefix":
             return StepPlan(cols[start:][near[start:]], cols[:start], block, refresh=False, write=False)
         past = torch.cat((cols[:start], cols[end:][near[end:]]))
         return StepPlan(cols[start:end], past, block, refresh=False, write=False)
+
+    def step_span(self) -> tuple[int, int]:
+        """Block-causal models: the columns ``[first, last)`` an in-block step feeds, the attention blocks the
+        current block touches (with the column before it for a shifted model). The columns before ``first``
+        are final and later ones unseen, so their cached K/V are exact."""
+        size, (start, end) = self.attention_block, self.block_cols
+        head = start - 1 if self.shifted and start > 0 else start
+        return head // size * size, min(-(-end // size) * size, self.length)
 
     def commit(self, x0: torch.Tensor, conf: torch.Tensor, probe: bool = False) -> bool:
         """Takes the block's proposals ``x0``/``conf`` ``[L]`` of the forward just planned; True when done.

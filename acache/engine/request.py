@@ -53,7 +53,7 @@ class Request:
         self.generator = generator
         self.stream = stream
         self.state = RequestState(prompt.layout, params, config.mask_token_id, config.pad_token_id, shifted, device,
-                                  {*stop_token_ids, *params.stop_token_ids})
+                                  {*stop_token_ids, *params.stop_token_ids}, config.block_size)
         self.reuse = params.affix_policy is not None and bool(prompt.affixes)
         self.bicache = self.reuse and params.affix_policy in BICACHE_POLICIES
         self.status = Status.WAITING

@@ -1,7 +1,8 @@
-"""The transformer shared by LLaDA and Dream: pre-norm blocks, RoPE, SwiGLU, bidirectional attention.
+"""The transformer shared by every family: pre-norm blocks, RoPE, SwiGLU, bidirectional attention.
 
 Families differ only in how their upstream config and tensors are named, whether q/k/v carry a bias,
-and whether logits are shifted (Dream). Those differences live in the family subclasses.
+whether logits are shifted (Dream, Fast-dLLM v2) and whether attention is block-causal (block diffusion:
+``ModelConfig.block_size``). Those differences live in the family subclasses and the config.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
-from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
+from acache.models.layers import RMSNorm, apply_rope, attend, block_causal_mask, rope_tables
 
 
 @dataclass
@@ -77,6 +78,8 @@ class DiffusionLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]]
     #: Dream predicts token ``i`` from the hidden state at ``i - 1``.
     shifted_logits: ClassVar[bool] = False
+    #: block diffusion: attention is block-causal (``ModelConfig.block_size``), so finished blocks' K/V are final
+    block_causal: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -121,8 +124,9 @@ class DiffusionLM(nn.Module):
                 return_kv: bool = False, capture_queries: bool = False) -> ForwardOutput:
         """Runs the fed tokens ``input_ids [B, T]`` at absolute ``positions [B, T]`` through all layers.
 
-        Each fed token attends to every valid fed token and every valid slot of ``past``. Padding
-        (``attention_mask`` False) is never attended. Returns final hidden states of the fed tokens and,
+        Each fed token attends to every valid fed token and every valid slot of ``past`` (a block-causal
+        model: those of its own block and earlier ones, by position). Padding (``attention_mask`` False) is
+        never attended. Returns final hidden states of the fed tokens and,
         with ``return_kv``, their pre-RoPE K/V so callers can cache them.
         """
         out = self.run_layers(self.embed(input_ids), positions, attention_mask, past,
@@ -155,6 +159,9 @@ class DiffusionLM(nn.Module):
                 rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
         else:
             key_mask, rope_k = attention_mask, rope_q
+        if self.config.block_size is not None:
+            key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
+            key_mask = block_causal_mask(key_mask, positions, key_positions, self.config.block_size)
         keys, values, queries, inputs = [], [], [], []
         for i in layers:
             if capture_inputs:

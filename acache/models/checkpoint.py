@@ -13,6 +13,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from acache.models.base import DiffusionLM
 from acache.models.config import ModelConfig
+from acache.models.dream import DreamModel
 from acache.models.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, parse_dtype
 from acache.models.registry import family_class
 from acache.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
@@ -23,6 +24,8 @@ SPECIAL_TOKENS = {
               "extra": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "stop": "<|eot_id|>"},
     "dream": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "mask": "<|mask|>",
               "extra": ["<|im_start|>", "<|im_end|>"], "stop": "<|im_end|>"},
+    "fast_dllm_v2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "mask": "|<MASK>|",
+                     "extra": ["<|im_start|>", "<|im_end|>"], "stop": "<|im_end|>"},
 }
 
 CHAT_TEMPLATES = {
@@ -38,6 +41,7 @@ CHAT_TEMPLATES = {
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
 }
+CHAT_TEMPLATES["fast_dllm_v2"] = CHAT_TEMPLATES["dream"]  # both are Qwen2.5's chat format
 
 
 def build_byte_tokenizer(family: str) -> HFTokenizer:
@@ -109,8 +113,11 @@ def save_checkpoint(model: DiffusionLM, out: str | Path, tokenizer: HFTokenizer 
 def random_config(family: str, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int = 2,
                   hidden_size: int = 64, heads: int = 4, kv_heads: int | None = None,
                   intermediate_size: int | None = None, max_seq_len: int = 4096,
-                  rope_theta: float | None = None) -> ModelConfig:
+                  rope_theta: float | None = None, block_size: int | None = None) -> ModelConfig:
+    """A family's config at a given shape; ``block_size`` (default 32) only for block-causal families."""
     cls = family_class(family)
+    if block_size is not None and not cls.block_causal:
+        raise ValueError(f"block_size applies to block-causal families, not {cls.family}")
     return ModelConfig(
         family=cls.family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads or heads,
@@ -118,7 +125,8 @@ def random_config(family: str, vocab_size: int, mask_token_id: int, eos_token_id
         rope_theta=rope_theta or (500000.0 if cls.family == "llada" else 1000000.0),
         rms_norm_eps=1e-5 if cls.family == "llada" else 1e-6,
         max_position_embeddings=max_seq_len, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id, qkv_bias=cls.family == "dream",
+        pad_token_id=eos_token_id, qkv_bias=issubclass(cls, DreamModel),  # Qwen2-shaped: q/k/v biases
+        block_size=(block_size or 32) if cls.block_causal else None,
     )
 
 
@@ -138,7 +146,8 @@ def init_random_(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
 def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hidden_size: int = 64,
                            heads: int = 4, kv_heads: int | None = None, intermediate_size: int | None = None,
                            vocab_size: int | None = None, max_seq_len: int = 4096, seed: int = 0,
-                           shards: int = 1, dtype: str = "float32", std: float = 0.02) -> Path:
+                           shards: int = 1, dtype: str = "float32", std: float = 0.02,
+                           block_size: int | None = None) -> Path:
     """A random-weight checkpoint in the family's upstream layout, with a byte-level tokenizer."""
     cls = family_class(family)
     tokenizer = build_byte_tokenizer(cls.family)
@@ -150,7 +159,7 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
     config = random_config(cls.family, vocab, tokenizer.token_to_id(spec["mask"]),
                            tokenizer.token_to_id(spec["eos"]), layers=layers, hidden_size=hidden_size,
                            heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
-                           max_seq_len=max_seq_len)
+                           max_seq_len=max_seq_len, block_size=block_size)
     model = cls(config)
     init_random_(model, seed, std)
     return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,

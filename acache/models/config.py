@@ -32,6 +32,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     head_size: int | None = None  # set where heads are not hidden_size / num_heads (a tensor-parallel shard)
+    #: block-causal attention (block diffusion): a token sees every earlier block of this many positions and its
+    #: own block, both ways; None is full bidirectional attention (LLaDA, Dream)
+    block_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class ModelConfig:
                      "intermediate_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.family} config: {name} must be positive, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"{self.family} config: the block size must be positive, got {self.block_size}")
         if self.head_size is None and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"{self.family} config: hidden size {self.hidden_size} is not divisible by "

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from acache.models.base import DiffusionLM
 from acache.models.config import ConfigError, ModelConfig, require
-
-_FAMILY = "Dream"
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -30,29 +28,34 @@ class DreamModel(DiffusionLM):
     model_types = ("dream",)
     architectures = ("DreamModel",)
     shifted_logits = True
+    #: the family's name in error messages
+    label: ClassVar[str] = "Dream"
+    #: ``model_type`` written to a checkpoint's config
+    hf_model_type: ClassVar[str] = "Dream"
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         if raw.get("rope_scaling"):
-            raise ConfigError(f"Dream config: rope_scaling={raw['rope_scaling']!r} is not supported")
+            raise ConfigError(f"{cls.label} config: rope_scaling={raw['rope_scaling']!r} is not supported")
         if raw.get("use_sliding_window"):
-            raise ConfigError("Dream config: sliding-window attention is not supported")
+            raise ConfigError(f"{cls.label} config: sliding-window attention is not supported")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"Dream config: hidden_act={raw['hidden_act']!r} is not supported (expected 'silu')")
-        n_heads = int(require(raw, "num_attention_heads", _FAMILY))
-        eos = int(require(raw, "eos_token_id", _FAMILY))
+            raise ConfigError(f"{cls.label} config: hidden_act={raw['hidden_act']!r} is not supported "
+                              "(expected 'silu')")
+        n_heads = int(require(raw, "num_attention_heads", cls.label))
+        eos = int(require(raw, "eos_token_id", cls.label))
         return ModelConfig(
             family=cls.family,
-            vocab_size=int(require(raw, "vocab_size", _FAMILY)),
-            hidden_size=int(require(raw, "hidden_size", _FAMILY)),
-            num_layers=int(require(raw, "num_hidden_layers", _FAMILY)),
+            vocab_size=int(require(raw, "vocab_size", cls.label)),
+            hidden_size=int(require(raw, "hidden_size", cls.label)),
+            num_layers=int(require(raw, "num_hidden_layers", cls.label)),
             num_heads=n_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-            intermediate_size=int(require(raw, "intermediate_size", _FAMILY)),
+            intermediate_size=int(require(raw, "intermediate_size", cls.label)),
             rope_theta=float(raw.get("rope_theta", 10000.0)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(require(raw, "max_position_embeddings", _FAMILY)),
-            mask_token_id=int(require(raw, "mask_token_id", _FAMILY)),
+            max_position_embeddings=int(require(raw, "max_position_embeddings", cls.label)),
+            mask_token_id=int(require(raw, "mask_token_id", cls.label)),
             eos_token_id=eos,
             pad_token_id=int(raw.get("pad_token_id", eos)),
             qkv_bias=True,
@@ -64,7 +67,7 @@ class DreamModel(DiffusionLM):
     def config_to_hf(cls, config: ModelConfig) -> dict[str, Any]:
         return {
             "architectures": list(cls.architectures),
-            "model_type": "Dream",
+            "model_type": cls.hf_model_type,
             "hidden_act": "silu",
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
@@ -89,7 +92,7 @@ class DreamModel(DiffusionLM):
     @classmethod
     def hf_tensor_names(cls, config: ModelConfig) -> dict[str, str]:
         if not config.qkv_bias:
-            raise ConfigError("Dream checkpoints always carry q/k/v biases")
+            raise ConfigError(f"{cls.label} checkpoints always carry q/k/v biases")
         names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
         if not config.tie_word_embeddings:
             names["lm_head.weight"] = "lm_head.weight"

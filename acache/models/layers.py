@@ -45,13 +45,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-    """Bidirectional attention of ``q [B, Tq, H, D]`` over ``k, v [B, S, Hkv, D]`` (already rotated).
+    """Attention of ``q [B, Tq, H, D]`` over ``k, v [B, S, Hkv, D]`` (already rotated).
 
-    ``key_mask [B, S]`` is True for keys that may be attended (padding and absent slots are False).
-    Returns ``[B, Tq, H, D]``.
+    ``key_mask`` is True for keys that may be attended (padding and absent slots are False): ``[B, S]`` for
+    every query alike (bidirectional), or ``[B, Tq, S]`` per query (block-causal). Returns ``[B, Tq, H, D]``.
     """
+    mask = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=key_mask[:, None, None, :], enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def block_causal_mask(key_mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      block_size: int) -> torch.Tensor:
+    """``[B, Tq, S]``: ``key_mask [B, S]`` narrowed to the keys each query may see under block-causal attention,
+    those whose block (``position // block_size``) is not after the query's. A query with no key left (only
+    padding can be one) keeps ``key_mask``, so attention never divides by zero."""
+    seen = (key_positions[:, None, :] // block_size) <= (query_positions[:, :, None] // block_size)
+    mask = key_mask[:, None, :] & seen
+    return mask | (~mask.any(-1, keepdim=True) & key_mask[:, None, :])

@@ -7,9 +7,10 @@ from typing import Any
 from acache.models.base import DiffusionLM
 from acache.models.config import ConfigError
 from acache.models.dream import DreamModel
+from acache.models.fast_dllm_v2 import FastDLLMv2Model
 from acache.models.llada import LLaDAModel
 
-MODEL_CLASSES: tuple[type[DiffusionLM], ...] = (LLaDAModel, DreamModel)
+MODEL_CLASSES: tuple[type[DiffusionLM], ...] = (LLaDAModel, DreamModel, FastDLLMv2Model)
 
 
 def family_class(name: str) -> type[DiffusionLM]:

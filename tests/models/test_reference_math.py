@@ -1,5 +1,6 @@
 """The model's logits equal a straightforward re-computation of the same math, written here from the
-upstream tensor names alone (fp64 loops over heads, explicit rotary pairs)."""
+upstream tensor names alone (fp64 loops over heads, explicit rotary pairs, and for block diffusion an
+explicit loop over the block-causal mask)."""
 
 from __future__ import annotations
 
@@ -72,14 +73,20 @@ def reference_logits(ckpt, ids: list[int], theta_scale: float = 1.0) -> torch.Te
             qh = rotary(q[:, head * d:(head + 1) * d])
             kh = rotary(k[:, kv_head * d:(kv_head + 1) * d])
             vh = v[:, kv_head * d:(kv_head + 1) * d]
-            weights = torch.softmax(qh @ kh.T / math.sqrt(d), dim=-1)
+            scores = qh @ kh.T / math.sqrt(d)
+            if "bd_size" in raw:  # block diffusion: query p sees key j only if j's block is not after p's
+                for p in range(t):
+                    for j in range(t):
+                        if j // raw["bd_size"] > p // raw["bd_size"]:
+                            scores[p, j] = float("-inf")
+            weights = torch.softmax(scores, dim=-1)
             heads.append(weights @ vh)
         x = x + torch.cat(heads, dim=-1) @ sd[f["o"]].T
         h = norm(x, sd[f["mlp_norm"]])
         gate = h @ sd[f["gate"]].T
         x = x + ((gate * torch.sigmoid(gate)) * (h @ sd[f["up"]].T)) @ sd[f["down"]].T
     logits = norm(x, sd[n["final_norm"]]) @ sd[n["head"]].T
-    if family == "dream":  # prediction for position i from the state at i - 1; position 0 keeps its own
+    if family != "llada":  # prediction for position i from the state at i - 1; position 0 keeps its own
         logits = torch.cat([logits[:1], logits[:-1]], dim=0)
     return logits
 
