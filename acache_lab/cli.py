@@ -164,6 +164,12 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_bench_context(args: argparse.Namespace) -> int:
+    from acache_lab.bench.context import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from acache_lab.demo import main
 
@@ -317,7 +323,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
-    p.add_argument("--family", default="llada", choices=["llada", "dream"])
+    p.add_argument("--family", default="llada", choices=["llada", "dream", "fast_dllm_v2"])
     p.add_argument("--prompt-length", type=int, default=128, help="random prompt tokens a request")
     p.add_argument("--gen-length", type=int, default=256, help="tokens generated a request")
     p.add_argument("--block-length", type=int, default=32, help="block size of the generation region")
@@ -331,3 +337,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_decode))
+
+    p = bench.add_parser("context", help="block diffusion: step latency and cache size against context length, "
+                         "attention vs state-space")
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,65536",
+                   help="comma-separated context lengths in tokens")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4, help="attention heads (the state-space mixer uses heads of 64)")
+    p.add_argument("--state-size", type=int, default=64, help="the state-space mixer's state a channel")
+    p.add_argument("--block-length", type=int, default=32, help="tokens a block (the step denoises one)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps a point; the median is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the points to this file")
+    p.add_argument("--plot", default=None, help="also draw latency and cache size against context to this PNG")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bench_context))

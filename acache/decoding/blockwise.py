@@ -1,0 +1,82 @@
+"""Decoding a block-diffusion model whose cache is a state (:class:`~acache.models.ssm.SSMBlockDiffusionLM`).
+
+The canvas (prompt, then ``gen_length`` masks) is walked attention block by attention block. The prompt's
+whole blocks enter the state in one forward; a block holding masks is denoised by the request's commit rule,
+each step a forward of that block alone from the state of the blocks before it; once it holds no mask it
+enters the state. With ``cache="none"`` every step instead runs the whole canvas up to the block's end from
+an empty state: the uncached path the cached one must equal token for token. A finished block holding a stop
+token ends the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from acache.decoding.commit import commit_step, make_commit_rule
+from acache.decoding.request_state import truncate_at_stop
+from acache.decoding.sampler import propose
+from acache.models.ssm import SSMBlockDiffusionLM
+from acache.sampling_params import SamplingParams
+
+
+@dataclass
+class BlockwiseResult:
+    token_ids: list[int]  # cut at the first stop token
+    nfe: int  # forwards that decoded a step
+    state_bytes: int  # the cache's size once decoding ended
+
+
+@torch.inference_mode()
+def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params: SamplingParams,
+                       generator: torch.Generator | None = None) -> BlockwiseResult:
+    """Decodes one request; ``params.block_length`` must be the model's block size (decoding follows the
+    attention blocks, so the first one may start inside the prompt's last block)."""
+    cfg = model.config
+    if params.block_length != cfg.block_size:
+        raise ValueError(f"this model decodes its own blocks of {cfg.block_size} positions: set block_length="
+                         f"{cfg.block_size} (got {params.block_length})")
+    if params.affix_policy is not None:
+        raise ValueError("affix reuse needs a K/V cache; a state-space model keeps only a state")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if not prompt or bad:
+        raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
+                         + (f" (got {bad[0]})" if bad else ""))
+    if params.temperature > 0 and generator is None:
+        generator = torch.Generator(device=model.embed.weight.device).manual_seed(params.seed or 0)
+    device = model.embed.weight.device
+    tokens = torch.tensor([*prompt, *[cfg.mask_token_id] * params.gen_length], device=device)
+    gen_start, total, size = len(prompt), len(prompt) + params.gen_length, cfg.block_size
+    stops = {cfg.eos_token_id, *params.stop_token_ids}
+    cached = params.cache != "none"
+    rule = make_commit_rule(params)
+    state = model.empty_state()
+    first = gen_start // size * size
+    if cached and first:
+        _, state = model(tokens[None, :first], state)
+    nfe = 0
+    for start in range(first, total, size):
+        end = min(start + size, total)
+        masked = tokens[start:end] == cfg.mask_token_id
+        masked[:max(0, gen_start - start)] = False  # the prompt's own tail is never rewritten
+        rule.begin_block(masked.sum()[None])
+        step = 0
+        while bool(masked.any()):
+            if cached:
+                logits, _ = model(tokens[None, start:end], state)
+            else:
+                logits = model(tokens[None, :end])[0][:, start:end]
+            x0, conf = propose(logits, params.temperature, [generator] if params.temperature > 0 else None,
+                               mask_token_id=cfg.mask_token_id)
+            block, left = commit_step(rule, tokens[None, start:end], x0, conf, masked[None], step, False)
+            tokens[start:end], masked = block[0], left[0]
+            step += 1
+            nfe += 1
+        if not stops.isdisjoint(tokens[max(start, gen_start):end].tolist()):
+            break
+        if cached:
+            _, state = model(tokens[None, start:end], state)
+    out = truncate_at_stop(tokens[gen_start:].tolist(), stops)
+    return BlockwiseResult(out, nfe, model.state_bytes(state))

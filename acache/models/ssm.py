@@ -1,0 +1,193 @@
+"""Block diffusion with a selective state-space mixer instead of attention: a cache of constant size.
+
+Each layer's mixer is a Mamba-2-style selective scan (pure PyTorch, chunked): per head ``h`` a scalar decay
+``exp(dt_t * A_h)``, a state ``S [P, N]`` updated as ``S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T`` and read as
+``y_t = S_t C_t + D_h x_t``, gated by ``silu(z_t)`` through an RMS norm. Block diffusion needs a token to see its
+own block both ways and every earlier block, never a later one, so the mixer runs two scans:
+
+* forward, causal over the whole sequence, carried from block to block: after a finished block its state
+  summarises everything before, so **the cache is that state** (``[H, P, N]`` a layer, whatever the context);
+* backward, inside each block only (reversed, from a zero state), so a block's tokens also see the ones after
+  them in the block.
+
+Blocks are ``block_size`` positions from position 0, as the attention family's. There is no short causal
+convolution (Mamba's conv1d), so the state is the whole cache. Logits are not shifted: a masked token is
+predicted from its own state. The family has no public upstream checkpoint: its layout is Qwen2's for the
+embeddings, norms and MLP, and Mamba-2's names (``mixer.in_proj``, ``A_log``, ``dt_bias``, ``D``, ``norm``,
+``out_proj``) for the mixer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from acache.models.layers import RMSNorm
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int  # scan heads
+    head_dim: int  # P: channels a head
+    state_size: int  # N
+    block_size: int
+    mask_token_id: int
+    eos_token_id: int
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "num_heads", "head_dim",
+                     "state_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"state-space config: {name} must be a positive integer, got {value!r}")
+        for name in ("mask_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"state-space config: {name}={getattr(self, name)} is outside the vocabulary "
+                                 f"of {self.vocab_size}")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                 state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan over ``T`` steps, ``chunk`` at a time: within a chunk every output is a masked
+    product (no loop over steps), between chunks the state is carried.
+
+    ``x [B, T, H, P]``, ``dt [B, T, H]`` (positive), ``a [H]`` (negative), ``b, c [B, T, N]``, ``state
+    [B, H, P, N]`` (the state before step 0). Returns ``y [B, T, H, P]`` (without the ``D`` skip) and the state
+    after the last step. Decays are differences of cumulative sums inside a chunk, so they never overflow.
+    """
+    ys = []
+    for s in range(0, x.shape[1], chunk):
+        xs, dts, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], b[:, s:s + chunk], c[:, s:s + chunk]
+        log_decay = (dts * a).cumsum(1)  # [B, L, H]: log of the decay from the chunk start to each step
+        gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]  # [B, t, s, H]
+        causal = torch.ones(gap.shape[1], gap.shape[2], dtype=torch.bool, device=x.device).tril()
+        weights = torch.where(causal[None, :, :, None], gap, float("-inf")).exp()
+        scores = torch.einsum("btn,bsn->bts", cs, bs)
+        y = torch.einsum("btsh,bts,bsh,bshp->bthp", weights, scores, dts, xs)
+        y = y + torch.einsum("bhpn,btn->bthp", state, cs) * log_decay.exp()[..., None]
+        ys.append(y)
+        to_end = (log_decay[:, -1:, :] - log_decay).exp()  # [B, L, H]
+        state = state * log_decay[:, -1, :, None, None].exp() + torch.einsum("bsh,bsh,bshp,bsn->bhpn", to_end, dts,
+                                                                              xs, bs)
+    return torch.cat(ys, dim=1), state
+
+
+class SSMMixer(nn.Module):
+    def __init__(self, config: SSMConfig) -> None:
+        super().__init__()
+        self.config = config
+        inner, n, h = config.inner_size, config.state_size, config.num_heads
+        self.in_proj = nn.Linear(config.hidden_size, 2 * inner + 2 * n + h, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.dt_bias = nn.Parameter(torch.zeros(h))
+        self.D = nn.Parameter(torch.ones(h))
+        self.norm = RMSNorm(inner, config.rms_norm_eps)
+        self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)
+
+    def forward(self, u: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``u [B, T, hidden]`` covering whole blocks from a block boundary, ``state`` the forward scan's state
+        there. Returns the outputs and the forward state after the last token."""
+        cfg = self.config
+        bsz, t, _ = u.shape
+        inner, n, h, p = cfg.inner_size, cfg.state_size, cfg.num_heads, cfg.head_dim
+        x, z, b, c, dt = self.in_proj(u).split([inner, inner, n, n, h], dim=-1)
+        x = x.reshape(bsz, t, h, p).float()
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        a = -self.A_log.float().exp()
+        b, c = b.float(), c.float()
+        forward, state = chunked_scan(x, dt, a, b, c, state.float(), cfg.block_size)
+        # the backward scan restarts at every block: reverse each block in place, scan with no carry
+        blocks = -(-t // cfg.block_size)
+        backward = torch.zeros_like(forward)
+        zero = torch.zeros_like(state)
+        for k in range(blocks):
+            s, e = k * cfg.block_size, min(t, (k + 1) * cfg.block_size)
+            rev = [v[:, s:e].flip(1) for v in (x, dt, b, c)]
+            y, _ = chunked_scan(*rev[:2], a, *rev[2:], zero, cfg.block_size)
+            backward[:, s:e] = y.flip(1)
+        # the skip counts once, and a token's own input enters both scans: subtract the duplicate
+        own = (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
+        y = forward + backward - own + self.D.float()[:, None] * x
+        y = self.norm(y.reshape(bsz, t, inner).to(u.dtype)) * F.silu(z)
+        return self.out_proj(y), state
+
+
+class SSMLayer(nn.Module):
+    def __init__(self, config: SSMConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.mixer_norm = RMSNorm(h, config.rms_norm_eps)
+        self.mixer = SSMMixer(config)
+        self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mixed, state = self.mixer(self.mixer_norm(x), state)
+        x = x + mixed
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), state
+
+
+class SSMBlockDiffusionLM(nn.Module):
+    """The state-space variant of the block-diffusion family: the cache after ``k`` finished blocks is one
+    ``[H, P, N]`` state a layer, the same size at any context length."""
+
+    def __init__(self, config: SSMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(SSMLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def empty_state(self, batch: int = 1) -> list[torch.Tensor]:
+        cfg = self.config
+        return [torch.zeros(batch, cfg.num_heads, cfg.head_dim, cfg.state_size, device=self.embed.weight.device)
+                for _ in self.layers]
+
+    @staticmethod
+    def state_bytes(state: list[torch.Tensor]) -> int:
+        return sum(s.numel() * s.element_size() for s in state)
+
+    def forward(self, input_ids: torch.Tensor, state: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[B, T, V]`` of ``input_ids [B, T]``, whole blocks that start where ``state`` (None: the
+        sequence start) left off, and the state after them."""
+        if state is None:
+            state = self.empty_state(input_ids.shape[0])
+        x = self.embed(input_ids)
+        out = []
+        for layer, s in zip(self.layers, state, strict=True):
+            x, s = layer(x, s)
+            out.append(s)
+        return self.lm_head(self.norm(x)).float(), out
+
+
+def init_ssm_(model: SSMBlockDiffusionLM, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights: decays spread over ``[0.5, 8]`` per head, steps near ``0.1``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.linspace(math.log(0.5), math.log(8.0), p.numel()))
+            elif name.endswith("dt_bias"):
+                p.fill_(math.log(math.expm1(0.1)))
+            elif name.endswith(".D") or name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))

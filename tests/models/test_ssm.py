@@ -1,0 +1,113 @@
+"""The state-space block-diffusion variant: the chunked scan against a step-by-step recurrence, a state that
+carries exactly from block to block, and cached decoding equal to uncached decoding token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acache.decoding.blockwise import generate_blockwise
+from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, chunked_scan, init_ssm_
+from acache.sampling_params import SamplingParams
+from tests.conftest import random_prompts
+
+CONFIG = dict(vocab_size=300, hidden_size=48, num_layers=2, intermediate_size=96, num_heads=3, head_dim=8,
+              state_size=6, block_size=4, mask_token_id=299, eos_token_id=298)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = SSMBlockDiffusionLM(SSMConfig(**CONFIG))
+    init_ssm_(m, seed=3, std=0.3)
+    return m.eval()
+
+
+def recurrence(x, dt, a, b, c, state):
+    """The scan one step at a time: S = exp(dt a) S + dt x b^T, y = S c."""
+    ys = []
+    for t in range(x.shape[1]):
+        decay = (dt[:, t] * a).exp()[:, :, None, None]  # [B, H, 1, 1]
+        state = decay * state + dt[:, t, :, None, None] * x[:, t, :, :, None] * b[:, t, None, None, :]
+        ys.append(torch.einsum("bhpn,bn->bhp", state, c[:, t]))
+    return torch.stack(ys, dim=1), state
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_chunked_scan_equals_the_recurrence(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    bsz, t, h, p, n = 2, 11, 3, 4, 5
+    x = torch.randn(bsz, t, h, p, generator=g, dtype=torch.float64)
+    dt = torch.rand(bsz, t, h, generator=g, dtype=torch.float64) * 0.5 + 0.01
+    a = -torch.rand(h, generator=g, dtype=torch.float64) * 3
+    b, c = torch.randn(bsz, t, n, generator=g, dtype=torch.float64), torch.randn(bsz, t, n, generator=g,
+                                                                                 dtype=torch.float64)
+    s0 = torch.randn(bsz, h, p, n, generator=g, dtype=torch.float64)
+    y, s = chunked_scan(x, dt, a, b, c, s0, chunk)
+    y_ref, s_ref = recurrence(x, dt, a, b, c, s0)
+    assert torch.allclose(y, y_ref, atol=1e-10) and torch.allclose(s, s_ref, atol=1e-10)
+    # and the comparison can fail: a decay off by a little moves the outputs
+    y_off, _ = chunked_scan(x, dt, a * 1.01, b, c, s0, chunk)
+    assert not torch.allclose(y_off, y_ref, atol=1e-6)
+
+
+def test_the_state_carries_block_to_block_exactly(model):
+    """Logits of whole blocks run at once equal those run a block at a time from the carried state."""
+    ids = torch.tensor([random_prompts([12], vocab=290, seed=1)[0]])
+    whole, end = model(ids)
+    state, parts = None, []
+    for s in range(0, 12, 4):
+        logits, state = model(ids[:, s:s + 4], state)
+        parts.append(logits)
+    assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(state, end, strict=True))
+
+
+def test_a_block_sees_itself_both_ways_and_no_later_block(model):
+    ids = random_prompts([12], vocab=290, seed=2)[0]
+    base, _ = model(torch.tensor([ids]))
+    later = list(ids)
+    later[9] = (later[9] + 1) % 290  # block 2
+    moved, _ = model(torch.tensor([later]))
+    assert torch.allclose(base[0, :8], moved[0, :8], atol=1e-6)
+    inside = list(ids)
+    inside[7] = (inside[7] + 1) % 290  # the last token of block 1 changes the block's first token
+    moved, _ = model(torch.tensor([inside]))
+    assert torch.allclose(base[0, :4], moved[0, :4], atol=1e-6) and not torch.allclose(base[0, 4], moved[0, 4])
+
+
+def test_the_state_is_the_same_size_at_any_context(model):
+    sizes = {model.state_bytes(model(torch.tensor([random_prompts([n], vocab=290)[0]]))[1]) for n in (4, 40, 400)}
+    cfg = model.config
+    assert sizes == {cfg.num_layers * cfg.num_heads * cfg.head_dim * cfg.state_size * 4}
+
+
+CASES = [dict(threshold=0.3), dict(remasking="low_confidence", steps=8), dict(remasking="factor", factor=1.5),
+         dict(temperature=0.8, seed=4), dict(threshold=0.05, stop_token_ids=(7,))]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cached_decoding_equals_uncached(model, case):
+    for prompt in random_prompts([3, 4, 6, 9], vocab=290, seed=case):
+        base = dict(gen_length=8, block_length=4, **CASES[case])
+        cached = generate_blockwise(model, prompt, SamplingParams(**base))
+        uncached = generate_blockwise(model, prompt, SamplingParams(**base, cache="none"))
+        assert cached.token_ids == uncached.token_ids and cached.nfe == uncached.nfe
+        assert cached.state_bytes == model.state_bytes(model.empty_state())
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(block_length=8, gen_length=8), "set block_length=4"),
+    (dict(block_length=4, gen_length=8, affix_policy="attention"), "affix reuse needs a K/V cache"),
+])
+def test_bad_requests(model, kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        generate_blockwise(model, [1, 2, 3], SamplingParams(**kwargs))
+    with pytest.raises(ValueError, match="in the vocabulary"):
+        generate_blockwise(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="state_size must be a positive integer"):
+        SSMConfig(**{**CONFIG, "state_size": 0})
+    with pytest.raises(ValueError, match="mask_token_id=300 is outside the vocabulary"):
+        SSMConfig(**{**CONFIG, "mask_token_id": 300})
