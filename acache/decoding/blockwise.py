@@ -1,11 +1,14 @@
-"""Decoding a block-diffusion model whose cache is a state (:class:`~acache.models.ssm.SSMBlockDiffusionLM`).
+"""Decoding, block by block, a model that sees no later block and carries the finished ones in a cache of
+its own: the state-space variant (:class:`~acache.models.ssm.SSMBlockDiffusionLM`, a state) and R2LM
+(:class:`~acache.models.r2lm.R2LM`, attention K/V). Both offer ``empty_cache()``, ``extend(tokens, start,
+cache) -> (logits, cache)`` and ``cache_bytes(cache)``.
 
-The canvas (prompt, then ``gen_length`` masks) is walked attention block by attention block. The prompt's
-whole blocks enter the state in one forward; a block holding masks is denoised by the request's commit rule,
-each step a forward of that block alone from the state of the blocks before it; once it holds no mask it
-enters the state. With ``cache="none"`` every step instead runs the whole canvas up to the block's end from
-an empty state: the uncached path the cached one must equal token for token. A finished block holding a stop
-token ends the request.
+The canvas (prompt, then ``gen_length`` masks) is walked block by block. The prompt's whole blocks enter
+the cache in one forward; a block holding masks is denoised by the request's commit rule, each step a
+forward of that block alone against the cache of the blocks before it; once it holds no mask it enters the
+cache. With ``cache="none"`` every step instead runs the whole canvas up to the block's end from an empty
+cache: the uncached path the cached one must equal token for token. A finished block holding a stop token
+ends the request.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from acache.decoding.commit import commit_step, make_commit_rule
 from acache.decoding.request_state import truncate_at_stop
 from acache.decoding.sampler import propose
+from acache.models.r2lm import R2LM
 from acache.models.ssm import SSMBlockDiffusionLM
 from acache.sampling_params import SamplingParams
 
@@ -26,11 +30,11 @@ from acache.sampling_params import SamplingParams
 class BlockwiseResult:
     token_ids: list[int]  # cut at the first stop token
     nfe: int  # forwards that decoded a step
-    state_bytes: int  # the cache's size once decoding ended
+    cache_bytes: int  # the cache's size once decoding ended
 
 
 @torch.inference_mode()
-def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params: SamplingParams,
+def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int], params: SamplingParams,
                        generator: torch.Generator | None = None) -> BlockwiseResult:
     """Decodes one request; ``params.block_length`` must be the model's block size (decoding follows the
     attention blocks, so the first one may start inside the prompt's last block)."""
@@ -39,7 +43,7 @@ def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params
         raise ValueError(f"this model decodes its own blocks of {cfg.block_size} positions: set block_length="
                          f"{cfg.block_size} (got {params.block_length})")
     if params.affix_policy is not None:
-        raise ValueError("affix reuse needs a K/V cache; a state-space model keeps only a state")
+        raise ValueError("affix reuse is not implemented for this family (its cache is built block by block)")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if not prompt or bad:
         raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
@@ -52,10 +56,10 @@ def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params
     stops = {cfg.eos_token_id, *params.stop_token_ids}
     cached = params.cache != "none"
     rule = make_commit_rule(params)
-    state = model.empty_state()
+    cache = model.empty_cache()
     first = gen_start // size * size
     if cached and first:
-        _, state = model(tokens[None, :first], state)
+        _, cache = model.extend(tokens[:first], 0, cache)
     nfe = 0
     for start in range(first, total, size):
         end = min(start + size, total)
@@ -65,10 +69,10 @@ def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params
         step = 0
         while bool(masked.any()):
             if cached:
-                logits, _ = model(tokens[None, start:end], state)
+                logits, _ = model.extend(tokens[start:end], start, cache)
             else:
-                logits = model(tokens[None, :end])[0][:, start:end]
-            x0, conf = propose(logits, params.temperature, [generator] if params.temperature > 0 else None,
+                logits = model.extend(tokens[:end], 0, model.empty_cache())[0][start:end]
+            x0, conf = propose(logits[None], params.temperature, [generator] if params.temperature > 0 else None,
                                mask_token_id=cfg.mask_token_id)
             block, left = commit_step(rule, tokens[None, start:end], x0, conf, masked[None], step, False)
             tokens[start:end], masked = block[0], left[0]
@@ -77,6 +81,6 @@ def generate_blockwise(model: SSMBlockDiffusionLM, prompt: Sequence[int], params
         if not stops.isdisjoint(tokens[max(start, gen_start):end].tolist()):
             break
         if cached:
-            _, state = model(tokens[None, start:end], state)
+            _, cache = model.extend(tokens[start:end], start, cache)
     out = truncate_at_stop(tokens[gen_start:].tolist(), stops)
-    return BlockwiseResult(out, nfe, model.state_bytes(state))
+    return BlockwiseResult(out, nfe, model.cache_bytes(cache))

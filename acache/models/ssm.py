@@ -86,41 +86,50 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
 
 
 class SSMMixer(nn.Module):
-    def __init__(self, config: SSMConfig) -> None:
-        super().__init__()
-        self.config = config
-        inner, n, h = config.inner_size, config.state_size, config.num_heads
-        self.in_proj = nn.Linear(config.hidden_size, 2 * inner + 2 * n + h, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(h))
-        self.dt_bias = nn.Parameter(torch.zeros(h))
-        self.D = nn.Parameter(torch.ones(h))
-        self.norm = RMSNorm(inner, config.rms_norm_eps)
-        self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)
+    """The selective scan as a sequence mixer. With ``forward_scan`` (the state-space variant) it scans left to
+    right across blocks, carrying the state, and right to left inside each block; without it (R2LM's
+    sidecar) only right to left inside each block, so it needs no cache at all."""
 
-    def forward(self, u: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, hidden: int, heads: int, head_dim: int, state_size: int, block_size: int, eps: float,
+                 forward_scan: bool = True) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.state_size, self.block_size = heads, head_dim, state_size, block_size
+        self.forward_scan = forward_scan
+        inner = heads * head_dim
+        self.in_proj = nn.Linear(hidden, 2 * inner + 2 * state_size + heads, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.dt_bias = nn.Parameter(torch.zeros(heads))
+        self.D = nn.Parameter(torch.ones(heads))
+        self.norm = RMSNorm(inner, eps)
+        self.out_proj = nn.Linear(inner, hidden, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(batch, self.heads, self.head_dim, self.state_size, device=device)
+
+    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``u [B, T, hidden]`` covering whole blocks from a block boundary, ``state`` the forward scan's state
-        there. Returns the outputs and the forward state after the last token."""
-        cfg = self.config
+        there. Returns the outputs and the forward state after the last token (None without a forward scan)."""
         bsz, t, _ = u.shape
-        inner, n, h, p = cfg.inner_size, cfg.state_size, cfg.num_heads, cfg.head_dim
+        h, p, n = self.heads, self.head_dim, self.state_size
+        inner = h * p
         x, z, b, c, dt = self.in_proj(u).split([inner, inner, n, n, h], dim=-1)
         x = x.reshape(bsz, t, h, p).float()
         dt = F.softplus(dt.float() + self.dt_bias.float())
         a = -self.A_log.float().exp()
         b, c = b.float(), c.float()
-        forward, state = chunked_scan(x, dt, a, b, c, state.float(), cfg.block_size)
-        # the backward scan restarts at every block: reverse each block in place, scan with no carry
-        blocks = -(-t // cfg.block_size)
-        backward = torch.zeros_like(forward)
-        zero = torch.zeros_like(state)
-        for k in range(blocks):
-            s, e = k * cfg.block_size, min(t, (k + 1) * cfg.block_size)
+        y = self.D.float()[:, None] * x
+        zero = self.empty_state(bsz, u.device)
+        if self.forward_scan:
+            forward, state = chunked_scan(x, dt, a, b, c, zero if state is None else state.float(), self.block_size)
+            # a token's own input enters both scans: count it once
+            y = y + forward - (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
+        else:
+            state = None
+        for s in range(0, t, self.block_size):  # right to left inside each block, from a zero state
+            e = min(t, s + self.block_size)
             rev = [v[:, s:e].flip(1) for v in (x, dt, b, c)]
-            y, _ = chunked_scan(*rev[:2], a, *rev[2:], zero, cfg.block_size)
-            backward[:, s:e] = y.flip(1)
-        # the skip counts once, and a token's own input enters both scans: subtract the duplicate
-        own = (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
-        y = forward + backward - own + self.D.float()[:, None] * x
+            back, _ = chunked_scan(rev[0], rev[1], a, rev[2], rev[3], zero, self.block_size)
+            y[:, s:e] = y[:, s:e] + back.flip(1)
         y = self.norm(y.reshape(bsz, t, inner).to(u.dtype)) * F.silu(z)
         return self.out_proj(y), state
 
@@ -130,7 +139,8 @@ class SSMLayer(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.mixer_norm = RMSNorm(h, config.rms_norm_eps)
-        self.mixer = SSMMixer(config)
+        self.mixer = SSMMixer(h, config.num_heads, config.head_dim, config.state_size, config.block_size,
+                              config.rms_norm_eps)
         self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
@@ -156,13 +166,24 @@ class SSMBlockDiffusionLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def empty_state(self, batch: int = 1) -> list[torch.Tensor]:
-        cfg = self.config
-        return [torch.zeros(batch, cfg.num_heads, cfg.head_dim, cfg.state_size, device=self.embed.weight.device)
-                for _ in self.layers]
+        return [layer.mixer.empty_state(batch, self.embed.weight.device) for layer in self.layers]
 
     @staticmethod
     def state_bytes(state: list[torch.Tensor]) -> int:
         return sum(s.numel() * s.element_size() for s in state)
+
+    # the block-cache interface of decoding/blockwise.py: the cache is the state
+    def empty_cache(self) -> list[torch.Tensor]:
+        return self.empty_state()
+
+    cache_bytes = state_bytes
+
+    def extend(self, tokens: torch.Tensor, start: int, cache: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[T, V]`` of ``tokens [T]`` (whole blocks from position ``start``, where ``cache`` left
+        off) and the state after them."""
+        logits, state = self(tokens[None], cache)
+        return logits[0], state
 
     def forward(self, input_ids: torch.Tensor, state: list[torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -178,8 +199,9 @@ class SSMBlockDiffusionLM(nn.Module):
         return self.lm_head(self.norm(x)).float(), out
 
 
-def init_ssm_(model: SSMBlockDiffusionLM, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights: decays spread over ``[0.5, 8]`` per head, steps near ``0.1``."""
+def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights for a model with selective scans (the state-space variant, R2LM): scan
+    decays spread over ``[0.5, 8]`` per head, steps near ``0.1``, norms and skips near one."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -25,7 +25,7 @@ from acache.models.checkpoint import init_random_, random_config
 from acache.models.fast_dllm_v2 import FastDLLMv2Model
 from acache.models.kv import KVCache
 from acache.models.loader import parse_device, parse_dtype
-from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_ssm_
+from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
 
 VOCAB = 32000
 
@@ -48,7 +48,7 @@ def models(hidden: int, layers: int, heads: int, block: int, state: int, dtype: 
     init_random_(attention, 0)
     ssm = SSMBlockDiffusionLM(SSMConfig(VOCAB, hidden, layers, 4 * hidden, max(1, 2 * hidden // 64), 64, state,
                                         block, VOCAB - 1, VOCAB - 2))
-    init_ssm_(ssm, 0)
+    init_scan_model_(ssm, 0)
     return (attention.to(device, dtype).eval().requires_grad_(False),
             ssm.to(device, dtype).eval().requires_grad_(False))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from acache.decoding.blockwise import generate_blockwise
-from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, chunked_scan, init_ssm_
+from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, chunked_scan, init_scan_model_
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
@@ -18,7 +18,7 @@ CONFIG = dict(vocab_size=300, hidden_size=48, num_layers=2, intermediate_size=96
 @pytest.fixture(scope="module")
 def model():
     m = SSMBlockDiffusionLM(SSMConfig(**CONFIG))
-    init_ssm_(m, seed=3, std=0.3)
+    init_scan_model_(m, seed=3, std=0.3)
     return m.eval()
 
 
@@ -92,12 +92,12 @@ def test_cached_decoding_equals_uncached(model, case):
         cached = generate_blockwise(model, prompt, SamplingParams(**base))
         uncached = generate_blockwise(model, prompt, SamplingParams(**base, cache="none"))
         assert cached.token_ids == uncached.token_ids and cached.nfe == uncached.nfe
-        assert cached.state_bytes == model.state_bytes(model.empty_state())
+        assert cached.cache_bytes == model.state_bytes(model.empty_state())
 
 
 @pytest.mark.parametrize("kwargs, why", [
     (dict(block_length=8, gen_length=8), "set block_length=4"),
-    (dict(block_length=4, gen_length=8, affix_policy="attention"), "affix reuse needs a K/V cache"),
+    (dict(block_length=4, gen_length=8, affix_policy="attention"), "affix reuse is not implemented"),
 ])
 def test_bad_requests(model, kwargs, why):
     with pytest.raises(ValueError, match=why):

@@ -1,0 +1,133 @@
+"""R2LM (a bifocal diffusion LM): causal attention for the left context, a right-to-left selective scan for
+the right context inside the block being decoded.
+
+Each layer adds to the residual stream causal self-attention (a token attends to itself and every position
+before it, with RoPE and grouped K/V heads), then a small reverse state-space sidecar
+(:class:`~acache.models.ssm.SSMMixer` without its forward scan: right to left inside each block of
+``block_size`` positions, from a zero state), then a SwiGLU MLP. A token thus sees every earlier token
+exactly and the rest of its own block compressed, never a later block: a finished block's K/V are final,
+so the attention cache is exact, and the blocks are decoded in parallel steps (``decoding/blockwise.py``).
+Logits are not shifted. The family has no public upstream checkpoint; its layers use Qwen2's names for
+attention, norms and MLP and Mamba-2's for the sidecar (``sidecar.in_proj``, ``A_log``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
+from acache.models.ssm import SSMMixer
+
+#: a layer's cached K/V: keys (pre-RoPE) and values ``[B, S, Hkv, D]`` of positions ``0..S-1``
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class R2LMConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    sidecar_heads: int
+    sidecar_head_dim: int
+    state_size: int
+    block_size: int
+    mask_token_id: int
+    eos_token_id: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "sidecar_heads", "sidecar_head_dim", "state_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"R2LM config: {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"R2LM config: hidden {self.hidden_size}, {self.num_heads} heads and "
+                             f"{self.num_kv_heads} K/V heads do not divide")
+        for name in ("mask_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"R2LM config: {name}={getattr(self, name)} is outside the vocabulary "
+                                 f"of {self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class R2LMLayer(nn.Module):
+    def __init__(self, config: R2LMConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.theta = config.num_heads, config.num_kv_heads, d, \
+            config.rope_theta
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+        self.sidecar_norm = RMSNorm(h, config.rms_norm_eps)
+        self.sidecar = SSMMixer(h, config.sidecar_heads, config.sidecar_head_dim, config.state_size,
+                                config.block_size, config.rms_norm_eps, forward_scan=False)
+        self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, start: int, past: LayerKV | None) -> tuple[torch.Tensor, LayerKV]:
+        """``x [B, T, hidden]`` at positions ``start..start+T-1`` (``start`` a block boundary), after the
+        cached ``past`` of positions ``0..start-1``. Returns the new states and the K/V of all positions."""
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        keys = k if past is None else torch.cat((past[0], k), dim=1)
+        values = v if past is None else torch.cat((past[1], v), dim=1)
+        s = keys.shape[1]
+        q_pos = torch.arange(start, start + t, device=x.device)[None]
+        k_pos = torch.arange(0, s, device=x.device)[None]
+        causal = (k_pos[:, None, :] <= q_pos[:, :, None]).expand(b, -1, -1)
+        out = attend(apply_rope(q, *rope_tables(q_pos, self.head_dim, self.theta)),
+                     apply_rope(keys, *rope_tables(k_pos, self.head_dim, self.theta)), values, causal)
+        x = x + self.o_proj(out.reshape(b, t, -1))
+        x = x + self.sidecar(self.sidecar_norm(x))[0]
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (keys, values)
+
+
+class R2LM(nn.Module):
+    """The bifocal model; its cache is the attention K/V of the finished blocks (exact)."""
+
+    def __init__(self, config: R2LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(R2LMLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def empty_cache(self) -> list[LayerKV] | None:
+        return None
+
+    @staticmethod
+    def cache_bytes(cache: list[LayerKV] | None) -> int:
+        return sum(t.numel() * t.element_size() for kv in cache or () for t in kv)
+
+    def extend(self, tokens: torch.Tensor, start: int, cache: list[LayerKV] | None
+               ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """Logits ``[T, V]`` of ``tokens [T]`` at positions ``start..`` (whole blocks after the cached ones),
+        and the cache extended by them."""
+        x = self.embed(tokens[None])
+        out = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, start, None if cache is None else cache[i])
+            out.append(kv)
+        return self.lm_head(self.norm(x)).float()[0], out
