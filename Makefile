@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 MODEL := models/acache-tiny
 PLUS := models/acache-tiny-plus
+BLOCKDIFF := models/acache-tiny-blockdiff
 STUDY := docs/study
 
-.PHONY: install run test test-long lint bench study model model-plus eval-lm clean
+.PHONY: install run test test-long lint bench study model model-plus model-blockdiff eval-lm clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +61,8 @@ study: install
 		--out $(STUDY)/long --overwrite
 	$(VENV)/bin/acache eval accuracy --model $(MODEL) --examples 300 --seed 0 \
 		--selectors attention,attention-probe-step --ratios 0.2,1.0 --out $(STUDY)/probe_step --overwrite
+	$(VENV)/bin/acache eval accuracy --model $(BLOCKDIFF) --layouts prefix,infix --examples 300 --seed 0 \
+		--selectors attention,cacheblend,first-k,random --ratios 0.2,1.0 --out $(STUDY)/blockdiff --overwrite
 
 # retrains the shipped model from its seed (docs/model.md, run 30): four configs, 83 minutes on 2 CPU cores,
 # then its held-out scores; it overwrites $(MODEL), which git can restore
@@ -74,6 +77,14 @@ model-plus: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/plus.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,arith,twohop,codes
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,twohop --sentences 34
+
+# the block-diffusion model (docs/model.md, "acache-tiny-blockdiff"): the shipped model's weights in the Fast-dLLM v2
+# layout (block-causal attention, blocks of 8, shifted logits), fine-tuned in two configs on the prefix and infix
+# layouts (a block-causal model cannot read an affix after its answer)
+model-blockdiff: install
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/blockdiff-stage1.json --config configs/blockdiff.json \
+		--overwrite
+	$(VENV)/bin/acache eval tasks --model $(BLOCKDIFF) --layouts prefix,infix
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -227,6 +227,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-layers", type=int, default=None, help="FOCUS: layers run on the whole block")
     p.add_argument("--focus-ratio", type=float, default=None, help="FOCUS: share of a block's masks kept")
     p.add_argument("--far-mask-window", type=int, default=None, help="far-mask pruning: blocks attended ahead")
+    p.add_argument("--layouts", default=None, help="comma-separated layouts (default: prefix,infix,suffix; a "
+                   "block-causal model cannot read an affix placed after the answer)")
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_tasks))

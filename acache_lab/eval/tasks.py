@@ -70,15 +70,20 @@ def main(args) -> int:
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
                                                "far_mask_window")
                  if getattr(args, k, None) is not None}
-    scores = evaluate(llm, args.examples, args.sentences, args.seed, tasks=tasks, overrides=overrides)
+    layouts = tuple(x.strip() for x in args.layouts.split(",")) if getattr(args, "layouts", None) else LAYOUTS
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        raise ValueError(f"unknown layout {bad[0] if bad else args.layouts!r}; known: {', '.join(LAYOUTS)}")
+    scores = evaluate(llm, args.examples, args.sentences, args.seed, tasks=tasks, layouts=layouts,
+                      overrides=overrides)
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
           "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
           + "".join(f", {k} {v}" for k, v in overrides.items()))
-    print("| task | prefix | infix | suffix |")
-    print("|---|---:|---:|---:|")
+    print("| task | " + " | ".join(layouts) + " |")
+    print("|---|" + "---:|" * len(layouts))
     for task in tasks:
         row = {s.layout: s for s in scores if s.task == task}
-        print(f"| {task} | " + " | ".join(f"{100 * row[lay].accuracy:.1f}%" for lay in LAYOUTS) + " |")
+        print(f"| {task} | " + " | ".join(f"{100 * row[lay].accuracy:.1f}%" for lay in layouts) + " |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([s.__dict__ | {"accuracy": s.accuracy} for s in scores], indent=2))

@@ -1,4 +1,4 @@
-"""Trains a small LLaDA-architecture diffusion LM on the task suite with the masked-diffusion objective.
+"""Trains a small diffusion LM (LLaDA, or a block-diffusion family) on the task suite with masked diffusion.
 
 Per sequence ``t ~ U(0, 1]``; each answer token is masked with probability ``t`` (at least one), and the loss
 is the cross-entropy on masked answer tokens weighted by ``1 / t`` (LLaDA's SFT objective; the prompt, affix
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
+from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
-from acache.models.llada import LLaDAModel
+from acache.models.registry import family_class
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
@@ -47,6 +48,7 @@ class ModelShape:
     intermediate_size: int = 768
     max_seq_len: int = 256
     rope_theta: float | None = None  # None: the family's upstream default
+    block_size: int | None = None  # block-causal families: the attention block (None: the family's default)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class Stage:
 class TrainConfig:
     out: str = "models/acache-tiny"
     seed: int = 0
+    #: the model family written (its upstream layout and attention): llada, or fast_dllm_v2 (block diffusion)
+    family: str = "llada"
+    #: the prompt layouts drawn for training rows; a block-causal model cannot read an affix after the
+    #: generation region, so its recipes leave ``suffix`` out
+    layouts: tuple[str, ...] = LAYOUTS
     model: ModelShape = field(default_factory=ModelShape)
     steps: int = 3000
     batch_size: int = 64
@@ -169,6 +176,14 @@ class TrainConfig:
                 raise ValueError(f"task_sentences[{task!r}] must be [min, max] with 1 <= min <= max, not {span}")
         if self.model.rope_theta is not None and self.model.rope_theta <= 0:
             raise ValueError("model.rope_theta must be positive")
+        cls = family_class(self.family)  # names the known families when it is not one
+        if self.model.block_size is not None and (not cls.block_causal or self.model.block_size <= 0):
+            raise ValueError(f"model.block_size is a positive attention block of a block-causal family, not of "
+                             f"{cls.family}")
+        self.layouts = tuple(self.layouts)
+        bad = [x for x in self.layouts if x not in LAYOUTS]
+        if bad or not self.layouts:
+            raise ValueError(f"layouts must be some of {', '.join(LAYOUTS)}, got {list(self.layouts)}")
 
     def stage_at(self, step: int) -> Stage:
         """The stage that ``step`` trains in (one growing stage when no stages are given)."""
@@ -230,7 +245,7 @@ class Batcher:
             lo, hi = self.config.task_sentences.get(task, (stage.min_sentences, stage.max_sentences))
             sentences = self.rng.randint(lo, hi)
             example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
-            rows.append(self.row(example, self.rng.choice(LAYOUTS)))
+            rows.append(self.row(example, self.rng.choice(self.config.layouts)))
         return self.collate(rows)
 
     def collate(self, rows: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, ...]:
@@ -254,7 +269,7 @@ def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, we
     return masked.float() * answer.sum(-1, keepdim=True) / (masked & answer).sum(-1, keepdim=True).clamp_min(1)
 
 
-def masked_diffusion_loss(model: LLaDAModel, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
+def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
@@ -311,11 +326,11 @@ class Probe:
         self.batches = {}
         for task in config.eval_tasks:
             exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
-            rows = [batcher.row(e, LAYOUTS[i % len(LAYOUTS)]) for i, e in enumerate(exs)]
+            rows = [batcher.row(e, config.layouts[i % len(config.layouts)]) for i, e in enumerate(exs)]
             self.batches[task] = batcher.collate(rows)
 
     @torch.no_grad()
-    def __call__(self, model: LLaDAModel, bf16: bool) -> dict[str, float]:
+    def __call__(self, model: DiffusionLM, bf16: bool) -> dict[str, float]:
         was_training = model.training
         model.eval()
         out = {}
@@ -329,7 +344,7 @@ class Probe:
         return out
 
 
-def init_for_training_(model: LLaDAModel, seed: int, std: float, embed_std: float,
+def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,
                        embed_generator: torch.Generator | None = None) -> None:
     """Weights at N(0, std), norms at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
     init_random_(model, seed, std=std)
@@ -340,7 +355,7 @@ def init_for_training_(model: LLaDAModel, seed: int, std: float, embed_std: floa
         model.embed.weight.normal_(0.0, embed_std, generator=embed_generator)
 
 
-def start_from_(model: LLaDAModel, path: str | Path) -> None:
+def start_from_(model: DiffusionLM, path: str | Path) -> None:
     """Copies a checkpoint's weights into ``model``, or says which part of the shape differs."""
     from acache.models.loader import load_model
 
@@ -353,9 +368,15 @@ def start_from_(model: LLaDAModel, path: str | Path) -> None:
             if getattr(mine, f) != getattr(theirs, f)]
     if diff:
         raise ValueError(f"init_from {path}: the checkpoint's shape differs: " + ", ".join(diff))
+    theirs_by_name = dict(source.named_parameters())
     with torch.no_grad():
-        for p, q in zip(model.parameters(), source.parameters(), strict=True):
-            p.copy_(q.to(p.dtype))
+        for name, p in model.named_parameters():
+            if name in theirs_by_name:
+                p.copy_(theirs_by_name[name].to(p.dtype))
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):  # from a family without them
+                p.zero_()
+            else:
+                raise ValueError(f"init_from {path}: the checkpoint has no {name}")
 
 
 RESUME_FILE = "resume_state.pt"
@@ -370,12 +391,13 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     spec = SPECIAL_TOKENS["llada"]
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     shape = config.model
-    model_config = random_config("llada", vocab, tokenizer.token_to_id(spec["mask"]),
+    cls = family_class(config.family)
+    model_config = random_config(cls.family, vocab, tokenizer.token_to_id(spec["mask"]),
                                  tokenizer.token_to_id(spec["eos"]), layers=shape.layers,
                                  hidden_size=shape.hidden_size, heads=shape.heads,
                                  intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
-                                 rope_theta=shape.rope_theta)
-    model = LLaDAModel(model_config)
+                                 rope_theta=shape.rope_theta, block_size=shape.block_size)
+    model = cls(model_config)
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed))
     if config.init_from:

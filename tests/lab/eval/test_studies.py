@@ -136,3 +136,14 @@ def test_study_variants_and_the_selector_and_ratio_options(task_llm):
     for bad, why in (("0.2,x", "comma-separated numbers"), ("1.5", "must be in")):
         with pytest.raises(ValueError, match=why):
             parse_ratios(bad)
+
+
+def test_eval_tasks_takes_a_subset_of_layouts(task_model_dir, capsys):
+    from acache.cli import main
+
+    assert main(["eval", "tasks", "--model", str(task_model_dir), "--examples", "2", "--tasks", "qa1",
+                 "--layouts", "prefix,infix"]) == 0
+    table = capsys.readouterr().out
+    assert "| task | prefix | infix |" in table and "suffix" not in table
+    assert main(["eval", "tasks", "--model", str(task_model_dir), "--examples", "1", "--layouts", "diagonal"]) == 2
+    assert "unknown layout 'diagonal'" in capsys.readouterr().err
