@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
-from acache.models.ssm import SSMMixer
+from acache.models.ssm import SSMMixer, check_sizes
 
 #: a layer's cached K/V: keys (pre-RoPE) and values ``[B, S, Hkv, D]`` of positions ``0..S-1``
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -44,18 +44,12 @@ class R2LMConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "sidecar_heads", "sidecar_head_dim", "state_size", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"R2LM config: {name} must be a positive integer, got {value!r}")
+        check_sizes(self, "R2LM config", ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                                          "intermediate_size", "sidecar_heads", "sidecar_head_dim", "state_size",
+                                          "block_size"))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"R2LM config: hidden {self.hidden_size}, {self.num_heads} heads and "
                              f"{self.num_kv_heads} K/V heads do not divide")
-        for name in ("mask_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"R2LM config: {name}={getattr(self, name)} is outside the vocabulary "
-                                 f"of {self.vocab_size}")
 
     @property
     def head_dim(self) -> int:

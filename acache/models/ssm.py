@@ -44,19 +44,25 @@ class SSMConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size", "num_heads", "head_dim",
-                     "state_size", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"state-space config: {name} must be a positive integer, got {value!r}")
-        for name in ("mask_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"state-space config: {name}={getattr(self, name)} is outside the vocabulary "
-                                 f"of {self.vocab_size}")
+        check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
+                                                 "num_heads", "head_dim", "state_size", "block_size"))
 
     @property
     def inner_size(self) -> int:
         return self.num_heads * self.head_dim
+
+
+def check_sizes(config: object, label: str, names: tuple[str, ...]) -> None:
+    """Every one of ``names`` a positive integer, and the mask and end-of-text ids inside the vocabulary: the
+    checks a config of the scan families makes once, at construction, naming the field."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{label}: {name} must be a positive integer, got {value!r}")
+    for name in ("mask_token_id", "eos_token_id"):
+        if not 0 <= getattr(config, name) < config.vocab_size:
+            raise ValueError(f"{label}: {name}={getattr(config, name)} is outside the vocabulary of "
+                             f"{config.vocab_size}")
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
