@@ -10,7 +10,7 @@ from importlib.metadata import entry_points, version
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
-from acache.models.registry import MODEL_CLASSES
+from acache.models.registry import ALL_CLASSES
 from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES, LAYOUTS
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("make-random-checkpoint", help="write a random-weight checkpoint in the upstream layout")
-    p.add_argument("--family", required=True, choices=[c.family for c in MODEL_CLASSES])
+    p.add_argument("--family", required=True, choices=[c.family for c in ALL_CLASSES])
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)

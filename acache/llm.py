@@ -15,6 +15,7 @@ from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
 from acache.engine.llm_engine import DEFAULT_CPU_KV_BYTES
 from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
+from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, read_config
 from acache.models.tensor_parallel import check_divisible, shard_model
 from acache.models.tokenizer import Tokenizer
@@ -52,6 +53,10 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         self.device = parse_device(device)
         self.model_path = Path(model)
+        family = read_config(model)[0]
+        if not issubclass(family, DiffusionLM):
+            raise ValueError(f"{model}: a {family.family} model decodes block by block with its own cache "
+                             "(acache.decoding.blockwise.generate_blockwise); the engine does not serve it yet")
         self.tensor_parallel_size = tensor_parallel_size
         self._tp_workers: list = []
         self._channel = None

@@ -16,6 +16,7 @@ from acache.models.config import ModelConfig
 from acache.models.dream import DreamModel
 from acache.models.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, parse_dtype
 from acache.models.registry import family_class
+from acache.models.ssm import init_scan_model_
 from acache.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 # Special tokens of each family's tokenizer, in the upstream spelling; ids are assigned at build time.
@@ -27,6 +28,8 @@ SPECIAL_TOKENS = {
     "fast_dllm_v2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "mask": "|<MASK>|",
                      "extra": ["<|im_start|>", "<|im_end|>"], "stop": "<|im_end|>"},
 }
+# the families of our own layout take the block-diffusion family's Qwen2.5 tokens and chat format
+SPECIAL_TOKENS["blockdiff_ssm"] = SPECIAL_TOKENS["r2lm"] = SPECIAL_TOKENS["fast_dllm_v2"]
 
 CHAT_TEMPLATES = {
     "llada": (
@@ -41,7 +44,7 @@ CHAT_TEMPLATES = {
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
 }
-CHAT_TEMPLATES["fast_dllm_v2"] = CHAT_TEMPLATES["dream"]  # both are Qwen2.5's chat format
+CHAT_TEMPLATES["fast_dllm_v2"] = CHAT_TEMPLATES["blockdiff_ssm"] = CHAT_TEMPLATES["r2lm"] = CHAT_TEMPLATES["dream"]
 
 
 def build_byte_tokenizer(family: str) -> HFTokenizer:
@@ -156,12 +159,15 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
     if vocab < n_tok:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {n_tok} tokens")
     spec = SPECIAL_TOKENS[cls.family]
-    config = random_config(cls.family, vocab, tokenizer.token_to_id(spec["mask"]),
-                           tokenizer.token_to_id(spec["eos"]), layers=layers, hidden_size=hidden_size,
-                           heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size,
-                           max_seq_len=max_seq_len, block_size=block_size)
-    model = cls(config)
-    init_random_(model, seed, std)
+    mask, eos = tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"])
+    if hasattr(cls, "random_config"):  # a family of our own layout (a selective-scan model)
+        model = cls(cls.random_config(vocab, mask, eos, layers, hidden_size, heads, intermediate_size, block_size))
+        init_scan_model_(model, seed, std)
+    else:
+        model = cls(random_config(cls.family, vocab, mask, eos, layers=layers, hidden_size=hidden_size, heads=heads,
+                                  kv_heads=kv_heads, intermediate_size=intermediate_size, max_seq_len=max_seq_len,
+                                  block_size=block_size))
+        init_random_(model, seed, std)
     return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,
                            dtype=dtype)
 

@@ -13,14 +13,15 @@ attention, norms and MLP and Mamba-2's for the sidecar (``sidecar.in_proj``, ``A
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
-from acache.models.ssm import SSMMixer, check_sizes
+from acache.models.ssm import OwnLayout, SSMMixer, check_sizes
 
 #: a layer's cached K/V: keys (pre-RoPE) and values ``[B, S, Hkv, D]`` of positions ``0..S-1``
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -42,6 +43,7 @@ class R2LMConfig:
     eos_token_id: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "R2LM config", ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -97,8 +99,20 @@ class R2LMLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (keys, values)
 
 
-class R2LM(nn.Module):
+class R2LM(OwnLayout, nn.Module):
     """The bifocal model; its cache is the attention K/V of the finished blocks (exact)."""
+
+    family = "r2lm"
+    model_types = ("acache_r2lm",)
+    architectures = ("R2LM",)
+    config_class = R2LMConfig
+
+    @classmethod
+    def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
+                      heads: int, intermediate_size: int | None, block_size: int | None) -> R2LMConfig:
+        """A config at a width: a sidecar of 2 heads of 16 channels, state 16."""
+        return R2LMConfig(vocab_size, hidden_size, layers, heads, heads, intermediate_size or 4 * hidden_size,
+                          2, 16, 16, block_size or 32, mask_token_id, eos_token_id)
 
     def __init__(self, config: R2LMConfig) -> None:
         super().__init__()

@@ -9,28 +9,34 @@ from acache.models.config import ConfigError
 from acache.models.dream import DreamModel
 from acache.models.fast_dllm_v2 import FastDLLMv2Model
 from acache.models.llada import LLaDAModel
+from acache.models.r2lm import R2LM
+from acache.models.ssm import SSMBlockDiffusionLM
 
+#: the families the engine serves
 MODEL_CLASSES: tuple[type[DiffusionLM], ...] = (LLaDAModel, DreamModel, FastDLLMv2Model)
+#: the families decoded block by block with their own cache (``decoding/blockwise.py``), not yet by the engine
+BLOCKWISE_CLASSES: tuple[type, ...] = (SSMBlockDiffusionLM, R2LM)
+ALL_CLASSES = MODEL_CLASSES + BLOCKWISE_CLASSES
 
 
-def family_class(name: str) -> type[DiffusionLM]:
+def family_class(name: str) -> type:
     """The class of a family name such as ``llada`` or ``dream``."""
-    for cls in MODEL_CLASSES:
+    for cls in ALL_CLASSES:
         if cls.family == name.lower():
             return cls
-    raise ValueError(f"unknown model family {name!r}; known: {', '.join(c.family for c in MODEL_CLASSES)}")
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(c.family for c in ALL_CLASSES)}")
 
 
-def resolve_model_class(raw: dict[str, Any], source: str = "config.json") -> type[DiffusionLM]:
+def resolve_model_class(raw: dict[str, Any], source: str = "config.json") -> type:
     """Picks the class from ``model_type`` first, then ``architectures``; names the type when unknown."""
     model_type = str(raw.get("model_type", "")).lower()
     archs = raw.get("architectures") or []
-    for cls in MODEL_CLASSES:
+    for cls in ALL_CLASSES:
         if model_type in cls.model_types:
             return cls
-    for cls in MODEL_CLASSES:
+    for cls in ALL_CLASSES:
         if any(a in cls.architectures for a in archs):
             return cls
-    known = ", ".join(t for c in MODEL_CLASSES for t in c.model_types)
+    known = ", ".join(t for c in ALL_CLASSES for t in c.model_types)
     raise ConfigError(f"{source}: unknown model type {raw.get('model_type')!r} "
                       f"(architectures {archs}); supported model types: {known}")

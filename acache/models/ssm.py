@@ -19,13 +19,16 @@ embeddings, norms and MLP, and Mamba-2's names (``mixer.in_proj``, ``A_log``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from acache.models.config import ConfigError
 from acache.models.layers import RMSNorm
 
 
@@ -42,6 +45,7 @@ class SSMConfig:
     mask_token_id: int
     eos_token_id: int
     rms_norm_eps: float = 1e-6
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
@@ -63,6 +67,43 @@ def check_sizes(config: object, label: str, names: tuple[str, ...]) -> None:
         if not 0 <= getattr(config, name) < config.vocab_size:
             raise ValueError(f"{label}: {name}={getattr(config, name)} is outside the vocabulary of "
                              f"{config.vocab_size}")
+
+
+class OwnLayout:
+    """The checkpoint format of a family with no public upstream checkpoint: ``config.json`` holds the config's
+    fields under the family's ``model_type``, and the tensors keep the module's parameter names under
+    ``model.`` (``lm_head`` at the top, as Qwen2's). Loaded and written by the same loader and writer as the
+    upstream families; the engine does not serve these families yet (``decoding/blockwise.py`` decodes them)."""
+
+    family: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    architectures: ClassVar[tuple[str, ...]]
+    config_class: ClassVar[type]
+    shifted_logits: ClassVar[bool] = False
+    block_causal: ClassVar[bool] = True
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any]) -> Any:
+        fields = [f for f in dataclasses.fields(cls.config_class) if f.name != "raw"]
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in raw]
+        if missing:
+            raise ConfigError(f"{cls.family} config.json is missing the field '{missing[0]}'")
+        try:
+            return cls.config_class(**{f.name: raw[f.name] for f in fields if f.name in raw}, raw=dict(raw))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @classmethod
+    def config_to_hf(cls, config: Any) -> dict[str, Any]:
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "raw"}
+        return {"architectures": list(cls.architectures), "model_type": cls.model_types[0], **fields,
+                "torch_dtype": "float32"}
+
+    @classmethod
+    def hf_tensor_names(cls, config: Any) -> dict[str, str]:
+        with torch.device("meta"):
+            names = [name for name, _ in cls(config).named_parameters()]
+        return {(name if name.startswith("lm_head.") else f"model.{name}"): name for name in names}
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -159,9 +200,21 @@ class SSMLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), state
 
 
-class SSMBlockDiffusionLM(nn.Module):
+class SSMBlockDiffusionLM(OwnLayout, nn.Module):
     """The state-space variant of the block-diffusion family: the cache after ``k`` finished blocks is one
     ``[H, P, N]`` state a layer, the same size at any context length."""
+
+    family = "blockdiff_ssm"
+    model_types = ("acache_blockdiff_ssm",)
+    architectures = ("SSMBlockDiffusionLM",)
+    config_class = SSMConfig
+
+    @classmethod
+    def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
+                      heads: int, intermediate_size: int | None, block_size: int | None) -> SSMConfig:
+        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16."""
+        return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
+                         max(1, 2 * hidden_size // 16), 16, 16, block_size or 32, mask_token_id, eos_token_id)
 
     def __init__(self, config: SSMConfig) -> None:
         super().__init__()
