@@ -7,9 +7,10 @@ TORCH_PIN := torch==2.13.0
 MODEL := models/acache-tiny
 PLUS := models/acache-tiny-plus
 BLOCKDIFF := models/acache-tiny-blockdiff
+R2LM := models/acache-tiny-r2lm
 STUDY := docs/study
 
-.PHONY: install run test test-long lint bench study model model-plus model-blockdiff eval-lm clean
+.PHONY: install run test test-long lint bench study model model-plus model-blockdiff model-r2lm eval-lm clean
 
 install: $(VENV)/.installed
 
@@ -85,6 +86,12 @@ model-blockdiff: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/blockdiff-stage1.json --config configs/blockdiff.json \
 		--overwrite
 	$(VENV)/bin/acache eval tasks --model $(BLOCKDIFF) --layouts prefix,infix
+
+# the R2LM model (docs/model.md, "acache-tiny-r2lm"): the shipped model's attention made causal, a reverse scan
+# added inside blocks of 8 (starting silent), fine-tuned on the prefix and infix layouts
+model-r2lm: install
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/r2lm.json --overwrite
+	$(VENV)/bin/acache eval tasks --model $(R2LM) --layouts prefix,infix
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -36,12 +36,12 @@ class BlockwiseResult:
 @torch.inference_mode()
 def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int], params: SamplingParams,
                        generator: torch.Generator | None = None) -> BlockwiseResult:
-    """Decodes one request; ``params.block_length`` must be the model's block size (decoding follows the
-    attention blocks, so the first one may start inside the prompt's last block)."""
+    """Decodes one request. Decoding follows the model's own blocks (the first may start inside the prompt's
+    last block), so ``params.block_length`` must name them: the model's block size, or the whole region."""
     cfg = model.config
-    if params.block_length != cfg.block_size:
+    if params.block_length not in (cfg.block_size, params.gen_length):
         raise ValueError(f"this model decodes its own blocks of {cfg.block_size} positions: set block_length="
-                         f"{cfg.block_size} (got {params.block_length})")
+                         f"{cfg.block_size} or the whole gen_length (got {params.block_length})")
     if params.affix_policy is not None:
         raise ValueError("affix reuse is not implemented for this family (its cache is built block by block)")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]

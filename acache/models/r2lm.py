@@ -77,9 +77,11 @@ class R2LMLayer(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, start: int, past: LayerKV | None) -> tuple[torch.Tensor, LayerKV]:
+    def forward(self, x: torch.Tensor, start: int, past: LayerKV | None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, LayerKV]:
         """``x [B, T, hidden]`` at positions ``start..start+T-1`` (``start`` a block boundary), after the
-        cached ``past`` of positions ``0..start-1``. Returns the new states and the K/V of all positions."""
+        cached ``past`` of positions ``0..start-1``; ``valid [B, T]`` marks real tokens of a right-padded
+        batch (no past). Returns the new states and the K/V of all positions."""
         b, t, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
@@ -91,10 +93,12 @@ class R2LMLayer(nn.Module):
         q_pos = torch.arange(start, start + t, device=x.device)[None]
         k_pos = torch.arange(0, s, device=x.device)[None]
         causal = (k_pos[:, None, :] <= q_pos[:, :, None]).expand(b, -1, -1)
+        if valid is not None:  # padding is never attended (a padded query still sees the first token)
+            causal = causal & (valid[:, None, :] | (k_pos == 0)[:, None, :])
         out = attend(apply_rope(q, *rope_tables(q_pos, self.head_dim, self.theta)),
                      apply_rope(keys, *rope_tables(k_pos, self.head_dim, self.theta)), values, causal)
         x = x + self.o_proj(out.reshape(b, t, -1))
-        x = x + self.sidecar(self.sidecar_norm(x))[0]
+        x = x + self.sidecar(self.sidecar_norm(x), None, valid)[0]
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (keys, values)
 
@@ -109,10 +113,12 @@ class R2LM(OwnLayout, nn.Module):
 
     @classmethod
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
-                      heads: int, intermediate_size: int | None, block_size: int | None) -> R2LMConfig:
-        """A config at a width: a sidecar of 2 heads of 16 channels, state 16."""
+                      heads: int, intermediate_size: int | None, block_size: int | None,
+                      rope_theta: float | None = None) -> R2LMConfig:
+        """A config at a width: a sidecar of 2 heads of 16 channels, state 16; RoPE at LLaDA's base unless
+        given, so a LLaDA parent's attention carries over."""
         return R2LMConfig(vocab_size, hidden_size, layers, heads, heads, intermediate_size or 4 * hidden_size,
-                          2, 16, 16, block_size or 32, mask_token_id, eos_token_id)
+                          2, 16, 16, block_size or 32, mask_token_id, eos_token_id, rope_theta or 500000.0)
 
     def __init__(self, config: R2LMConfig) -> None:
         super().__init__()
@@ -139,3 +145,10 @@ class R2LM(OwnLayout, nn.Module):
             x, kv = layer(x, start, None if cache is None else cache[i])
             out.append(kv)
         return self.lm_head(self.norm(x)).float()[0], out
+
+    def train_logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Logits of a right-padded training batch whose rows start at position 0."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x, _ = layer(x, 0, None, valid)
+        return self.lm_head(self.norm(x)).float()

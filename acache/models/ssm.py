@@ -153,15 +153,20 @@ class SSMMixer(nn.Module):
     def empty_state(self, batch: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(batch, self.heads, self.head_dim, self.state_size, device=device)
 
-    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``u [B, T, hidden]`` covering whole blocks from a block boundary, ``state`` the forward scan's state
-        there. Returns the outputs and the forward state after the last token (None without a forward scan)."""
+        there. Returns the outputs and the forward state after the last token (None without a forward scan).
+        Positions where ``valid [B, T]`` is False (padding) take a step of zero: they neither write to the
+        state nor decay it, so a padded row scans as its real tokens alone."""
         bsz, t, _ = u.shape
         h, p, n = self.heads, self.head_dim, self.state_size
         inner = h * p
         x, z, b, c, dt = self.in_proj(u).split([inner, inner, n, n, h], dim=-1)
         x = x.reshape(bsz, t, h, p).float()
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if valid is not None:
+            dt = dt * valid[..., None]
         a = -self.A_log.float().exp()
         b, c = b.float(), c.float()
         y = self.D.float()[:, None] * x
@@ -193,8 +198,9 @@ class SSMLayer(nn.Module):
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mixed, state = self.mixer(self.mixer_norm(x), state)
+    def forward(self, x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        mixed, state = self.mixer(self.mixer_norm(x), state, valid)
         x = x + mixed
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), state
@@ -211,8 +217,10 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
 
     @classmethod
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
-                      heads: int, intermediate_size: int | None, block_size: int | None) -> SSMConfig:
-        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16."""
+                      heads: int, intermediate_size: int | None, block_size: int | None,
+                      rope_theta: float | None = None) -> SSMConfig:
+        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16
+        (``heads`` and ``rope_theta`` are attention's, which this family has not)."""
         return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
                          max(1, 2 * hidden_size // 16), 16, 16, block_size or 32, mask_token_id, eos_token_id)
 
@@ -244,18 +252,22 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         logits, state = self(tokens[None], cache)
         return logits[0], state
 
-    def forward(self, input_ids: torch.Tensor, state: list[torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, state: list[torch.Tensor] | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits ``[B, T, V]`` of ``input_ids [B, T]``, whole blocks that start where ``state`` (None: the
-        sequence start) left off, and the state after them."""
+        sequence start) left off, and the state after them; ``valid`` marks real tokens (right padding)."""
         if state is None:
             state = self.empty_state(input_ids.shape[0])
         x = self.embed(input_ids)
         out = []
         for layer, s in zip(self.layers, state, strict=True):
-            x, s = layer(x, s)
+            x, s = layer(x, s, valid)
             out.append(s)
         return self.lm_head(self.norm(x)).float(), out
+
+    def train_logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Logits of a right-padded training batch whose rows start at position 0."""
+        return self(input_ids, None, valid)[0]
 
 
 def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02) -> None:

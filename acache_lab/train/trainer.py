@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
 from acache.models.registry import family_class
+from acache.models.ssm import init_scan_model_
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
@@ -262,6 +263,15 @@ class Batcher:
         return ids, answer, positions, valid
 
 
+def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
+                    valid: torch.Tensor) -> torch.Tensor:
+    """``[B, T, V]`` predictions of a right-padded batch, for a transformer family or a scan family (the
+    state-space variant, R2LM), whose rows start at position 0."""
+    if hasattr(model, "train_logits"):  # a scan family
+        return model.train_logits(ids, valid)
+    return model.logits(model(ids, positions, valid).hidden)
+
+
 def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, weighting: str) -> torch.Tensor:
     """Per-token loss weights ``[B, T]``: zero where not masked; ``1/t`` or answer length / masked count."""
     if weighting == "inverse_t":
@@ -301,8 +311,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if context_mask_rate > 0:
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    hidden = model(noisy, positions, valid).hidden
-    logits = model.logits(hidden)
+    logits = training_logits(model, noisy, positions, valid)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0:
@@ -337,7 +346,7 @@ class Probe:
         for task, (ids, answer, positions, valid) in self.batches.items():
             noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                pred = model.logits(model(noisy, positions, valid).hidden).argmax(-1)
+                pred = training_logits(model, noisy, positions, valid).argmax(-1)
             right = ((pred == ids) | ~answer).all(-1)
             out[task] = right.float().mean().item()
         model.train(was_training)
@@ -346,8 +355,9 @@ class Probe:
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,
                        embed_generator: torch.Generator | None = None) -> None:
-    """Weights at N(0, std), norms at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
-    init_random_(model, seed, std=std)
+    """Weights at N(0, std) (a scan family's decays and steps as :func:`init_scan_model_` sets them), norms
+    at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
+    (init_random_ if isinstance(model, DiffusionLM) else init_scan_model_)(model, seed, std=std)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -363,7 +373,7 @@ def start_from_(model: DiffusionLM, path: str | Path) -> None:
         raise FileNotFoundError(f"init_from: no checkpoint at {path} (no config.json)")
     source = load_model(path)
     mine, theirs = model.config, source.config
-    fields = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+    fields = ("num_layers", "hidden_size", "intermediate_size", "vocab_size")
     diff = [f"{f} {getattr(theirs, f)} (config: {getattr(mine, f)})" for f in fields
             if getattr(mine, f) != getattr(theirs, f)]
     if diff:
@@ -372,9 +382,15 @@ def start_from_(model: DiffusionLM, path: str | Path) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in theirs_by_name:
+                if theirs_by_name[name].shape != p.shape:
+                    raise ValueError(f"init_from {path}: {name} has shape {tuple(theirs_by_name[name].shape)}, "
+                                     f"the config implies {tuple(p.shape)}")
                 p.copy_(theirs_by_name[name].to(p.dtype))
             elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):  # from a family without them
                 p.zero_()
+            elif "sidecar" in name or "mixer" in name:  # a scan the parent lacks: starts silent
+                if name.endswith("out_proj.weight"):
+                    p.zero_()
             else:
                 raise ValueError(f"init_from {path}: the checkpoint has no {name}")
 
@@ -392,12 +408,15 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     shape = config.model
     cls = family_class(config.family)
-    model_config = random_config(cls.family, vocab, tokenizer.token_to_id(spec["mask"]),
-                                 tokenizer.token_to_id(spec["eos"]), layers=shape.layers,
-                                 hidden_size=shape.hidden_size, heads=shape.heads,
-                                 intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
-                                 rope_theta=shape.rope_theta, block_size=shape.block_size)
-    model = cls(model_config)
+    mask, eos = tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"])
+    if issubclass(cls, DiffusionLM):
+        model = cls(random_config(cls.family, vocab, mask, eos, layers=shape.layers, hidden_size=shape.hidden_size,
+                                  heads=shape.heads, intermediate_size=shape.intermediate_size,
+                                  max_seq_len=shape.max_seq_len, rope_theta=shape.rope_theta,
+                                  block_size=shape.block_size))
+    else:
+        model = cls(cls.random_config(vocab, mask, eos, shape.layers, shape.hidden_size, shape.heads,
+                                      shape.intermediate_size, shape.block_size, shape.rope_theta))
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed))
     if config.init_from:

@@ -111,3 +111,15 @@ def test_own_layout_checkpoints_round_trip(tmp_path, family):
     (root / "config.json").write_text(json.dumps({**raw, "block_size": 0}))
     with pytest.raises(ConfigError, match="block_size must be a positive integer"):
         load_model(root)
+
+
+def test_padding_is_never_seen(model):
+    ids = random_prompts([6, 11], vocab=290, seed=8)
+    batch = torch.full((2, 11), 298)
+    valid = torch.zeros(2, 11, dtype=torch.bool)
+    for i, row in enumerate(ids):
+        batch[i, :len(row)] = torch.tensor(row)
+        valid[i, :len(row)] = True
+    got = model.train_logits(batch, valid)
+    for i, row in enumerate(ids):
+        assert torch.allclose(got[i, :len(row)], logits_of(model, row), atol=1e-5)

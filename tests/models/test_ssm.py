@@ -96,7 +96,7 @@ def test_cached_decoding_equals_uncached(model, case):
 
 
 @pytest.mark.parametrize("kwargs, why", [
-    (dict(block_length=8, gen_length=8), "set block_length=4"),
+    (dict(block_length=8, gen_length=16), "set block_length=4 or the whole gen_length"),
     (dict(block_length=4, gen_length=8, affix_policy="attention"), "affix reuse is not implemented"),
 ])
 def test_bad_requests(model, kwargs, why):
@@ -111,3 +111,19 @@ def test_config_is_validated():
         SSMConfig(**{**CONFIG, "state_size": 0})
     with pytest.raises(ValueError, match="mask_token_id=300 is outside the vocabulary"):
         SSMConfig(**{**CONFIG, "mask_token_id": 300})
+
+
+def test_padding_is_transparent_to_the_scans(model):
+    """A right-padded row of a training batch gets the logits it gets alone: padding steps neither write to
+    the state nor decay it."""
+    ids = random_prompts([7, 11], vocab=290, seed=9)
+    batch = torch.full((2, 11), 298)
+    valid = torch.zeros(2, 11, dtype=torch.bool)
+    for i, row in enumerate(ids):
+        batch[i, :len(row)] = torch.tensor(row)
+        valid[i, :len(row)] = True
+    got = model.train_logits(batch, valid)
+    for i, row in enumerate(ids):
+        alone, _ = model(torch.tensor([row]))
+        assert torch.allclose(got[i, :len(row)], alone[0], atol=1e-5)
+    assert not torch.allclose(model(batch)[0][0, :7], got[0, :7], atol=1e-5)  # unmasked padding would leak

@@ -272,6 +272,31 @@ def test_a_block_diffusion_model_trains_from_a_llada_checkpoint(tmp_path):
     assert log["config"]["family"] == "fast_dllm_v2" and log["config"]["layouts"] == ["prefix", "infix"]
 
 
+@pytest.mark.parametrize("family, new", [("r2lm", "sidecar"), ("blockdiff_ssm", "mixer")])
+def test_a_scan_family_trains_from_a_llada_checkpoint(tmp_path, family, new):
+    """The parent's tensors of the same name carry over; the scan it lacks starts silent (its output
+    projection at zero); the model is written in the family's own layout and loads."""
+    from acache.models.loader import load_model
+
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    train(TrainConfig(out=str(tmp_path / "llada"), steps=2, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
+                      model=shape), progress=False)
+    config = TrainConfig(out=str(tmp_path / family), steps=1, batch_size=2, lr=1e-12, warmup=1, bf16=False,
+                         tasks=("qa1",), family=family, layouts=("prefix",), init_from=str(tmp_path / "llada"),
+                         model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64, block_size=4))
+    train(config, progress=False)
+    parent, model = load_model(tmp_path / "llada"), load_model(tmp_path / family)
+    assert model.family == family and model.config.block_size == 4
+    theirs = dict(parent.named_parameters())
+    mine = dict(model.named_parameters())
+    for name, p in mine.items():
+        if name in theirs:
+            assert torch.allclose(p, theirs[name], atol=1e-6), name
+        else:
+            assert new in name, name
+    assert all(float(p.abs().max()) < 1e-6 for n, p in mine.items() if n.endswith(f"{new}.out_proj.weight"))
+
+
 def test_bad_training_configs(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"steps": 10, "learning_rate": 1}))
@@ -415,3 +440,23 @@ def test_blockdiff_recipe_and_model():
     assert got == {(t, lay): t != "arith" or lay == "infix" for t in ("qa1", "arith", "twohop")
                    for lay in ("prefix", "infix")}
 
+
+
+def test_r2lm_recipe_and_model():
+    """The R2LM model: its config starts from the shipped model and is what its log records; decoded block by
+    block it answers qa1 in both layouts and every task in infix (prefix arithmetic and two-hop: docs/model.md)."""
+    from acache.models.r2lm import R2LM
+    from acache.paths import REPO_ROOT
+    from acache_lab.eval.tasks import evaluate, open_model
+
+    config = TrainConfig.from_file(REPO_ROOT / "configs" / "r2lm.json")
+    assert (REPO_ROOT / config.init_from).resolve() == SHIPPED_MODEL.resolve() and config.family == "r2lm"
+    log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
+    assert_logged(config, log["config"])
+    assert log["steps_done"] == config.steps
+    runner = open_model(REPO_ROOT / config.out)
+    assert isinstance(runner.model, R2LM) and runner.model.config.block_size == 8
+    scores = evaluate(runner, examples=20, sentences=6, seed=7, layouts=("prefix", "infix"))
+    got = {(s.task, s.layout): s.accuracy >= 0.9 for s in scores}
+    assert got == {(t, lay): t == "qa1" or lay == "infix" for t in ("qa1", "arith", "twohop")
+                   for lay in ("prefix", "infix")}
