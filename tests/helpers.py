@@ -40,6 +40,16 @@ def run_engine(model, prompts, params, arrivals: Sequence[int] | None = None, en
     return [done[ids[i]] for i in range(len(prompts))]
 
 
+def right_padded(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as one right-padded batch: ids ``[B, T]`` and which of them are real."""
+    ids = torch.full((len(rows), max(len(r) for r in rows)), pad)
+    valid = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        valid[i, :len(row)] = True
+    return ids, valid
+
+
 def block_causal(model) -> bool:
     """Whether ``model`` attends block-causally (block diffusion), where a few bidirectional properties differ."""
     return model.config.block_size is not None

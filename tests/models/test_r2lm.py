@@ -11,6 +11,7 @@ from acache.models.r2lm import R2LM, R2LMConfig
 from acache.models.ssm import init_scan_model_
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
+from tests.helpers import right_padded
 
 CONFIG = dict(vocab_size=300, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
               sidecar_heads=2, sidecar_head_dim=8, state_size=6, block_size=4, mask_token_id=299, eos_token_id=298)
@@ -115,11 +116,7 @@ def test_own_layout_checkpoints_round_trip(tmp_path, family):
 
 def test_padding_is_never_seen(model):
     ids = random_prompts([6, 11], vocab=290, seed=8)
-    batch = torch.full((2, 11), 298)
-    valid = torch.zeros(2, 11, dtype=torch.bool)
-    for i, row in enumerate(ids):
-        batch[i, :len(row)] = torch.tensor(row)
-        valid[i, :len(row)] = True
+    batch, valid = right_padded(ids, 298)
     got = model.train_logits(batch, valid)
     for i, row in enumerate(ids):
         assert torch.allclose(got[i, :len(row)], logits_of(model, row), atol=1e-5)

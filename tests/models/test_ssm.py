@@ -10,6 +10,7 @@ from acache.decoding.blockwise import generate_blockwise
 from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, chunked_scan, init_scan_model_
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
+from tests.helpers import right_padded
 
 CONFIG = dict(vocab_size=300, hidden_size=48, num_layers=2, intermediate_size=96, num_heads=3, head_dim=8,
               state_size=6, block_size=4, mask_token_id=299, eos_token_id=298)
@@ -117,11 +118,7 @@ def test_padding_is_transparent_to_the_scans(model):
     """A right-padded row of a training batch gets the logits it gets alone: padding steps neither write to
     the state nor decay it."""
     ids = random_prompts([7, 11], vocab=290, seed=9)
-    batch = torch.full((2, 11), 298)
-    valid = torch.zeros(2, 11, dtype=torch.bool)
-    for i, row in enumerate(ids):
-        batch[i, :len(row)] = torch.tensor(row)
-        valid[i, :len(row)] = True
+    batch, valid = right_padded(ids, 298)
     got = model.train_logits(batch, valid)
     for i, row in enumerate(ids):
         alone, _ = model(torch.tensor([row]))
