@@ -48,9 +48,9 @@ def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int],
     if not prompt or bad:
         raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
                          + (f" (got {bad[0]})" if bad else ""))
-    if params.temperature > 0 and generator is None:
-        generator = torch.Generator(device=model.embed.weight.device).manual_seed(params.seed or 0)
     device = model.embed.weight.device
+    if generator is None:
+        generator = params.generator(device, default_seed=0)
     tokens = torch.tensor([*prompt, *[cfg.mask_token_id] * params.gen_length], device=device)
     gen_start, total, size = len(prompt), len(prompt) + params.gen_length, cfg.block_size
     stops = {cfg.eos_token_id, *params.stop_token_ids}
@@ -72,7 +72,7 @@ def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int],
                 logits, _ = model.extend(tokens[start:end], start, cache)
             else:
                 logits = model.extend(tokens[:end], 0, model.empty_cache())[0][start:end]
-            x0, conf = propose(logits[None], params.temperature, [generator] if params.temperature > 0 else None,
+            x0, conf = propose(logits[None], params.temperature, [generator] if generator is not None else None,
                                mask_token_id=cfg.mask_token_id)
             block, left = commit_step(rule, tokens[None, start:end], x0, conf, masked[None], step, False)
             tokens[start:end], masked = block[0], left[0]

@@ -135,7 +135,7 @@ class ModelRunner:
             own = torch.zeros_like(canvas.valid)
             for row, r in enumerate(group):
                 pad = canvas.pad_left[row]
-                own[row, pad:pad + r.length] = r.state.base_recompute(r.shared_mask([i for i, _ in r.shared]))
+                own[row, pad:pad + r.length] = r.state.base_recompute(r.shared_columns)
             ctx = SelectionContext(self.model, canvas, slot, kv, seeds, own)
             chosen = make_selector(name, query).select(ctx, [r.params.anchor_ratio for r in group])
             stepping = [r.params.block_length for r in group if r.params.probe_step]

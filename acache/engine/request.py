@@ -76,6 +76,11 @@ class Request:
         c0 = self.state.canvas.column(0, span.start)
         return c0, c0 + span.length
 
+    @property
+    def shared_columns(self) -> torch.Tensor:
+        """``[T]``: the columns of the affixes this request shares with others (their K/V in shared pages)."""
+        return self.shared_mask([i for i, _ in self.shared])
+
     def shared_mask(self, indices: list[int]) -> torch.Tensor:
         mask = torch.zeros(self.length, dtype=torch.bool, device=self.state.tokens.device)
         for index in indices:

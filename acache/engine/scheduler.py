@@ -175,7 +175,7 @@ class Scheduler:
                 none = req.shared_mask([])
                 req.state.set_recompute(none, none)
             else:
-                req.state.set_recompute(req.shared_mask([i for i, _ in req.shared]), anchors)
+                req.state.set_recompute(req.shared_columns, anchors)
                 self.kv.map_slots(req)
             self.metrics.anchors += int(req.state.anchors.sum())
             self.metrics.affix_tokens += req.affix_tokens

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
+from torch import nn
 
 from acache.models.base import DiffusionLM
 from acache.models.config import ModelConfig
@@ -146,6 +147,26 @@ def init_random_(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=gen))
 
 
+def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id: int, *, layers: int,
+                 hidden_size: int, heads: int, kv_heads: int | None = None, intermediate_size: int | None = None,
+                 max_seq_len: int = 4096, rope_theta: float | None = None, block_size: int | None = None) -> nn.Module:
+    """An uninitialised model of any family at a shape: a transformer family through :func:`random_config`, a
+    scan family (our own layout) through its ``random_config``."""
+    cls = family_class(family)
+    if issubclass(cls, DiffusionLM):
+        return cls(random_config(cls.family, vocab_size, mask_token_id, eos_token_id, layers=layers,
+                                 hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
+                                 intermediate_size=intermediate_size, max_seq_len=max_seq_len, rope_theta=rope_theta,
+                                 block_size=block_size))
+    return cls(cls.random_config(vocab_size, mask_token_id, eos_token_id, layers, hidden_size, heads,
+                                 intermediate_size, block_size, rope_theta))
+
+
+def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random weights for a model of any family (:func:`init_random_` or the scans' own)."""
+    (init_random_ if isinstance(model, DiffusionLM) else init_scan_model_)(model, seed, std)
+
+
 def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hidden_size: int = 64,
                            heads: int = 4, kv_heads: int | None = None, intermediate_size: int | None = None,
                            vocab_size: int | None = None, max_seq_len: int = 4096, seed: int = 0,
@@ -159,15 +180,10 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
     if vocab < n_tok:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {n_tok} tokens")
     spec = SPECIAL_TOKENS[cls.family]
-    mask, eos = tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"])
-    if hasattr(cls, "random_config"):  # a family of our own layout (a selective-scan model)
-        model = cls(cls.random_config(vocab, mask, eos, layers, hidden_size, heads, intermediate_size, block_size))
-        init_scan_model_(model, seed, std)
-    else:
-        model = cls(random_config(cls.family, vocab, mask, eos, layers=layers, hidden_size=hidden_size, heads=heads,
-                                  kv_heads=kv_heads, intermediate_size=intermediate_size, max_seq_len=max_seq_len,
-                                  block_size=block_size))
-        init_random_(model, seed, std)
+    model = family_model(cls.family, vocab, tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"]),
+                         layers=layers, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
+                         intermediate_size=intermediate_size, max_seq_len=max_seq_len, block_size=block_size)
+    init_weights_(model, seed, std)
     return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,
                            dtype=dtype)
 

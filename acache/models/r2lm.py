@@ -23,7 +23,8 @@ from torch import nn
 from acache.models.layers import RMSNorm, apply_rope, attend, rope_tables
 from acache.models.ssm import OwnLayout, SSMMixer, check_sizes
 
-#: a layer's cached K/V: keys (pre-RoPE) and values ``[B, S, Hkv, D]`` of positions ``0..S-1``
+#: a layer's cached K/V: keys (rotated: a key's position never changes) and values ``[B, S, Hkv, D]`` of
+#: positions ``0..S-1``
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -87,16 +88,16 @@ class R2LMLayer(nn.Module):
         q = self.q_proj(h).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        q_pos = torch.arange(start, start + t, device=x.device)[None]
+        rope = rope_tables(q_pos, self.head_dim, self.theta)  # the fed tokens' keys sit at their queries' places
+        k = apply_rope(k, *rope)
         keys = k if past is None else torch.cat((past[0], k), dim=1)
         values = v if past is None else torch.cat((past[1], v), dim=1)
-        s = keys.shape[1]
-        q_pos = torch.arange(start, start + t, device=x.device)[None]
-        k_pos = torch.arange(0, s, device=x.device)[None]
+        k_pos = torch.arange(0, keys.shape[1], device=x.device)[None]
         causal = (k_pos[:, None, :] <= q_pos[:, :, None]).expand(b, -1, -1)
         if valid is not None:  # padding is never attended (a padded query still sees the first token)
             causal = causal & (valid[:, None, :] | (k_pos == 0)[:, None, :])
-        out = attend(apply_rope(q, *rope_tables(q_pos, self.head_dim, self.theta)),
-                     apply_rope(keys, *rope_tables(k_pos, self.head_dim, self.theta)), values, causal)
+        out = attend(apply_rope(q, *rope), keys, values, causal)
         x = x + self.o_proj(out.reshape(b, t, -1))
         x = x + self.sidecar(self.sidecar_norm(x), None, valid)[0]
         h = self.mlp_norm(x)
@@ -139,16 +140,18 @@ class R2LM(OwnLayout, nn.Module):
                ) -> tuple[torch.Tensor, list[LayerKV]]:
         """Logits ``[T, V]`` of ``tokens [T]`` at positions ``start..`` (whole blocks after the cached ones),
         and the cache extended by them."""
-        x = self.embed(tokens[None])
-        out = []
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, start, None if cache is None else cache[i])
-            out.append(kv)
-        return self.lm_head(self.norm(x)).float()[0], out
+        logits, out = self._run(tokens[None], start, cache)
+        return logits[0], out
 
     def train_logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Logits of a right-padded training batch whose rows start at position 0."""
+        return self._run(input_ids, 0, None, valid)[0]
+
+    def _run(self, input_ids: torch.Tensor, start: int, cache: list[LayerKV] | None,
+             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[LayerKV]]:
         x = self.embed(input_ids)
-        for layer in self.layers:
-            x, _ = layer(x, 0, None, valid)
-        return self.lm_head(self.norm(x)).float()
+        out = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, start, None if cache is None else cache[i], valid)
+            out.append(kv)
+        return self.lm_head(self.norm(x)).float(), out

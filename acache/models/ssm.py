@@ -170,18 +170,25 @@ class SSMMixer(nn.Module):
         a = -self.A_log.float().exp()
         b, c = b.float(), c.float()
         y = self.D.float()[:, None] * x
-        zero = self.empty_state(bsz, u.device)
         if self.forward_scan:
-            forward, state = chunked_scan(x, dt, a, b, c, zero if state is None else state.float(), self.block_size)
+            start = self.empty_state(bsz, u.device) if state is None else state.float()
+            forward, state = chunked_scan(x, dt, a, b, c, start, self.block_size)
             # a token's own input enters both scans: count it once
             y = y + forward - (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
         else:
             state = None
-        for s in range(0, t, self.block_size):  # right to left inside each block, from a zero state
-            e = min(t, s + self.block_size)
-            rev = [v[:, s:e].flip(1) for v in (x, dt, b, c)]
-            back, _ = chunked_scan(rev[0], rev[1], a, rev[2], rev[3], zero, self.block_size)
-            y[:, s:e] = y[:, s:e] + back.flip(1)
+        # right to left inside each block, from a zero state: every block one row of a single scan (a short last
+        # block padded with steps of zero, which leave the state as it is)
+        size = self.block_size
+        blocks = -(-t // size)
+
+        def by_block(v: torch.Tensor) -> torch.Tensor:
+            v = torch.cat((v, v.new_zeros(bsz, blocks * size - t, *v.shape[2:])), dim=1)
+            return v.reshape(bsz * blocks, size, *v.shape[2:]).flip(1)
+
+        back, _ = chunked_scan(by_block(x), by_block(dt), a, by_block(b), by_block(c),
+                               self.empty_state(bsz * blocks, u.device), size)
+        y = y + back.flip(1).reshape(bsz, blocks * size, h, p)[:, :t]
         y = self.norm(y.reshape(bsz, t, inner).to(u.dtype)) * F.silu(z)
         return self.out_proj(y), state
 

@@ -27,9 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from acache.models.base import DiffusionLM
-from acache.models.checkpoint import SPECIAL_TOKENS, init_random_, random_config, save_checkpoint, tokenizer_config
+from acache.models.checkpoint import SPECIAL_TOKENS, family_model, init_weights_, save_checkpoint, tokenizer_config
 from acache.models.registry import family_class
-from acache.models.ssm import init_scan_model_
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
@@ -355,9 +354,9 @@ class Probe:
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,
                        embed_generator: torch.Generator | None = None) -> None:
-    """Weights at N(0, std) (a scan family's decays and steps as :func:`init_scan_model_` sets them), norms
+    """Weights at N(0, std) (a scan family's decays and steps as :func:`init_weights_` sets them), norms
     at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
-    (init_random_ if isinstance(model, DiffusionLM) else init_scan_model_)(model, seed, std=std)
+    init_weights_(model, seed, std=std)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -407,16 +406,10 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     spec = SPECIAL_TOKENS["llada"]
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     shape = config.model
-    cls = family_class(config.family)
-    mask, eos = tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"])
-    if issubclass(cls, DiffusionLM):
-        model = cls(random_config(cls.family, vocab, mask, eos, layers=shape.layers, hidden_size=shape.hidden_size,
-                                  heads=shape.heads, intermediate_size=shape.intermediate_size,
-                                  max_seq_len=shape.max_seq_len, rope_theta=shape.rope_theta,
-                                  block_size=shape.block_size))
-    else:
-        model = cls(cls.random_config(vocab, mask, eos, shape.layers, shape.hidden_size, shape.heads,
-                                      shape.intermediate_size, shape.block_size, shape.rope_theta))
+    model = family_model(config.family, vocab, tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"]),
+                         layers=shape.layers, hidden_size=shape.hidden_size, heads=shape.heads,
+                         intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
+                         rope_theta=shape.rope_theta, block_size=shape.block_size)
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed))
     if config.init_from:
