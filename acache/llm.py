@@ -15,7 +15,6 @@ from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
 from acache.engine.llm_engine import DEFAULT_CPU_KV_BYTES
 from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
-from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, read_config
 from acache.models.tensor_parallel import check_divisible, shard_model
 from acache.models.tokenizer import Tokenizer
@@ -54,9 +53,12 @@ class LLM:
         self.device = parse_device(device)
         self.model_path = Path(model)
         family = read_config(model)[0]
-        if not issubclass(family, DiffusionLM):
-            raise ValueError(f"{model}: a {family.family} model decodes block by block with its own cache "
-                             "(acache.decoding.blockwise.generate_blockwise); the engine does not serve it yet")
+        if getattr(family, "state_cache", False):  # the scan families: a cache of their own, no affix K/V
+            for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
+                                ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile)):
+                if value:
+                    raise ValueError(f"{name} is not supported for a {family.family} model (it shares no affix "
+                                     "K/V and runs on one device)")
         self.tensor_parallel_size = tensor_parallel_size
         self._tp_workers: list = []
         self._channel = None
@@ -94,7 +96,8 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
-        self.affix_store = AffixStore(self.model, affix_cache_bytes, keep_hidden=True)
+        self.affix_store = None if getattr(family, "state_cache", False) else AffixStore(
+            self.model, affix_cache_bytes, keep_hidden=True)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0

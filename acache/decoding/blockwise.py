@@ -1,29 +1,40 @@
-"""Decoding, block by block, a model that sees no later block and carries the finished ones in a cache of
-its own: the state-space variant (:class:`~acache.models.ssm.SSMBlockDiffusionLM`, a state) and R2LM
+"""Decoding a model that sees no later block and keeps the finished ones in a cache of its own: the
+state-space variant (:class:`~acache.models.ssm.SSMBlockDiffusionLM`, a state) and R2LM
 (:class:`~acache.models.r2lm.R2LM`, attention K/V). Both offer ``empty_cache()``, ``extend(tokens, start,
-cache) -> (logits, cache)`` and ``cache_bytes(cache)``.
+cache) -> (logits, cache)``, ``extend_many(rows)`` (the same, for several rows at once) and
+``cache_bytes(cache)``.
 
-The canvas (prompt, then ``gen_length`` masks) is walked block by block. The prompt's whole blocks enter
-the cache in one forward; a block holding masks is denoised by the request's commit rule, each step a
-forward of that block alone against the cache of the blocks before it; once it holds no mask it enters the
-cache. With ``cache="none"`` every step instead runs the whole canvas up to the block's end from an empty
-cache: the uncached path the cached one must equal token for token. A finished block holding a stop token
-ends the request.
+The request's :class:`~acache.decoding.request_state.RequestState` decides every step, as for the attention
+families: with a cached policy a step feeds the model blocks its decoding block touches, against the cache
+of every column before them. :func:`run_plans` carries that out for one request or many: it first advances
+each cache over the columns the plan now reads from it (all final: the prompt and finished blocks), then runs
+the fed columns against it, leaving the cache as it was. With ``cache="none"`` the whole canvas runs from an
+empty cache at every step: the uncached path the cached one must equal token for token. The engine's
+:mod:`~acache.engine.state_runner` and :func:`generate_blockwise` (the reference loop) share this code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from acache.decoding.commit import commit_step, make_commit_rule
-from acache.decoding.request_state import truncate_at_stop
+from acache.affix.prompt import AffixPrompt
+from acache.decoding.request_state import RequestState, StepPlan
 from acache.decoding.sampler import propose
 from acache.models.r2lm import R2LM
 from acache.models.ssm import SSMBlockDiffusionLM
 from acache.sampling_params import SamplingParams
+
+
+@dataclass
+class BlockCache:
+    """One request's cache: what ``extend`` left after canvas columns ``[0, covered)``."""
+
+    value: Any
+    covered: int = 0
 
 
 @dataclass
@@ -33,54 +44,55 @@ class BlockwiseResult:
     cache_bytes: int  # the cache's size once decoding ended
 
 
+def run_plans(model: SSMBlockDiffusionLM | R2LM, items: Sequence[tuple[torch.Tensor, StepPlan, BlockCache]]
+              ) -> list[torch.Tensor]:
+    """The block logits ``[L, V]`` of each ``(tokens, plan, cache)``. A plan reads columns ``[0, P)`` from the
+    cache and feeds ``[P, ...)``; each cache is first advanced to ``P`` (in place), then every fed segment
+    runs against its cache, all rows through one ``extend_many`` each time."""
+    behind = [(tokens, plan, cache) for tokens, plan, cache in items if len(plan.past) > cache.covered]
+    if behind:
+        rows = [(tokens[cache.covered:len(plan.past)], cache.covered, cache.value) for tokens, plan, cache in behind]
+        for (_, plan, cache), (_, value) in zip(behind, model.extend_many(rows), strict=True):
+            cache.value, cache.covered = value, len(plan.past)
+    for _, plan, cache in items:
+        if len(plan.past) != cache.covered:
+            raise RuntimeError(f"the cache covers {cache.covered} columns but the step reads {len(plan.past)}")
+    rows = [(tokens[plan.fed], len(plan.past), cache.value if len(plan.past) else model.empty_cache())
+            for tokens, plan, cache in items]
+    return [logits[plan.block] for (_, plan, _), (logits, _) in zip(items, model.extend_many(rows), strict=True)]
+
+
+def new_state(model: SSMBlockDiffusionLM | R2LM, prompt: AffixPrompt, params: SamplingParams,
+              stop_token_ids: set[int] | frozenset[int]) -> RequestState:
+    """A request's decoding state for a state-cache model (no affix is shared: every column is its own)."""
+    cfg = model.config
+    state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
+                         model.device, stop_token_ids, cfg.block_size, state_cache=True)
+    none = torch.zeros(state.length, dtype=torch.bool, device=model.device)
+    state.set_recompute(none, none)
+    return state
+
+
 @torch.inference_mode()
 def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int], params: SamplingParams,
                        generator: torch.Generator | None = None) -> BlockwiseResult:
-    """Decodes one request. Decoding follows the model's own blocks (the first may start inside the prompt's
-    last block), so ``params.block_length`` must name them: the model's block size, or the whole region."""
+    """Decodes one request on its own, the reference the engine is tested against."""
     cfg = model.config
-    if params.block_length not in (cfg.block_size, params.gen_length):
-        raise ValueError(f"this model decodes its own blocks of {cfg.block_size} positions: set block_length="
-                         f"{cfg.block_size} or the whole gen_length (got {params.block_length})")
     if params.affix_policy is not None:
-        raise ValueError("affix reuse is not implemented for this family (its cache is built block by block)")
+        raise ValueError(f"affix reuse is not implemented for the {model.family} family")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if not prompt or bad:
         raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
                          + (f" (got {bad[0]})" if bad else ""))
-    device = model.embed.weight.device
     if generator is None:
-        generator = params.generator(device, default_seed=0)
-    tokens = torch.tensor([*prompt, *[cfg.mask_token_id] * params.gen_length], device=device)
-    gen_start, total, size = len(prompt), len(prompt) + params.gen_length, cfg.block_size
-    stops = {cfg.eos_token_id, *params.stop_token_ids}
-    cached = params.cache != "none"
-    rule = make_commit_rule(params)
-    cache = model.empty_cache()
-    first = gen_start // size * size
-    if cached and first:
-        _, cache = model.extend(tokens[:first], 0, cache)
-    nfe = 0
-    for start in range(first, total, size):
-        end = min(start + size, total)
-        masked = tokens[start:end] == cfg.mask_token_id
-        masked[:max(0, gen_start - start)] = False  # the prompt's own tail is never rewritten
-        rule.begin_block(masked.sum()[None])
-        step = 0
-        while bool(masked.any()):
-            if cached:
-                logits, _ = model.extend(tokens[start:end], start, cache)
-            else:
-                logits = model.extend(tokens[:end], 0, model.empty_cache())[0][start:end]
-            x0, conf = propose(logits[None], params.temperature, [generator] if generator is not None else None,
-                               mask_token_id=cfg.mask_token_id)
-            block, left = commit_step(rule, tokens[None, start:end], x0, conf, masked[None], step, False)
-            tokens[start:end], masked = block[0], left[0]
-            step += 1
-            nfe += 1
-        if not stops.isdisjoint(tokens[max(start, gen_start):end].tolist()):
+        generator = params.generator(model.device, default_seed=0)
+    ids = tuple(int(t) for t in prompt)
+    state = new_state(model, AffixPrompt(ids, len(ids)), params, {cfg.eos_token_id, *params.stop_token_ids})
+    cache = BlockCache(model.empty_cache())
+    while True:
+        logits = run_plans(model, [(state.tokens, state.plan(), cache)])[0]
+        gens = [generator] if params.temperature > 0 and generator is not None else None
+        x0, conf = propose(logits[None], params.temperature, gens, mask_token_id=cfg.mask_token_id)
+        if state.commit(x0[0], conf[0]):
             break
-        if cached:
-            _, cache = model.extend(tokens[start:end], start, cache)
-    out = truncate_at_stop(tokens[gen_start:].tolist(), stops)
-    return BlockwiseResult(out, nfe, model.cache_bytes(cache))
+    return BlockwiseResult(state.output()[0], state.nfe, model.cache_bytes(cache.value))

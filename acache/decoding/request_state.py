@@ -18,6 +18,10 @@ K/V cache (:meth:`RequestState.plan`), and takes the proposals of the current bl
   (and, for a shifted model, the column before it) against the K/V of the attention blocks before them,
   which are final, so every cache is exact; shared affix columns in an attention block that also holds
   other columns are recomputed at every refresh (their K/V depend on those columns).
+* models whose cache is their own object (``state_cache``: the state-space variant, R2LM): every step of a
+  cached policy feeds the blocks the current block touches against a cache of every column before them, which
+  the executor advances over the newly finished columns on the block's first step (the refresh); the cache
+  is exact, so ``refresh_interval`` has nothing to refresh.
 
 The executor (the paged engine, or the dense reference loop) runs the forward and applies the K/V writes.
 """
@@ -67,7 +71,9 @@ class RequestState:
 
     def __init__(self, layout: Layout, params: SamplingParams, mask_token_id: int, pad_token_id: int,
                  shifted: bool, device: torch.device, stop_token_ids: frozenset[int] | set[int] = frozenset(),
-                 attention_block: int | None = None) -> None:
+                 attention_block: int | None = None, state_cache: bool = False) -> None:
+        if state_cache and attention_block is None:
+            raise ValueError("a state-cache model is block-causal: give its attention_block")
         canvas = build_canvas([layout], params.gen_length, mask_token_id, pad_token_id, device)
         self.canvas = canvas
         self.params = params
@@ -79,6 +85,7 @@ class RequestState:
         self.shifted = shifted
         self.stop_token_ids = frozenset(stop_token_ids)
         self.attention_block = attention_block  # the model's block-causal block length (None: bidirectional)
+        self.state_cache = state_cache
         self.phase = Phase.SELECT
         self.block = 0
         self.step = 0
@@ -140,6 +147,8 @@ class RequestState:
     def is_refresh_step(self) -> bool:
         if self.params.cache == "none":
             return False
+        if self.state_cache:
+            return self.step == 0
         interval = self.params.refresh_interval
         return self.step == 0 or (interval is not None and self.step % interval == 0)
 
@@ -172,6 +181,10 @@ class RequestState:
         if self.params.cache == "none":
             fed = cols[near]
             return StepPlan(fed, cols[:0], torch.searchsorted(fed, cols[start:end]), refresh=False, write=False)
+        if self.state_cache:
+            first, last = self.step_span()
+            refresh = self.phase is Phase.REFRESH
+            return StepPlan(cols[first:last], cols[:first], cols[start - first:end - first], refresh, refresh)
         if self.phase is Phase.REFRESH:
             fed = self._refresh_fed[near[self._refresh_fed]]
             past = self._refresh_past[near[self._refresh_past]]

@@ -45,6 +45,20 @@ class KVCacheManager:
         shared = sum(self.pool.pages_for(req.prompt.affixes[i].length) for i in indices)
         return shared + self.pool.pages_for(req.private_tokens(indices))
 
+    def check(self, req: Request) -> None:
+        """Raises a ValueError when the request needs more pages than the whole pool."""
+        need, pool = self.pages_needed_alone(req), self.pool
+        if need > pool.num_pages:
+            raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
+                             f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
+
+    def memory_usage(self) -> tuple[int, int, int]:
+        """``(peak pages, pages in use, bytes a page)``."""
+        return self.pool.peak_pages_used, self.pool.num_used, self.pool.page_bytes
+
+    def reset_peak(self) -> None:
+        self.pool.peak_pages_used = self.pool.num_used
+
     def allocate(self, req: Request) -> bool:
         """Takes the request's shared affixes and private pages, all or nothing (also when computing an
         affix raises: what it took so far goes back through :meth:`free`); fills its slot map for every

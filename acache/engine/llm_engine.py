@@ -4,6 +4,10 @@ A step is vLLM's loop: ``Scheduler.schedule()`` picks what runs (anchor selectio
 in-block steps), ``ModelRunner.execute()`` runs it and returns tokens, confidences, anchors and
 timings without touching a request, and ``Scheduler.update_from_output()`` applies them. Every
 ``SamplingParams`` field is per request; any mix of requests decodes each exactly as it would alone.
+
+The attention families keep their K/V in a page pool (``KVCacheManager`` + ``ModelRunner``); the scan families
+(the state-space variant, R2LM) keep a cache of the model's own per request (``StateCacheManager`` +
+``StateRunner``). Both run through the same scheduler and request lifecycle.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from acache.engine.outputs import EngineOutput
 from acache.engine.page_pool import PagePool
 from acache.engine.request import Request
 from acache.engine.scheduler import Scheduler, SchedulerConfig
+from acache.engine.state_cache_manager import StateCacheManager
+from acache.engine.state_runner import StateRunner
 from acache.models.base import DiffusionLM
+from acache.models.r2lm import R2LM
+from acache.models.ssm import SSMBlockDiffusionLM
 from acache.sampling_params import SamplingParams
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -49,7 +57,8 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: DiffusionLM, config: EngineConfig | None = None, stop_token_ids: Seq[int] = (),
+    def __init__(self, model: DiffusionLM | SSMBlockDiffusionLM | R2LM, config: EngineConfig | None = None,
+                 stop_token_ids: Seq[int] = (),
                  affix_source: AffixStore | None = None, bicache_profile: BiCacheProfile | None = None) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -57,14 +66,23 @@ class LLMEngine:
         memory = c.kv_cache_memory
         if memory is None and model.device.type != "cuda":
             memory = DEFAULT_CPU_KV_BYTES
-        self.pool = PagePool.from_budget(model.config, c.page_size, model.dtype, model.device, memory,
-                                         c.gpu_memory_utilization)
-        self.kv = KVCacheManager(model, self.pool, affix_source, c.max_affix_tokens)
+        self.state_cache = getattr(model, "state_cache", False)
+        self.pool: PagePool | None = None
+        if self.state_cache:  # a cache of the model's own per request (the scan families)
+            if memory is None:
+                free, _ = torch.cuda.mem_get_info(model.device)
+                memory = int(free * c.gpu_memory_utilization)
+            self.kv: KVCacheManager | StateCacheManager = StateCacheManager(model, memory)
+            self.runner: ModelRunner | StateRunner = StateRunner(model, self.kv)
+        else:
+            self.pool = PagePool.from_budget(model.config, c.page_size, model.dtype, model.device, memory,
+                                             c.gpu_memory_utilization)
+            self.kv = KVCacheManager(model, self.pool, affix_source, c.max_affix_tokens)
+            reuse = c.reuse_step_keys if c.reuse_step_keys is not None else model.device.type == "cpu"
+            self.runner = ModelRunner(model, self.pool, reuse_step_keys=reuse)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv,
                                    len(model.layers), self.metrics, bicache_profile)
-        reuse = c.reuse_step_keys if c.reuse_step_keys is not None else model.device.type == "cpu"
-        self.runner = ModelRunner(model, self.pool, reuse_step_keys=reuse)
         self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
         context = model.config.max_position_embeddings
@@ -107,11 +125,17 @@ class LLMEngine:
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
+        if self.state_cache:
+            if params.affix_policy is not None and prompt.affixes:
+                raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
+                                 f"{self.model.family} family: its cache is built block by block, per request")
+            if params.focus_layers is not None:
+                raise ValueError(f"focus_layers is not supported for the {self.model.family} family")
         if params.focus_layers is not None and self.model.shifted_logits:
             raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
                              "predicts a token from the column before it, which FOCUS may have left out")
         return Request(request_id, prompt, params, cfg, self.model.shifted_logits, self.model.device, generator,
-                       stream, self.stop_token_ids)
+                       stream, self.stop_token_ids, self.state_cache)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its pages; True if it was in the engine."""
@@ -146,11 +170,12 @@ class LLMEngine:
         """Starts a fresh measurement: run metrics, affix hit counts and the KV peak (from what is in use now)."""
         self.metrics = self.scheduler.metrics = EngineMetrics()
         self.affixes.stats.hits = self.affixes.stats.misses = 0
-        self.pool.peak_pages_used = self.pool.num_used
+        self.kv.reset_peak()
 
     def summary(self) -> dict:
-        return self.metrics.summary(self.pool.peak_pages_used, self.pool.num_used, self.pool.page_bytes,
-                                    self.affixes.stats.hits, self.affixes.stats.queries)
+        """Run metrics; the cache peak is in pages of the pool (for the scan families, whose caches are not
+        paged: in bytes)."""
+        return self.metrics.summary(*self.kv.memory_usage(), self.affixes.stats.hits, self.affixes.stats.queries)
 
     def _find(self, request_id: str) -> Request | None:
         for req in (*self.scheduler.running, *self.scheduler.waiting):

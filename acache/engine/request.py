@@ -46,14 +46,15 @@ class RequestStats:
 class Request:
     def __init__(self, request_id: str, prompt: AffixPrompt, params: SamplingParams, config: ModelConfig,
                  shifted: bool, device: torch.device, generator: torch.Generator | None = None,
-                 stream: bool = False, stop_token_ids: frozenset[int] | set[int] = frozenset()) -> None:
+                 stream: bool = False, stop_token_ids: frozenset[int] | set[int] = frozenset(),
+                 state_cache: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.generator = generator
         self.stream = stream
         self.state = RequestState(prompt.layout, params, config.mask_token_id, config.pad_token_id, shifted, device,
-                                  {*stop_token_ids, *params.stop_token_ids}, config.block_size)
+                                  {*stop_token_ids, *params.stop_token_ids}, config.block_size, state_cache)
         self.reuse = params.affix_policy is not None and bool(prompt.affixes)
         self.bicache = self.reuse and params.affix_policy in BICACHE_POLICIES
         self.status = Status.WAITING

@@ -25,6 +25,7 @@ from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
 from acache.engine.outputs import EngineOutput, ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.request import Request, Status
+from acache.engine.state_cache_manager import StateCacheManager
 
 
 @dataclass
@@ -65,8 +66,8 @@ def split_ragged(batch: ForwardBatch, max_padding: float = MAX_PADDING) -> list[
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_layers: int, metrics: EngineMetrics,
-                 bicache_profile: BiCacheProfile | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | StateCacheManager, num_layers: int,
+                 metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None) -> None:
         self.config = config
         self.kv = kv
         self.num_layers = num_layers
@@ -84,16 +85,12 @@ class Scheduler:
 
     def check(self, req: Request) -> None:
         """Raises a ValueError naming the problem when ``req`` could never run: a BiCache profile it lacks,
-        or more pages than the whole pool."""
+        or more cache than the whole budget."""
         if req.bicache:
             share = sum(a.length for a in req.prompt.affixes) / req.length
             req.bicache_depth = bicache_depth(req.params.affix_policy, req.params.anchor_ratio, self.num_layers,
                                               share, self.bicache_profile)
-        need = self.kv.pages_needed_alone(req)
-        pool = self.kv.pool
-        if need > pool.num_pages:
-            raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
-                             f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
+        self.kv.check(req)
 
     def abort(self, request_id: str) -> Request | None:
         for req in list(self.waiting):

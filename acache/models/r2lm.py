@@ -44,12 +44,13 @@ class R2LMConfig:
     eos_token_id: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096  # the longest canvas the engine accepts
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "R2LM config", ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                           "intermediate_size", "sidecar_heads", "sidecar_head_dim", "state_size",
-                                          "block_size"))
+                                          "block_size", "max_position_embeddings"))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"R2LM config: hidden {self.hidden_size}, {self.num_heads} heads and "
                              f"{self.num_kv_heads} K/V heads do not divide")
@@ -57,6 +58,10 @@ class R2LMConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.eos_token_id
 
 
 class R2LMLayer(nn.Module):
@@ -135,6 +140,11 @@ class R2LM(OwnLayout, nn.Module):
     @staticmethod
     def cache_bytes(cache: list[LayerKV] | None) -> int:
         return sum(t.numel() * t.element_size() for kv in cache or () for t in kv)
+
+    def cache_bytes_for(self, length: int) -> int:
+        """The cache's size once a canvas of ``length`` tokens is decoded: the K/V of every position."""
+        c = self.config
+        return 2 * c.num_layers * length * c.num_kv_heads * c.head_dim * self.embed.weight.element_size()
 
     def extend(self, tokens: torch.Tensor, start: int, cache: list[LayerKV] | None
                ) -> tuple[torch.Tensor, list[LayerKV]]:

@@ -45,11 +45,17 @@ class SSMConfig:
     mask_token_id: int
     eos_token_id: int
     rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 65536  # the longest canvas the engine accepts (the scan itself has no limit)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
-                                                 "num_heads", "head_dim", "state_size", "block_size"))
+                                                 "num_heads", "head_dim", "state_size", "block_size",
+                                                 "max_position_embeddings"))
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.eos_token_id
 
     @property
     def inner_size(self) -> int:
@@ -73,7 +79,9 @@ class OwnLayout:
     """The checkpoint format of a family with no public upstream checkpoint: ``config.json`` holds the config's
     fields under the family's ``model_type``, and the tensors keep the module's parameter names under
     ``model.`` (``lm_head`` at the top, as Qwen2's). Loaded and written by the same loader and writer as the
-    upstream families; the engine does not serve these families yet (``decoding/blockwise.py`` decodes them)."""
+    upstream families. The engine serves them with a cache of the model's own per request
+    (``engine/state_runner.py``), through the same ``extend_many`` as the reference loop
+    (``decoding/blockwise.py``)."""
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
@@ -81,6 +89,20 @@ class OwnLayout:
     config_class: ClassVar[type]
     shifted_logits: ClassVar[bool] = False
     block_causal: ClassVar[bool] = True
+    #: the engine keeps each request's cache as the model's own object (``empty_cache``/``extend``), not in pages
+    state_cache: ClassVar[bool] = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def extend_many(self, rows: list[tuple[torch.Tensor, int, Any]]) -> list[tuple[torch.Tensor, Any]]:
+        """``extend`` of each ``(tokens, start, cache)`` row; a family that can run rows together overrides it."""
+        return [self.extend(tokens, start, cache) for tokens, start, cache in rows]
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any]) -> Any:
@@ -251,6 +273,27 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         return self.empty_state()
 
     cache_bytes = state_bytes
+
+    def cache_bytes_for(self, length: int) -> int:
+        """The cache's size for a canvas of ``length`` tokens: one float32 state a layer, whatever the length."""
+        c = self.config
+        return c.num_layers * c.num_heads * c.head_dim * c.state_size * 4
+
+    def extend_many(self, rows: list[tuple[torch.Tensor, int, list[torch.Tensor]]]
+                    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Every row in one forward: states stacked, tokens right-padded (padding steps leave a state as it
+        is). Each row starts at a block boundary, so the blocks line up whatever its ``start``."""
+        if len(rows) == 1:
+            return [self.extend(*rows[0])]
+        width = max(len(tokens) for tokens, _, _ in rows)
+        device = self.embed.weight.device
+        ids = torch.full((len(rows), width), self.config.mask_token_id, dtype=torch.long, device=device)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+        for i, (tokens, _, _) in enumerate(rows):
+            ids[i, :len(tokens)], valid[i, :len(tokens)] = tokens, True
+        states = [torch.cat(layer) for layer in zip(*(cache for _, _, cache in rows), strict=True)]
+        logits, after = self(ids, states, valid)
+        return [(logits[i, :len(tokens)], [s[i:i + 1] for s in after]) for i, (tokens, _, _) in enumerate(rows)]
 
     def extend(self, tokens: torch.Tensor, start: int, cache: list[torch.Tensor]
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -401,6 +401,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         if body.logprobs and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
         reuse = body.selector != "off"
+        if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
+            if body.selector not in (None, "off"):
+                raise BadRequest(f"selector applies to a reused affix, which the {llm.model.family} family does "
+                                 "not support")
+            reuse = False
         try:
             prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
         except ValueError as exc:
@@ -426,9 +431,12 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
 
     def scoring_allowed(wanted: bool) -> None:
-        """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror."""
+        """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror; it masks and
+        scores whole sequences bidirectionally, which a scan family's cache interface does not offer."""
         if wanted and llm.tensor_parallel_size > 1:
             raise BadRequest("logprobs are not supported with --tensor-parallel-size > 1 yet")
+        if wanted and llm.engine.state_cache:
+            raise BadRequest(f"logprobs are not supported for the {llm.model.family} family yet")
 
     async def scoring(request: Request, fn: Callable, *args):
         """Runs a scoring job on the scoring thread; a client that goes away stops it between two batches."""

@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from acache.affix.prompt import AffixPrompt
-from acache.decoding.blockwise import generate_blockwise
 from acache.llm import LLM
-from acache.models.base import DiffusionLM
-from acache.models.loader import load_model, read_config
-from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache.sampling_params import SamplingParams
 from acache_lab.tasks.generators import TASKS, Example, held_out, parse_tasks
@@ -45,34 +40,6 @@ def task_params(task: str, **overrides) -> SamplingParams:
                              **overrides})
 
 
-class BlockwiseRunner:
-    """What the task evaluation asks of an :class:`LLM` (a tokenizer, ``generate``), for the families the
-    engine does not serve (the state-space variant, R2LM): each request decoded alone with
-    :func:`~acache.decoding.blockwise.generate_blockwise`, its cache its own."""
-
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
-        self.model = load_model(model_dir, dtype=dtype, device=device)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-
-    def generate(self, prompts: list[AffixPrompt], params: SamplingParams, use_tqdm: bool = False) -> list:
-        outs = []
-        for p in prompts:
-            if p.gen_at != len(p.token_ids):
-                raise ValueError(f"a {self.model.family} model cannot read text after its answer: use the prefix or "
-                                 "infix layout")
-            ids = generate_blockwise(self.model, p.token_ids, params).token_ids
-            outs.append(SimpleNamespace(token_ids=ids, text=self.tokenizer.decode(ids)))
-        return outs
-
-
-def open_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
-               max_batch_size: int = 32) -> LLM | BlockwiseRunner:
-    """The engine for the families it serves, a :class:`BlockwiseRunner` for the others."""
-    if issubclass(read_config(model_dir)[0], DiffusionLM):
-        return LLM(model_dir, dtype=dtype, device=device, max_batch_size=max_batch_size)
-    return BlockwiseRunner(model_dir, "float32" if dtype == "auto" else dtype, "cpu" if device == "auto" else device)
-
-
 def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPrompt]:
     """The examples rendered in ``layout`` with the model's tokenizer (the story marked as the affix)."""
     return render_prompts(llm.tokenizer, examples, layout)
@@ -87,6 +54,9 @@ def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example],
 def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
              layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None) -> list[TaskScore]:
     """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask)."""
+    if "suffix" in layouts and getattr(llm.model, "block_causal", False):
+        raise ValueError(f"a {llm.model.family} model is block-causal: it cannot read text after its answer, so "
+                         "the suffix layout says nothing of it; use the prefix or infix layout")
     scores = []
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
@@ -99,7 +69,7 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
 
 def main(args) -> int:
     tasks = parse_tasks(getattr(args, "tasks", None))
-    llm = open_model(args.model, args.dtype, args.device, args.batch_size)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
                                                "far_mask_window")
                  if getattr(args, k, None) is not None}

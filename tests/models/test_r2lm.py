@@ -66,8 +66,8 @@ CASES = [dict(threshold=0.3), dict(remasking="low_confidence", steps=8), dict(re
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_cached_decoding_equals_uncached(model, case):
-    for prompt in random_prompts([3, 4, 6, 9], vocab=290, seed=case + 10):
-        base = dict(gen_length=8, block_length=4, **CASES[case])
+    for prompt, block in zip(random_prompts([3, 4, 6, 9], vocab=290, seed=case + 10), (4, 2, 8, 4), strict=True):
+        base = dict(gen_length=8, block_length=block, **CASES[case])  # within, at, and across model blocks
         cached = generate_blockwise(model, prompt, SamplingParams(**base))
         uncached = generate_blockwise(model, prompt, SamplingParams(**base, cache="none"))
         assert cached.token_ids == uncached.token_ids and cached.nfe == uncached.nfe
@@ -83,7 +83,8 @@ def test_config_is_validated():
 @pytest.mark.parametrize("family", ["r2lm", "blockdiff_ssm"])
 def test_own_layout_checkpoints_round_trip(tmp_path, family):
     """The scan families write and load through the same checkpoint code as the upstream ones (every tensor
-    accounted for), decode the same after the round trip, and the engine refuses them with a clear error."""
+    accounted for), decode the same after the round trip and on the engine, which refuses by name what they
+    cannot do."""
     import json
 
     from safetensors.torch import load_file
@@ -102,8 +103,13 @@ def test_own_layout_checkpoints_round_trip(tmp_path, family):
     params = SamplingParams(gen_length=8, block_length=4, threshold=0.4)
     assert generate_blockwise(model, [5, 6, 7], params).token_ids == generate_blockwise(again, [5, 6, 7],
                                                                                           params).token_ids
-    with pytest.raises(ValueError, match=f"a {family} model decodes block by block"):
-        LLM(root)
+    llm = LLM(root)  # the engine serves it, as the reference loop decodes it
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids == generate_blockwise(
+        model, [5, 6, 7], params).token_ids
+    for kwargs, name in [(dict(tensor_parallel_size=2), "tensor_parallel_size"),
+                         (dict(affix_cache_dir=tmp_path), "affix_cache_dir")]:
+        with pytest.raises(ValueError, match=f"{name} is not supported for a {family} model"):
+            LLM(root, **kwargs)
     raw = json.loads((root / "config.json").read_text())
     for change, why in [("state_size", "missing the field 'state_size'"), ("block_size", "missing the field")]:
         (root / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != change}))

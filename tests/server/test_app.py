@@ -87,3 +87,32 @@ def test_a_request_cancelled_while_waiting_to_be_added_is_never_added(llada_dir)
     assert not llm.engine.has_unfinished()
     engine._add(AffixPrompt((1, 2, 3), 3), SamplingParams(gen_length=8, block_length=8), "srv-10", False, None)
     assert llm.engine.request_ids() == ["srv-10"]  # an add nobody cancelled goes in
+
+
+@pytest.mark.parametrize("family", ["r2lm", "blockdiff_ssm"])
+def test_a_scan_family_is_served(tmp_path, family):
+    """The OpenAI endpoints serve a scan family through the engine; a chat's system prompt is computed with
+    the request (nothing to reuse), and what the family cannot do is a 400 that names it."""
+    from acache import SamplingParams
+    from acache.cli import main
+
+    root = tmp_path / family
+    assert main(["make-random-checkpoint", "--family", family, "--out", str(root), "--hidden-size", "32",
+                 "--layers", "2", "--heads", "2", "--block-size", "4", "--std", "0.3"]) == 0
+    llm = LLM(root)
+    with TestClient(create_app(llm, "scan")) as c:
+        resp = c.post("/v1/completions", json={"prompt": "Where is Mary?", "max_tokens": 8, "block_length": 4,
+                                               "threshold": 0.5})
+        assert resp.status_code == 200, resp.text
+        want = llm.generate("Where is Mary?", SamplingParams(gen_length=8, block_length=4, threshold=0.5),
+                            use_tqdm=False)[0]
+        assert resp.json()["choices"][0]["token_ids"] == want.token_ids
+        chat = {"messages": [{"role": "system", "content": "Mary went home."}, {"role": "user", "content": "Where?"}],
+                "max_tokens": 4}
+        resp = c.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 200, resp.text
+        for path, body, why in [("/v1/chat/completions", {**chat, "selector": "attention"}, "does not support"),
+                                ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": 1},
+                                 f"not supported for the {family} family")]:
+            resp = c.post(path, json=body)
+            assert resp.status_code == 400 and why in resp.json()["error"]["message"], resp.text

@@ -149,20 +149,21 @@ def test_eval_tasks_takes_a_subset_of_layouts(task_model_dir, capsys):
     assert "unknown layout 'diagonal'" in capsys.readouterr().err
 
 
-def test_eval_tasks_decodes_a_scan_family_block_by_block(tmp_path, capsys):
-    """acache eval tasks opens a family the engine does not serve with the blockwise runner, and says why the
-    suffix layout cannot be read."""
+def test_eval_tasks_runs_a_scan_family_on_the_engine(tmp_path, capsys):
+    """acache eval tasks serves a scan family through the engine like any other, and says why a block-causal
+    model's suffix layout is not scored."""
+    from acache import LLM
     from acache.cli import main
-    from acache_lab.eval.tasks import BlockwiseRunner, evaluate, open_model
+    from acache_lab.eval.tasks import evaluate
     from acache_lab.train.trainer import ModelShape, TrainConfig, train
 
     train(TrainConfig(out=str(tmp_path / "r2"), steps=2, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
                       family="r2lm", layouts=("prefix",),
                       model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64, block_size=4)),
           progress=False)
-    runner = open_model(tmp_path / "r2")
-    assert isinstance(runner, BlockwiseRunner)
-    scores = evaluate(runner, examples=2, tasks=("qa1",), layouts=("prefix", "infix"))
+    llm = LLM(tmp_path / "r2")
+    assert llm.engine.state_cache
+    scores = evaluate(llm, examples=2, tasks=("qa1",), layouts=("prefix", "infix"))
     assert [(s.layout, s.total) for s in scores] == [("prefix", 2), ("infix", 2)]
     assert main(["eval", "tasks", "--model", str(tmp_path / "r2"), "--examples", "1", "--tasks", "qa1",
                  "--layouts", "suffix"]) == 2

@@ -1,0 +1,91 @@
+"""The cache manager of the families whose cache is the model's own object (the state-space variant, R2LM).
+
+A request's cache is its model's ``empty_cache()`` at admission, advanced by the runner as blocks finish
+(:class:`~acache.decoding.blockwise.BlockCache`). Admission reserves the most the cache will ever hold
+(``cache_bytes_for`` the whole canvas: one fixed-size state for the state-space variant, every position's K/V
+for R2LM) against a byte budget, all or nothing, so a running request never runs out; a request that does
+not fit waits, one that could never fit is refused. These families share no affix K/V: the affix table is
+:class:`NoSharedAffixes`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from acache.affix.cache import CacheStats
+from acache.decoding.blockwise import BlockCache
+from acache.engine.request import Request
+from acache.models.r2lm import R2LM
+from acache.models.ssm import SSMBlockDiffusionLM
+
+
+class NoSharedAffixes:
+    """The affix table of an engine whose family reuses no affix: always empty, and it says so when asked to
+    load or save one."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return 0
+
+    def lookup(self, token_ids) -> None:
+        return None
+
+    def _refuse(self) -> ValueError:
+        return ValueError(f"the {self.family} family shares no affix K/V: there is no affix cache to load or save")
+
+    def load(self, path: str | Path) -> int:
+        raise self._refuse()
+
+    def save(self, path: str | Path) -> Path:
+        raise self._refuse()
+
+
+class StateCacheManager:
+    def __init__(self, model: SSMBlockDiffusionLM | R2LM, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {budget_bytes}")
+        self.model = model
+        self.budget_bytes = budget_bytes
+        self.affixes = NoSharedAffixes(model.family)
+        self.caches: dict[str, BlockCache] = {}
+        self.reserved: dict[str, int] = {}
+        self.peak_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.reserved.values())
+
+    def bytes_needed(self, req: Request) -> int:
+        return self.model.cache_bytes_for(req.length)
+
+    def check(self, req: Request) -> None:
+        need = self.bytes_needed(req)
+        if need > self.budget_bytes:
+            raise ValueError(f"request {req.request_id} needs {need} bytes of {self.model.family} cache, more than "
+                             f"the whole budget of {self.budget_bytes}; raise kv_cache_memory")
+
+    def allocate(self, req: Request) -> bool:
+        need = self.bytes_needed(req)
+        if self.used_bytes + need > self.budget_bytes:
+            return False
+        self.reserved[req.request_id] = need
+        self.caches[req.request_id] = BlockCache(self.model.empty_cache())
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return True
+
+    def cache(self, req: Request) -> BlockCache:
+        return self.caches[req.request_id]
+
+    def free(self, req: Request) -> None:
+        self.caches.pop(req.request_id, None)
+        self.reserved.pop(req.request_id, None)
+
+    def memory_usage(self) -> tuple[int, int, int]:
+        """``(peak, in use, bytes a unit)`` in the units of the engine's summary: bytes, for this manager."""
+        return self.peak_bytes, self.used_bytes, 1
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.used_bytes

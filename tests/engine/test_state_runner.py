@@ -1,0 +1,138 @@
+"""The engine serving the scan families (the state-space variant, R2LM) with a cache of the model's own per
+request: any mix of requests, arriving at any step, decodes each exactly as the reference loop does alone;
+the cache budget admits, queues and refuses; an aborted or failed request leaves no cache behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acache.affix.prompt import Affix, AffixPrompt, resolve_segments
+from acache.decoding.blockwise import BlockCache, generate_blockwise, run_plans
+from acache.engine import EngineConfig, LLMEngine
+from acache.models.r2lm import R2LM, R2LMConfig
+from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
+from acache.sampling_params import SamplingParams
+from tests.conftest import random_prompts
+from tests.helpers import run_engine, tokens
+
+R2LM_CONFIG = R2LMConfig(vocab_size=300, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=96, sidecar_heads=2, sidecar_head_dim=8, state_size=6, block_size=4,
+                         mask_token_id=299, eos_token_id=298)
+SSM_CONFIG = SSMConfig(vocab_size=300, hidden_size=48, num_layers=2, intermediate_size=96, num_heads=3, head_dim=8,
+                       state_size=6, block_size=4, mask_token_id=299, eos_token_id=298)
+
+
+@pytest.fixture(scope="module", params=["r2lm", "blockdiff_ssm"])
+def model(request):
+    m = R2LM(R2LM_CONFIG) if request.param == "r2lm" else SSMBlockDiffusionLM(SSM_CONFIG)
+    init_scan_model_(m, seed=7, std=0.3)
+    return m.eval()
+
+
+#: one of each: cache policies, block lengths (within a model block, one, across several), commit rules,
+#: sampling and stop tokens, so that a batch never holds two alike
+MIXED = [dict(gen_length=8, block_length=4, threshold=0.3), dict(gen_length=12, block_length=6, cache="none"),
+         dict(gen_length=8, block_length=2, remasking="low_confidence", steps=8, cache="prefix"),
+         dict(gen_length=16, block_length=16, temperature=0.8, seed=11), dict(gen_length=4, block_length=4),
+         dict(gen_length=8, block_length=8, threshold=0.05, stop_token_ids=(7,)),
+         dict(gen_length=12, block_length=4, remasking="factor", factor=1.5)]
+
+
+def reference(model, prompts, params):
+    return [generate_blockwise(model, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.mark.parametrize("arrivals", [[0] * 7, [0, 3, 1, 7, 2, 0, 12]])
+def test_mixed_requests_arriving_apart_decode_as_alone(model, arrivals):
+    prompts = random_prompts([3, 9, 5, 1, 14, 6, 8], vocab=290, seed=4)
+    params = [SamplingParams(**kw) for kw in MIXED]
+    outs = run_engine(model, prompts, params, arrivals, max_num_seqs=4)
+    assert tokens(outs) == reference(model, prompts, params)
+    assert max(o.stats.max_batch for o in outs) > 1  # they did share forwards
+    assert all(o.nfe >= 1 for o in outs)
+
+
+def test_cached_steps_equal_uncached_in_the_engine(model):
+    prompts = random_prompts([2, 5, 7, 10], vocab=290, seed=6)
+    for kw in MIXED:
+        if kw.get("cache") == "none":
+            continue
+        cached = run_engine(model, prompts, SamplingParams(**kw))
+        uncached = run_engine(model, prompts, SamplingParams(**{**kw, "cache": "none"}))
+        assert tokens(cached) == tokens(uncached)
+        assert [o.nfe for o in cached] == [o.nfe for o in uncached]
+
+
+def test_rows_run_together_equal_rows_run_alone(model):
+    """``extend_many`` (one stacked forward for the state-space variant) gives each row what ``extend`` gives it,
+    logits and cache, whatever the rows' lengths and starts."""
+    ids = random_prompts([4, 8, 3], vocab=290, seed=8)
+    start_cache = model.extend(torch.tensor(ids[1][:4]), 0, model.empty_cache())[1]
+    rows = [(torch.tensor(ids[0]), 0, model.empty_cache()), (torch.tensor(ids[1][4:]), 4, start_cache),
+            (torch.tensor(ids[2]), 0, model.empty_cache())]
+    for (logits, cache), row in zip(model.extend_many(rows), rows, strict=True):
+        alone_logits, alone_cache = model.extend(*row)
+        assert torch.allclose(logits, alone_logits, atol=1e-5)
+        flat = [t for part in cache for t in (part if isinstance(part, tuple) else (part,))]
+        alone = [t for part in alone_cache for t in (part if isinstance(part, tuple) else (part,))]
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(flat, alone, strict=True))
+
+
+def test_a_plan_that_reads_past_its_cache_is_refused(model):
+    from acache.decoding.blockwise import new_state
+
+    state = new_state(model, AffixPrompt((1, 2, 3, 4, 5), 5), SamplingParams(gen_length=4, block_length=4),
+                      {model.config.eos_token_id})
+    cache = BlockCache(model.empty_cache(), covered=8)  # claims more than the plan reads
+    with pytest.raises(RuntimeError, match="the cache covers 8 columns but the step reads 4"):
+        run_plans(model, [(state.tokens, state.plan(), cache)])
+
+
+def test_the_budget_admits_queues_and_refuses(model):
+    prompts = random_prompts([6, 30], vocab=290, seed=2)
+    params = SamplingParams(gen_length=8, block_length=4)
+    need = [model.cache_bytes_for(len(p) + 8) for p in prompts]
+    if isinstance(model, SSMBlockDiffusionLM):  # one state a request, whatever its length
+        assert need[0] == need[1] == model.cache_bytes(model.empty_cache())
+    else:  # every position's K/V
+        assert need[1] > need[0]
+        done = generate_blockwise(model, prompts[1], SamplingParams(gen_length=8, block_length=4, stop_token_ids=()))
+        assert done.cache_bytes <= need[1]
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=max(need)))  # room for one request at a time
+    outs = run_engine(model, prompts, params, engine=engine)
+    assert tokens(outs) == reference(model, prompts, [params] * 2)
+    assert all(o.stats.max_batch == 1 for o in outs)  # the second waited for the first
+    summary = engine.summary()
+    assert summary["peak_kv_bytes"] == max(need) and summary["kv_pages_in_use"] == 0
+    small = LLMEngine(model, EngineConfig(kv_cache_memory=min(need) - 1))
+    with pytest.raises(ValueError, match="raise kv_cache_memory"):
+        small.add_request(prompts[0], params)
+    assert not small.has_unfinished()
+
+
+def test_abort_frees_the_cache(model):
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    rid = engine.add_request(random_prompts([9], vocab=290)[0], SamplingParams(gen_length=16, block_length=4))
+    engine.step()
+    engine.step()
+    assert engine.kv.used_bytes > 0 and rid in engine.kv.caches
+    assert engine.abort(rid) and not engine.abort(rid)
+    assert engine.kv.used_bytes == 0 and not engine.kv.caches and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(affix_policy="attention"), "affix reuse .* is not supported for the"),
+    (dict(focus_layers=1), "focus_layers is not supported for the"),
+])
+def test_what_the_family_cannot_do_is_refused_by_name(model, kwargs, why):
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    prompt = resolve_segments([[1, 2], Affix(token_ids=[3, 4, 5, 6]), [7]], lambda s: [])
+    with pytest.raises(ValueError, match=why):
+        engine.add_request(prompt, SamplingParams(gen_length=4, block_length=4, **kwargs))
+    with pytest.raises(ValueError, match="is too long"):
+        engine.add_request([1] * model.config.max_position_embeddings, SamplingParams(gen_length=4, block_length=4))
+    assert not engine.has_unfinished()
+    for method in (engine.affixes.save, engine.affixes.load):
+        with pytest.raises(ValueError, match="shares no affix K/V"):
+            method("anywhere")
