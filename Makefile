@@ -88,9 +88,10 @@ model-blockdiff: install
 	$(VENV)/bin/acache eval tasks --model $(BLOCKDIFF) --layouts prefix,infix
 
 # the R2LM model (docs/model.md, "acache-tiny-r2lm"): the shipped model's attention made causal, a reverse scan
-# added inside blocks of 8 (starting silent), fine-tuned on the prefix and infix layouts
+# added inside blocks of 8 (starting silent), fine-tuned in three configs on the prefix and infix layouts
 model-r2lm: install
-	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/r2lm.json --overwrite
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/r2lm-stage1.json --config configs/r2lm-stage2.json \
+		--config configs/r2lm.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(R2LM) --layouts prefix,infix
 
 clean:

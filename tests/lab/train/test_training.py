@@ -443,21 +443,23 @@ def test_blockdiff_recipe_and_model():
 
 
 def test_r2lm_recipe_and_model():
-    """The R2LM model: its config starts from the shipped model and is what its log records; decoded block by
-    block it answers qa1 in both layouts and every task in infix (prefix arithmetic and two-hop: docs/model.md)."""
+    """The R2LM model: its three configs chain from the shipped model and the last is what its log records;
+    served by the engine it answers every task in the prefix and infix layouts."""
     from acache import LLM
     from acache.models.r2lm import R2LM
     from acache.paths import REPO_ROOT
     from acache_lab.eval.tasks import evaluate
 
-    config = TrainConfig.from_file(REPO_ROOT / "configs" / "r2lm.json")
-    assert (REPO_ROOT / config.init_from).resolve() == SHIPPED_MODEL.resolve() and config.family == "r2lm"
+    stages = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in ("r2lm-stage1", "r2lm-stage2",
+                                                                                   "r2lm")]
+    assert (REPO_ROOT / stages[0].init_from).resolve() == SHIPPED_MODEL.resolve()
+    for before, after in zip(stages, stages[1:]):
+        assert after.init_from == before.out and after.model == before.model and after.family == "r2lm"
+    config = stages[-1]
     log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
     assert_logged(config, log["config"])
     assert log["steps_done"] == config.steps
     runner = LLM(REPO_ROOT / config.out)
     assert isinstance(runner.model, R2LM) and runner.model.config.block_size == 8
     scores = evaluate(runner, examples=20, sentences=6, seed=7, layouts=("prefix", "infix"))
-    got = {(s.task, s.layout): s.accuracy >= 0.9 for s in scores}
-    assert got == {(t, lay): t == "qa1" or lay == "infix" for t in ("qa1", "arith", "twohop")
-                   for lay in ("prefix", "infix")}
+    assert all(s.accuracy >= 0.9 for s in scores), scores
