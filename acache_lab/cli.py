@@ -353,6 +353,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the points to this file")
     p.add_argument("--plot", default=None, help="also draw latency and cache size against context to this PNG")
+    p.add_argument("--serve", type=int, default=0, metavar="N",
+                   help="also serve N requests of each --serve-lengths context through the engine, both variants "
+                        "under one --cache-budget-mib")
+    p.add_argument("--serve-lengths", default="1024,4096,16384", help="context lengths of the served requests")
+    p.add_argument("--cache-budget-mib", type=float, default=256.0, help="the engine's cache budget with --serve")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
     _add_overwrite(p)

@@ -40,8 +40,8 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 @dataclass
 class EngineConfig:
-    """``kv_cache_memory`` bytes for the page pool (default: 1 GiB on CPU; on CUDA
-    ``gpu_memory_utilization`` of the free memory)."""
+    """``kv_cache_memory`` bytes for the page pool, or for the scan families' per-request caches (default: 1 GiB
+    on CPU; on CUDA ``gpu_memory_utilization`` of the free memory)."""
 
     page_size: int = 16
     kv_cache_memory: int | None = None

@@ -6,15 +6,19 @@ Each layer's mixer is a Mamba-2-style selective scan (pure PyTorch, chunked): pe
 own block both ways and every earlier block, never a later one, so the mixer runs two scans:
 
 * forward, causal over the whole sequence, carried from block to block: after a finished block its state
-  summarises everything before, so **the cache is that state** (``[H, P, N]`` a layer, whatever the context);
+  summarises everything before, so **the cache is that state** (``[H, P, N]`` a layer, whatever the context,
+  with the convolution's few-input window);
 * backward, inside each block only (reversed, from a zero state), so a block's tokens also see the ones after
   them in the block.
 
-Blocks are ``block_size`` positions from position 0, as the attention family's. There is no short causal
-convolution (Mamba's conv1d), so the state is the whole cache. Logits are not shifted: a masked token is
-predicted from its own state. The family has no public upstream checkpoint: its layout is Qwen2's for the
-embeddings, norms and MLP, and Mamba-2's names (``mixer.in_proj``, ``A_log``, ``dt_bias``, ``D``, ``norm``,
-``out_proj``) for the mixer.
+Before the scans, Mamba's short causal convolution (``conv1d``, depthwise, ``conv_kernel`` taps, then SiLU)
+mixes each of the scan's inputs ``x, B, C`` with the ``conv_kernel - 1`` before it: what lets a token bind to
+its neighbours (a name to the word after it) without spending state on it. It never looks right, so blocks
+stay causal; the cache is the forward state plus the convolution's window (each layer's last
+``conv_kernel - 1`` inputs), still a constant size. Blocks are ``block_size`` positions from position 0, as
+the attention family's. Logits are not shifted: a masked token is predicted from its own state. The family
+has no public upstream checkpoint: its layout is Qwen2's for the embeddings, norms and MLP, and Mamba-2's
+names (``mixer.in_proj``, ``conv1d``, ``A_log``, ``dt_bias``, ``D``, ``norm``, ``out_proj``) for the mixer.
 """
 
 from __future__ import annotations
@@ -46,12 +50,13 @@ class SSMConfig:
     eos_token_id: int
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 65536  # the longest canvas the engine accepts (the scan itself has no limit)
+    conv_kernel: int = 4  # Mamba's short causal convolution over the scan's inputs (x, B, C)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
                                                  "num_heads", "head_dim", "state_size", "block_size",
-                                                 "max_position_embeddings"))
+                                                 "max_position_embeddings", "conv_kernel"))
 
     @property
     def pad_token_id(self) -> int:
@@ -128,6 +133,11 @@ class OwnLayout:
         return {(name if name.startswith("lm_head.") else f"model.{name}"): name for name in names}
 
 
+#: a state-space layer's cache: the forward scan's state ``[B, H, P, N]`` and the convolution's window, the
+#: last ``conv_kernel - 1`` inputs ``[B, K - 1, C]`` it has seen
+MixerCache = tuple[torch.Tensor, torch.Tensor]
+
+
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                  state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The selective scan over ``T`` steps, ``chunk`` at a time: within a chunk every output is a masked
@@ -160,12 +170,16 @@ class SSMMixer(nn.Module):
     sidecar) only right to left inside each block, so it needs no cache at all."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, state_size: int, block_size: int, eps: float,
-                 forward_scan: bool = True) -> None:
+                 forward_scan: bool = True, conv_kernel: int = 0) -> None:
         super().__init__()
         self.heads, self.head_dim, self.state_size, self.block_size = heads, head_dim, state_size, block_size
         self.forward_scan = forward_scan
+        self.conv_kernel = conv_kernel
         inner = heads * head_dim
         self.in_proj = nn.Linear(hidden, 2 * inner + 2 * state_size + heads, bias=False)
+        if conv_kernel:  # depthwise and causal: a token mixes in the ``conv_kernel - 1`` inputs before it
+            channels = inner + 2 * state_size
+            self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=True)
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.dt_bias = nn.Parameter(torch.zeros(heads))
         self.D = nn.Parameter(torch.ones(heads))
@@ -175,16 +189,40 @@ class SSMMixer(nn.Module):
     def empty_state(self, batch: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(batch, self.heads, self.head_dim, self.state_size, device=device)
 
-    def forward(self, u: torch.Tensor, state: torch.Tensor | None = None, valid: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``u [B, T, hidden]`` covering whole blocks from a block boundary, ``state`` the forward scan's state
-        there. Returns the outputs and the forward state after the last token (None without a forward scan).
-        Positions where ``valid [B, T]`` is False (padding) take a step of zero: they neither write to the
-        state nor decay it, so a padded row scans as its real tokens alone."""
+    def empty_cache(self, batch: int, device: torch.device) -> MixerCache:
+        """The forward scan's state and the convolution's window before position 0 (zeros: nothing yet)."""
+        width = max(self.conv_kernel - 1, 0)
+        window = torch.zeros(batch, width, self.heads * self.head_dim + 2 * self.state_size, device=device,
+                             dtype=self.in_proj.weight.dtype)
+        return self.empty_state(batch, device), window
+
+    def _convolve(self, xbc: torch.Tensor, window: torch.Tensor | None, valid: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal convolution of ``xbc [B, T, C]`` after ``window`` (the inputs before it), and the window
+        after the last real input of each row."""
+        k = self.conv_kernel
+        if window is None:
+            window = xbc.new_zeros(xbc.shape[0], k - 1, xbc.shape[2])
+        full = torch.cat((window.to(xbc.dtype), xbc), dim=1)
+        out = F.conv1d(full.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=xbc.shape[2])
+        ends = torch.full((xbc.shape[0],), xbc.shape[1], device=xbc.device) if valid is None else valid.sum(1)
+        at = ends[:, None] + torch.arange(k - 1, device=xbc.device)  # the last k - 1 real inputs, in ``full``
+        return F.silu(out.transpose(1, 2)), full.gather(1, at[..., None].expand(-1, -1, xbc.shape[2]))
+
+    def forward(self, u: torch.Tensor, cache: MixerCache | None = None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, MixerCache | None]:
+        """``u [B, T, hidden]`` covering whole blocks from a block boundary, ``cache`` the forward scan's state
+        and the convolution's window there. Returns the outputs and the cache after the last token (None
+        without a forward scan). Positions where ``valid [B, T]`` is False (right padding) take a step of
+        zero: they neither write to the state nor decay it, so a padded row scans as its real tokens alone."""
         bsz, t, _ = u.shape
         h, p, n = self.heads, self.head_dim, self.state_size
         inner = h * p
         x, z, b, c, dt = self.in_proj(u).split([inner, inner, n, n, h], dim=-1)
+        state, window = cache if cache is not None else (None, None)
+        if self.conv_kernel:
+            mixed, window = self._convolve(torch.cat((x, b, c), dim=-1), window, valid)
+            x, b, c = mixed.split([inner, n, n], dim=-1)
         x = x.reshape(bsz, t, h, p).float()
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if valid is not None:
@@ -197,8 +235,6 @@ class SSMMixer(nn.Module):
             forward, state = chunked_scan(x, dt, a, b, c, start, self.block_size)
             # a token's own input enters both scans: count it once
             y = y + forward - (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
-        else:
-            state = None
         # right to left inside each block, from a zero state: every block one row of a single scan (a short last
         # block padded with steps of zero, which leave the state as it is)
         size = self.block_size
@@ -212,7 +248,11 @@ class SSMMixer(nn.Module):
                                self.empty_state(bsz * blocks, u.device), size)
         y = y + back.flip(1).reshape(bsz, blocks * size, h, p)[:, :t]
         y = self.norm(y.reshape(bsz, t, inner).to(u.dtype)) * F.silu(z)
-        return self.out_proj(y), state
+        if not self.forward_scan:
+            return self.out_proj(y), None
+        if window is None:
+            window = u.new_zeros(bsz, 0, inner + 2 * n)
+        return self.out_proj(y), (state, window)
 
 
 class SSMLayer(nn.Module):
@@ -221,18 +261,18 @@ class SSMLayer(nn.Module):
         h = config.hidden_size
         self.mixer_norm = RMSNorm(h, config.rms_norm_eps)
         self.mixer = SSMMixer(h, config.num_heads, config.head_dim, config.state_size, config.block_size,
-                              config.rms_norm_eps)
+                              config.rms_norm_eps, conv_kernel=config.conv_kernel)
         self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        mixed, state = self.mixer(self.mixer_norm(x), state, valid)
+    def forward(self, x: torch.Tensor, cache: MixerCache, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, MixerCache]:
+        mixed, cache = self.mixer(self.mixer_norm(x), cache, valid)
         x = x + mixed
         h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), state
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), cache
 
 
 class SSMBlockDiffusionLM(OwnLayout, nn.Module):
@@ -261,26 +301,28 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def empty_state(self, batch: int = 1) -> list[torch.Tensor]:
-        return [layer.mixer.empty_state(batch, self.embed.weight.device) for layer in self.layers]
+    def empty_state(self, batch: int = 1) -> list[MixerCache]:
+        return [layer.mixer.empty_cache(batch, self.embed.weight.device) for layer in self.layers]
 
     @staticmethod
-    def state_bytes(state: list[torch.Tensor]) -> int:
-        return sum(s.numel() * s.element_size() for s in state)
+    def state_bytes(state: list[MixerCache]) -> int:
+        return sum(t.numel() * t.element_size() for layer in state for t in layer)
 
-    # the block-cache interface of decoding/blockwise.py: the cache is the state
-    def empty_cache(self) -> list[torch.Tensor]:
+    # the block-cache interface of decoding/blockwise.py: the cache is the state (and the convolution's window)
+    def empty_cache(self) -> list[MixerCache]:
         return self.empty_state()
 
     cache_bytes = state_bytes
 
     def cache_bytes_for(self, length: int) -> int:
-        """The cache's size for a canvas of ``length`` tokens: one float32 state a layer, whatever the length."""
+        """The cache's size for a canvas of ``length`` tokens, whatever the length: a float32 state and the
+        convolution's window a layer."""
         c = self.config
-        return c.num_layers * c.num_heads * c.head_dim * c.state_size * 4
+        window = (c.conv_kernel - 1) * (c.inner_size + 2 * c.state_size) * self.embed.weight.element_size()
+        return c.num_layers * (c.num_heads * c.head_dim * c.state_size * 4 + window)
 
-    def extend_many(self, rows: list[tuple[torch.Tensor, int, list[torch.Tensor]]]
-                    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    def extend_many(self, rows: list[tuple[torch.Tensor, int, list[MixerCache]]]
+                    ) -> list[tuple[torch.Tensor, list[MixerCache]]]:
         """Every row in one forward: states stacked, tokens right-padded (padding steps leave a state as it
         is). Each row starts at a block boundary, so the blocks line up whatever its ``start``."""
         if len(rows) == 1:
@@ -291,19 +333,21 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
         for i, (tokens, _, _) in enumerate(rows):
             ids[i, :len(tokens)], valid[i, :len(tokens)] = tokens, True
-        states = [torch.cat(layer) for layer in zip(*(cache for _, _, cache in rows), strict=True)]
+        states = [tuple(torch.cat(part) for part in zip(*layer, strict=True))
+                  for layer in zip(*(cache for _, _, cache in rows), strict=True)]
         logits, after = self(ids, states, valid)
-        return [(logits[i, :len(tokens)], [s[i:i + 1] for s in after]) for i, (tokens, _, _) in enumerate(rows)]
+        return [(logits[i, :len(tokens)], [(s[i:i + 1], w[i:i + 1]) for s, w in after])
+                for i, (tokens, _, _) in enumerate(rows)]
 
-    def extend(self, tokens: torch.Tensor, start: int, cache: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def extend(self, tokens: torch.Tensor, start: int, cache: list[MixerCache]
+               ) -> tuple[torch.Tensor, list[MixerCache]]:
         """Logits ``[T, V]`` of ``tokens [T]`` (whole blocks from position ``start``, where ``cache`` left
         off) and the state after them."""
         logits, state = self(tokens[None], cache)
         return logits[0], state
 
-    def forward(self, input_ids: torch.Tensor, state: list[torch.Tensor] | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, state: list[MixerCache] | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[MixerCache]]:
         """Logits ``[B, T, V]`` of ``input_ids [B, T]``, whole blocks that start where ``state`` (None: the
         sequence start) left off, and the state after them; ``valid`` marks real tokens (right padding)."""
         if state is None:
@@ -332,5 +376,10 @@ def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 p.fill_(math.log(math.expm1(0.1)))
             elif name.endswith(".D") or name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):  # near the identity: a token's own input, a little of those before
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+                p[..., -1] += 1.0
+            elif name.endswith("conv1d.bias"):
+                p.zero_()
             else:
                 p.copy_(std * torch.randn(p.shape, generator=gen))

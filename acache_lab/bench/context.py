@@ -7,6 +7,10 @@ against a cache of ``L`` keys and values (already rotated, as the engine keeps t
 state-space model from its state. The caches are filled with random values of their real shapes and dtype:
 a step's cost does not depend on the values, and building a 64k-token cache by prefill is not what is
 measured. Memory is the cache's own bytes.
+
+With ``--serve N`` the same two models also serve ``N`` requests of each length through the engine, under one
+cache budget: the paged pool for attention, the per-request states for the state-space variant. The engine
+admits what the budget holds, so a constant-size cache is what lets the batch grow with the context.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from acache.engine import EngineConfig, LLMEngine
 from acache.models.checkpoint import init_random_, random_config
 from acache.models.fast_dllm_v2 import FastDLLMv2Model
 from acache.models.kv import KVCache
 from acache.models.loader import parse_device, parse_dtype
 from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
+from acache.sampling_params import SamplingParams
 
 VOCAB = 32000
 
@@ -47,7 +53,7 @@ def models(hidden: int, layers: int, heads: int, block: int, state: int, dtype: 
     attention = FastDLLMv2Model(cfg)
     init_random_(attention, 0)
     ssm = SSMBlockDiffusionLM(SSMConfig(VOCAB, hidden, layers, 4 * hidden, max(1, 2 * hidden // 64), 64, state,
-                                        block, VOCAB - 1, VOCAB - 2))
+                                        block, VOCAB - 1, VOCAB - 2, max_position_embeddings=1 << 20))
     init_scan_model_(ssm, 0)
     return (attention.to(device, dtype).eval().requires_grad_(False),
             ssm.to(device, dtype).eval().requires_grad_(False))
@@ -82,10 +88,56 @@ def measure(attention: FastDLLMv2Model, ssm: SSMBlockDiffusionLM, context: int, 
                    torch.ones(1, context, dtype=torch.bool, device=device), rotated=True)
     kv_bytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
     attention_ms = _median_ms(lambda: attention(ids, positions, past=past), repeats, device)
-    state = [torch.randn(s.shape, generator=g, device=device) for s in ssm.empty_state()]
+    state = [tuple(torch.randn(t.shape, generator=g, device=device, dtype=t.dtype) for t in layer)
+             for layer in ssm.empty_state()]
     ssm_ms = _median_ms(lambda: ssm(ids, state), repeats, device)
     return [ContextPoint("attention", context, attention_ms, kv_bytes / 2**20),
             ContextPoint("state-space", context, ssm_ms, ssm.state_bytes(state) / 2**20)]
+
+
+@dataclass
+class ServePoint:
+    variant: str
+    context: int
+    requests: int
+    most_at_once: int  # the largest batch a request ran in
+    peak_cache_mib: float
+    wall_s: float
+    tokens_per_s: float  # generated tokens over the wall time
+
+
+def serve(model: FastDLLMv2Model | SSMBlockDiffusionLM, variant: str, context: int, requests: int, budget: int,
+          seed: int = 0) -> ServePoint:
+    """``requests`` prompts of ``context`` random tokens, each generating one block, all queued at once on an
+    engine whose cache holds ``budget`` bytes."""
+    block = model.config.block_size
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=budget, max_num_seqs=requests,
+                                           max_model_len=context + block))
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(gen_length=block, block_length=block, threshold=0.9)
+    engine.reset_metrics()
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        engine.add_request(torch.randint(0, VOCAB - 2, (context,), generator=g).tolist(), params)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    wall = time.perf_counter() - t0
+    summary = engine.summary()
+    failed = [o.error for o in done if o.error]
+    if failed:
+        raise RuntimeError(f"a benchmark request failed: {failed[0]}")
+    return ServePoint(variant, context, requests, max(o.stats.max_batch for o in done),
+                      summary["peak_kv_bytes"] / 2**20, wall, sum(len(o.token_ids) for o in done) / wall)
+
+
+def serve_markdown(points: list[ServePoint], budget_mib: float) -> str:
+    lines = [f"| context | variant | requests | most at once | peak cache MiB (budget {budget_mib:g}) | wall s | "
+             "tokens/s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for p in points:
+        lines.append(f"| {p.context:,} | {p.variant} | {p.requests} | {p.most_at_once} | {p.peak_cache_mib:.1f} | "
+                     f"{p.wall_s:.2f} | {p.tokens_per_s:.1f} |")
+    return "\n".join(lines)
 
 
 def markdown(points: list[ContextPoint]) -> str:
@@ -143,9 +195,19 @@ def main(args) -> int:
               f"{args.repeats} step(s) a point after a warm-up")
     print(header)
     print(markdown(points))
+    served: list[ServePoint] = []
+    if args.serve:
+        budget = int(args.cache_budget_mib * 2**20)
+        serve_lengths = [int(x) for x in args.serve_lengths.split(",")]
+        for n in tqdm(serve_lengths, desc="bench context --serve", unit="length"):
+            served += [serve(attention, "attention", n, args.serve, budget, args.seed),
+                       serve(ssm, "state-space", n, args.serve, budget, args.seed)]
+        print(f"\n{args.serve} requests of each length queued at once, one block of {args.block_length} "
+              f"generated each, cache budget {args.cache_budget_mib:g} MiB:")
+        print(serve_markdown(served, args.cache_budget_mib))
     if args.json:
-        Path(args.json).write_text(json.dumps({"setup": header, "points": [asdict(p) for p in points]}, indent=2)
-                                   + "\n")
+        Path(args.json).write_text(json.dumps({"setup": header, "points": [asdict(p) for p in points],
+                                               "served": [asdict(p) for p in served]}, indent=2) + "\n")
     if args.plot and plot(points, Path(args.plot)):
         print(f"plot: {args.plot}")
     return 0

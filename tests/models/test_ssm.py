@@ -52,7 +52,8 @@ def test_chunked_scan_equals_the_recurrence(chunk):
 
 
 def test_the_state_carries_block_to_block_exactly(model):
-    """Logits of whole blocks run at once equal those run a block at a time from the carried state."""
+    """Logits of whole blocks run at once equal those run a block at a time from the carried state (and the
+    convolution's window: without it a block's first tokens would lose the inputs before them)."""
     ids = torch.tensor([random_prompts([12], vocab=290, seed=1)[0]])
     whole, end = model(ids)
     state, parts = None, []
@@ -60,7 +61,9 @@ def test_the_state_carries_block_to_block_exactly(model):
         logits, state = model(ids[:, s:s + 4], state)
         parts.append(logits)
     assert torch.allclose(torch.cat(parts, 1), whole, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(state, end, strict=True))
+    # the state and the convolution's window, layer by layer
+    assert all(torch.allclose(x, y, atol=1e-5) for a, b in zip(state, end, strict=True)
+               for x, y in zip(a, b, strict=True))
 
 
 def test_a_block_sees_itself_both_ways_and_no_later_block(model):
@@ -79,7 +82,9 @@ def test_a_block_sees_itself_both_ways_and_no_later_block(model):
 def test_the_state_is_the_same_size_at_any_context(model):
     sizes = {model.state_bytes(model(torch.tensor([random_prompts([n], vocab=290)[0]]))[1]) for n in (4, 40, 400)}
     cfg = model.config
-    assert sizes == {cfg.num_layers * cfg.num_heads * cfg.head_dim * cfg.state_size * 4}
+    window = (cfg.conv_kernel - 1) * (cfg.num_heads * cfg.head_dim + 2 * cfg.state_size) * 4
+    assert sizes == {cfg.num_layers * (cfg.num_heads * cfg.head_dim * cfg.state_size * 4 + window)}
+    assert sizes == {model.cache_bytes_for(4)} == {model.cache_bytes_for(4000)}
 
 
 CASES = [dict(threshold=0.3), dict(remasking="low_confidence", steps=8), dict(remasking="factor", factor=1.5),
