@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from acache.affix.store import AffixStore
+from acache.decoding.request_state import StepPlan
 from acache.engine.affix_pages import AffixPageTable
 from acache.engine.page_pool import PagePool
 from acache.engine.request import Request
@@ -51,6 +52,11 @@ class KVCacheManager:
         if need > pool.num_pages:
             raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
                              f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
+
+    @staticmethod
+    def step_cost(req: Request, plan: StepPlan) -> int:
+        """Tokens the request's next forward runs: the ones it feeds."""
+        return len(plan.fed)
 
     def memory_usage(self) -> tuple[int, int, int]:
         """``(peak pages, pages in use, bytes a page)``."""

@@ -140,7 +140,7 @@ class Scheduler:
                 split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
                 focus = None if plan.refresh else req.params.focus_layers  # one early depth a forward
                 key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus)
-                cost = len(plan.fed)
+                cost = self.kv.step_cost(req, plan)
             if used.get(key, 0) and used[key] + cost > budget:
                 continue
             used[key] = used.get(key, 0) + cost

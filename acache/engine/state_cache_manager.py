@@ -14,6 +14,7 @@ from pathlib import Path
 
 from acache.affix.cache import CacheStats
 from acache.decoding.blockwise import BlockCache
+from acache.decoding.request_state import StepPlan
 from acache.engine.request import Request
 from acache.models.r2lm import R2LM
 from acache.models.ssm import SSMBlockDiffusionLM
@@ -75,6 +76,11 @@ class StateCacheManager:
         self.caches[req.request_id] = BlockCache(self.model.empty_cache())
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return True
+
+    def step_cost(self, req: Request, plan: StepPlan) -> int:
+        """Tokens the request's next forward runs: the finished columns its cache must first take in (the
+        whole prompt at the first block, a block after that), then the ones it feeds."""
+        return len(plan.fed) + max(0, len(plan.past) - self.caches[req.request_id].covered)
 
     def cache(self, req: Request) -> BlockCache:
         return self.caches[req.request_id]

@@ -136,3 +136,22 @@ def test_what_the_family_cannot_do_is_refused_by_name(model, kwargs, why):
     for method in (engine.affixes.save, engine.affixes.load):
         with pytest.raises(ValueError, match="shares no affix K/V"):
             method("anywhere")
+
+
+def test_the_token_budget_counts_what_a_cache_must_take_in(model):
+    """A request's first step also runs its prompt into the cache; the scheduler counts those tokens, so under a
+    small budget long prompts take their first steps apart, and later steps (a block or two) together."""
+    prompts = random_prompts([30, 29, 31], vocab=290, seed=3)
+    params = SamplingParams(gen_length=8, block_length=4)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24, max_num_batched_tokens=40))
+    for p in prompts:
+        engine.add_request(p, params)
+    first = engine.scheduler.schedule()
+    reqs = {r.request_id: r for b in first.forwards for r in b.requests}
+    assert len(reqs) == 1  # 28+ prompt tokens to take in and 8 fed: no room for a second
+    req = next(iter(reqs.values()))
+    assert engine.kv.step_cost(req, req.state.plan()) == 28 + len(req.state.plan().fed)
+    engine.scheduler.update_from_output(first, engine.runner.execute(first))
+    assert engine.kv.step_cost(req, req.state.plan()) == len(req.state.plan().fed) <= 8
+    again = run_engine(model, prompts, params, max_num_batched_tokens=40)
+    assert tokens(again) == reference(model, prompts, [params] * 3)
