@@ -11,7 +11,6 @@ import torch
 
 from acache.scoring import continuation_logprob, split_estimates, token_logprobs
 from tests.conftest import random_prompts
-from tests.helpers import block_causal
 
 
 def logp_masked(model, ids, masked, col):
@@ -65,11 +64,10 @@ def test_telescoped_values_add_up_to_each_split(family_model):
     scored = token_logprobs(family_model, ids, 2, 5, torch.Generator().manual_seed(9), top_k=3, batch_size=7)
     again = split_estimates(family_model, ids, range(2, 12), 5, torch.Generator().manual_seed(9))
     assert len(scored.values) == len(scored.top) == 10
-    # the same forwards in batches of another size: bit-equal under one key mask for every query, float-close
-    # under a block-causal mask (a per-query mask takes another attention kernel)
-    tol = 1e-5 if block_causal(family_model) else 1e-9
+    # the same forwards in batches of another size: float-close, not bit-equal (a CPU's matmul kernels block a
+    # batch by its size: on an AMD EPYC the sums differ in the 8th digit even under one key mask)
     for c in range(2, 12):
-        assert sum(scored.values[c - 2:]) == pytest.approx(again[c - 2], abs=tol)
+        assert sum(scored.values[c - 2:]) == pytest.approx(again[c - 2], abs=1e-5)
     # the top tokens at a position: its prediction with it and all after it masked
     last = logp_masked(family_model, ids, set(range(7, 12)), 7)
     assert scored.top[5].get(ids[7], last) == pytest.approx(last, abs=1e-5)
