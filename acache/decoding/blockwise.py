@@ -1,8 +1,8 @@
 """Decoding a model that sees no later block and keeps the finished ones in a cache of its own: the
 state-space variant (:class:`~acache.models.ssm.SSMBlockDiffusionLM`, a state) and R2LM
 (:class:`~acache.models.r2lm.R2LM`, attention K/V). Both offer ``empty_cache()``, ``extend(tokens, start,
-cache) -> (logits, cache)``, ``extend_many(rows)`` (the same, for several rows at once) and
-``cache_bytes(cache)``.
+cache) -> (logits, cache)``, ``extend_many(rows, logits=, cache=)`` (the same for several rows at once, either
+output skipped when it is not wanted) and ``cache_bytes(cache)``.
 
 The request's :class:`~acache.decoding.request_state.RequestState` decides every step, as for the attention
 families: with a cached policy a step feeds the model blocks its decoding block touches, against the cache
@@ -52,14 +52,15 @@ def run_plans(model: SSMBlockDiffusionLM | R2LM, items: Sequence[tuple[torch.Ten
     behind = [(tokens, plan, cache) for tokens, plan, cache in items if len(plan.past) > cache.covered]
     if behind:
         rows = [(tokens[cache.covered:len(plan.past)], cache.covered, cache.value) for tokens, plan, cache in behind]
-        for (_, plan, cache), (_, value) in zip(behind, model.extend_many(rows), strict=True):
+        for (_, plan, cache), (_, value) in zip(behind, model.extend_many(rows, logits=False), strict=True):
             cache.value, cache.covered = value, len(plan.past)
     for _, plan, cache in items:
         if len(plan.past) != cache.covered:
             raise RuntimeError(f"the cache covers {cache.covered} columns but the step reads {len(plan.past)}")
     rows = [(tokens[plan.fed], len(plan.past), cache.value if len(plan.past) else model.empty_cache())
             for tokens, plan, cache in items]
-    return [logits[plan.block] for (_, plan, _), (logits, _) in zip(items, model.extend_many(rows), strict=True)]
+    return [logits[plan.block] for (_, plan, _), (logits, _) in zip(items, model.extend_many(rows, cache=False),
+                                                                     strict=True)]
 
 
 def new_state(model: SSMBlockDiffusionLM | R2LM, prompt: AffixPrompt, params: SamplingParams,

@@ -129,8 +129,13 @@ class LLMEngine:
             if params.affix_policy is not None and prompt.affixes:
                 raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
                                  f"{self.model.family} family: its cache is built block by block, per request")
-            if params.focus_layers is not None:
-                raise ValueError(f"focus_layers is not supported for the {self.model.family} family")
+            for name in ("focus_layers", "far_mask_window"):
+                if getattr(params, name) is not None:
+                    raise ValueError(f"{name} is not supported for the {self.model.family} family")
+            if prompt.gen_at != len(prompt.token_ids):
+                raise ValueError(f"the prompt has {len(prompt.token_ids) - prompt.gen_at} tokens after its generation "
+                                 f"region, which a {self.model.family} model cannot read (it sees no later block): "
+                                 "put all of the prompt before the answer")
         if params.focus_layers is not None and self.model.shifted_logits:
             raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
                              "predicts a token from the column before it, which FOCUS may have left out")

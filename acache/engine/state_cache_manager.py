@@ -72,8 +72,9 @@ class StateCacheManager:
         need = self.bytes_needed(req)
         if self.used_bytes + need > self.budget_bytes:
             return False
+        cache = BlockCache(self.model.empty_cache())  # first: if it raises, nothing is reserved
         self.reserved[req.request_id] = need
-        self.caches[req.request_id] = BlockCache(self.model.empty_cache())
+        self.caches[req.request_id] = cache
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return True
 
@@ -92,6 +93,10 @@ class StateCacheManager:
     def memory_usage(self) -> tuple[int, int, int]:
         """``(peak, in use, bytes a unit)`` in the units of the engine's summary: bytes, for this manager."""
         return self.peak_bytes, self.used_bytes, 1
+
+    def byte_usage(self) -> tuple[int, int, int]:
+        """``(in use, peak, capacity)`` in bytes, as every cache manager reports them (``/metrics``)."""
+        return self.used_bytes, self.peak_bytes, self.budget_bytes
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.used_bytes

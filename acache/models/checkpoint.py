@@ -149,22 +149,30 @@ def init_random_(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
 
 def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id: int, *, layers: int,
                  hidden_size: int, heads: int, kv_heads: int | None = None, intermediate_size: int | None = None,
-                 max_seq_len: int = 4096, rope_theta: float | None = None, block_size: int | None = None) -> nn.Module:
+                 max_seq_len: int = 4096, rope_theta: float | None = None, block_size: int | None = None,
+                 **scan: int) -> nn.Module:
     """An uninitialised model of any family at a shape: a transformer family through :func:`random_config`, a
-    scan family (our own layout) through its ``random_config``."""
+    scan family (our own layout) through its ``random_config``, which also takes the ``scan`` options it
+    names (``state_size``; ``conv_kernel`` for the state-space variant)."""
     cls = family_class(family)
     if issubclass(cls, DiffusionLM):
+        if scan:
+            raise ValueError(f"{', '.join(sorted(scan))} belong to the scan families, not to {cls.family}")
         return cls(random_config(cls.family, vocab_size, mask_token_id, eos_token_id, layers=layers,
                                  hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
                                  intermediate_size=intermediate_size, max_seq_len=max_seq_len, rope_theta=rope_theta,
                                  block_size=block_size))
     return cls(cls.random_config(vocab_size, mask_token_id, eos_token_id, layers, hidden_size, heads,
-                                 intermediate_size, block_size, rope_theta))
+                                 intermediate_size, block_size, rope_theta, **scan))
 
 
-def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights for a model of any family (:func:`init_random_` or the scans' own)."""
-    (init_random_ if isinstance(model, DiffusionLM) else init_scan_model_)(model, seed, std)
+def init_weights_(model: nn.Module, seed: int, std: float = 0.02, scan_init: str = "short") -> None:
+    """Deterministic random weights for a model of any family (:func:`init_random_`, or the scans' own with
+    their decays as ``scan_init`` names them)."""
+    if isinstance(model, DiffusionLM):
+        init_random_(model, seed, std)
+    else:
+        init_scan_model_(model, seed, std, scan_init)
 
 
 def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hidden_size: int = 64,

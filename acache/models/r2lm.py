@@ -120,11 +120,12 @@ class R2LM(OwnLayout, nn.Module):
     @classmethod
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
                       heads: int, intermediate_size: int | None, block_size: int | None,
-                      rope_theta: float | None = None) -> R2LMConfig:
-        """A config at a width: a sidecar of 2 heads of 16 channels, state 16; RoPE at LLaDA's base unless
-        given, so a LLaDA parent's attention carries over."""
+                      rope_theta: float | None = None, state_size: int | None = None) -> R2LMConfig:
+        """A config at a width: a sidecar of 2 heads of 16 channels, state 16 unless given; RoPE at LLaDA's base
+        unless given, so a LLaDA parent's attention carries over."""
         return R2LMConfig(vocab_size, hidden_size, layers, heads, heads, intermediate_size or 4 * hidden_size,
-                          2, 16, 16, block_size or 32, mask_token_id, eos_token_id, rope_theta or 500000.0)
+                          2, 16, state_size or 16, block_size or 32, mask_token_id, eos_token_id,
+                          rope_theta or 500000.0)
 
     def __init__(self, config: R2LMConfig) -> None:
         super().__init__()
@@ -146,22 +147,22 @@ class R2LM(OwnLayout, nn.Module):
         c = self.config
         return 2 * c.num_layers * length * c.num_kv_heads * c.head_dim * self.embed.weight.element_size()
 
-    def extend(self, tokens: torch.Tensor, start: int, cache: list[LayerKV] | None
-               ) -> tuple[torch.Tensor, list[LayerKV]]:
-        """Logits ``[T, V]`` of ``tokens [T]`` at positions ``start..`` (whole blocks after the cached ones),
-        and the cache extended by them."""
-        logits, out = self._run(tokens[None], start, cache)
-        return logits[0], out
+    def extend(self, tokens: torch.Tensor, start: int, cache: list[LayerKV] | None, logits: bool = True
+               ) -> tuple[torch.Tensor | None, list[LayerKV]]:
+        """Logits ``[T, V]`` of ``tokens [T]`` at positions ``start..`` (whole blocks after the cached ones;
+        None without ``logits``, when only the cache is wanted), and the cache extended by them."""
+        out, kv = self._run(tokens[None], start, cache, logits=logits)
+        return None if out is None else out[0], kv
 
     def train_logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Logits of a right-padded training batch whose rows start at position 0."""
         return self._run(input_ids, 0, None, valid)[0]
 
     def _run(self, input_ids: torch.Tensor, start: int, cache: list[LayerKV] | None,
-             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[LayerKV]]:
+             valid: torch.Tensor | None = None, logits: bool = True) -> tuple[torch.Tensor | None, list[LayerKV]]:
         x = self.embed(input_ids)
         out = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, start, None if cache is None else cache[i], valid)
             out.append(kv)
-        return self.lm_head(self.norm(x)).float(), out
+        return (self.lm_head(self.norm(x)).float() if logits else None), out

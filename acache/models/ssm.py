@@ -105,9 +105,16 @@ class OwnLayout:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def extend_many(self, rows: list[tuple[torch.Tensor, int, Any]]) -> list[tuple[torch.Tensor, Any]]:
-        """``extend`` of each ``(tokens, start, cache)`` row; a family that can run rows together overrides it."""
-        return [self.extend(tokens, start, cache) for tokens, start, cache in rows]
+    def extend_many(self, rows: list[tuple[torch.Tensor, int, Any]], logits: bool = True, cache: bool = True
+                    ) -> list[tuple[torch.Tensor | None, Any]]:
+        """``extend`` of each ``(tokens, start, cache)`` row; a family that can run rows together overrides it.
+        Without ``cache`` each row's new cache is dropped as soon as its row is done (None): a decoding step
+        keeps only its logits, and R2LM's extended K/V are a copy of the whole cache."""
+        out = []
+        for tokens, start, past in rows:
+            row_logits, row_cache = self.extend(tokens, start, past, logits)
+            out.append((row_logits, row_cache if cache else None))
+        return out
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any]) -> Any:
@@ -287,11 +294,14 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
     @classmethod
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
                       heads: int, intermediate_size: int | None, block_size: int | None,
-                      rope_theta: float | None = None) -> SSMConfig:
-        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16
-        (``heads`` and ``rope_theta`` are attention's, which this family has not)."""
+                      rope_theta: float | None = None, state_size: int | None = None,
+                      conv_kernel: int | None = None) -> SSMConfig:
+        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16 and a
+        convolution of 4 taps unless given (``heads`` and ``rope_theta`` are attention's, which this family has
+        not)."""
         return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
-                         max(1, 2 * hidden_size // 16), 16, 16, block_size or 32, mask_token_id, eos_token_id)
+                         max(1, 2 * hidden_size // 16), 16, state_size or 16, block_size or 32, mask_token_id,
+                         eos_token_id, conv_kernel=conv_kernel or 4)
 
     def __init__(self, config: SSMConfig) -> None:
         super().__init__()
@@ -321,12 +331,14 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         window = (c.conv_kernel - 1) * (c.inner_size + 2 * c.state_size) * self.embed.weight.element_size()
         return c.num_layers * (c.num_heads * c.head_dim * c.state_size * 4 + window)
 
-    def extend_many(self, rows: list[tuple[torch.Tensor, int, list[MixerCache]]]
-                    ) -> list[tuple[torch.Tensor, list[MixerCache]]]:
+    def extend_many(self, rows: list[tuple[torch.Tensor, int, list[MixerCache]]], logits: bool = True,
+                    cache: bool = True) -> list[tuple[torch.Tensor | None, list[MixerCache] | None]]:
         """Every row in one forward: states stacked, tokens right-padded (padding steps leave a state as it
-        is). Each row starts at a block boundary, so the blocks line up whatever its ``start``."""
+        is). Each row starts at a block boundary, so the blocks line up whatever its ``start``. Each row's
+        cache is its own copy, so a finished request's state frees with it, not with the batch's."""
         if len(rows) == 1:
-            return [self.extend(*rows[0])]
+            row_logits, row_cache = self.extend(*rows[0], logits)
+            return [(row_logits, row_cache if cache else None)]
         width = max(len(tokens) for tokens, _, _ in rows)
         device = self.embed.weight.device
         ids = torch.full((len(rows), width), self.config.mask_token_id, dtype=torch.long, device=device)
@@ -335,21 +347,24 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
             ids[i, :len(tokens)], valid[i, :len(tokens)] = tokens, True
         states = [tuple(torch.cat(part) for part in zip(*layer, strict=True))
                   for layer in zip(*(cache for _, _, cache in rows), strict=True)]
-        logits, after = self(ids, states, valid)
-        return [(logits[i, :len(tokens)], [(s[i:i + 1], w[i:i + 1]) for s, w in after])
+        out, after = self(ids, states, valid, logits)
+        return [(None if out is None else out[i, :len(tokens)],
+                 [(s[i:i + 1].clone(), w[i:i + 1].clone()) for s, w in after] if cache else None)
                 for i, (tokens, _, _) in enumerate(rows)]
 
-    def extend(self, tokens: torch.Tensor, start: int, cache: list[MixerCache]
-               ) -> tuple[torch.Tensor, list[MixerCache]]:
+    def extend(self, tokens: torch.Tensor, start: int, cache: list[MixerCache], logits: bool = True
+               ) -> tuple[torch.Tensor | None, list[MixerCache]]:
         """Logits ``[T, V]`` of ``tokens [T]`` (whole blocks from position ``start``, where ``cache`` left
-        off) and the state after them."""
-        logits, state = self(tokens[None], cache)
-        return logits[0], state
+        off; None without ``logits``, when only the cache is wanted) and the state after them."""
+        out, state = self(tokens[None], cache, logits=logits)
+        return None if out is None else out[0], state
 
     def forward(self, input_ids: torch.Tensor, state: list[MixerCache] | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[MixerCache]]:
+                valid: torch.Tensor | None = None, logits: bool = True
+                ) -> tuple[torch.Tensor | None, list[MixerCache]]:
         """Logits ``[B, T, V]`` of ``input_ids [B, T]``, whole blocks that start where ``state`` (None: the
-        sequence start) left off, and the state after them; ``valid`` marks real tokens (right padding)."""
+        sequence start) left off, and the state after them; ``valid`` marks real tokens (right padding).
+        Without ``logits`` the head is skipped (None): advancing a cache over a long prompt needs no logits."""
         if state is None:
             state = self.empty_state(input_ids.shape[0])
         x = self.embed(input_ids)
@@ -357,23 +372,37 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         for layer, s in zip(self.layers, state, strict=True):
             x, s = layer(x, s, valid)
             out.append(s)
-        return self.lm_head(self.norm(x)).float(), out
+        return (self.lm_head(self.norm(x)).float() if logits else None), out
 
     def train_logits(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Logits of a right-padded training batch whose rows start at position 0."""
         return self(input_ids, None, valid)[0]
 
 
-def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02) -> None:
+#: how a new scan's per-head decays start (``A`` and the step ``dt``, each spread over the heads): ``short``
+#: decays over ``[0.5, 8]`` at steps of 0.1 (a memory of a few to a few tens of tokens, what R2LM's in-block
+#: sidecar needs); ``long`` Mamba's own ranges, ``A`` over ``[1, 16]`` and ``dt`` log-spaced over
+#: ``[0.001, 0.1]``, so that some heads start remembering hundreds of tokens (lookups across a document)
+SCAN_INITS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "short": ((0.5, 8.0), (0.1, 0.1)),
+    "long": ((1.0, 16.0), (0.001, 0.1)),
+}
+
+
+def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02, scan_init: str = "short") -> None:
     """Deterministic random weights for a model with selective scans (the state-space variant, R2LM): scan
-    decays spread over ``[0.5, 8]`` per head, steps near ``0.1``, norms and skips near one."""
+    decays and steps spread over the heads as ``SCAN_INITS[scan_init]`` says, norms and skips near one."""
+    if scan_init not in SCAN_INITS:
+        raise ValueError(f"scan_init must be one of {sorted(SCAN_INITS)}, not {scan_init!r}")
+    (a_lo, a_hi), (dt_lo, dt_hi) = SCAN_INITS[scan_init]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
-                p.copy_(torch.linspace(math.log(0.5), math.log(8.0), p.numel()))
-            elif name.endswith("dt_bias"):
-                p.fill_(math.log(math.expm1(0.1)))
+                p.copy_(torch.linspace(math.log(a_lo), math.log(a_hi), p.numel()))
+            elif name.endswith("dt_bias"):  # softplus(dt_bias) = dt, log-spaced like the decays
+                dt = torch.linspace(math.log(dt_lo), math.log(dt_hi), p.numel(), dtype=torch.float64).exp()
+                p.copy_(torch.log(torch.expm1(dt)))
             elif name.endswith(".D") or name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("conv1d.weight"):  # near the identity: a token's own input, a little of those before

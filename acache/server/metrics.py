@@ -17,11 +17,16 @@ class EngineCollector:
 
     def collect(self):
         e, m = self.engine, self.engine.metrics
+        in_use, peak, capacity = e.kv.byte_usage()
         gauges = [("requests_running", "Requests being decoded.", e.num_running),
-                  ("requests_waiting", "Requests waiting for KV pages.", e.num_waiting),
-                  ("kv_pages_in_use", "KV pool pages in use (shared affix pages counted once).", e.pool.num_used),
-                  ("kv_pages_total", "KV pool pages.", e.pool.num_pages),
-                  ("kv_pages_peak", "Most KV pool pages in use at once.", e.pool.peak_pages_used)]
+                  ("requests_waiting", "Requests waiting for cache room.", e.num_waiting),
+                  ("cache_bytes_in_use", "Bytes of request caches in use (shared affix pages counted once).", in_use),
+                  ("cache_bytes_total", "Bytes the cache may hold (kv_cache_memory).", capacity),
+                  ("cache_bytes_peak", "Most cache bytes in use at once.", peak)]
+        if e.pool is not None:  # a paged family (a scan family's caches are the model's own, not pages)
+            gauges += [("kv_pages_in_use", "KV pool pages in use (shared affix pages counted once).", e.pool.num_used),
+                       ("kv_pages_total", "KV pool pages.", e.pool.num_pages),
+                       ("kv_pages_peak", "Most KV pool pages in use at once.", e.pool.peak_pages_used)]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"acache_{name}", doc, value=value)
         counters = [("affix_hits", "Affix lookups served by a shared copy.", e.affixes.stats.hits),

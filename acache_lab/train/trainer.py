@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, family_model, init_weights_, save_checkpoint, tokenizer_config
 from acache.models.registry import family_class
+from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
@@ -49,6 +50,13 @@ class ModelShape:
     max_seq_len: int = 256
     rope_theta: float | None = None  # None: the family's upstream default
     block_size: int | None = None  # block-causal families: the attention block (None: the family's default)
+    state_size: int | None = None  # the scan families: each scan's state N (None: the family's default)
+    conv_kernel: int | None = None  # the state-space variant: taps of its short convolution (None: its default)
+
+    def scan_options(self) -> dict[str, int]:
+        """The scan families' options this shape sets, as ``family_model`` takes them."""
+        return {k: v for k, v in (("state_size", self.state_size), ("conv_kernel", self.conv_kernel))
+                if v is not None}
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ class TrainConfig:
     #: a task's own context-length range ``[min, max]`` sentences, instead of the stage's: long documents for
     #: qa1 in the same batches as short stories for the demonstration tasks
     task_sentences: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: how a new scan's decays start (a scan family's mixers, R2LM's sidecar): ``short`` or ``long``
+    #: (Mamba's ranges; ``acache.models.ssm.SCAN_INITS``)
+    scan_init: str = "short"
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -162,6 +173,8 @@ class TrainConfig:
             raise ValueError("eos_weight must be >= 0")
         if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
+        if self.scan_init not in SCAN_INITS:
+            raise ValueError(f"scan_init must be one of {sorted(SCAN_INITS)}, not {self.scan_init!r}")
         if self.init_std <= 0 or self.embed_init_std <= 0:
             raise ValueError("init_std and embed_init_std must be positive")
         if not 1 <= self.min_sentences <= self.max_sentences:
@@ -180,6 +193,12 @@ class TrainConfig:
         if self.model.block_size is not None and (not cls.block_causal or self.model.block_size <= 0):
             raise ValueError(f"model.block_size is a positive attention block of a block-causal family, not of "
                              f"{cls.family}")
+        for name, value in self.model.scan_options().items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+            takes = ("blockdiff_ssm",) if name == "conv_kernel" else ("blockdiff_ssm", "r2lm")
+            if cls.family not in takes:
+                raise ValueError(f"model.{name} is an option of {' and '.join(takes)} only, not of {cls.family}")
         self.layouts = tuple(self.layouts)
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
@@ -353,10 +372,10 @@ class Probe:
 
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,
-                       embed_generator: torch.Generator | None = None) -> None:
+                       embed_generator: torch.Generator | None = None, scan_init: str = "short") -> None:
     """Weights at N(0, std) (a scan family's decays and steps as :func:`init_weights_` sets them), norms
     at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
-    init_weights_(model, seed, std=std)
+    init_weights_(model, seed, std=std, scan_init=scan_init)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -409,9 +428,9 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     model = family_model(config.family, vocab, tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"]),
                          layers=shape.layers, hidden_size=shape.hidden_size, heads=shape.heads,
                          intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
-                         rope_theta=shape.rope_theta, block_size=shape.block_size)
+                         rope_theta=shape.rope_theta, block_size=shape.block_size, **shape.scan_options())
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
-                       torch.Generator().manual_seed(config.seed))
+                       torch.Generator().manual_seed(config.seed), config.scan_init)
     if config.init_from:
         start_from_(model, config.init_from)
     model.train()

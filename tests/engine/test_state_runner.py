@@ -79,6 +79,50 @@ def test_rows_run_together_equal_rows_run_alone(model):
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(flat, alone, strict=True))
 
 
+def test_a_failing_request_fails_alone(model, monkeypatch):
+    """A forward that raises for one row's tokens fails that request alone: the others, batched with it and
+    arriving apart, decode as they do alone, and every reservation is freed."""
+    poison = 13
+    prompts = random_prompts([9, 6, 14], vocab=290, seed=5)
+    prompts[1] = [poison, *prompts[1]]
+    params = [SamplingParams(**kw) for kw in MIXED[:3]]
+    want = reference(model, [prompts[0], prompts[2]], [params[0], params[2]])
+    real = model.extend_many
+
+    def extend_many(rows, logits=True, cache=True):
+        if any(bool((tokens == poison).any()) for tokens, _, _ in rows):
+            raise ValueError("poisoned row")
+        return real(rows, logits, cache)
+
+    monkeypatch.setattr(model, "extend_many", extend_many)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    outs = run_engine(model, prompts, params, arrivals=[0, 0, 1], engine=engine)
+    assert outs[1].status.value == "failed" and "poisoned row" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == want
+    assert engine.kv.used_bytes == 0 and not engine.kv.caches and not engine.has_unfinished()
+
+
+def test_rows_of_any_length_run_together_as_alone(model):
+    """Rows that pad whole blocks, and a one-token row after a cache whose convolution window is full, give in
+    one ``extend_many`` what each gives alone; each row's cache owns its storage."""
+    ids = random_prompts([12, 9, 4], vocab=290, seed=12)
+    after8 = model.extend(torch.tensor(ids[1][:8]), 0, model.empty_cache())[1]
+    rows = [(torch.tensor(ids[0]), 0, model.empty_cache()), (torch.tensor(ids[1][8:]), 8, after8),
+            (torch.tensor(ids[2]), 0, model.empty_cache())]
+    together = model.extend_many(rows)
+    for (logits, cache), row in zip(together, rows, strict=True):
+        alone_logits, alone_cache = model.extend(*row)
+        assert torch.allclose(logits, alone_logits, atol=1e-5)
+        flat = [t for part in cache for t in (part if isinstance(part, tuple) else (part,))]
+        alone = [t for part in alone_cache for t in (part if isinstance(part, tuple) else (part,))]
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(flat, alone, strict=True))
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in flat if t.numel())
+    no_logits = model.extend_many(rows, logits=False)
+    assert all(logits is None for logits, _ in no_logits)
+    logits_only = model.extend_many(rows, cache=False)
+    assert all(c is None and torch.equal(lg, t[0]) for (lg, c), t in zip(logits_only, together, strict=True))
+
+
 def test_a_plan_that_reads_past_its_cache_is_refused(model):
     from acache.decoding.blockwise import new_state
 

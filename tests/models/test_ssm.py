@@ -108,6 +108,36 @@ def test_bad_requests(model):
         generate_blockwise(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
 
 
+@pytest.mark.parametrize("scan_init, a_range, dt_range", [("short", (0.5, 8.0), (0.1, 0.1)),
+                                                         ("long", (1.0, 16.0), (0.001, 0.1))])
+def test_scan_init_spreads_decays_over_the_heads(scan_init, a_range, dt_range):
+    """Each layer's heads start with ``A`` and ``dt`` log-spaced over the named ranges, ends included, so the
+    ``long`` heads' per-token decay ``exp(-dt A)`` runs from nearly one to well below it."""
+    m = SSMBlockDiffusionLM(SSMConfig(**{**CONFIG, "num_heads": 5}))
+    init_scan_model_(m, seed=0, scan_init=scan_init)
+    mixer = m.layers[1].mixer
+    a = mixer.A_log.detach().double().exp()
+    dt = torch.nn.functional.softplus(mixer.dt_bias.detach().double())
+    for got, (lo, hi) in ((a, a_range), (dt, dt_range)):
+        want = torch.tensor([lo * (hi / lo) ** (i / 4) for i in range(5)], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    with pytest.raises(ValueError, match="scan_init must be one of"):
+        init_scan_model_(m, seed=0, scan_init="mamba")
+
+
+def test_scan_options_shape_the_model():
+    """A training shape's state size and convolution reach the model (and only a scan family takes them)."""
+    from acache.models.checkpoint import family_model
+
+    m = family_model("blockdiff_ssm", 300, 299, 298, layers=1, hidden_size=32, heads=2, block_size=4,
+                     state_size=24, conv_kernel=6)
+    assert m.config.state_size == 24 and m.config.conv_kernel == 6
+    assert m.layers[0].mixer.conv1d.weight.shape[-1] == 6 and m.empty_cache()[0][1].shape[1] == 5
+    assert m.cache_bytes_for(10) == m.cache_bytes(m.empty_cache())
+    with pytest.raises(ValueError, match="conv_kernel belong to the scan families, not to llada"):
+        family_model("llada", 300, 299, 298, layers=1, hidden_size=32, heads=2, conv_kernel=6)
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="state_size must be a positive integer"):
         SSMConfig(**{**CONFIG, "state_size": 0})

@@ -113,6 +113,17 @@ def test_a_scan_family_is_served(tmp_path, family):
         assert resp.status_code == 200, resp.text
         for path, body, why in [("/v1/chat/completions", {**chat, "selector": "attention"}, "does not support"),
                                 ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": 1},
-                                 f"not supported for the {family} family")]:
+                                 f"not supported for the {family} family"),
+                                ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "suffix": " there"},
+                                 "tokens after its generation region"),
+                                ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "far_mask_window": 1},
+                                 "far_mask_window is not supported")]:
             resp = c.post(path, json=body)
             assert resp.status_code == 400 and why in resp.json()["error"]["message"], resp.text
+        scraped = c.get("/metrics")  # bytes, not pages: a scan family's caches are its own
+        assert scraped.status_code == 200, scraped.text
+        gauges = dict(line.rsplit(" ", 1) for line in scraped.text.splitlines()
+                      if line.startswith("acache_cache_bytes"))
+        assert float(gauges["acache_cache_bytes_total"]) == llm.engine.kv.budget_bytes
+        assert float(gauges["acache_cache_bytes_in_use"]) == 0 < float(gauges["acache_cache_bytes_peak"])
+        assert "acache_kv_pages_in_use" not in scraped.text

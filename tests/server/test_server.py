@@ -186,7 +186,7 @@ def test_models_tokenize_metrics(client, server, llm):
     status, text = raw(server, "POST", "/tokenize", json.dumps({"prompt": "Where is Mary?"}).encode())
     assert status == 200 and json.loads(text)["tokens"] == llm.tokenizer.encode("Where is Mary?")
     _, text = raw(server, "GET", "/metrics")
-    for name in ("requests_running", "requests_waiting", "kv_pages_in_use", "affix_hits_total",
+    for name in ("requests_running", "requests_waiting", "kv_pages_in_use", "cache_bytes_in_use", "affix_hits_total",
                  "affix_queries_total", "anchors_recomputed_total", "recompute_latency_seconds_count"):
         assert f"acache_{name}" in text
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -323,6 +324,14 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(loss_weighting="uniform")
     with pytest.raises(ValueError, match="answer_reduction must be"):
         TrainConfig(answer_reduction="max")
+    with pytest.raises(ValueError, match="model.conv_kernel is an option of blockdiff_ssm only, not of r2lm"):
+        TrainConfig(family="r2lm", model=ModelShape(conv_kernel=8))
+    with pytest.raises(ValueError, match="model.state_size is an option of blockdiff_ssm and r2lm only, not of llada"):
+        TrainConfig(model=ModelShape(state_size=32))
+    with pytest.raises(ValueError, match="model.state_size must be a positive integer, got 0"):
+        TrainConfig(family="blockdiff_ssm", model=ModelShape(state_size=0))
+    with pytest.raises(ValueError, match=r"scan_init must be one of \['long', 'short'\], not 'mamba'"):
+        TrainConfig(scan_init="mamba")
     with pytest.raises(ValueError, match="answer_masking must be"):
         TrainConfig(answer_masking="some")
     with pytest.raises(ValueError, match="answer_masking must be 'rate_t' or 'all', not 'half'"):
@@ -453,7 +462,7 @@ def test_r2lm_recipe_and_model():
     stages = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in ("r2lm-stage1", "r2lm-stage2",
                                                                                    "r2lm")]
     assert (REPO_ROOT / stages[0].init_from).resolve() == SHIPPED_MODEL.resolve()
-    for before, after in zip(stages, stages[1:]):
+    for before, after in pairwise(stages):
         assert after.init_from == before.out and after.model == before.model and after.family == "r2lm"
     config = stages[-1]
     log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
