@@ -76,14 +76,20 @@ class ModelRunner:
                     out.probe_samples[rid] = sample
             _sync(self.device)
             out.selection_time_s = time.perf_counter() - t0
-        for batch in sched.forwards:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            out.samples.update(self._contained(batch.requests, lambda sub, b=batch: self._forward(b.only(sub)),
-                                               out.errors))
-            _sync(self.device)
-            out.forward_times_s.append(time.perf_counter() - t0)
+        self.run_forwards(sched, out, self._forward, self.device)
         return out
+
+    @classmethod
+    def run_forwards(cls, sched: SchedulerOutput, out: RunnerOutput, forward: Callable[[ForwardBatch], dict],
+                     device: torch.device) -> None:
+        """Each of the step's forward batches through ``forward``, timed, a failing request failing alone: the
+        loop every runner (paged or state-cache) shares."""
+        for batch in sched.forwards:
+            _sync(device)
+            t0 = time.perf_counter()
+            out.samples.update(cls._contained(batch.requests, lambda sub, b=batch: forward(b.only(sub)), out.errors))
+            _sync(device)
+            out.forward_times_s.append(time.perf_counter() - t0)
 
     @staticmethod
     def _contained(reqs: list[Request], fn: Callable[[list[Request]], dict], errors: dict[str, str]) -> dict:

@@ -8,12 +8,10 @@ runner it returns proposals and never changes a request; a request whose forward
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from acache.decoding.blockwise import run_plans
-from acache.engine.model_runner import ModelRunner, _sync
+from acache.engine.model_runner import ModelRunner
 from acache.engine.outputs import ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.state_cache_manager import StateCacheManager
 from acache.models.r2lm import R2LM
@@ -31,13 +29,7 @@ class StateRunner:
         out = RunnerOutput()
         for req in sched.select:  # nothing is shared, so no request should ever need a selection
             out.errors[req.request_id] = f"the {self.model.family} family has no affix anchors to select"
-        for batch in sched.forwards:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            out.samples.update(ModelRunner._contained(batch.requests, lambda sub, b=batch: self._forward(b.only(sub)),
-                                                      out.errors))
-            _sync(self.device)
-            out.forward_times_s.append(time.perf_counter() - t0)
+        ModelRunner.run_forwards(sched, out, self._forward, self.device)
         return out
 
     def _forward(self, batch: ForwardBatch) -> dict[str, Sample]:
