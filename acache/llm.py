@@ -53,7 +53,8 @@ class LLM:
         self.device = parse_device(device)
         self.model_path = Path(model)
         family = read_config(model)[0]
-        if getattr(family, "state_cache", False):  # the scan families: a cache of their own, no affix K/V
+        state_cache = getattr(family, "state_cache", False)  # the scan families: a cache of their own, no affix K/V
+        if state_cache:
             for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
                                 ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile)):
                 if value:
@@ -96,7 +97,7 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
-        self.affix_store = None if getattr(family, "state_cache", False) else AffixStore(
+        self.affix_store = None if state_cache else AffixStore(
             self.model, affix_cache_bytes, keep_hidden=True)
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)

@@ -62,10 +62,10 @@ class KVCacheManager:
         """``(peak pages, pages in use, bytes a page)``."""
         return self.pool.peak_pages_used, self.pool.num_used, self.pool.page_bytes
 
-    def byte_usage(self) -> tuple[int, int, int]:
-        """``(in use, peak, capacity)`` in bytes, as every cache manager reports them (``/metrics``)."""
-        pool = self.pool
-        return pool.num_used * pool.page_bytes, pool.peak_pages_used * pool.page_bytes, pool.num_pages * pool.page_bytes
+    @property
+    def capacity_bytes(self) -> int:
+        """What the pool holds, in bytes (``/metrics``: the same for every cache manager)."""
+        return self.pool.num_pages * self.pool.page_bytes
 
     def reset_peak(self) -> None:
         self.pool.peak_pages_used = self.pool.num_used

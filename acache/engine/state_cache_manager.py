@@ -94,9 +94,10 @@ class StateCacheManager:
         """``(peak, in use, bytes a unit)`` in the units of the engine's summary: bytes, for this manager."""
         return self.peak_bytes, self.used_bytes, 1
 
-    def byte_usage(self) -> tuple[int, int, int]:
-        """``(in use, peak, capacity)`` in bytes, as every cache manager reports them (``/metrics``)."""
-        return self.used_bytes, self.peak_bytes, self.budget_bytes
+    @property
+    def capacity_bytes(self) -> int:
+        """The byte budget (``/metrics``: the same for every cache manager)."""
+        return self.budget_bytes
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.used_bytes

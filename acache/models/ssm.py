@@ -312,7 +312,7 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def empty_state(self, batch: int = 1) -> list[MixerCache]:
-        return [layer.mixer.empty_cache(batch, self.embed.weight.device) for layer in self.layers]
+        return [layer.mixer.empty_cache(batch, self.device) for layer in self.layers]
 
     @staticmethod
     def state_bytes(state: list[MixerCache]) -> int:
@@ -340,7 +340,7 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
             row_logits, row_cache = self.extend(*rows[0], logits)
             return [(row_logits, row_cache if cache else None)]
         width = max(len(tokens) for tokens, _, _ in rows)
-        device = self.embed.weight.device
+        device = self.device
         ids = torch.full((len(rows), width), self.config.mask_token_id, dtype=torch.long, device=device)
         valid = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
         for i, (tokens, _, _) in enumerate(rows):

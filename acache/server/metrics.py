@@ -17,12 +17,13 @@ class EngineCollector:
 
     def collect(self):
         e, m = self.engine, self.engine.metrics
-        in_use, peak, capacity = e.kv.byte_usage()
+        peak, in_use, unit = e.kv.memory_usage()  # pages and their size, or bytes (unit 1)
         gauges = [("requests_running", "Requests being decoded.", e.num_running),
                   ("requests_waiting", "Requests waiting for cache room.", e.num_waiting),
-                  ("cache_bytes_in_use", "Bytes of request caches in use (shared affix pages counted once).", in_use),
-                  ("cache_bytes_total", "Bytes the cache may hold (kv_cache_memory).", capacity),
-                  ("cache_bytes_peak", "Most cache bytes in use at once.", peak)]
+                  ("cache_bytes_in_use", "Bytes of request caches in use (shared affix pages counted once).",
+                   in_use * unit),
+                  ("cache_bytes_total", "Bytes the cache may hold (kv_cache_memory).", e.kv.capacity_bytes),
+                  ("cache_bytes_peak", "Most cache bytes in use at once.", peak * unit)]
         if e.pool is not None:  # a paged family (a scan family's caches are the model's own, not pages)
             gauges += [("kv_pages_in_use", "KV pool pages in use (shared affix pages counted once).", e.pool.num_used),
                        ("kv_pages_total", "KV pool pages.", e.pool.num_pages),
