@@ -427,28 +427,26 @@ def test_plus_model_uses_its_demonstrations_and_reads_long_documents():
 
 
 def test_blockdiff_recipe_and_model():
-    """The block-diffusion model: its two configs chain from the shipped model and are what its log records;
-    it answers qa1 and two-hop in the prefix and infix layouts (arithmetic only in infix: docs/model.md)."""
+    """The block-diffusion model: one config from the shipped R2LM model (whose causal attention already
+    reads a worksheet from the answer's side) into Fast-dLLM v2's layout, and what its log records; it
+    answers every task in the prefix and infix layouts."""
     from acache import LLM
     from acache.models import FastDLLMv2Model
     from acache.paths import REPO_ROOT
     from acache_lab.eval.tasks import evaluate
 
-    stage1, final = (TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in ("blockdiff-stage1",
-                                                                                          "blockdiff"))
-    assert (REPO_ROOT / stage1.init_from).resolve() == SHIPPED_MODEL.resolve()
-    assert final.init_from == stage1.out and final.model == stage1.model and final.family == "fast_dllm_v2"
-    model_dir = REPO_ROOT / final.out
+    config = TrainConfig.from_file(REPO_ROOT / "configs" / "blockdiff.json")
+    r2lm = TrainConfig.from_file(REPO_ROOT / "configs" / "r2lm.json")
+    assert config.init_from == r2lm.out and config.family == "fast_dllm_v2"
+    assert config.model.block_size == r2lm.model.block_size == 8
+    model_dir = REPO_ROOT / config.out
     log = json.loads((model_dir / "training_log.json").read_text())
-    assert_logged(final, log["config"])
-    assert log["steps_done"] == final.steps
+    assert_logged(config, log["config"])
+    assert log["steps_done"] == config.steps
     llm = LLM(model_dir)
     assert isinstance(llm.model, FastDLLMv2Model) and llm.model.config.block_size == 8
     scores = evaluate(llm, examples=20, sentences=6, seed=7, layouts=("prefix", "infix"))
-    got = {(s.task, s.layout): s.accuracy >= 0.9 for s in scores}
-    assert got == {(t, lay): t != "arith" or lay == "infix" for t in ("qa1", "arith", "twohop")
-                   for lay in ("prefix", "infix")}
-
+    assert all(s.accuracy >= 0.9 for s in scores), scores
 
 
 def test_r2lm_recipe_and_model():
