@@ -25,15 +25,18 @@ from acache_lab.train.trainer import init_for_training_, training_logits
 KEYS, VALUES, FILLERS = 24, 24, 3
 
 
-def rows(n: int, pairs: int, gap: int, gen: torch.Generator, mask: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` rows of ``pairs`` facts and a query, and the value each query asks for."""
+def rows(n: int, pairs: int, gap: int, gen: torch.Generator, mask: int, query_gap: int = 0
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows of ``pairs`` facts and a query (``query_gap`` fillers between the asked key and the mask),
+    and the value each query asks for."""
     fill = [KEYS + VALUES + i % FILLERS for i in range(gap)]
+    after = [KEYS + VALUES + i % FILLERS for i in range(query_gap)]
     ids, answers = [], []
     for _ in range(n):
         keys = torch.randperm(KEYS, generator=gen)[:pairs].tolist()
         values = torch.randint(KEYS, KEYS + VALUES, (pairs,), generator=gen).tolist()
         asked = int(torch.randint(pairs, (1,), generator=gen))
-        ids.append([t for k, v in zip(keys, values, strict=True) for t in (k, *fill, v)] + [keys[asked], mask])
+        ids.append([t for k, v in zip(keys, values, strict=True) for t in (k, *fill, v)] + [keys[asked], *after, mask])
         answers.append(values[asked])
     return torch.tensor(ids), torch.tensor(answers)
 
@@ -43,6 +46,7 @@ def main() -> None:
     ap.add_argument("--family", default="blockdiff_ssm", choices=["blockdiff_ssm", "fast_dllm_v2", "llada"])
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--gap", type=int, default=0, help="filler tokens between a key and its value")
+    ap.add_argument("--query-gap", type=int, default=0, help="filler tokens between the asked key and the mask")
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -72,10 +76,11 @@ def main() -> None:
         return training_logits(model, ids, positions, torch.ones_like(ids, dtype=torch.bool))[:, -1]
 
     gen = torch.Generator().manual_seed(args.seed)
-    test_ids, test_answers = rows(512, args.pairs, args.gap, torch.Generator().manual_seed(10_000 + args.seed), mask)
+    test_ids, test_answers = rows(512, args.pairs, args.gap, torch.Generator().manual_seed(10_000 + args.seed), mask,
+                                    args.query_gap)
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
-        ids, answers = rows(args.batch_size, args.pairs, args.gap, gen, mask)
+        ids, answers = rows(args.batch_size, args.pairs, args.gap, gen, mask, args.query_gap)
         loss = F.cross_entropy(answer_logits(ids), answers)
         opt.zero_grad()
         loss.backward()

@@ -153,7 +153,7 @@ def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id:
                  **scan: int) -> nn.Module:
     """An uninitialised model of any family at a shape: a transformer family through :func:`random_config`, a
     scan family (our own layout) through its ``random_config``, which also takes the ``scan`` options it
-    names (``state_size``; ``conv_kernel`` for the state-space variant)."""
+    names (``state_size``; ``conv_kernel`` and ``n_groups`` for the state-space variant)."""
     cls = family_class(family)
     if issubclass(cls, DiffusionLM):
         if scan:

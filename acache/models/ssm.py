@@ -51,12 +51,16 @@ class SSMConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 65536  # the longest canvas the engine accepts (the scan itself has no limit)
     conv_kernel: int = 4  # Mamba's short causal convolution over the scan's inputs (x, B, C)
+    n_groups: int = 1  # Mamba-2's groups: heads in a group share one B and C (their key and query)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self) -> None:
         check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
                                                  "num_heads", "head_dim", "state_size", "block_size",
-                                                 "max_position_embeddings", "conv_kernel"))
+                                                 "max_position_embeddings", "conv_kernel", "n_groups"))
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"state-space config: num_heads={self.num_heads} is not a multiple of "
+                             f"n_groups={self.n_groups}")
 
     @property
     def pad_token_id(self) -> int:
@@ -150,10 +154,13 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
     """The selective scan over ``T`` steps, ``chunk`` at a time: within a chunk every output is a masked
     product (no loop over steps), between chunks the state is carried.
 
-    ``x [B, T, H, P]``, ``dt [B, T, H]`` (positive), ``a [H]`` (negative), ``b, c [B, T, N]``, ``state
-    [B, H, P, N]`` (the state before step 0). Returns ``y [B, T, H, P]`` (without the ``D`` skip) and the state
-    after the last step. Decays are differences of cumulative sums inside a chunk, so they never overflow.
+    ``x [B, T, H, P]``, ``dt [B, T, H]`` (positive), ``a [H]`` (negative), ``b, c [B, T, N]`` shared by every
+    head or ``[B, T, G, N]`` one per group of ``H / G`` heads, ``state [B, H, P, N]`` (the state before step 0).
+    Returns ``y [B, T, H, P]`` (without the ``D`` skip) and the state after the last step. Decays are differences
+    of cumulative sums inside a chunk, so they never overflow.
     """
+    if b.dim() == 4:
+        return _grouped_scan(x, dt, a, b, c, state, chunk)
     ys = []
     for s in range(0, x.shape[1], chunk):
         xs, dts, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], b[:, s:s + chunk], c[:, s:s + chunk]
@@ -171,21 +178,46 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
     return torch.cat(ys, dim=1), state
 
 
+def _grouped_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                  state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_scan` with ``b, c [B, T, G, N]``: each head reads and writes with its group's."""
+    per_group = x.shape[2] // b.shape[2]
+    b, c = b.repeat_interleave(per_group, dim=2), c.repeat_interleave(per_group, dim=2)  # [B, T, H, N]
+    ys = []
+    for s in range(0, x.shape[1], chunk):
+        xs, dts, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], b[:, s:s + chunk], c[:, s:s + chunk]
+        log_decay = (dts * a).cumsum(1)
+        gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]
+        causal = torch.ones(gap.shape[1], gap.shape[2], dtype=torch.bool, device=x.device).tril()
+        weights = torch.where(causal[None, :, :, None], gap, float("-inf")).exp()
+        scores = torch.einsum("bthn,bshn->btsh", cs, bs)
+        y = torch.einsum("btsh,btsh,bsh,bshp->bthp", weights, scores, dts, xs)
+        y = y + torch.einsum("bhpn,bthn->bthp", state, cs) * log_decay.exp()[..., None]
+        ys.append(y)
+        to_end = (log_decay[:, -1:, :] - log_decay).exp()
+        state = state * log_decay[:, -1, :, None, None].exp() + torch.einsum("bsh,bsh,bshp,bshn->bhpn", to_end, dts,
+                                                                              xs, bs)
+    return torch.cat(ys, dim=1), state
+
+
 class SSMMixer(nn.Module):
     """The selective scan as a sequence mixer. With ``forward_scan`` (the state-space variant) it scans left to
     right across blocks, carrying the state, and right to left inside each block; without it (R2LM's
-    sidecar) only right to left inside each block, so it needs no cache at all."""
+    sidecar) only right to left inside each block, so it needs no cache at all. With ``n_groups`` above one,
+    each group of heads has a B and C of its own (Mamba-2's groups): as many lookups a layer as groups."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, state_size: int, block_size: int, eps: float,
-                 forward_scan: bool = True, conv_kernel: int = 0) -> None:
+                 forward_scan: bool = True, conv_kernel: int = 0, n_groups: int = 1) -> None:
         super().__init__()
         self.heads, self.head_dim, self.state_size, self.block_size = heads, head_dim, state_size, block_size
         self.forward_scan = forward_scan
         self.conv_kernel = conv_kernel
+        self.n_groups = n_groups
         inner = heads * head_dim
-        self.in_proj = nn.Linear(hidden, 2 * inner + 2 * state_size + heads, bias=False)
+        self.bc_size = n_groups * state_size  # B's (and C's) channels
+        self.in_proj = nn.Linear(hidden, 2 * inner + 2 * self.bc_size + heads, bias=False)
         if conv_kernel:  # depthwise and causal: a token mixes in the ``conv_kernel - 1`` inputs before it
-            channels = inner + 2 * state_size
+            channels = inner + 2 * self.bc_size
             self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=True)
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.dt_bias = nn.Parameter(torch.zeros(heads))
@@ -199,7 +231,7 @@ class SSMMixer(nn.Module):
     def empty_cache(self, batch: int, device: torch.device) -> MixerCache:
         """The forward scan's state and the convolution's window before position 0 (zeros: nothing yet)."""
         width = max(self.conv_kernel - 1, 0)
-        window = torch.zeros(batch, width, self.heads * self.head_dim + 2 * self.state_size, device=device,
+        window = torch.zeros(batch, width, self.heads * self.head_dim + 2 * self.bc_size, device=device,
                              dtype=self.in_proj.weight.dtype)
         return self.empty_state(batch, device), window
 
@@ -223,25 +255,29 @@ class SSMMixer(nn.Module):
         without a forward scan). Positions where ``valid [B, T]`` is False (right padding) take a step of
         zero: they neither write to the state nor decay it, so a padded row scans as its real tokens alone."""
         bsz, t, _ = u.shape
-        h, p, n = self.heads, self.head_dim, self.state_size
+        h, p, n, bc = self.heads, self.head_dim, self.state_size, self.bc_size
         inner = h * p
-        x, z, b, c, dt = self.in_proj(u).split([inner, inner, n, n, h], dim=-1)
+        x, z, b, c, dt = self.in_proj(u).split([inner, inner, bc, bc, h], dim=-1)
         state, window = cache if cache is not None else (None, None)
         if self.conv_kernel:
             mixed, window = self._convolve(torch.cat((x, b, c), dim=-1), window, valid)
-            x, b, c = mixed.split([inner, n, n], dim=-1)
+            x, b, c = mixed.split([inner, bc, bc], dim=-1)
         x = x.reshape(bsz, t, h, p).float()
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if valid is not None:
             dt = dt * valid[..., None]
         a = -self.A_log.float().exp()
         b, c = b.float(), c.float()
+        if self.n_groups > 1:
+            b, c = b.reshape(bsz, t, self.n_groups, n), c.reshape(bsz, t, self.n_groups, n)
         y = self.D.float()[:, None] * x
         if self.forward_scan:
             start = self.empty_state(bsz, u.device) if state is None else state.float()
             forward, state = chunked_scan(x, dt, a, b, c, start, self.block_size)
             # a token's own input enters both scans: count it once
-            y = y + forward - (dt[..., None] * x) * (b * c).sum(-1)[:, :, None, None]
+            own = (b * c).sum(-1)  # [B, T] or [B, T, G]: each token's own B . C
+            own = own[:, :, None] if own.dim() == 2 else own.repeat_interleave(h // self.n_groups, dim=2)
+            y = y + forward - (dt[..., None] * x) * own[..., None]
         # right to left inside each block, from a zero state: every block one row of a single scan (a short last
         # block padded with steps of zero, which leave the state as it is)
         size = self.block_size
@@ -258,7 +294,7 @@ class SSMMixer(nn.Module):
         if not self.forward_scan:
             return self.out_proj(y), None
         if window is None:
-            window = u.new_zeros(bsz, 0, inner + 2 * n)
+            window = u.new_zeros(bsz, 0, inner + 2 * bc)
         return self.out_proj(y), (state, window)
 
 
@@ -268,7 +304,7 @@ class SSMLayer(nn.Module):
         h = config.hidden_size
         self.mixer_norm = RMSNorm(h, config.rms_norm_eps)
         self.mixer = SSMMixer(h, config.num_heads, config.head_dim, config.state_size, config.block_size,
-                              config.rms_norm_eps, conv_kernel=config.conv_kernel)
+                              config.rms_norm_eps, conv_kernel=config.conv_kernel, n_groups=config.n_groups)
         self.mlp_norm = RMSNorm(h, config.rms_norm_eps)
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
@@ -295,13 +331,13 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
                       heads: int, intermediate_size: int | None, block_size: int | None,
                       rope_theta: float | None = None, state_size: int | None = None,
-                      conv_kernel: int | None = None) -> SSMConfig:
-        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16 and a
-        convolution of 4 taps unless given (``heads`` and ``rope_theta`` are attention's, which this family has
-        not)."""
+                      conv_kernel: int | None = None, n_groups: int | None = None) -> SSMConfig:
+        """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16, a
+        convolution of 4 taps and one group unless given (``heads`` and ``rope_theta`` are attention's, which
+        this family has not)."""
         return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
                          max(1, 2 * hidden_size // 16), 16, state_size or 16, block_size or 32, mask_token_id,
-                         eos_token_id, conv_kernel=conv_kernel or 4)
+                         eos_token_id, conv_kernel=conv_kernel or 4, n_groups=n_groups or 1)
 
     def __init__(self, config: SSMConfig) -> None:
         super().__init__()
@@ -328,7 +364,7 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         """The cache's size for a canvas of ``length`` tokens, whatever the length: a float32 state and the
         convolution's window a layer."""
         c = self.config
-        window = (c.conv_kernel - 1) * (c.inner_size + 2 * c.state_size) * self.embed.weight.element_size()
+        window = (c.conv_kernel - 1) * (c.inner_size + 2 * c.n_groups * c.state_size) * self.embed.weight.element_size()
         return c.num_layers * (c.num_heads * c.head_dim * c.state_size * 4 + window)
 
     def extend_many(self, rows: list[tuple[torch.Tensor, int, list[MixerCache]]], logits: bool = True,
@@ -405,9 +441,10 @@ def init_scan_model_(model: nn.Module, seed: int, std: float = 0.02, scan_init: 
                 p.copy_(torch.log(torch.expm1(dt)))
             elif name.endswith(".D") or name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("conv1d.weight"):  # near the identity: a token's own input, a little of those before
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-                p[..., -1] += 1.0
+            elif name.endswith("conv1d.weight"):  # Mamba's (PyTorch's) default, uniform over +-1/sqrt(taps): every
+                # tap starts carrying its input, so a token can bind to one a few positions back from the first step
+                bound = 1.0 / math.sqrt(p.shape[-1])
+                p.copy_((2 * torch.rand(p.shape, generator=gen) - 1) * bound)
             elif name.endswith("conv1d.bias"):
                 p.zero_()
             else:

@@ -16,32 +16,40 @@ CONFIG = dict(vocab_size=300, hidden_size=48, num_layers=2, intermediate_size=96
               state_size=6, block_size=4, mask_token_id=299, eos_token_id=298)
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = SSMBlockDiffusionLM(SSMConfig(**CONFIG))
+@pytest.fixture(scope="module", params=[1, 3], ids=["one-group", "a-group-a-head"])
+def model(request):
+    m = SSMBlockDiffusionLM(SSMConfig(**CONFIG, n_groups=request.param))
     init_scan_model_(m, seed=3, std=0.3)
     return m.eval()
 
 
 def recurrence(x, dt, a, b, c, state):
-    """The scan one step at a time: S = exp(dt a) S + dt x b^T, y = S c."""
+    """The scan one step at a time: S = exp(dt a) S + dt x b^T, y = S c, with ``b, c [B, T, N]`` shared by the
+    heads or ``[B, T, G, N]``, head ``i`` reading group ``i // (H / G)``."""
+    h = x.shape[2]
+    if b.dim() == 3:
+        b, c = b[:, :, None].expand(-1, -1, h, -1), c[:, :, None].expand(-1, -1, h, -1)
+    group = [i // (h // b.shape[2]) for i in range(h)]
     ys = []
     for t in range(x.shape[1]):
         decay = (dt[:, t] * a).exp()[:, :, None, None]  # [B, H, 1, 1]
-        state = decay * state + dt[:, t, :, None, None] * x[:, t, :, :, None] * b[:, t, None, None, :]
-        ys.append(torch.einsum("bhpn,bn->bhp", state, c[:, t]))
+        bt, ct = b[:, t, group], c[:, t, group]  # [B, H, N]
+        state = decay * state + dt[:, t, :, None, None] * x[:, t, :, :, None] * bt[:, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, ct))
     return torch.stack(ys, dim=1), state
 
 
+@pytest.mark.parametrize("groups", [None, 1, 2, 4])
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16])
-def test_chunked_scan_equals_the_recurrence(chunk):
+def test_chunked_scan_equals_the_recurrence(chunk, groups):
+    """Shared ``B, C`` (None) or one per group of heads (4 heads: groups of 4, 2 and 1)."""
     g = torch.Generator().manual_seed(chunk)
-    bsz, t, h, p, n = 2, 11, 3, 4, 5
+    bsz, t, h, p, n = 2, 11, 4, 4, 5
     x = torch.randn(bsz, t, h, p, generator=g, dtype=torch.float64)
     dt = torch.rand(bsz, t, h, generator=g, dtype=torch.float64) * 0.5 + 0.01
     a = -torch.rand(h, generator=g, dtype=torch.float64) * 3
-    b, c = torch.randn(bsz, t, n, generator=g, dtype=torch.float64), torch.randn(bsz, t, n, generator=g,
-                                                                                 dtype=torch.float64)
+    shape = (bsz, t, n) if groups is None else (bsz, t, groups, n)
+    b, c = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
     s0 = torch.randn(bsz, h, p, n, generator=g, dtype=torch.float64)
     y, s = chunked_scan(x, dt, a, b, c, s0, chunk)
     y_ref, s_ref = recurrence(x, dt, a, b, c, s0)
@@ -82,7 +90,7 @@ def test_a_block_sees_itself_both_ways_and_no_later_block(model):
 def test_the_state_is_the_same_size_at_any_context(model):
     sizes = {model.state_bytes(model(torch.tensor([random_prompts([n], vocab=290)[0]]))[1]) for n in (4, 40, 400)}
     cfg = model.config
-    window = (cfg.conv_kernel - 1) * (cfg.num_heads * cfg.head_dim + 2 * cfg.state_size) * 4
+    window = (cfg.conv_kernel - 1) * (cfg.num_heads * cfg.head_dim + 2 * cfg.n_groups * cfg.state_size) * 4
     assert sizes == {cfg.num_layers * (cfg.num_heads * cfg.head_dim * cfg.state_size * 4 + window)}
     assert sizes == {model.cache_bytes_for(4)} == {model.cache_bytes_for(4000)}
 
@@ -125,22 +133,57 @@ def test_scan_init_spreads_decays_over_the_heads(scan_init, a_range, dt_range):
         init_scan_model_(m, seed=0, scan_init="mamba")
 
 
+def test_convolution_taps_start_uniform():
+    """Every tap of the short convolution starts at Mamba's default, uniform over +-1/sqrt(taps), not near the
+    identity: with only the last tap at one, a token needed thousands of steps to bind to one a few positions
+    back (docs/model.md, the state-space section)."""
+    m = SSMBlockDiffusionLM(SSMConfig(**{**CONFIG, "conv_kernel": 8}))
+    init_scan_model_(m, seed=0)
+    w = m.layers[0].mixer.conv1d.weight.detach()
+    bound = 1 / 8 ** 0.5
+    assert float(w.abs().max()) <= bound
+    spread = w.abs().mean(dim=(0, 1))  # mean size of each tap over the channels: about bound / 2 each
+    assert torch.allclose(spread, torch.full_like(spread, bound / 2), rtol=0.25), spread
+    assert float(m.layers[0].mixer.conv1d.bias.detach().abs().max()) == 0.0
+
+
 def test_scan_options_shape_the_model():
     """A training shape's state size and convolution reach the model (and only a scan family takes them)."""
     from acache.models.checkpoint import family_model
 
     m = family_model("blockdiff_ssm", 300, 299, 298, layers=1, hidden_size=32, heads=2, block_size=4,
-                     state_size=24, conv_kernel=6)
-    assert m.config.state_size == 24 and m.config.conv_kernel == 6
+                     state_size=24, conv_kernel=6, n_groups=2)
+    assert m.config.state_size == 24 and m.config.conv_kernel == 6 and m.config.n_groups == 2
+    assert m.layers[0].mixer.in_proj.weight.shape[0] == 2 * 64 + 2 * 2 * 24 + 4  # x, z, B and C per group, dt
     assert m.layers[0].mixer.conv1d.weight.shape[-1] == 6 and m.empty_cache()[0][1].shape[1] == 5
     assert m.cache_bytes_for(10) == m.cache_bytes(m.empty_cache())
     with pytest.raises(ValueError, match="conv_kernel belong to the scan families, not to llada"):
         family_model("llada", 300, 299, 298, layers=1, hidden_size=32, heads=2, conv_kernel=6)
 
 
+def test_groups_give_each_group_its_own_key():
+    """With a group a head, changing one head's slice of ``B`` moves that head's outputs and no other's."""
+    torch.manual_seed(0)
+    bsz, t, h, p, n = 1, 6, 3, 2, 4
+    x, dt = torch.randn(bsz, t, h, p, dtype=torch.float64), torch.rand(bsz, t, h, dtype=torch.float64) + 0.1
+    a = -torch.rand(h, dtype=torch.float64)
+    b, c = torch.randn(bsz, t, h, n, dtype=torch.float64), torch.randn(bsz, t, h, n, dtype=torch.float64)
+    s0 = torch.zeros(bsz, h, p, n, dtype=torch.float64)
+    y, _ = chunked_scan(x, dt, a, b, c, s0, 4)
+    b2 = b.clone()
+    b2[:, :, 1] += 1.0
+    y2, _ = chunked_scan(x, dt, a, b2, c, s0, 4)
+    moved = [not torch.allclose(y[:, :, i], y2[:, :, i]) for i in range(h)]
+    assert moved == [False, True, False]
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="state_size must be a positive integer"):
         SSMConfig(**{**CONFIG, "state_size": 0})
+    with pytest.raises(ValueError, match="n_groups must be a positive integer"):
+        SSMConfig(**{**CONFIG, "n_groups": 0})
+    with pytest.raises(ValueError, match="num_heads=3 is not a multiple of n_groups=2"):
+        SSMConfig(**{**CONFIG, "n_groups": 2})
     with pytest.raises(ValueError, match="mask_token_id=300 is outside the vocabulary"):
         SSMConfig(**{**CONFIG, "mask_token_id": 300})
 

@@ -326,6 +326,8 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(answer_reduction="max")
     with pytest.raises(ValueError, match="model.conv_kernel is an option of blockdiff_ssm only, not of r2lm"):
         TrainConfig(family="r2lm", model=ModelShape(conv_kernel=8))
+    with pytest.raises(ValueError, match="model.n_groups is an option of blockdiff_ssm only, not of r2lm"):
+        TrainConfig(family="r2lm", model=ModelShape(n_groups=4))
     with pytest.raises(ValueError, match="model.state_size is an option of blockdiff_ssm and r2lm only, not of llada"):
         TrainConfig(model=ModelShape(state_size=32))
     with pytest.raises(ValueError, match="model.state_size must be a positive integer, got 0"):
@@ -393,7 +395,8 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
     with pytest.raises(ValueError, match="another config"):
         train(TrainConfig(**{**asdict(config("stopped")), "lr": 1e-3, "model": config("stopped").model}),
               progress=False, resume=True)
-    resumed = train(config("stopped"), progress=False, resume=True)
+    longer = TrainConfig(**{**asdict(config("stopped")), "time_limit_minutes": 120.0, "model": config("stopped").model})
+    resumed = train(longer, progress=False, resume=True)  # a longer time limit resumes: it only says when to stop
     assert resumed["steps_done"] == 6 and not resumed["interrupted"]
     assert [r["loss"] for r in resumed["log"]] == [r["loss"] for r in straight["log"]]
     from acache.models.loader import load_model
