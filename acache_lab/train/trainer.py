@@ -52,11 +52,12 @@ class ModelShape:
     block_size: int | None = None  # block-causal families: the attention block (None: the family's default)
     state_size: int | None = None  # the scan families: each scan's state N (None: the family's default)
     conv_kernel: int | None = None  # the state-space variant: taps of its short convolution (None: its default)
+    n_groups: int | None = None  # the state-space variant: groups of heads with their own B and C (None: one)
 
     def scan_options(self) -> dict[str, int]:
         """The scan families' options this shape sets, as ``family_model`` takes them."""
-        return {k: v for k, v in (("state_size", self.state_size), ("conv_kernel", self.conv_kernel))
-                if v is not None}
+        return {k: v for k, v in (("state_size", self.state_size), ("conv_kernel", self.conv_kernel),
+                                  ("n_groups", self.n_groups)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class TrainConfig:
         for name, value in self.model.scan_options().items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
-            takes = ("blockdiff_ssm",) if name == "conv_kernel" else ("blockdiff_ssm", "r2lm")
+            takes = ("blockdiff_ssm", "r2lm") if name == "state_size" else ("blockdiff_ssm",)
             if cls.family not in takes:
                 raise ValueError(f"model.{name} is an option of {' and '.join(takes)} only, not of {cls.family}")
         self.layouts = tuple(self.layouts)
@@ -416,6 +417,12 @@ def start_from_(model: DiffusionLM, path: str | Path) -> None:
 RESUME_FILE = "resume_state.pt"
 
 
+def _resumable(config: dict) -> dict:
+    """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
+    machine's budget that decides where a run stops, never what a step computes."""
+    return {k: v for k, v in config.items() if k != "time_limit_minutes"}
+
+
 def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
     """Trains, writing the checkpoint, its log and loss curve to ``config.out``. Ctrl-C stops at the step
     under way and saves everything so far, plus the optimizer and data state; ``resume=True`` continues
@@ -459,8 +466,9 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             raise FileNotFoundError(f"nothing to resume in {config.out}: no {RESUME_FILE} (only a run stopped "
                                     "with Ctrl-C leaves one)")
         state = torch.load(state_file, weights_only=False)
-        if state["config"] != asdict(config):
-            raise ValueError(f"{state_file} was written by another config; resume with the one that started it")
+        if _resumable(state["config"]) != _resumable(asdict(config)):
+            raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
+                             "(only time_limit_minutes may change)")
         start_from_(model, config.out)
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
