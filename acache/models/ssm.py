@@ -159,8 +159,14 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
     Returns ``y [B, T, H, P]`` (without the ``D`` skip) and the state after the last step. Decays are differences
     of cumulative sums inside a chunk, so they never overflow.
     """
-    if b.dim() == 4:
-        return _grouped_scan(x, dt, a, b, c, state, chunk)
+    grouped = b.dim() == 4
+    if grouped:  # every head gets its group's B and C: [B, T, H, N]
+        per_group = x.shape[2] // b.shape[2]
+        b, c = b.repeat_interleave(per_group, dim=2), c.repeat_interleave(per_group, dim=2)
+    # the same products with B and C shared by the heads (n) or one per head (hn)
+    score_eq, out_eq, read_eq, write_eq = (
+        ("bthn,bshn->btsh", "btsh,btsh,bsh,bshp->bthp", "bhpn,bthn->bthp", "bsh,bsh,bshp,bshn->bhpn") if grouped
+        else ("btn,bsn->bts", "btsh,bts,bsh,bshp->bthp", "bhpn,btn->bthp", "bsh,bsh,bshp,bsn->bhpn"))
     ys = []
     for s in range(0, x.shape[1], chunk):
         xs, dts, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], b[:, s:s + chunk], c[:, s:s + chunk]
@@ -168,35 +174,12 @@ def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Te
         gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]  # [B, t, s, H]
         causal = torch.ones(gap.shape[1], gap.shape[2], dtype=torch.bool, device=x.device).tril()
         weights = torch.where(causal[None, :, :, None], gap, float("-inf")).exp()
-        scores = torch.einsum("btn,bsn->bts", cs, bs)
-        y = torch.einsum("btsh,bts,bsh,bshp->bthp", weights, scores, dts, xs)
-        y = y + torch.einsum("bhpn,btn->bthp", state, cs) * log_decay.exp()[..., None]
+        scores = torch.einsum(score_eq, cs, bs)
+        y = torch.einsum(out_eq, weights, scores, dts, xs)
+        y = y + torch.einsum(read_eq, state, cs) * log_decay.exp()[..., None]
         ys.append(y)
         to_end = (log_decay[:, -1:, :] - log_decay).exp()  # [B, L, H]
-        state = state * log_decay[:, -1, :, None, None].exp() + torch.einsum("bsh,bsh,bshp,bsn->bhpn", to_end, dts,
-                                                                              xs, bs)
-    return torch.cat(ys, dim=1), state
-
-
-def _grouped_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                  state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunked_scan` with ``b, c [B, T, G, N]``: each head reads and writes with its group's."""
-    per_group = x.shape[2] // b.shape[2]
-    b, c = b.repeat_interleave(per_group, dim=2), c.repeat_interleave(per_group, dim=2)  # [B, T, H, N]
-    ys = []
-    for s in range(0, x.shape[1], chunk):
-        xs, dts, bs, cs = x[:, s:s + chunk], dt[:, s:s + chunk], b[:, s:s + chunk], c[:, s:s + chunk]
-        log_decay = (dts * a).cumsum(1)
-        gap = log_decay[:, :, None, :] - log_decay[:, None, :, :]
-        causal = torch.ones(gap.shape[1], gap.shape[2], dtype=torch.bool, device=x.device).tril()
-        weights = torch.where(causal[None, :, :, None], gap, float("-inf")).exp()
-        scores = torch.einsum("bthn,bshn->btsh", cs, bs)
-        y = torch.einsum("btsh,btsh,bsh,bshp->bthp", weights, scores, dts, xs)
-        y = y + torch.einsum("bhpn,bthn->bthp", state, cs) * log_decay.exp()[..., None]
-        ys.append(y)
-        to_end = (log_decay[:, -1:, :] - log_decay).exp()
-        state = state * log_decay[:, -1, :, None, None].exp() + torch.einsum("bsh,bsh,bshp,bshn->bhpn", to_end, dts,
-                                                                              xs, bs)
+        state = state * log_decay[:, -1, :, None, None].exp() + torch.einsum(write_eq, to_end, dts, xs, bs)
     return torch.cat(ys, dim=1), state
 
 
