@@ -29,8 +29,9 @@ def profile(llm: LLM, examples: int = 50, sentences: int = 6, seed: int = 0, tas
             for prompt in task_prompts(llm, exs, layout):
                 runs.append(measure_staleness(llm.affix_store, prompt, answer_length(task)))
                 bar.update(1)
-            keys = [sum(layer) / len(runs) for layer in zip(*(r.key_cosine for r in runs), strict=True)]
-            values = [sum(layer) / len(runs) for layer in zip(*(r.value_cosine for r in runs), strict=True)]
+            # six decimals: the last float digits differ between CPUs, and the study's files must not
+            keys = [round(sum(layer) / len(runs), 6) for layer in zip(*(r.key_cosine for r in runs), strict=True)]
+            values = [round(sum(layer) / len(runs), 6) for layer in zip(*(r.value_cosine for r in runs), strict=True)]
             records.append({"task": task, "layout": layout, "examples": len(exs), "key_cosine": keys,
                             "value_cosine": values, "min_cosine": min(keys + values)})
     bar.close()
