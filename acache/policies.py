@@ -8,8 +8,8 @@ from __future__ import annotations
 COMMIT_RULES = ("threshold", "low_confidence", "factor")
 CACHE_POLICIES = ("none", "prefix", "dual")
 # anchor selectors (affix/selectors registers one class under each name)
-SELECTORS = ("attention", "attention-deviation", "kv-deviation", "cacheblend", "query-attention", "first-k", "random",
-             "none", "all")
+SELECTORS = ("attention", "attention-deviation", "kv-deviation", "cacheblend", "influence", "query-attention",
+             "first-k", "random", "none", "all")
 BICACHE_POLICIES = ("bicache-matched", "bicache-profiled")
 AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
 ANCHOR_QUERIES = ("probe", "full")

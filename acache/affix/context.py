@@ -106,6 +106,7 @@ class SelectionContext:
     _probe: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _full: ForwardOutput | None = field(default=None, repr=False)
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
+    _affix_queries: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -121,8 +122,8 @@ class SelectionContext:
 
     def probe(self) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
         """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
-        against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries
-        captured) and the fed column index and validity."""
+        against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries and
+        the fed columns' K/V captured) and the fed column index and validity."""
         if self._probe is None:
             c = self.canvas
             t = c.total
@@ -131,7 +132,7 @@ class SelectionContext:
             cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
             gather = fed.clamp_max(t - 1)
             out = self.model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid,
-                             past=self.kv.gather(cached, cached_valid), capture_queries=True)
+                             past=self.kv.gather(cached, cached_valid), return_kv=True, capture_queries=True)
             self._probe = (out, fed, fed_valid)
         return self._probe
 
@@ -149,6 +150,26 @@ class SelectionContext:
             c = self.canvas
             self._full = self.model(c.tokens, c.positions, c.valid, return_kv=True, capture_queries=True)
         return self._full
+
+    def affix_queries(self) -> list[torch.Tensor]:
+        """Per layer, ``[B, T, H, D]`` pre-RoPE queries of every affix column as its affix computed them alone
+        (zero elsewhere): each affix runs by itself at positions ``0..n-1``, as its cache was made, so these
+        are the queries behind the cached K/V (question-free, the same for every request that shares it)."""
+        if self._affix_queries is None:
+            c, model = self.canvas, self.model
+            t, b = c.total, c.tokens.shape[0]
+            queries: list[torch.Tensor] = []
+            for slot in range(int(self.affix_slot.max()) + 1 if self.affix_slot.numel() else 0):
+                cols, valid = compact_index(self.affix_slot == slot, fill=t)
+                at = cols.clamp_max(t - 1)
+                positions = torch.arange(cols.shape[1], device=cols.device).expand_as(cols)
+                out = model(c.tokens.gather(1, at), positions, valid, capture_queries=True)
+                for layer, q in enumerate(out.queries):
+                    if len(queries) <= layer:
+                        queries.append(q.new_zeros((b, t + 1, *q.shape[2:]), dtype=torch.float32))
+                    queries[layer].scatter_(1, cols[:, :, None, None].expand_as(q), q.float())
+            self._affix_queries = [q[:, :t] for q in queries]
+        return self._affix_queries
 
     def first_layers(self) -> ForwardOutput:
         """Layers 0 and 1 of the whole canvas in full context (K/V captured): the first layer whose K/V go

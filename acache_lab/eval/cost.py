@@ -10,6 +10,9 @@ every policy (left out, being equal). Selection is counted from each selector's 
   candidates an affix;
 * ``cacheblend``: layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens
   through each later layer;
+* ``influence``: the probe, and each affix alone through every layer for its queries (the same for every
+  request that shares the affix: stored beside its K/V, they would cost nothing per request and leave the
+  probe, as for ``attention``);
 * ``first-k``, ``random``, ``none``, ``all``: nothing.
 
 BiCache is left out: it recomputes layers, not tokens, and selects nothing.
@@ -29,6 +32,8 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     other = canvas - sum(affixes)
     if policy in FREE:
         return 0
+    if policy == "influence":
+        return other * layers + sum(affixes) * layers
     full_queries = query == "full" and policy in ("attention", "attention-deviation")
     if policy == "kv-deviation" or full_queries:  # a full forward (which holds layer 1's K/V too)
         return canvas * layers

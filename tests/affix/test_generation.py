@@ -18,7 +18,8 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
 @pytest.mark.parametrize("how", [dict(affix_policy="all"), *(dict(affix_policy=s, anchor_ratio=1.0) for s in (
-    "attention", "attention-deviation", "cacheblend", "kv-deviation", "query-attention", "first-k", "random"))],
+    "attention", "attention-deviation", "cacheblend", "influence", "kv-deviation", "query-attention", "first-k",
+    "random"))],
     ids=lambda h: h["affix_policy"])
 def test_full_recompute_matches_dual_cache(family_model, position, how):
     prompt = layouts()[position]
@@ -29,8 +30,8 @@ def test_full_recompute_matches_dual_cache(family_model, position, how):
     assert len(got.anchors) == sum(a.length for a in prompt.affixes)
 
 
-@pytest.mark.parametrize("selector", ["attention", "attention-deviation", "cacheblend", "random", "kv-deviation",
-                                      "query-attention"])
+@pytest.mark.parametrize("selector", ["attention", "attention-deviation", "cacheblend", "influence", "random",
+                                      "kv-deviation", "query-attention"])
 def test_mixed_batch_matches_each_alone(family_model, selector):
     prompts = list(layouts().values())
     params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)

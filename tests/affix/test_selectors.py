@@ -202,3 +202,102 @@ def test_candidate_deviation_equals_the_full_pass_there(family_model):
         dense = selection_context(family_model, prompts, 4).first_stale_deviation()
     assert candidates.any() and not got[~candidates].any()
     assert torch.allclose(got[candidates], dense[candidates], rtol=1e-4, atol=1e-4)
+
+
+def naive_influence(model, prompt, gen_length):
+    """DESIGN of ``influence`` with explicit loops over layers, affix tokens, heads and keys: the affixes' own
+    queries from each affix run alone, the request's K/V from its own tokens run against the cached affixes."""
+    cfg = model.config
+    ids = list(prompt.token_ids[:prompt.gen_at]) + [cfg.mask_token_id] * gen_length + list(
+        prompt.token_ids[prompt.gen_at:])
+    t = len(ids)
+    spans = [list(range(s.start + (gen_length if s.start >= prompt.gen_at else 0),
+                        s.end + (gen_length if s.start >= prompt.gen_at else 0))) for s in prompt.affixes]
+    slot_of = {c: a for a, cols in enumerate(spans) for c in cols}
+    alone = [model(torch.tensor([prompt.affix_ids(s)]), torch.arange(s.length)[None], return_kv=True,
+                   capture_queries=True) for s in prompt.affixes]
+    affix_cols = [c for cols in spans for c in cols]
+    fed = [c for c in range(t) if c not in slot_of]
+    past = KVCache([torch.cat([a.kv.keys[layer] for a in alone], 1) for layer in range(cfg.num_layers)],
+                   [torch.cat([a.kv.values[layer] for a in alone], 1) for layer in range(cfg.num_layers)],
+                   torch.tensor([affix_cols]), torch.ones(1, len(affix_cols), dtype=torch.bool))
+    own = model(torch.tensor([ids])[:, fed], torch.tensor([fed]), None, past=past, return_kv=True).kv
+    d, rep = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+
+    def kv_at(layer, col):
+        if col in slot_of:
+            a = slot_of[col]
+            n = spans[a].index(col)
+            return alone[a].kv.keys[layer][0, n], alone[a].kv.values[layer][0, n]
+        return own.keys[layer][0, fed.index(col)], own.values[layer][0, fed.index(col)]
+
+    def sees(j, i):
+        return cfg.block_size is None or i // cfg.block_size <= j // cfg.block_size
+
+    dev = {j: 0.0 for j in affix_cols}
+    total = {j: 0.0 for j in affix_cols}
+    for layer in range(cfg.num_layers):
+        for j in affix_cols:
+            total[j] += dev[j]
+        new = {}
+        for j in affix_cols:
+            a = slot_of[j]
+            q_all = alone[a].queries[layer][0, spans[a].index(j)]
+            moved, spread = 0.0, 0.0
+            for h in range(cfg.num_heads):
+                qj = _rot(q_all[h].tolist(), j, cfg.rope_theta)
+                keys = [i for i in range(t) if sees(j, i)]
+                logit = {i: sum(x * y for x, y in zip(qj, _rot(kv_at(layer, i)[0][h // rep].tolist(), i,
+                                                                 cfg.rope_theta), strict=True)) / math.sqrt(d)
+                         for i in keys}
+                ctx_w = torch.softmax(torch.tensor([logit[i] for i in keys], dtype=torch.float64), 0)
+                same = [i for i in keys if slot_of.get(i) == a]
+                alone_w = torch.softmax(torch.tensor([logit[i] for i in same], dtype=torch.float64), 0)
+                o_ctx = sum(w * kv_at(layer, i)[1][h // rep].double() for w, i in zip(ctx_w, keys, strict=True))
+                o_alone = sum(w * kv_at(layer, i)[1][h // rep].double() for w, i in zip(alone_w, same, strict=True))
+                moved += float((o_ctx - o_alone).norm())
+                spread += sum(float(w) * dev[i] for w, i in zip(ctx_w, keys, strict=True) if i in slot_of)
+            new[j] = dev[j] + moved + spread / cfg.num_heads
+        dev = new
+    return total
+
+
+def test_influence_matches_naive_loop_batched(family_model):
+    """Every layout in one batch, rows of different lengths and affix counts: each row's scores equal the
+    naive loop's for that request alone."""
+    prompts = list(layouts(affix_len=9, question_len=4).values())
+    with torch.inference_mode():
+        ctx = selection_context(family_model, prompts, 4)
+        got = make_selector("influence").scores(ctx)
+        want = [naive_influence(family_model, p, 4) for p in prompts]
+    for row, scores in enumerate(want):
+        pad = ctx.canvas.pad_left[row]
+        for col, value in scores.items():
+            assert got[row, pad + col].item() == pytest.approx(value, rel=1e-3, abs=1e-3), (row, col)
+        assert got[row][ctx.affix_slot[row] < 0].abs().max() == 0
+        assert max(scores.values()) > 0
+
+
+def test_influence_definition_on_a_hand_built_case():
+    """Three layers, one head. Affix column 0 reads the question's column 3 (value 5) at every layer; column 1
+    reads column 0; column 2 reads itself. So column 0 moves by 5 at each layer (d = 5, then 10), column 1
+    only through column 0 (0, then 5), column 2 never: scores d_1 + d_2 = 15, 5, 0."""
+    ctx = hand_context(layers=3)  # canvas: affix 0-2, question 3-4, masks 5-6
+    t = ctx.canvas.total
+    fed = torch.tensor([[3, 4, 5, 6]])
+    own_k, own_v = torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)
+    own_k[0, 0, 0] = unit(2, 1.0)
+    own_v[0, 0, 0] = unit(0, 5.0)
+    queries = torch.zeros(1, t, 1, 8)
+    queries[0, :3, 0] = torch.stack([unit(2), unit(1), unit(3)])
+    ctx._affix_queries = [queries] * 3
+    for layer in range(3):
+        ctx.kv.keys[layer][0, 0, 0] = unit(1, 1.0)
+        ctx.kv.keys[layer][0, 2, 0] = unit(3, 1.0)
+    ctx._probe = (ForwardOutput(hidden=torch.zeros(1, 4, 8), kv=KVCache([own_k] * 3, [own_v] * 3, fed,
+                                                                         torch.ones(1, 4, dtype=torch.bool))),
+                  fed, torch.ones(1, 4, dtype=torch.bool))
+    scores = make_selector("influence").scores(ctx)[0]
+    assert scores.tolist() == pytest.approx([15.0, 5.0, 0.0, 0, 0, 0, 0], abs=1e-3)
+    assert make_selector("influence").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [0]
+    assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [0, 1]

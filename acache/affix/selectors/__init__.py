@@ -6,13 +6,14 @@ from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnc
 from acache.affix.selectors.attention_deviation import AttentionDeviationAnchors
 from acache.affix.selectors.base import AnchorSelector, anchor_count
 from acache.affix.selectors.cacheblend import CacheBlendAnchors
+from acache.affix.selectors.influence import InfluenceAnchors
 from acache.affix.selectors.kv_deviation import KVDeviationAnchors
 from acache.affix.selectors.simple import AllAnchors, FirstK, NoAnchors, RandomAnchors
 from acache.policies import SELECTORS as SELECTOR_NAMES
 
 SELECTORS: dict[str, type[AnchorSelector]] = {
     cls.name: cls for cls in (AttentionAnchors, AttentionDeviationAnchors, KVDeviationAnchors, CacheBlendAnchors,
-                              QueryAttentionAnchors, FirstK, RandomAnchors, NoAnchors, AllAnchors)
+                              InfluenceAnchors, QueryAttentionAnchors, FirstK, RandomAnchors, NoAnchors, AllAnchors)
 }
 if tuple(SELECTORS) != SELECTOR_NAMES:
     raise ImportError(f"acache.policies.SELECTORS {SELECTOR_NAMES} does not list the registered selectors "

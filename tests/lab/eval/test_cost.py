@@ -18,6 +18,7 @@ CANVAS, AFFIX, LAYERS, RATIO = 48, [38], 4, 0.2
     ("attention-deviation", "probe", 10 * 4 + (10 + 16) * 2),  # its 2k = 16 candidates
     ("attention-deviation", "full", 48 * 4),
     ("cacheblend", "probe", 48 * 2 + (10 + 16) + (10 + 12)),  # carries 16, then 12, keeps 8
+    ("influence", "probe", 10 * 4 + 38 * 4),  # the probe, and the affix alone for its queries
     ("first-k", "probe", 0), ("random", "probe", 0), ("none", "probe", 0), ("all", "probe", 0),
 ])
 def test_selection_passes(policy, query, passes):

@@ -17,12 +17,12 @@ def task_llm(task_model_dir):
 
 
 def test_sweep_cells_and_report(task_llm, tmp_path):
-    cells = sweep(task_llm, examples=4, tasks=("qa1",), layouts=("prefix", "suffix"), selectors=("attention", "random"),
-                  ratios=(0.0, 0.5), progress=False)
+    cells = sweep(task_llm, examples=4, tasks=("qa1",), layouts=("prefix", "suffix"),
+                  selectors=("attention", "random", "influence"), ratios=(0.0, 0.5), progress=False)
     for layout in ("prefix", "suffix"):
         mine = {(c.selector, c.ratio): c for c in cells if c.layout == layout}
         assert set(mine) == {("full", 0.0), ("none", 0.0), ("all", 1.0), ("attention", 0.0), ("attention", 0.5),
-                             ("random", 0.0), ("random", 0.5)}
+                             ("random", 0.0), ("random", 0.5), ("influence", 0.0), ("influence", 0.5)}
         assert all(c.total == 4 for c in mine.values())
         # no anchors is direct reuse; every anchor is full recomputation (token-equal, so equal counts)
         assert mine[("attention", 0.0)].correct == mine[("random", 0.0)].correct == mine[("none", 0.0)].correct
@@ -33,6 +33,8 @@ def test_sweep_cells_and_report(task_llm, tmp_path):
     assert len(json.loads((tmp_path / "acc" / "accuracy.json").read_text())) == len(cells)
     md = (tmp_path / "acc" / "accuracy.md").read_text()
     assert "## qa1, suffix" in md and "| selector | 0 | 0.5 |" in md
+    # a target table for each of our selectors that ran, none for one that did not
+    assert "## Our selector `influence`" in md and "`attention-deviation`" not in md
     with pytest.raises(ValueError, match="anchor ratios must be in"):
         sweep(task_llm, examples=1, ratios=(1.5,), progress=False)
 

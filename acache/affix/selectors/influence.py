@@ -1,0 +1,91 @@
+"""The project's second selector: where the request's own tokens would change the cached affix, propagated.
+
+A cached affix token ``j`` never saw the request. In context, at layer ``l`` it also attends to the request's
+own tokens (and to any other affix), so its attention output moves by
+
+    ``inject_l(j) = sum_h || o_ctx(l, h, j) - o_alone(l, h, j) ||``
+
+where ``o_ctx`` is softmax-weighted values over every column it sees in context and ``o_alone`` over its own
+affix only, the cached computation. A token that reads a token already moved moves too, so the hidden
+state's deviation grows layer by layer through the affix's own attention ``P_l`` (mean over heads):
+
+    ``d_0 = 0``,  ``d_{l+1} = d_l + inject_l + P_l d_l``,  ``score(j) = sum_{l >= 1} d_l(j)``
+
+a first-order estimate of what CacheBlend's oracle measures (the K/V deviation of every layer from the
+one above layer 0, whose K/V are context-free) without running the affix in context. It needs the affix's
+own queries (:meth:`SelectionContext.affix_queries`: question-free, the same for every request that shares
+the affix) and the request's own K/V from the serving-path probe; the rest is attention arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from acache.affix.context import SelectionContext, compact_index
+from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
+from acache.models.layers import apply_rope, block_causal_mask, rope_tables
+
+
+def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T, Hkv, D]`` pre-RoPE keys and values of every canvas column at ``layer``: the cached affix K/V
+    where the probe did not feed, the probe's own K/V where it did."""
+    out, fed, fed_valid = ctx.probe()
+    t = ctx.canvas.total
+    keys, values = ctx.kv.keys[layer].clone(), ctx.kv.values[layer].clone()
+    index = torch.where(fed_valid, fed, t)[:, :, None, None].expand_as(out.kv.keys[layer])
+    keys.scatter_(1, index, out.kv.keys[layer].to(keys.dtype))
+    values.scatter_(1, index, out.kv.values[layer].to(values.dtype))
+    return keys[:, :t].float(), values[:, :t].float()
+
+
+class InfluenceAnchors(AnchorSelector):
+    name = "influence"
+
+    def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
+        """The top scores of each affix, ties to the earlier column: tokens nothing reaches score exactly zero
+        (a block-causal prefix affix, whole), and a batch must break those ties as the request alone does."""
+        sizes = affix_sizes(ctx)
+        ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
+        counts = [[anchor_count(r, n, self.name) for n in row] for r, row in zip(ratios, sizes, strict=True)]
+        return keep_per_affix(ctx, self.scores(ctx), ctx.affix_mask, counts)
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:
+        c, model = ctx.canvas, ctx.model
+        cfg = model.config
+        t, d = c.total, cfg.head_dim
+        affix = ctx.affix_mask & c.valid
+        if not bool(affix.any()):
+            return torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
+        queries = ctx.affix_queries()
+        cols, valid = compact_index(affix, fill=t)  # [B, A]: the affix columns, the query side
+        at = cols.clamp_max(t - 1)
+        slot_q = torch.where(valid, ctx.affix_slot.gather(1, at), -2)
+        q_rope = rope_tables(c.positions.gather(1, at), d, cfg.rope_theta)
+        k_rope = rope_tables(c.positions, d, cfg.rope_theta)
+        seen = c.valid[:, None, :].expand(-1, at.shape[1], -1)  # [B, A, T]: what a token sees in context
+        if cfg.block_size is not None:
+            seen = block_causal_mask(c.valid, c.positions.gather(1, at), c.positions, cfg.block_size)
+        alone = seen & (slot_q[:, :, None] == ctx.affix_slot[:, None, :])  # what it saw when cached
+        heads = cfg.num_heads
+        dev = torch.zeros(at.shape, dtype=torch.float32, device=at.device)
+        total = torch.zeros_like(dev)
+        for layer in range(cfg.num_layers):
+            total += dev  # the K/V of this layer come from the states entering it
+            keys, values = context_kv(ctx, layer)
+            rep = queries[layer].shape[2] // keys.shape[2]
+            q = apply_rope(queries[layer].gather(1, at[:, :, None, None].expand(-1, -1, *queries[layer].shape[2:])),
+                           *q_rope)
+            k = apply_rope(keys, *k_rope).repeat_interleave(rep, dim=2)
+            v = values.repeat_interleave(rep, dim=2)
+            logits = torch.einsum("bahd,bthd->bhat", q, k) / math.sqrt(d)
+            p_ctx = torch.softmax(logits.masked_fill(~seen[:, None], float("-inf")), -1)
+            p_alone = torch.nan_to_num(torch.softmax(logits.masked_fill(~alone[:, None], float("-inf")), -1))
+            moved = torch.einsum("bhat,bthd->bhad", p_ctx - p_alone, v).norm(dim=-1).sum(1)  # [B, A]
+            spread = p_ctx.gather(3, at[:, None, None, :].expand(-1, p_ctx.shape[1], at.shape[1], -1)).sum(1)
+            inject, spread = model.reduce_heads(moved), model.reduce_heads(spread) / heads
+            dev = (dev + inject + torch.bmm(spread * valid[:, None, :], dev[:, :, None])[..., 0]) * valid
+        scores = torch.zeros(c.tokens.shape[0], t + 1, dtype=torch.float32, device=c.tokens.device)
+        return scores.scatter_(1, cols, total * valid)[:, :t]
