@@ -74,20 +74,34 @@ def new_state(model: SSMBlockDiffusionLM | R2LM, prompt: AffixPrompt, params: Sa
     return state
 
 
+def check_blockwise_request(family: str, prompt: AffixPrompt, params: SamplingParams) -> None:
+    """What a family decoded block by block cannot do, refused by name; the engine and
+    :func:`generate_blockwise` both ask here, so the two accept the same requests."""
+    if params.affix_policy is not None and prompt.affixes:
+        raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
+                         f"{family} family: its cache is built block by block, per request")
+    for name in ("focus_layers", "far_mask_window"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name} is not supported for the {family} family")
+    if prompt.gen_at != len(prompt.token_ids):
+        raise ValueError(f"the prompt has {len(prompt.token_ids) - prompt.gen_at} tokens after its generation "
+                         f"region, which a {family} model cannot read (it sees no later block): "
+                         "put all of the prompt before the answer")
+
+
 @torch.inference_mode()
 def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int], params: SamplingParams,
                        generator: torch.Generator | None = None) -> BlockwiseResult:
     """Decodes one request on its own, the reference the engine is tested against."""
     cfg = model.config
-    if params.affix_policy is not None:
-        raise ValueError(f"affix reuse is not implemented for the {model.family} family")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if not prompt or bad:
         raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
                          + (f" (got {bad[0]})" if bad else ""))
+    ids = tuple(int(t) for t in prompt)
+    check_blockwise_request(model.family, AffixPrompt(ids, len(ids)), params)
     if generator is None:
         generator = params.generator(model.device, default_seed=0)
-    ids = tuple(int(t) for t in prompt)
     state = new_state(model, AffixPrompt(ids, len(ids)), params, {cfg.eos_token_id, *params.stop_token_ids})
     cache = BlockCache(model.empty_cache())
     while True:

@@ -21,6 +21,7 @@ import torch
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
+from acache.decoding.blockwise import check_blockwise_request
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
 from acache.engine.model_runner import ModelRunner
@@ -126,16 +127,7 @@ class LLMEngine:
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
-            if params.affix_policy is not None and prompt.affixes:
-                raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
-                                 f"{self.model.family} family: its cache is built block by block, per request")
-            for name in ("focus_layers", "far_mask_window"):
-                if getattr(params, name) is not None:
-                    raise ValueError(f"{name} is not supported for the {self.model.family} family")
-            if prompt.gen_at != len(prompt.token_ids):
-                raise ValueError(f"the prompt has {len(prompt.token_ids) - prompt.gen_at} tokens after its generation "
-                                 f"region, which a {self.model.family} model cannot read (it sees no later block): "
-                                 "put all of the prompt before the answer")
+            check_blockwise_request(self.model.family, prompt, params)
         if params.focus_layers is not None and self.model.shifted_logits:
             raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
                              "predicts a token from the column before it, which FOCUS may have left out")

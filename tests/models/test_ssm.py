@@ -109,9 +109,21 @@ def test_cached_decoding_equals_uncached(model, case):
         assert cached.cache_bytes == model.state_bytes(model.empty_state())
 
 
+@pytest.mark.parametrize("option", [dict(focus_layers=1), dict(far_mask_window=1)])
+def test_the_reference_loop_refuses_what_the_engine_refuses(model, option):
+    """Both ask :func:`check_blockwise_request`: an option the family cannot honour is refused by name, not
+    silently ignored by one of the two paths."""
+    from acache.engine import EngineConfig, LLMEngine
+
+    params = SamplingParams(block_length=4, gen_length=8, **option)
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"{name} is not supported for the blockdiff_ssm family"):
+        generate_blockwise(model, [1, 2, 3], params)
+    with pytest.raises(ValueError, match=f"{name} is not supported for the blockdiff_ssm family"):
+        LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24)).add_request([1, 2, 3], params)
+
+
 def test_bad_requests(model):
-    with pytest.raises(ValueError, match="affix reuse is not implemented for the blockdiff_ssm family"):
-        generate_blockwise(model, [1, 2, 3], SamplingParams(block_length=4, gen_length=8, affix_policy="attention"))
     with pytest.raises(ValueError, match="in the vocabulary"):
         generate_blockwise(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
 
