@@ -3,7 +3,7 @@
 The diagnostic behind docs/accuracy.md's `influence` section. For held-out requests of each task, every
 selector chooses its anchors at one ratio on the request's all-mask canvas (its affix's cached K/V placed, as
 at admission); the score is the share of the `kv-deviation` oracle's anchors among them, averaged over the
-requests (random picks about the ratio's share).
+requests (a random pick's share is about the ratio).
 
     python scripts/anchor_overlap.py --model models/acache-tiny --layout prefix
 """
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from acache import LLM
-from acache.affix.context import SelectionContext
+from acache.affix.context import SelectionContext, request_seed
 from acache.affix.placement import place_affixes
 from acache.affix.selectors import SELECTORS, make_selector
 from acache.decoding.canvas import build_canvas
@@ -26,12 +26,14 @@ from acache_lab.tasks.render import answer_length
 
 
 def admission_context(llm: LLM, prompt, gen_length: int) -> SelectionContext:
-    """What a selector sees when ``prompt`` is admitted: the all-mask canvas with its affixes' K/V placed."""
+    """What a selector sees when ``prompt`` is admitted: the all-mask canvas with its affixes' K/V placed, and
+    the request's own seed (as the engine draws it, with the study's seed 0). Its recomputed set is the
+    non-affix columns, as on LLaDA; the script refuses the families whose set reaches into an affix."""
     model, cfg = llm.model, llm.model.config
     canvas = build_canvas([prompt.layout], gen_length, cfg.mask_token_id, cfg.pad_token_id, model.device)
     entries = [(s.start, llm.affix_store.compute(prompt.affix_ids(s))) for s in prompt.affixes]
     kv, slot = place_affixes(model, canvas, [entries])
-    return SelectionContext(model, canvas, slot, kv, [0])
+    return SelectionContext(model, canvas, slot, kv, [request_seed(0, prompt.token_ids)])
 
 
 def main() -> None:
@@ -49,6 +51,9 @@ def main() -> None:
     if not 0.0 < args.ratio <= 1.0:
         ap.error(f"--ratio must be in (0, 1], got {args.ratio}")
     llm = LLM(args.model)
+    if llm.model.shifted_logits or llm.model.config.block_size is not None:
+        ap.error(f"{args.model}: a {llm.model.family} model recomputes affix columns beside the request's own; "
+                 "this script builds LLaDA's admission context only")
     print(f"| task | {' | '.join(selectors)} |")
     print("|---|" + "---:|" * len(selectors))
     for task in parse_tasks(args.tasks):

@@ -63,6 +63,7 @@ class LLMEngine:
                  affix_source: AffixStore | None = None, bicache_profile: BiCacheProfile | None = None) -> None:
         self.model = model
         self.config = config or EngineConfig()
+        self.served = False  # a server's loop steps it: nothing else may (the engine is not thread-safe)
         c = self.config
         memory = c.kv_cache_memory
         if memory is None and model.device.type != "cuda":

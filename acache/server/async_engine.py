@@ -41,6 +41,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            self.engine.served = True  # LLM.generate refuses to step it beside the loop
             self._thread = threading.Thread(target=self._loop, name="acache-engine", daemon=True)
             self._thread.start()
 
@@ -49,6 +50,7 @@ class AsyncEngine:
         self.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.served = False
 
     @property
     def stopped(self) -> bool:

@@ -249,9 +249,11 @@ def naive_influence(model, prompt, gen_length):
                 keys = [i for i in range(t) if sees(j, i)]
                 logit = {i: sum(x * y for x, y in zip(qj, _rot(kv_at(layer, i)[0][h // rep].tolist(), i,
                                                                  cfg.rope_theta), strict=True)) / math.sqrt(d)
-                         for i in keys}
+                         for i in range(t)}
                 ctx_w = torch.softmax(torch.tensor([logit[i] for i in keys], dtype=torch.float64), 0)
-                same = [i for i in keys if slot_of.get(i) == a]
+                # cached alone: its own affix at positions 0..n-1, so block-causal by its place in the affix
+                same = [i for i in spans[a] if cfg.block_size is None
+                        or spans[a].index(i) // cfg.block_size <= spans[a].index(j) // cfg.block_size]
                 alone_w = torch.softmax(torch.tensor([logit[i] for i in same], dtype=torch.float64), 0)
                 o_ctx = sum(w * kv_at(layer, i)[1][h // rep].double() for w, i in zip(ctx_w, keys, strict=True))
                 o_alone = sum(w * kv_at(layer, i)[1][h // rep].double() for w, i in zip(alone_w, same, strict=True))
@@ -301,3 +303,8 @@ def test_influence_definition_on_a_hand_built_case():
     assert scores.tolist() == pytest.approx([15.0, 5.0, 0.0, 0, 0, 0, 0], abs=1e-3)
     assert make_selector("influence").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [0]
     assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [0, 1]
+    # an affix column every refresh recomputes anyway (Dream's column before the answer, a block-causal model's
+    # mixed block) is not worth an anchor: it goes last, taken only when every other column is
+    ctx.own = torch.tensor([[True, False, False, True, True, True, True]])
+    assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [1, 2]
+    assert make_selector("influence").select(ctx, 1.0)[0, :3].all()

@@ -124,6 +124,10 @@ def test_the_reference_loop_refuses_what_the_engine_refuses(model, option):
 
 
 def test_bad_requests(model):
+    # a plain token list has no affix, so a policy has nothing to do: decoded as without one, as the engine does
+    plain = SamplingParams(block_length=4, gen_length=8)
+    assert generate_blockwise(model, [1, 2, 3], SamplingParams(block_length=4, gen_length=8, affix_policy="attention")
+                              ).token_ids == generate_blockwise(model, [1, 2, 3], plain).token_ids
     with pytest.raises(ValueError, match="in the vocabulary"):
         generate_blockwise(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
 

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from acache import LLM
+from acache import LLM, SamplingParams
 from acache.server.app import create_app
 
 FUZZ_EXAMPLES = int(os.environ.get("ACACHE_FUZZ_EXAMPLES", "300"))
@@ -104,8 +104,8 @@ def test_a_scan_family_is_served(tmp_path, family):
         resp = c.post("/v1/completions", json={"prompt": "Where is Mary?", "max_tokens": 8, "block_length": 4,
                                                "threshold": 0.5})
         assert resp.status_code == 200, resp.text
-        want = llm.generate("Where is Mary?", SamplingParams(gen_length=8, block_length=4, threshold=0.5),
-                            use_tqdm=False)[0]
+        want = LLM(root).generate("Where is Mary?", SamplingParams(gen_length=8, block_length=4, threshold=0.5),
+                                  use_tqdm=False)[0]
         assert resp.json()["choices"][0]["token_ids"] == want.token_ids
         chat = {"messages": [{"role": "system", "content": "Mary went home."}, {"role": "user", "content": "Where?"}],
                 "max_tokens": 4}
@@ -127,3 +127,17 @@ def test_a_scan_family_is_served(tmp_path, family):
         assert float(gauges["acache_cache_bytes_total"]) == llm.engine.kv.budget_bytes
         assert float(gauges["acache_cache_bytes_in_use"]) == 0 < float(gauges["acache_cache_bytes_peak"])
         assert "acache_kv_pages_in_use" not in scraped.text
+
+
+def test_generate_beside_a_running_server_is_refused(llada_dir):
+    """The server's loop steps its engine on its own thread; an offline generate() on the same LLM would step it
+    too, and the two would corrupt each other's requests. It is refused by name while serving, and works after."""
+    llm = LLM(llada_dir, kv_cache_memory=1 << 24)
+    params = SamplingParams(gen_length=4, block_length=4)
+    with TestClient(create_app(llm, "m")) as c:
+        with pytest.raises(RuntimeError, match="being served"):
+            llm.generate("Where is Mary?", params, use_tqdm=False)
+        resp = c.post("/v1/completions", json={"prompt": "Where is Mary?", "max_tokens": 4, "block_length": 4})
+        assert resp.status_code == 200, resp.text
+        served = resp.json()["choices"][0]["token_ids"]
+    assert llm.generate("Where is Mary?", params, use_tqdm=False)[0].token_ids == served

@@ -20,8 +20,9 @@ def setup():
     from acache.paths import default_model
 
     llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    offline = LLM(default_model(), kv_cache_memory=1 << 24)  # the served one is stepped by the server alone
     with TestClient(create_app(llm, "tiny")) as client:
-        yield client, llm
+        yield client, offline
 
 
 def post(client, path, body):

@@ -5,16 +5,19 @@ own tokens (and to any other affix), so its attention output moves by
 
     ``inject_l(j) = sum_h || o_ctx(l, h, j) - o_alone(l, h, j) ||``
 
-where ``o_ctx`` is softmax-weighted values over every column it sees in context and ``o_alone`` over its own
-affix only, the cached computation. A token that reads a token already moved moves too, so the hidden
-state's deviation grows layer by layer through the affix's own attention ``P_l`` (mean over heads):
+where ``o_ctx`` is softmax-weighted values over every column it sees in context (the probe's K/V where the
+probe fed a column) and ``o_alone`` the cached computation: the cached K/V of its own affix only, by its place
+in the affix (a block-causal model cached it in blocks counted from the affix's first token). A token that
+reads a token already moved moves too, so the hidden state's deviation grows layer by layer through its
+in-context attention on the affix, ``P_l`` (mean over heads):
 
     ``d_0 = 0``,  ``d_{l+1} = d_l + inject_l + P_l d_l``,  ``score(j) = sum_{l >= 1} d_l(j)``
 
 a first-order estimate of what CacheBlend's oracle measures (the K/V deviation of every layer from the
 one above layer 0, whose K/V are context-free) without running the affix in context. It needs the affix's
 own queries (:meth:`SelectionContext.affix_queries`: question-free, the same for every request that shares
-the affix) and the request's own K/V from the serving-path probe; the rest is attention arithmetic.
+the affix) and the request's own K/V from the serving-path probe; the rest is attention arithmetic. Affix
+columns every refresh recomputes anyway (``SelectionContext.own``) are taken last.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.T
     return keys[:, :t].float(), values[:, :t].float()
 
 
+def affix_offsets(affix_slot: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each affix column's place in its own affix (0 for its first token), as its cache was computed;
+    0 outside affixes."""
+    offsets = torch.zeros_like(affix_slot)
+    for slot in range(int(affix_slot.max()) + 1 if affix_slot.numel() else 0):
+        member = affix_slot == slot
+        offsets = torch.where(member, member.long().cumsum(1) - 1, offsets)
+    return offsets
+
+
 class InfluenceAnchors(AnchorSelector):
     name = "influence"
 
@@ -50,7 +63,10 @@ class InfluenceAnchors(AnchorSelector):
         sizes = affix_sizes(ctx)
         ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
         counts = [[anchor_count(r, n, self.name) for n in row] for r, row in zip(ratios, sizes, strict=True)]
-        return keep_per_affix(ctx, self.scores(ctx), ctx.affix_mask, counts)
+        scores = self.scores(ctx)
+        if ctx.own is not None:  # affix columns every refresh recomputes anyway go last (scores are >= 0)
+            scores = torch.where(ctx.own & ctx.affix_mask, -1.0, scores)
+        return keep_per_affix(ctx, scores, ctx.affix_mask, counts)
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         c, model = ctx.canvas, ctx.model
@@ -66,26 +82,34 @@ class InfluenceAnchors(AnchorSelector):
         q_rope = rope_tables(c.positions.gather(1, at), d, cfg.rope_theta)
         k_rope = rope_tables(c.positions, d, cfg.rope_theta)
         seen = c.valid[:, None, :].expand(-1, at.shape[1], -1)  # [B, A, T]: what a token sees in context
-        if cfg.block_size is not None:
+        alone = slot_q[:, :, None] == ctx.affix_slot[:, None, :]  # what it saw when cached: its own affix,
+        if cfg.block_size is not None:  # and, block-causal, by its place in the affix, where the cache put it
             seen = block_causal_mask(c.valid, c.positions.gather(1, at), c.positions, cfg.block_size)
-        alone = seen & (slot_q[:, :, None] == ctx.affix_slot[:, None, :])  # what it saw when cached
-        heads = cfg.num_heads
+            local = affix_offsets(ctx.affix_slot)
+            alone = alone & block_causal_mask(affix, local.gather(1, at), local, cfg.block_size)
+        tp = getattr(model, "tp", None)
+        heads = cfg.num_heads * (tp.world_size if tp is not None else 1)  # a rank's config holds its share
         dev = torch.zeros(at.shape, dtype=torch.float32, device=at.device)
         total = torch.zeros_like(dev)
-        for layer in range(cfg.num_layers):
-            total += dev  # the K/V of this layer come from the states entering it
+        for layer in range(cfg.num_layers - 1):  # the last layer's K/V come from the states entering it
             keys, values = context_kv(ctx, layer)
             rep = queries[layer].shape[2] // keys.shape[2]
             q = apply_rope(queries[layer].gather(1, at[:, :, None, None].expand(-1, -1, *queries[layer].shape[2:])),
                            *q_rope)
             k = apply_rope(keys, *k_rope).repeat_interleave(rep, dim=2)
             v = values.repeat_interleave(rep, dim=2)
+            # the cached computation read the cached K/V, also of affix columns the probe recomputed
+            k_cached = apply_rope(ctx.kv.keys[layer][:, :t].float(), *k_rope).repeat_interleave(rep, dim=2)
+            v_cached = ctx.kv.values[layer][:, :t].float().repeat_interleave(rep, dim=2)
             logits = torch.einsum("bahd,bthd->bhat", q, k) / math.sqrt(d)
+            logits_cached = torch.einsum("bahd,bthd->bhat", q, k_cached) / math.sqrt(d)
             p_ctx = torch.softmax(logits.masked_fill(~seen[:, None], float("-inf")), -1)
-            p_alone = torch.nan_to_num(torch.softmax(logits.masked_fill(~alone[:, None], float("-inf")), -1))
-            moved = torch.einsum("bhat,bthd->bhad", p_ctx - p_alone, v).norm(dim=-1).sum(1)  # [B, A]
+            p_alone = torch.nan_to_num(torch.softmax(logits_cached.masked_fill(~alone[:, None], float("-inf")), -1))
+            moved = (torch.einsum("bhat,bthd->bhad", p_ctx, v)
+                     - torch.einsum("bhat,bthd->bhad", p_alone, v_cached)).norm(dim=-1).sum(1)  # [B, A]
             spread = p_ctx.gather(3, at[:, None, None, :].expand(-1, p_ctx.shape[1], at.shape[1], -1)).sum(1)
             inject, spread = model.reduce_heads(moved), model.reduce_heads(spread) / heads
             dev = (dev + inject + torch.bmm(spread * valid[:, None, :], dev[:, :, None])[..., 0]) * valid
+            total += dev
         scores = torch.zeros(c.tokens.shape[0], t + 1, dtype=torch.float32, device=c.tokens.device)
         return scores.scatter_(1, cols, total * valid)[:, :t]
