@@ -120,11 +120,11 @@ class SelectionContext:
         mask[:, c.gen_start:c.gen_start + c.gen_length] = True
         return mask
 
-    def probe(self) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
+    def probe(self, with_kv: bool = False) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
         """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
-        against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries and
-        the fed columns' K/V captured) and the fed column index and validity."""
-        if self._probe is None:
+        against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries
+        captured, and the fed columns' K/V ``with_kv``) and the fed column index and validity."""
+        if self._probe is None or (with_kv and self._probe[0].kv is None):
             c = self.canvas
             t = c.total
             own = ~self.affix_mask if self.own is None else self.own
@@ -132,7 +132,7 @@ class SelectionContext:
             cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
             gather = fed.clamp_max(t - 1)
             out = self.model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid,
-                             past=self.kv.gather(cached, cached_valid), return_kv=True, capture_queries=True)
+                             past=self.kv.gather(cached, cached_valid), return_kv=with_kv, capture_queries=True)
             self._probe = (out, fed, fed_valid)
         return self._probe
 

@@ -35,7 +35,7 @@ from acache.models.layers import apply_rope, block_causal_mask, rope_tables
 def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T, Hkv, D]`` pre-RoPE keys and values of every canvas column at ``layer``: the cached affix K/V
     where the probe did not feed, the probe's own K/V where it did."""
-    out, fed, fed_valid = ctx.probe()
+    out, fed, fed_valid = ctx.probe(with_kv=True)
     t = ctx.canvas.total
     keys, values = ctx.kv.keys[layer].clone(), ctx.kv.values[layer].clone()
     index = torch.where(fed_valid, fed, t)[:, :, None, None].expand_as(out.kv.keys[layer])
