@@ -44,6 +44,20 @@ def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.T
     return keys[:, :t].float(), values[:, :t].float()
 
 
+def _moves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor,
+           seen: torch.Tensor, alone: torch.Tensor, at: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of rows ``[b, ...]``: each affix query's ``inject`` (summed over this process's heads, ``[b, A]``)
+    and its in-context attention on the affix columns ``at`` (summed over heads, ``[b, A, A]``)."""
+    logits = torch.einsum("bahd,bthd->bhat", q, k) / math.sqrt(d)
+    logits_cached = torch.einsum("bahd,bthd->bhat", q, k_cached) / math.sqrt(d)
+    p_ctx = torch.softmax(logits.masked_fill(~seen[:, None], float("-inf")), -1)
+    p_alone = torch.nan_to_num(torch.softmax(logits_cached.masked_fill(~alone[:, None], float("-inf")), -1))
+    moved = (torch.einsum("bhat,bthd->bhad", p_ctx, v)
+             - torch.einsum("bhat,bthd->bhad", p_alone, v_cached)).norm(dim=-1).sum(1)
+    spread = p_ctx.gather(3, at[:, None, None, :].expand(-1, p_ctx.shape[1], at.shape[1], -1)).sum(1)
+    return moved, spread
+
+
 def affix_offsets(affix_slot: torch.Tensor) -> torch.Tensor:
     """``[B, T]``: each affix column's place in its own affix (0 for its first token), as its cache was computed;
     0 outside affixes."""
@@ -101,14 +115,10 @@ class InfluenceAnchors(AnchorSelector):
             # the cached computation read the cached K/V, also of affix columns the probe recomputed
             k_cached = apply_rope(ctx.kv.keys[layer][:, :t].float(), *k_rope).repeat_interleave(rep, dim=2)
             v_cached = ctx.kv.values[layer][:, :t].float().repeat_interleave(rep, dim=2)
-            logits = torch.einsum("bahd,bthd->bhat", q, k) / math.sqrt(d)
-            logits_cached = torch.einsum("bahd,bthd->bhat", q, k_cached) / math.sqrt(d)
-            p_ctx = torch.softmax(logits.masked_fill(~seen[:, None], float("-inf")), -1)
-            p_alone = torch.nan_to_num(torch.softmax(logits_cached.masked_fill(~alone[:, None], float("-inf")), -1))
-            moved = (torch.einsum("bhat,bthd->bhad", p_ctx, v)
-                     - torch.einsum("bhat,bthd->bhad", p_alone, v_cached)).norm(dim=-1).sum(1)  # [B, A]
-            spread = p_ctx.gather(3, at[:, None, None, :].expand(-1, p_ctx.shape[1], at.shape[1], -1)).sum(1)
-            inject, spread = model.reduce_heads(moved), model.reduce_heads(spread) / heads
+            rows = [_moves(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_cached[r:r + 1], v_cached[r:r + 1], seen[r:r + 1],
+                           alone[r:r + 1], at[r:r + 1], d) for r in range(at.shape[0])]  # a row at a time: [H, A, T]
+            inject = model.reduce_heads(torch.cat([m for m, _ in rows]))
+            spread = model.reduce_heads(torch.cat([p for _, p in rows])) / heads
             dev = (dev + inject + torch.bmm(spread * valid[:, None, :], dev[:, :, None])[..., 0]) * valid
             total += dev
         scores = torch.zeros(c.tokens.shape[0], t + 1, dtype=torch.float32, device=c.tokens.device)
