@@ -210,7 +210,7 @@ class LLM:
     def _run_engine(self, prompts: list[AffixPrompt], params: list[SamplingParams],
                     use_tqdm: bool) -> list[EngineOutput]:
         engine = self.engine
-        if getattr(engine, "served", False):
+        if engine.served:
             raise RuntimeError("this LLM's engine is being served (acache.server steps it on its own thread), so "
                                "generate() cannot run beside it: send the request to the server, or build a second "
                                "LLM for offline use")

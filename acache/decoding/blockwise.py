@@ -99,10 +99,11 @@ def generate_blockwise(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int],
         raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
                          + (f" (got {bad[0]})" if bad else ""))
     ids = tuple(int(t) for t in prompt)
-    check_blockwise_request(model.family, AffixPrompt(ids, len(ids)), params)
+    plain = AffixPrompt(ids, len(ids))
+    check_blockwise_request(model.family, plain, params)
     if generator is None:
         generator = params.generator(model.device, default_seed=0)
-    state = new_state(model, AffixPrompt(ids, len(ids)), params, {cfg.eos_token_id, *params.stop_token_ids})
+    state = new_state(model, plain, params, {cfg.eos_token_id, *params.stop_token_ids})
     cache = BlockCache(model.empty_cache())
     while True:
         logits = run_plans(model, [(state.tokens, state.plan(), cache)])[0]

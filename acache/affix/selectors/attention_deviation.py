@@ -20,7 +20,7 @@ import torch
 
 from acache.affix.context import SelectionContext
 from acache.affix.selectors.attention import AttentionAnchors
-from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
+from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_counts, keep_per_affix
 
 
 class AttentionDeviationAnchors(AnchorSelector):
@@ -34,8 +34,7 @@ class AttentionDeviationAnchors(AnchorSelector):
 
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
         sizes = affix_sizes(ctx)
-        ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
-        counts = [[anchor_count(r, n, self.name) for n in row] for r, row in zip(ratios, sizes, strict=True)]
+        counts = anchor_counts(ctx, ratio, self.name)
         mass = self.attention.scores(ctx).float()
         candidates = keep_per_affix(ctx, mass, ctx.affix_mask, [[min(n, 2 * k) for n, k in zip(row, ks, strict=True)]
                                                                 for row, ks in zip(sizes, counts, strict=True)])

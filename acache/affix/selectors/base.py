@@ -36,6 +36,13 @@ def affix_sizes(ctx: SelectionContext) -> list[list[int]]:
     return [[int((row == s).sum()) for s in range(slots)] for row in ctx.affix_slot]
 
 
+def anchor_counts(ctx: SelectionContext, ratio: float | Sequence[float], selector: str) -> list[list[int]]:
+    """:func:`anchor_count` of each affix of each row, for ``ratio`` one for the batch or one per row."""
+    sizes = affix_sizes(ctx)
+    ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
+    return [[anchor_count(r, n, selector) for n in row] for r, row in zip(ratios, sizes, strict=True)]
+
+
 def keep_per_affix(ctx: SelectionContext, scores: torch.Tensor, candidates: torch.Tensor,
                    counts: list[list[int]]) -> torch.Tensor:
     """``[B, T]``: in each affix ``s`` of each row ``r``, the ``counts[r][s]`` candidates with the highest scores."""

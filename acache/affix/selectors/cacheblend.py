@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index, kv_deviation
-from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
+from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_counts, keep_per_affix
 
 
 def carried_counts(k: int, n: int, steps: int) -> list[int]:
@@ -37,11 +37,10 @@ class CacheBlendAnchors(AnchorSelector):
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
         model, c = ctx.model, ctx.canvas
         b, t = c.tokens.shape
-        ratios = [ratio] * b if isinstance(ratio, (int, float)) else list(ratio)
         layers = model.config.num_layers
         affix = ctx.affix_mask & c.valid
-        plan = [[carried_counts(anchor_count(ratios[row], n, self.name), n, max(layers - 1, 1)) for n in sizes]
-                for row, sizes in enumerate(affix_sizes(ctx))]
+        plan = [[carried_counts(k, n, max(layers - 1, 1)) for k, n in zip(counts, sizes, strict=True)]
+                for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx), strict=True)]
 
         def keep(scores: torch.Tensor, candidates: torch.Tensor, step: int) -> torch.Tensor:
             return keep_per_affix(ctx, scores, candidates, [[p[step] for p in row] for row in plan])

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index
-from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_count, keep_per_affix
+from acache.affix.selectors.base import AnchorSelector, anchor_counts, keep_per_affix
 from acache.models.layers import apply_rope, block_causal_mask, rope_tables
 
 
@@ -44,12 +44,14 @@ def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.T
     return keys[:, :t].float(), values[:, :t].float()
 
 
-def _moves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor,
+def _moves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor] | None,
            seen: torch.Tensor, alone: torch.Tensor, at: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of rows ``[b, ...]``: each affix query's ``inject`` (summed over this process's heads, ``[b, A]``)
-    and its in-context attention on the affix columns ``at`` (summed over heads, ``[b, A, A]``)."""
+    and its in-context attention on the affix columns ``at`` (summed over heads, ``[b, A, A]``). ``cached``: the
+    K/V the cached computation read, where they differ from ``k, v`` (None: nowhere it could see)."""
     logits = torch.einsum("bahd,bthd->bhat", q, k) / math.sqrt(d)
-    logits_cached = torch.einsum("bahd,bthd->bhat", q, k_cached) / math.sqrt(d)
+    k_cached, v_cached = cached if cached is not None else (k, v)
+    logits_cached = logits if cached is None else torch.einsum("bahd,bthd->bhat", q, k_cached) / math.sqrt(d)
     p_ctx = torch.softmax(logits.masked_fill(~seen[:, None], float("-inf")), -1)
     p_alone = torch.nan_to_num(torch.softmax(logits_cached.masked_fill(~alone[:, None], float("-inf")), -1))
     moved = (torch.einsum("bhat,bthd->bhad", p_ctx, v)
@@ -74,13 +76,10 @@ class InfluenceAnchors(AnchorSelector):
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
         """The top scores of each affix, ties to the earlier column: tokens nothing reaches score exactly zero
         (a block-causal prefix affix, whole), and a batch must break those ties as the request alone does."""
-        sizes = affix_sizes(ctx)
-        ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
-        counts = [[anchor_count(r, n, self.name) for n in row] for r, row in zip(ratios, sizes, strict=True)]
         scores = self.scores(ctx)
         if ctx.own is not None:  # affix columns every refresh recomputes anyway go last (scores are >= 0)
             scores = torch.where(ctx.own & ctx.affix_mask, -1.0, scores)
-        return keep_per_affix(ctx, scores, ctx.affix_mask, counts)
+        return keep_per_affix(ctx, scores, ctx.affix_mask, anchor_counts(ctx, ratio, self.name))
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         c, model = ctx.canvas, ctx.model
@@ -105,18 +104,22 @@ class InfluenceAnchors(AnchorSelector):
         heads = cfg.num_heads * (tp.world_size if tp is not None else 1)  # a rank's config holds its share
         dev = torch.zeros(at.shape, dtype=torch.float32, device=at.device)
         total = torch.zeros_like(dev)
-        for layer in range(cfg.num_layers - 1):  # the last layer's K/V come from the states entering it
+        # only where the probe recomputed an affix column does the cached computation read other K/V than context
+        fresh_affix = ctx.own is not None and bool((ctx.own & ctx.affix_mask).any())
+        for layer in range(cfg.num_layers - 1):  # d_1 .. d_{L-1}: what layer L-1 moves feeds no later K/V
             keys, values = context_kv(ctx, layer)
             rep = queries[layer].shape[2] // keys.shape[2]
             q = apply_rope(queries[layer].gather(1, at[:, :, None, None].expand(-1, -1, *queries[layer].shape[2:])),
                            *q_rope)
             k = apply_rope(keys, *k_rope).repeat_interleave(rep, dim=2)
             v = values.repeat_interleave(rep, dim=2)
-            # the cached computation read the cached K/V, also of affix columns the probe recomputed
-            k_cached = apply_rope(ctx.kv.keys[layer][:, :t].float(), *k_rope).repeat_interleave(rep, dim=2)
-            v_cached = ctx.kv.values[layer][:, :t].float().repeat_interleave(rep, dim=2)
-            rows = [_moves(q[r:r + 1], k[r:r + 1], v[r:r + 1], k_cached[r:r + 1], v_cached[r:r + 1], seen[r:r + 1],
-                           alone[r:r + 1], at[r:r + 1], d) for r in range(at.shape[0])]  # a row at a time: [H, A, T]
+            cached = None
+            if fresh_affix:  # the cached computation read the cached K/V, also of affix columns the probe fed
+                cached = (apply_rope(ctx.kv.keys[layer][:, :t].float(), *k_rope).repeat_interleave(rep, dim=2),
+                          ctx.kv.values[layer][:, :t].float().repeat_interleave(rep, dim=2))
+            rows = [_moves(q[r:r + 1], k[r:r + 1], v[r:r + 1], None if cached is None else
+                           (cached[0][r:r + 1], cached[1][r:r + 1]), seen[r:r + 1], alone[r:r + 1], at[r:r + 1], d)
+                    for r in range(at.shape[0])]  # a row at a time: [H, A, T], not [B, H, A, T]
             inject = model.reduce_heads(torch.cat([m for m, _ in rows]))
             spread = model.reduce_heads(torch.cat([p for _, p in rows])) / heads
             dev = (dev + inject + torch.bmm(spread * valid[:, None, :], dev[:, :, None])[..., 0]) * valid
