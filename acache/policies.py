@@ -12,5 +12,8 @@ SELECTORS = ("attention", "attention-deviation", "kv-deviation", "cacheblend", "
              "first-k", "random", "none", "all")
 BICACHE_POLICIES = ("bicache-matched", "bicache-profiled")
 AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
-ANCHOR_QUERIES = ("probe", "full")
+# where ACache's queries come from: the probe, a no-cache forward, or the probe's first layers only
+ANCHOR_QUERIES = ("probe", "full", "shallow")
+#: the share of a model's layers the ``shallow`` probe runs (at least one)
+SHALLOW_SHARE = 0.3
 LAYOUTS = ("prefix", "infix", "suffix")

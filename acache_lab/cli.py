@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from acache.cli import _add_model_args, parse_size
+from acache.policies import ANCHOR_QUERIES
 
 
 def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
@@ -153,6 +154,9 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also run ACache with far-mask pruning: blocks attended past the current one")
     p.add_argument("--probe-step", action="store_true",
                    help="also run ACache with probe_step: the selection probe decodes the first step")
+    p.add_argument("--anchor-query", default=None, choices=ANCHOR_QUERIES,
+                   help="also run ACache with its queries from here (shallow: the probe's first three tenths of "
+                        "the layers)")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)

@@ -24,6 +24,7 @@ from acache import SamplingParams
     (dict(probe_step=True), "probe_step decodes the first step .* needs an anchor affix_policy"),
     (dict(probe_step=True, affix_policy="bicache-matched"), "probe_step .* got 'bicache-matched'"),
     (dict(probe_step=1, affix_policy="attention"), "probe_step must be true or false"),
+    (dict(anchor_query="deep"), "anchor_query must be one of probe, full, shallow, got 'deep'"),
 ])
 def test_invalid_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):

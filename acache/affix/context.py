@@ -14,6 +14,7 @@ from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.kv import KVCache
 from acache.models.layers import apply_rope, rope_tables
+from acache.policies import SHALLOW_SHARE
 
 
 def request_seed(seed: int | None, token_ids: Sequence[int]) -> int:
@@ -28,6 +29,15 @@ def kv_deviation(keys: torch.Tensor, values: torch.Tensor, cached_keys: torch.Te
     CacheBlend's measure of how stale a cached token is."""
     return ((keys.float() - cached_keys.float()).norm(dim=-1).sum(-1)
             + (values.float() - cached_values.float()).norm(dim=-1).sum(-1))
+
+
+def shallow_layers(num_layers: int) -> int:
+    """How many of a model's first layers the ``shallow`` probe runs: three tenths, at least one (1 of 4, 9 of
+    30, 9 of 32), so its selection costs at most that share of the probe's forward once a model has four
+    layers."""
+    if num_layers < 1:
+        raise ValueError(f"a model has at least one layer, not {num_layers}")
+    return max(1, math.floor(SHALLOW_SHARE * num_layers + 1e-9))
 
 
 def compact_index(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +117,7 @@ class SelectionContext:
     _full: ForwardOutput | None = field(default=None, repr=False)
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
     _affix_queries: list[torch.Tensor] | None = field(default=None, repr=False)
+    _shallow: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -125,16 +136,35 @@ class SelectionContext:
         against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries
         captured, and the fed columns' K/V ``with_kv``) and the fed column index and validity."""
         if self._probe is None or (with_kv and self._probe[0].kv is None):
-            c = self.canvas
-            t = c.total
-            own = ~self.affix_mask if self.own is None else self.own
-            fed, fed_valid = compact_index(c.valid & own, fill=t)
-            cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
-            gather = fed.clamp_max(t - 1)
-            out = self.model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid,
-                             past=self.kv.gather(cached, cached_valid), return_kv=with_kv, capture_queries=True)
-            self._probe = (out, fed, fed_valid)
+            self._probe = self._run_probe(range(self.model.config.num_layers), with_kv)
         return self._probe
+
+    def shallow_probe(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The probe through its first :func:`shallow_layers` only: those layers' queries (the whole probe's
+        there, at that share of its cost) and the fed column index and validity."""
+        if self._probe is not None:
+            out, fed, fed_valid = self._probe
+            return out.queries[:shallow_layers(len(out.queries))], fed, fed_valid
+        if self._shallow is None:
+            out, fed, fed_valid = self._run_probe(range(shallow_layers(self.model.config.num_layers)), False)
+            self._shallow = (out.queries, fed, fed_valid)
+        return self._shallow
+
+    def _run_probe(self, layers: range, with_kv: bool) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
+        c, model = self.canvas, self.model
+        t = c.total
+        own = ~self.affix_mask if self.own is None else self.own
+        fed, fed_valid = compact_index(c.valid & own, fill=t)
+        cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
+        gather = fed.clamp_max(t - 1)
+        past = self.kv.gather(cached, cached_valid)
+        if len(layers) == model.config.num_layers:
+            out = model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid, past=past,
+                        return_kv=with_kv, capture_queries=True)
+        else:
+            out = model.run_layers(model.embed(c.tokens.gather(1, gather)), c.positions.gather(1, gather), fed_valid,
+                                   past, layers, return_kv=with_kv, capture_queries=True)
+        return out, fed, fed_valid
 
     def probe_logits(self, length: int) -> torch.Tensor:
         """fp32 ``[B, length, V]`` predictions of the first ``length`` generation columns from the probe:

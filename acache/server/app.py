@@ -94,7 +94,8 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
               "temperature": body.temperature if body.temperature is not None else DEFAULTS.temperature,
               "affix_policy": selector if reuse and selector != "off" else None}
-    for name in ("threshold", "remasking", "factor", "anchor_ratio", "far_mask_window", "focus_layers", "focus_ratio"):
+    for name in ("threshold", "remasking", "factor", "anchor_ratio", "anchor_query", "far_mask_window", "focus_layers",
+                 "focus_ratio"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     if body.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from acache.policies import COMMIT_RULES
+from acache.policies import ANCHOR_QUERIES, COMMIT_RULES
 
 MAX_LOGPROBS = 20
 MAX_MC_SAMPLES = 1024
@@ -43,6 +43,8 @@ class DiffusionFields(BaseModel):
     focus_layers: int | None = Field(default=None, description="FOCUS: layers an in-block step runs on the whole block")
     focus_ratio: float | None = Field(default=None, description="FOCUS: share of a block's masks the later layers keep")
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")
+    anchor_query: Literal[ANCHOR_QUERIES] | None = Field(default=None, description="where ACache's anchor queries "
+                                                         "come from: probe (default), full or shallow")
     probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "
                                     "step (one forward fewer); only where an affix is reused")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")

@@ -134,7 +134,8 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
 
 
 def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> SamplingParams:
-    """The workload's parameters; ``prune`` adds FOCUS, far-mask and probe-step fields (``focus_layers``, ...)."""
+    """The workload's parameters; ``prune`` adds FOCUS, far-mask, probe-step and anchor-query fields
+    (``focus_layers``, ...)."""
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
                           remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio,
                           **(prune or {}))
@@ -325,7 +326,8 @@ def main(args) -> int:
             run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
     prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
                                ("far_mask_window", args.far_mask_window),
-                               ("probe_step", True if args.probe_step else None)) if v is not None}
+                               ("probe_step", True if args.probe_step else None),
+                               ("anchor_query", args.anchor_query)) if v is not None}
     if prune.keys() == {"focus_ratio"}:
         raise ValueError("--focus-ratio needs --focus-layers")
     pruned_name = "acache+" + "+".join(f"{k}={v}" for k, v in prune.items())

@@ -23,13 +23,14 @@ from acache_lab.tasks.generators import DEMO_TASKS, TASKS, held_out, parse_tasks
 from acache_lab.tasks.render import TWO_AFFIXES, answer_length, render_prompts
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
-STUDY_SELECTORS = ("attention", "attention-full", "attention-deviation", "influence", "kv-deviation", "cacheblend",
-                   "query-attention", "first-k", "random", "bicache-matched")
+STUDY_SELECTORS = ("attention", "attention-full", "attention-shallow", "attention-deviation", "influence",
+                   "kv-deviation", "cacheblend", "query-attention", "first-k", "random", "bicache-matched")
 #: the project's own selectors, each held against the issue's target in the report
 OURS = ("attention-deviation", "influence")
-#: study labels that are a policy with other settings: ACache with queries from a no-cache forward, and ACache
-#: whose selection probe also decodes the first step (``probe_step``)
+#: study labels that are a policy with other settings: ACache with queries from a no-cache forward or from the
+#: probe's first layers, and ACache whose selection probe also decodes the first step (``probe_step``)
 VARIANTS = {"attention-full": {"affix_policy": "attention", "anchor_query": "full"},
+            "attention-shallow": {"affix_policy": "attention", "anchor_query": "shallow"},
             "attention-probe-step": {"affix_policy": "attention", "probe_step": True}}
 
 

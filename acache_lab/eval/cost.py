@@ -4,7 +4,8 @@ Counted for the study's setting: the answer region is one block on the dual cach
 refresh at its block boundary (the recompute set through every layer) and the same in-block steps under
 every policy (left out, being equal). Selection is counted from each selector's definition:
 
-* ``attention``, ``query-attention``: the probe, every non-affix column through every layer;
+* ``attention``, ``query-attention``: the probe, every non-affix column through every layer (``attention``
+  with the shallow probe: through its first ``shallow_layers`` only);
 * ``attention`` with full queries, ``kv-deviation``: a full forward of the canvas;
 * ``attention-deviation``: the probe, then layers 0 and 1 of the non-affix columns and of its ``min(n, 2k)``
   candidates an affix;
@@ -20,6 +21,7 @@ BiCache is left out: it recomputes layers, not tokens, and selects nothing.
 
 from __future__ import annotations
 
+from acache.affix.context import shallow_layers
 from acache.affix.selectors import anchor_count
 from acache.affix.selectors.cacheblend import carried_counts
 
@@ -34,14 +36,15 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
         return 0
     if policy == "influence":
         return other * layers + sum(affixes) * layers
-    full_queries = query == "full" and policy in ("attention", "attention-deviation")
-    if policy == "kv-deviation" or full_queries:  # a full forward (which holds layer 1's K/V too)
+    own_query = policy in ("attention", "attention-deviation")  # the selectors that read anchor_query
+    if policy == "kv-deviation" or (own_query and query == "full"):  # a full forward (holds layer 1's K/V too)
         return canvas * layers
+    probe = other * (shallow_layers(layers) if own_query and query == "shallow" else layers)
     if policy in ("attention", "query-attention"):
-        return other * layers
+        return probe
     if policy == "attention-deviation":
         candidates = sum(min(n, 2 * anchor_count(ratio, n, policy)) for n in affixes)
-        return other * layers + (other + candidates) * min(2, layers)
+        return probe + (other + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0

@@ -19,8 +19,8 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
 @pytest.mark.parametrize("how", [dict(affix_policy="all"), *(dict(affix_policy=s, anchor_ratio=1.0) for s in (
     "attention", "attention-deviation", "cacheblend", "influence", "kv-deviation", "query-attention", "first-k",
-    "random"))],
-    ids=lambda h: h["affix_policy"])
+    "random")), dict(affix_policy="attention", anchor_ratio=1.0, anchor_query="shallow")],
+    ids=lambda h: "-".join(filter(None, (h["affix_policy"], h.get("anchor_query")))))
 def test_full_recompute_matches_dual_cache(family_model, position, how):
     prompt = layouts()[position]
     want = affix_run(family_model, prompt, SamplingParams(cache="dual", **BASE))
@@ -44,6 +44,26 @@ def test_mixed_batch_matches_each_alone(family_model, selector):
         if selector == "kv-deviation" and block_causal(family_model):
             continue  # a prefix affix's whole attention blocks deviate by rounding noise alone: ties, any order
         assert alone.anchors == batched[i].anchors == staggered[i].anchors
+
+
+def test_mixed_anchor_queries_and_ratios_match_each_alone(family_model):
+    """ACache's three query sources and different ratios in one batch, arriving apart: each request decodes,
+    anchors included, as it would alone; the shallow probe picks its own anchors, not the probe's."""
+    prompts = list(layouts().values())
+    params = [SamplingParams(**BASE, affix_policy="attention", anchor_query=q, anchor_ratio=r)
+              for q, r in (("shallow", 0.3), ("probe", 0.2), ("shallow", 0.5), ("full", 0.3))]
+    store = AffixStore(family_model)
+    batched = affix_run(family_model, prompts, params, store)
+    staggered = affix_run(family_model, prompts, params, store, arrivals=[2, 0, 4, 1])
+    for prompt, p, b, s in zip(prompts, params, batched, staggered, strict=True):
+        alone = reference_generate(family_model, prompt, p, store)
+        assert alone.token_ids == b.token_ids == s.token_ids
+        assert alone.anchors == b.anchors == s.anchors
+    probe = [reference_generate(family_model, prompt, SamplingParams(**BASE, affix_policy="attention",
+                                                                     anchor_ratio=0.3), store).anchors
+             for prompt in prompts]
+    shallow = [reference_generate(family_model, prompt, params[0], store).anchors for prompt in prompts]
+    assert probe != shallow
 
 
 def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):

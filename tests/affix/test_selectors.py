@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from acache.affix.context import CanvasKV, SelectionContext
+from acache.affix.context import CanvasKV, SelectionContext, shallow_layers
 from acache.affix.selectors import SELECTORS, anchor_count, make_selector
 from acache.decoding.canvas import Layout, build_canvas
 from acache.models.base import ForwardOutput
@@ -29,7 +29,8 @@ def _rot(vec, pos, theta):
 
 
 def naive_attention_scores(model, prompt, gen_length, query_source):
-    """I(j) = sum_{l,h,i in masks} softmax_{j in affix}(q.k/sqrt(d)) with explicit loops."""
+    """I(j) = sum_{l,h,i in masks} softmax_{j in affix}(q.k/sqrt(d)) with explicit loops; ``shallow``: over the
+    first ``shallow_layers`` of the probe only."""
     cfg = model.config
     span = prompt.affixes[0]
     ids = list(prompt.token_ids[:prompt.gen_at]) + [cfg.mask_token_id] * gen_length + list(
@@ -40,7 +41,7 @@ def naive_attention_scores(model, prompt, gen_length, query_source):
     gen_cols = list(range(prompt.gen_at, prompt.gen_at + gen_length))
     alone = model(torch.tensor([prompt.affix_ids(span)]), torch.arange(span.length)[None], return_kv=True).kv
     x = torch.tensor([ids])
-    if query_source == "probe":
+    if query_source in ("probe", "shallow"):
         fed = [c for c in range(t) if c not in affix_cols]
         past = KVCache(alone.keys, alone.values, torch.tensor([affix_cols]), torch.ones(1, len(affix_cols)).bool())
         out = model.run_layers(model.embed(x[:, fed]), torch.tensor([fed]), None, past, range(cfg.num_layers),
@@ -51,7 +52,8 @@ def naive_attention_scores(model, prompt, gen_length, query_source):
                                capture_inputs=True)
     d, rep = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     scores = {j: 0.0 for j in affix_cols}
-    for layer_i, layer in enumerate(model.layers):
+    depth = shallow_layers(cfg.num_layers) if query_source == "shallow" else cfg.num_layers
+    for layer_i, layer in enumerate(model.layers[:depth]):
         q = layer.q_proj(layer.attn_norm(out.layer_inputs[layer_i]))[0].view(len(fed), cfg.num_heads, d)
         keys = alone.keys[layer_i][0]
         for h in range(cfg.num_heads):
@@ -67,7 +69,7 @@ def naive_attention_scores(model, prompt, gen_length, query_source):
     return scores
 
 
-@pytest.mark.parametrize("query", ["probe", "full"])
+@pytest.mark.parametrize("query", ["probe", "full", "shallow"])
 @pytest.mark.parametrize("position", ["prefix", "suffix"])
 def test_attention_score_matches_naive_formula(family_model, query, position):
     model = family_model
@@ -81,8 +83,37 @@ def test_attention_score_matches_naive_formula(family_model, query, position):
     for col, value in want.items():
         assert got[0, col].item() == pytest.approx(value, rel=1e-4, abs=1e-4)
     assert got[0][slot[0] < 0].abs().max() == 0
-    total = model.config.num_layers * model.config.num_heads * gen_length  # softmax rows sum to one
+    depth = shallow_layers(model.config.num_layers) if query == "shallow" else model.config.num_layers
+    total = depth * model.config.num_heads * gen_length  # softmax rows sum to one
     assert got.sum().item() == pytest.approx(total, rel=1e-4)
+
+
+@pytest.mark.parametrize("layers, shallow", [(1, 1), (2, 1), (3, 1), (4, 1), (10, 3), (30, 9), (32, 9), (80, 24)])
+def test_shallow_probe_runs_three_tenths_of_the_layers(layers, shallow):
+    assert shallow_layers(layers) == shallow
+
+
+def test_shallow_layers_refuses_a_model_without_layers():
+    with pytest.raises(ValueError, match="at least one layer, not 0"):
+        shallow_layers(0)
+
+
+def test_shallow_probe_is_the_probe_cut_short(family_model):
+    """The shallow probe's queries equal the whole probe's first layers, whichever runs first, and selecting
+    with it runs no more than those layers."""
+    prompt = layouts(affix_len=12, question_len=4)["infix"]
+    with torch.inference_mode():
+        alone = selection_context(family_model, prompt, 6)
+        queries, fed, fed_valid = alone.shallow_probe()
+        assert alone._probe is None  # the whole probe never ran
+        whole = selection_context(family_model, prompt, 6)
+        out, fed2, _ = whole.probe()
+        k = shallow_layers(family_model.config.num_layers)
+        assert len(queries) == k < len(out.queries)
+        assert torch.equal(fed, fed2) and bool(fed_valid.all())
+        for mine, theirs in zip(queries, out.queries[:k], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        assert [q.data_ptr() for q in whole.shallow_probe()[0]] == [q.data_ptr() for q in out.queries[:k]]
 
 
 # -- hand-built contexts: one layer, one head, d = 8, RoPE that barely turns dims 1..3 --------------------

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
-from acache.policies import COMMIT_RULES, SELECTORS
+from acache.policies import ANCHOR_QUERIES, COMMIT_RULES, SELECTORS
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.helpers import run_engine
@@ -71,7 +71,7 @@ def requests(draw):
     if kw["cache"] == "dual" and draw(st.integers(0, 3)):
         kw["affix_policy"] = draw(st.sampled_from(AFFIX_POLICIES))
         kw["anchor_ratio"] = draw(st.floats(0.0, 1.0))
-        kw["anchor_query"] = draw(st.sampled_from(["probe", "full"]))
+        kw["anchor_query"] = draw(st.sampled_from(ANCHOR_QUERIES))
         kw["probe_step"] = kw["affix_policy"] not in ("bicache-matched", "bicache-profiled") and draw(st.booleans())
     arrival = draw(st.integers(0, 6))
     return prompt, SamplingParams(**kw), arrival

@@ -139,6 +139,25 @@ def test_an_affix_placed_inside_the_prompt(setup):
         assert status == 400 and why in out["error"]["message"], (change, out)
 
 
+def test_anchor_query(setup):
+    """anchor_query reaches the engine (the offline path's answer and anchors for the shallow probe); an unknown
+    one is a 400 that names the field."""
+    from acache import Affix
+
+    client, llm = setup
+    story = f"story : {STORY}"
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "anchor_query": "shallow"}
+    status, out = post(client, "/v1/completions", body)
+    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention", anchor_query="shallow")
+    segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
+                GEN]
+    want = llm.generate([segments], params, use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    status, out = post(client, "/v1/completions", {**body, "anchor_query": "deep"})
+    assert status == 400 and "anchor_query" in str(out)
+
+
 def test_probe_step(setup):
     """probe_step reaches the engine when an affix is reused (the offline path's answer); without an affix, or
     with a selector that has no probe, it is a 400 that names it."""

@@ -13,7 +13,9 @@ class AttentionAnchors(AnchorSelector):
     """ACache: the affix tokens the masked generation region attends to most (DESIGN §4.3).
 
     ``query="probe"`` takes the masks' queries from the serving-path probe (non-affix tokens against
-    the stale shared affix K/V); ``query="full"`` from a no-cache forward of the whole request.
+    the stale shared affix K/V); ``query="full"`` from a no-cache forward of the whole request;
+    ``query="shallow"`` from the probe's first layers only (``shallow_layers``): the same score over
+    fewer layers, at that share of the probe's cost.
     """
 
     name = "attention"
@@ -30,10 +32,14 @@ class AttentionAnchors(AnchorSelector):
             t = ctx.canvas.total
             cols = torch.arange(t, device=gen.device).expand_as(gen)
             return ctx.attention_mass(out.queries, cols, gen & ctx.canvas.valid)
-        out, fed, fed_valid = ctx.probe()
         t = ctx.canvas.total
+        if self.query == "shallow":
+            queries, fed, fed_valid = ctx.shallow_probe()
+        else:
+            out, fed, fed_valid = ctx.probe()
+            queries = out.queries
         is_mask = gen.gather(1, fed.clamp_max(t - 1)) & fed_valid
-        return ctx.attention_mass(out.queries, fed.clamp_max(t - 1), is_mask)
+        return ctx.attention_mass(queries, fed.clamp_max(t - 1), is_mask)
 
 
 class QueryAttentionAnchors(AnchorSelector):

@@ -102,3 +102,19 @@ def test_a_variant_runs_beside_plain_acache_and_the_mixed_batch_compares_with_pl
     mixed_table = printed[printed.index("| batch | run |"):]
     assert mixed_table.splitlines()[2].startswith("| 2 | acache | ")  # the homogeneous row is plain ACache
     assert f"{plain['throughput_tokens_per_s']:.2f}" in mixed_table.splitlines()[2]
+
+
+def test_anchor_query_runs_as_a_third_mode_and_an_unknown_one_is_named(task_model_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "--workload", "tasks", "--model", str(task_model_dir), "--sentences", "3", "--batch-sizes", "2",
+            "--no-warmup", "--no-mixed", "--json", str(out)]
+    assert main([*args, "--anchor-query", "shallow"]) == 0
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["results"]] == ["dual", "acache", "acache+anchor_query=shallow"]
+    assert written["results"][2]["selection_time_s"] > 0  # it selects, through its own probe
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*args, "--anchor-query", "deep"])
+    assert "invalid choice: 'deep'" in capsys.readouterr().err

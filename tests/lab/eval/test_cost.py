@@ -14,9 +14,12 @@ CANVAS, AFFIX, LAYERS, RATIO = 48, [38], 4, 0.2
     ("attention", "probe", 10 * 4),
     ("query-attention", "probe", 10 * 4),
     ("attention", "full", 48 * 4),
+    ("attention", "shallow", 10 * 1),  # the probe's first layer of 4
+    ("query-attention", "shallow", 10 * 4),  # reads no anchor query
     ("kv-deviation", "probe", 48 * 4),
     ("attention-deviation", "probe", 10 * 4 + (10 + 16) * 2),  # its 2k = 16 candidates
     ("attention-deviation", "full", 48 * 4),
+    ("attention-deviation", "shallow", 10 * 1 + (10 + 16) * 2),
     ("cacheblend", "probe", 48 * 2 + (10 + 16) + (10 + 12)),  # carries 16, then 12, keeps 8
     ("influence", "probe", 10 * 4 + 38 * 4),  # the probe, and the affix alone for its queries
     ("first-k", "probe", 0), ("random", "probe", 0), ("none", "probe", 0), ("all", "probe", 0),
