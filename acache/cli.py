@@ -45,7 +45,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="share of affix tokens recomputed")
     a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES,
                    help="where ACache's queries come from: the probe, a no-cache forward (full), or the probe's "
-                        "first three tenths of the layers (shallow: selection at under a third of the probe)")
+                        "first layers only (shallow: three tenths of them, at least one)")
     a.add_argument("--probe-step", action="store_true",
                    help="let the anchor-selection probe decode the first step (one forward fewer a request)")
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")

@@ -14,6 +14,8 @@ BICACHE_POLICIES = ("bicache-matched", "bicache-profiled")
 AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
 # where ACache's queries come from: the probe, a no-cache forward, or the probe's first layers only
 ANCHOR_QUERIES = ("probe", "full", "shallow")
+#: the selectors that read ``anchor_query`` (the others score without ACache's queries)
+QUERY_SELECTORS = ("attention", "attention-deviation")
 #: the share of a model's layers the ``shallow`` probe runs (at least one)
 SHALLOW_SHARE = 0.3
 LAYOUTS = ("prefix", "infix", "suffix")

@@ -155,8 +155,7 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-step", action="store_true",
                    help="also run ACache with probe_step: the selection probe decodes the first step")
     p.add_argument("--anchor-query", default=None, choices=ANCHOR_QUERIES,
-                   help="also run ACache with its queries from here (shallow: the probe's first three tenths of "
-                        "the layers)")
+                   help="also run ACache with its queries from here (shallow: the probe's first layers only)")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)

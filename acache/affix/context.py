@@ -117,7 +117,7 @@ class SelectionContext:
     _full: ForwardOutput | None = field(default=None, repr=False)
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
     _affix_queries: list[torch.Tensor] | None = field(default=None, repr=False)
-    _shallow: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _shallow: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -134,36 +134,46 @@ class SelectionContext:
     def probe(self, with_kv: bool = False) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
         """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
         against the stale shared affix K/V, as a direct-reuse refresh runs. Returns the forward (queries
-        captured, and the fed columns' K/V ``with_kv``) and the fed column index and validity."""
+        captured, and the fed columns' K/V ``with_kv``) and the fed column index and validity. After a
+        :meth:`shallow_probe` it runs the remaining layers only (not when K/V are asked: it kept none)."""
         if self._probe is None or (with_kv and self._probe[0].kv is None):
-            self._probe = self._run_probe(range(self.model.config.num_layers), with_kv)
+            layers = self.model.config.num_layers
+            if self._shallow is not None and not with_kv:
+                early, fed, fed_valid = self._shallow
+                out, _, _ = self._run_probe(range(len(early.queries), layers), False, early.hidden)
+                out.queries = early.queries + out.queries
+            else:
+                out, fed, fed_valid = self._run_probe(range(layers), with_kv)
+            self._probe = (out, fed, fed_valid)
         return self._probe
 
     def shallow_probe(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The probe through its first :func:`shallow_layers` only: those layers' queries (the whole probe's
         there, at that share of its cost) and the fed column index and validity."""
+        k = shallow_layers(self.model.config.num_layers)
         if self._probe is not None:
             out, fed, fed_valid = self._probe
-            return out.queries[:shallow_layers(len(out.queries))], fed, fed_valid
+            return out.queries[:k], fed, fed_valid
         if self._shallow is None:
-            out, fed, fed_valid = self._run_probe(range(shallow_layers(self.model.config.num_layers)), False)
-            self._shallow = (out.queries, fed, fed_valid)
-        return self._shallow
+            self._shallow = self._run_probe(range(k), False)
+        out, fed, fed_valid = self._shallow
+        return out.queries, fed, fed_valid
 
-    def _run_probe(self, layers: range, with_kv: bool) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
+    def _run_probe(self, layers: range, with_kv: bool, hidden: torch.Tensor | None = None,
+                   ) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
+        """The probe's ``layers`` from the embeddings, or from ``hidden``, the states entering the first of
+        them; the final norm once they reach the last layer."""
         c, model = self.canvas, self.model
         t = c.total
         own = ~self.affix_mask if self.own is None else self.own
         fed, fed_valid = compact_index(c.valid & own, fill=t)
         cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
         gather = fed.clamp_max(t - 1)
-        past = self.kv.gather(cached, cached_valid)
-        if len(layers) == model.config.num_layers:
-            out = model(c.tokens.gather(1, gather), c.positions.gather(1, gather), fed_valid, past=past,
-                        return_kv=with_kv, capture_queries=True)
-        else:
-            out = model.run_layers(model.embed(c.tokens.gather(1, gather)), c.positions.gather(1, gather), fed_valid,
-                                   past, layers, return_kv=with_kv, capture_queries=True)
+        x = model.embed(c.tokens.gather(1, gather)) if hidden is None else hidden
+        out = model.run_layers(x, c.positions.gather(1, gather), fed_valid, self.kv.gather(cached, cached_valid),
+                               layers, return_kv=with_kv, capture_queries=True)
+        if layers.stop == model.config.num_layers:
+            out.hidden = model.norm(out.hidden)
         return out, fed, fed_valid
 
     def probe_logits(self, length: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
 from acache.engine.step_keys import StackedKV, StepKeyCache
 from acache.models.base import DiffusionLM
+from acache.policies import QUERY_SELECTORS
 
 
 def is_engine_fault(exc: BaseException) -> bool:
@@ -130,7 +131,8 @@ class ModelRunner:
                 anchors[req.request_id] = (None, None)
                 continue
             p = req.params
-            groups.setdefault((p.affix_policy, p.anchor_query, p.gen_length), []).append(req)
+            query = p.anchor_query if p.affix_policy in QUERY_SELECTORS else None  # the others ignore it
+            groups.setdefault((p.affix_policy, query, p.gen_length), []).append(req)
         cfg = self.model.config
         for (name, query, gen_length), group in groups.items():
             canvas = build_canvas([r.prompt.layout for r in group], gen_length, cfg.mask_token_id,
@@ -143,7 +145,7 @@ class ModelRunner:
                 pad = canvas.pad_left[row]
                 own[row, pad:pad + r.length] = r.state.base_recompute(r.shared_columns)
             ctx = SelectionContext(self.model, canvas, slot, kv, seeds, own)
-            chosen = make_selector(name, query).select(ctx, [r.params.anchor_ratio for r in group])
+            chosen = make_selector(name, query or "probe").select(ctx, [r.params.anchor_ratio for r in group])
             stepping = [r.params.block_length for r in group if r.params.probe_step]
             logits = ctx.probe_logits(max(stepping)) if stepping else None
             for row, req in enumerate(group):

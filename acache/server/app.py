@@ -319,8 +319,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                  reuse=affix_ids is not None)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
-        if body.probe_step and affix_ids is None:
-            raise BadRequest("probe_step applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
+        for name in ("probe_step", "anchor_query"):
+            if getattr(body, name) and affix_ids is None:
+                raise BadRequest(f"{name} applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         raw = body.prompt
         texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
         if not texts or any(t == "" or t == [] for t in texts):

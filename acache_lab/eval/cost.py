@@ -7,8 +7,8 @@ every policy (left out, being equal). Selection is counted from each selector's 
 * ``attention``, ``query-attention``: the probe, every non-affix column through every layer (``attention``
   with the shallow probe: through its first ``shallow_layers`` only);
 * ``attention`` with full queries, ``kv-deviation``: a full forward of the canvas;
-* ``attention-deviation``: the probe, then layers 0 and 1 of the non-affix columns and of its ``min(n, 2k)``
-  candidates an affix;
+* ``attention-deviation``: the probe (or the shallow one), then layers 0 and 1 of the non-affix columns and of
+  its ``min(n, 2k)`` candidates an affix;
 * ``cacheblend``: layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens
   through each later layer;
 * ``influence``: the probe, and each affix alone through every layer for its queries (the same for every
@@ -24,6 +24,7 @@ from __future__ import annotations
 from acache.affix.context import shallow_layers
 from acache.affix.selectors import anchor_count
 from acache.affix.selectors.cacheblend import carried_counts
+from acache.policies import QUERY_SELECTORS
 
 FREE = ("first-k", "random", "none", "all")
 
@@ -36,7 +37,7 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
         return 0
     if policy == "influence":
         return other * layers + sum(affixes) * layers
-    own_query = policy in ("attention", "attention-deviation")  # the selectors that read anchor_query
+    own_query = policy in QUERY_SELECTORS
     if policy == "kv-deviation" or (own_query and query == "full"):  # a full forward (holds layer 1's K/V too)
         return canvas * layers
     probe = other * (shallow_layers(layers) if own_query and query == "shallow" else layers)

@@ -99,21 +99,34 @@ def test_shallow_layers_refuses_a_model_without_layers():
 
 
 def test_shallow_probe_is_the_probe_cut_short(family_model):
-    """The shallow probe's queries equal the whole probe's first layers, whichever runs first, and selecting
-    with it runs no more than those layers."""
+    """The shallow probe's queries equal the whole probe's first layers, whichever runs first; selecting with it
+    runs those layers only, and a whole probe asked afterwards (a probe step) runs the rest, once each."""
     prompt = layouts(affix_len=12, question_len=4)["infix"]
-    with torch.inference_mode():
-        alone = selection_context(family_model, prompt, 6)
-        queries, fed, fed_valid = alone.shallow_probe()
-        assert alone._probe is None  # the whole probe never ran
-        whole = selection_context(family_model, prompt, 6)
-        out, fed2, _ = whole.probe()
-        k = shallow_layers(family_model.config.num_layers)
-        assert len(queries) == k < len(out.queries)
-        assert torch.equal(fed, fed2) and bool(fed_valid.all())
-        for mine, theirs in zip(queries, out.queries[:k], strict=True):
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
-        assert [q.data_ptr() for q in whole.shallow_probe()[0]] == [q.data_ptr() for q in out.queries[:k]]
+    model, k = family_model, shallow_layers(family_model.config.num_layers)
+    calls = []
+    hooks = [layer.register_forward_hook(lambda *_, i=i: calls.append(i)) for i, layer in enumerate(model.layers)]
+    try:
+        with torch.inference_mode():
+            whole = selection_context(model, prompt, 6)
+            out, fed, _ = whole.probe()
+            assert [q.data_ptr() for q in whole.shallow_probe()[0]] == [q.data_ptr() for q in out.queries[:k]]
+            alone = selection_context(model, prompt, 6)
+            calls.clear()
+            make_selector("attention", "shallow").select(alone, 0.3)
+            assert calls == list(range(k)) and alone._probe is None
+            queries, fed2, fed_valid = alone.shallow_probe()
+            assert len(queries) == k < len(out.queries)
+            assert torch.equal(fed, fed2) and bool(fed_valid.all())
+            for mine, theirs in zip(queries, out.queries[:k], strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+            continued, _, _ = alone.probe()
+            assert calls == list(range(model.config.num_layers))
+            for mine, theirs in zip(continued.queries, out.queries, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(continued.hidden, out.hidden, rtol=1e-5, atol=1e-5)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 # -- hand-built contexts: one layer, one head, d = 8, RoPE that barely turns dims 1..3 --------------------

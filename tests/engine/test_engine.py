@@ -267,3 +267,25 @@ def test_a_fault_while_computing_an_affix_at_admission_leaks_nothing(llada_dir, 
     assert all(e.refcount == 0 for e in engine.kv.store.entries.values())
     assert engine.abort(rid) and not engine.has_unfinished()
     assert engine.pool.num_used == engine.affixes.pages_in_use
+
+
+def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_model, monkeypatch):
+    """Requests arriving together share one selection batch per selector; ``anchor_query`` splits it only for
+    the selectors that read it (ACache's), and each request still decodes as alone."""
+    from acache.engine import model_runner
+
+    asked = []
+    real = model_runner.make_selector
+    monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append((name, query)) or
+                        real(name, query))
+    prompts = list(layouts().values())
+    params = [SamplingParams(**BASE, affix_policy=s, anchor_query=q, anchor_ratio=r)
+              for s, q, r in (("cacheblend", "probe", 0.3), ("cacheblend", "full", 0.2),
+                              ("attention", "probe", 0.3), ("attention", "shallow", 0.3))]
+    engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))
+    outs = run_engine(family_model, prompts, params, engine=engine)
+    assert sorted(asked) == [("attention", "probe"), ("attention", "shallow"), ("cacheblend", "probe")]
+    store = AffixStore(family_model)
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        ref = reference_generate(family_model, prompt, p, store)
+        assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors)

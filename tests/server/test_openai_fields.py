@@ -139,21 +139,30 @@ def test_an_affix_placed_inside_the_prompt(setup):
         assert status == 400 and why in out["error"]["message"], (change, out)
 
 
-def test_anchor_query(setup):
-    """anchor_query reaches the engine (the offline path's answer and anchors for the shallow probe); an unknown
-    one is a 400 that names the field."""
+def test_anchor_query(setup, monkeypatch):
+    """anchor_query reaches the engine's selector (the offline path's answer); without an affix it is a 400, as
+    is an unknown one, each naming the field."""
     from acache import Affix
+    from acache.engine import model_runner
 
     client, llm = setup
+    asked = []
+    real = model_runner.make_selector
+    monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append((name, query)) or
+                        real(name, query))
     story = f"story : {STORY}"
     affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
     body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "anchor_query": "shallow"}
     status, out = post(client, "/v1/completions", body)
+    assert status == 200 and asked == [("attention", "shallow")]
     params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention", anchor_query="shallow")
     segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
                 GEN]
     want = llm.generate([segments], params, use_tqdm=False)[0]
-    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    assert out["choices"][0]["token_ids"] == want.token_ids
+    status, out = post(client, "/v1/completions", {"prompt": f"{story} question : {Q} answer :", "max_tokens": 2,
+                                                   "anchor_query": "full"})
+    assert status == 400 and "anchor_query applies to a reused affix" in out["error"]["message"]
     status, out = post(client, "/v1/completions", {**body, "anchor_query": "deep"})
     assert status == 400 and "anchor_query" in str(out)
 

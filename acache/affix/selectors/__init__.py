@@ -9,6 +9,7 @@ from acache.affix.selectors.cacheblend import CacheBlendAnchors
 from acache.affix.selectors.influence import InfluenceAnchors
 from acache.affix.selectors.kv_deviation import KVDeviationAnchors
 from acache.affix.selectors.simple import AllAnchors, FirstK, NoAnchors, RandomAnchors
+from acache.policies import QUERY_SELECTORS
 from acache.policies import SELECTORS as SELECTOR_NAMES
 
 SELECTORS: dict[str, type[AnchorSelector]] = {
@@ -23,7 +24,7 @@ if tuple(SELECTORS) != SELECTOR_NAMES:
 def make_selector(name: str, query: str = "probe") -> AnchorSelector:
     if name not in SELECTORS:
         raise ValueError(f"unknown anchor selector {name!r}; known: {', '.join(SELECTORS)}")
-    if name in ("attention", "attention-deviation"):
+    if name in QUERY_SELECTORS:
         return SELECTORS[name](query)
     return SELECTORS[name]()
 
