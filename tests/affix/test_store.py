@@ -230,8 +230,12 @@ def test_kill_during_save_and_concurrent_saves_leave_a_loadable_store(model, lla
     try:
         for p in procs:
             assert p.stdout.readline().strip() == b"ready"
+        landed = time.time() + 60  # "ready" comes before the first save: wait for one to land
+        while AffixStore(model).load(root) < 30:
+            assert time.time() < landed, "no save landed within a minute"
+            time.sleep(0.05)
         deadline, reads = time.time() + 4, 0
-        while time.time() < deadline:  # two writers at once: every read sees a whole cache
+        while time.time() < deadline:  # two writers at once: every read sees a whole cache, never fewer entries
             assert AffixStore(model).load(root) >= 30
             reads += 1
         assert reads > 3
