@@ -26,20 +26,17 @@ class AttentionAnchors(AnchorSelector):
         self.query = query
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        gen = ctx.gen_mask
+        gen, t = ctx.gen_mask, ctx.canvas.total
         if self.query == "full":
-            out = ctx.full()
-            t = ctx.canvas.total
             cols = torch.arange(t, device=gen.device).expand_as(gen)
-            return ctx.attention_mass(out.queries, cols, gen & ctx.canvas.valid)
-        t = ctx.canvas.total
+            return ctx.attention_mass(ctx.full().queries, cols, gen & ctx.canvas.valid)
         if self.query == "shallow":
             queries, fed, fed_valid = ctx.shallow_probe()
         else:
             out, fed, fed_valid = ctx.probe()
             queries = out.queries
-        is_mask = gen.gather(1, fed.clamp_max(t - 1)) & fed_valid
-        return ctx.attention_mass(queries, fed.clamp_max(t - 1), is_mask)
+        at = fed.clamp_max(t - 1)
+        return ctx.attention_mass(queries, at, gen.gather(1, at) & fed_valid)
 
 
 class QueryAttentionAnchors(AnchorSelector):
