@@ -9,7 +9,7 @@ difference between the engine and this path is a batching, padding or paging bug
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,8 +82,10 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             state.set_recompute(shared & False, shared & False)
         elif reuse:
             placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
-            kv, slot = place_affixes(model, state.canvas, placements)
-            ctx = SelectionContext(model, state.canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
+            # masks beyond a far window are out of selection's forwards, as out of every other
+            canvas = replace(state.canvas, valid=state.canvas.valid & ~state.far_columns())
+            kv, slot = place_affixes(model, canvas, placements)
+            ctx = SelectionContext(model, canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
                                    state.base_recompute(shared)[None])
             anchors = make_selector(params.affix_policy, params.anchor_query).select(ctx, params.anchor_ratio)[0]
             state.set_recompute(shared, anchors)
@@ -98,7 +100,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             fed, past = plan.fed, plan.past
             pos = state.positions
             if split is not None and plan.refresh:
-                hidden = _bicache_refresh(model, state, spans, split, keys, values)
+                hidden = _bicache_refresh(model, state, spans, split, fed, keys, values)
             else:
                 cache = KVCache([k[past][None] for k in keys], [v[past][None] for v in values], pos[past][None],
                                 torch.ones(1, len(past), dtype=torch.bool, device=dev)) if len(past) else None
@@ -119,28 +121,29 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
 
 
-def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split: int,
+def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split: int, fed: torch.Tensor,
                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """BiCache's split refresh of the whole canvas, on the dense K/V; returns the final states."""
+    """BiCache's split refresh of the ``fed`` columns (all but far masks), on the dense K/V; returns their final
+    states."""
     t, dev = state.length, state.tokens.device
     is_affix = torch.zeros(t, dtype=torch.bool, device=dev)
-    fed_hidden = torch.zeros(1, t, model.config.hidden_size, dtype=model.dtype, device=dev)
+    fed_hidden = torch.zeros(1, len(fed), model.config.hidden_size, dtype=model.dtype, device=dev)
     for c0, c1, entry in spans:
         is_affix[c0:c1] = True
-        fed_hidden[0, c0:c1] = entry.hidden[split].to(model.dtype)
-    own = torch.nonzero(~is_affix).flatten()
-    acols = torch.nonzero(is_affix).flatten()
+        fed_hidden[0, torch.searchsorted(fed, torch.arange(c0, c1, device=dev))] = entry.hidden[split].to(model.dtype)
+    own_at = torch.nonzero(~is_affix[fed]).flatten()  # indices into fed
+    own, acols = fed[own_at], fed[is_affix[fed]]
     pos = state.positions
     past = KVCache([k[acols][None] for k in keys], [v[acols][None] for v in values], pos[acols][None],
                    torch.ones(1, len(acols), dtype=torch.bool, device=dev))
     ones = torch.ones(1, len(own), dtype=torch.bool, device=dev)
     out, shallow, deep = bicache_forward(model, split, state.tokens[own][None], pos[own][None], ones, past,
-                                         fed_hidden, own[None], pos[None], torch.ones(1, t, dtype=torch.bool,
-                                                                                      device=dev))
+                                         fed_hidden, own_at[None], pos[fed][None],
+                                         torch.ones(1, len(fed), dtype=torch.bool, device=dev))
     for j in range(split):
         keys[j][own] = shallow.keys[j][0].to(keys[j].dtype)
         values[j][own] = shallow.values[j][0].to(values[j].dtype)
     for j, layer in enumerate(range(split, len(keys))):
-        keys[layer][:] = deep.keys[j][0].to(keys[layer].dtype)
-        values[layer][:] = deep.values[j][0].to(values[layer].dtype)
+        keys[layer][fed] = deep.keys[j][0].to(keys[layer].dtype)
+        values[layer][fed] = deep.values[j][0].to(values[layer].dtype)
     return out.hidden

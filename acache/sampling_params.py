@@ -37,7 +37,7 @@ class SamplingParams:
 
     Two approximations past the token-count ideal (both off by default): ``far_mask_window`` W leaves the
     mask columns of blocks more than W blocks after the current one out of every forward, fed or
-    attended (DPad's observation: far masks carry almost nothing); ``focus_layers`` L runs an in-block
+    attended, anchor selection's too (DPad: far masks carry almost nothing); ``focus_layers`` L runs an in-block
     step's first L layers on the whole block, then only the ``focus_ratio`` of its masked tokens that
     attention marks as most likely to be decoded (FOCUS), the block's other tokens attended at the later
     layers through their K/V of the last refresh.

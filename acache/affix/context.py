@@ -106,7 +106,7 @@ class CanvasKV:
 @dataclass
 class SelectionContext:
     model: DiffusionLM
-    canvas: Canvas  # all-mask canvas of the batch
+    canvas: Canvas  # all-mask canvas of the batch; masks beyond a far window are invalid, read by no forward
     affix_slot: torch.Tensor  # [B, T]: which affix of its row a column belongs to, -1 outside affixes
     kv: CanvasKV  # cached affix K/V placed at the affix columns
     row_seeds: list[int] | None = None  # per request, for selectors that draw at random
@@ -182,7 +182,9 @@ class SelectionContext:
         out, fed, fed_valid = self.probe()
         c = self.canvas
         cols = torch.arange(c.gen_start, c.gen_start + length, device=fed.device).expand(fed.shape[0], -1)
-        return self.model.logits(out.hidden, torch.searchsorted(fed.contiguous(), cols.contiguous()), fed_valid)
+        # a row whose window ends before ``length`` fed fewer columns; what lies past its own block is dropped
+        at = torch.searchsorted(fed.contiguous(), cols.contiguous()).clamp_max(fed.shape[1] - 1)
+        return self.model.logits(out.hidden, at, fed_valid)
 
     def full(self) -> ForwardOutput:
         """A no-cache forward of the whole canvas, affix tokens included (queries and K/V captured)."""

@@ -137,6 +137,8 @@ class ModelRunner:
         for (name, query, gen_length), group in groups.items():
             canvas = build_canvas([r.prompt.layout for r in group], gen_length, cfg.mask_token_id,
                                   cfg.pad_token_id, self.device)
+            for row, r in enumerate(group):  # masks beyond a far window are out of selection's forwards too
+                canvas.valid[row, canvas.pad_left[row]:canvas.pad_left[row] + r.length] &= ~r.state.far_columns()
             placements = [[(r.prompt.affixes[i].start, a.entry(self.pool)) for i, a in r.shared] for r in group]
             kv, slot = place_affixes(self.model, canvas, placements)
             seeds = [request_seed(r.params.seed, r.prompt.token_ids) for r in group]

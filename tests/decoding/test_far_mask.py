@@ -88,3 +88,38 @@ def test_bad_pruning_parameters_are_refused(field, value, why):
     if field == "focus_layers":
         with pytest.raises(ValueError, match="set cache='dual'"):
             SamplingParams(focus_layers=1, cache="prefix")
+
+
+@pytest.mark.parametrize("policy", ["attention", "influence", "cacheblend"])
+def test_selection_reads_only_the_columns_inside_the_window(family_model, policy):
+    """ACache's selection reads what the first refresh reads: with window 1 and blocks of 8, the anchors of a
+    32-column region are those of the same prompts with a 16-column region (prefix layout: the columns before
+    the region sit at the same positions either way), and differ from the unwindowed ones on some prompt
+    wherever the masks' queries vote or the affix attends to masks. Questions of three lengths pad the batch."""
+    prompts = [layouts(question_len=q, seed=s)["prefix"] for s, q in enumerate((4, 6, 9))]
+    base = dict(block_length=8, threshold=0.5, affix_policy=policy, anchor_ratio=0.2)
+    windowed_params = SamplingParams(gen_length=32, far_mask_window=1, **base)
+    windowed = run_engine(family_model, prompts, windowed_params)
+    short = run_engine(family_model, prompts, SamplingParams(gen_length=16, **base))
+    whole = run_engine(family_model, prompts, SamplingParams(gen_length=32, **base))
+    assert [o.anchors for o in windowed] == [o.anchors for o in short]
+    if policy == "attention" or not block_causal(family_model):  # a block-causal prefix affix sees no mask
+        assert any(w.anchors != o.anchors for w, o in zip(windowed, whole, strict=True))
+    for prompt, out in zip(prompts, windowed, strict=True):
+        ref = reference_generate(family_model, prompt, windowed_params)
+        assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors)
+
+
+def test_windows_block_lengths_probe_steps_and_bicache_mixed_in_one_batch(family_model):
+    """Per-row windows on one selection canvas, the probe proposing first blocks of different lengths (a
+    row's window can end before the longest), and BiCache's refresh under a window: each request as alone."""
+    prompts = [layouts(question_len=q, seed=s)[k] for s, (q, k) in enumerate(
+        [(4, "prefix"), (9, "infix"), (6, "suffix"), (5, "prefix"), (7, "two-affix"), (3, "infix")])]
+    params = [SamplingParams(gen_length=32, block_length=(4, 16)[i % 2], threshold=0.5,
+                             far_mask_window=(0, None, 1)[i % 3], anchor_ratio=0.2,
+                             affix_policy="bicache-matched" if i == 5 else "attention", probe_step=i < 4)
+              for i in range(len(prompts))]
+    outs = run_engine(family_model, prompts, params, arrivals=[0, 0, 0, 1, 2, 2])
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        ref = reference_generate(family_model, prompt, p)
+        assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors)
