@@ -75,7 +75,7 @@ def test_refresh_splices_affix_hidden_state_at_the_split(llada_dir):
     values = [torch.zeros_like(k) for k in keys]
     for layer in range(2):
         keys[layer][:6], values[layer][:6] = entry.keys[layer], entry.values[layer]
-    hidden = _bicache_refresh(model, state, [(0, 6, entry)], 1, keys, values)
+    hidden = _bicache_refresh(model, state, [(0, 6, entry)], 1, torch.arange(t), keys, values)  # no window: all fed
     x, pos = state.tokens[None], state.positions[None]
     own = torch.arange(6, t)
     affix_kv = KVCache([k[None] for k in entry.keys], [v[None] for v in entry.values], torch.arange(6)[None],
