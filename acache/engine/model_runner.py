@@ -137,15 +137,14 @@ class ModelRunner:
         for (name, query, gen_length), group in groups.items():
             canvas = build_canvas([r.prompt.layout for r in group], gen_length, cfg.mask_token_id,
                                   cfg.pad_token_id, self.device)
-            for row, r in enumerate(group):  # masks beyond a far window are out of selection's forwards too
-                canvas.valid[row, canvas.pad_left[row]:canvas.pad_left[row] + r.length] &= ~r.state.far_columns()
+            own = torch.zeros_like(canvas.valid)
+            for row, r in enumerate(group):
+                cols = slice(canvas.pad_left[row], canvas.pad_left[row] + r.length)
+                canvas.valid[row, cols] &= ~r.state.far_columns()  # far masks are out of selection's forwards too
+                own[row, cols] = r.state.base_recompute(r.shared_columns)
             placements = [[(r.prompt.affixes[i].start, a.entry(self.pool)) for i, a in r.shared] for r in group]
             kv, slot = place_affixes(self.model, canvas, placements)
             seeds = [request_seed(r.params.seed, r.prompt.token_ids) for r in group]
-            own = torch.zeros_like(canvas.valid)
-            for row, r in enumerate(group):
-                pad = canvas.pad_left[row]
-                own[row, pad:pad + r.length] = r.state.base_recompute(r.shared_columns)
             ctx = SelectionContext(self.model, canvas, slot, kv, seeds, own)
             chosen = make_selector(name, query or "probe").select(ctx, [r.params.anchor_ratio for r in group])
             stepping = [r.params.block_length for r in group if r.params.probe_step]
