@@ -86,6 +86,10 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 1e-3
     warmup: int = 100
+    #: the learning rate's decay: None, a cosine from ``lr`` to a tenth of it over every step after warm-up;
+    #: N, constant at ``lr`` after warm-up and the same cosine over the last N steps only (a task that starts
+    #: to learn late keeps the full rate until the end of the run)
+    decay_steps: int | None = None
     weight_decay: float = 0.01
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max gradient norm
@@ -163,6 +167,9 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be positive")
         if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be between 1 and steps={self.steps}, not {self.stop_after}")
+        if self.decay_steps is not None and not 0 < self.decay_steps <= self.steps - self.warmup:
+            raise ValueError(f"decay_steps must be between 1 and steps - warmup = {self.steps - self.warmup}, "
+                             f"not {self.decay_steps}")
         if self.grad_clip <= 0 or self.adam_eps <= 0:
             raise ValueError("grad_clip and adam_eps must be positive")
         if self.answer_reduction not in REDUCTIONS:
@@ -204,6 +211,15 @@ class TrainConfig:
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
             raise ValueError(f"layouts must be some of {', '.join(LAYOUTS)}, got {list(self.layouts)}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of ``step``: linear warm-up, then the cosine to a tenth of ``lr`` that
+        ``decay_steps`` places."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        start = self.warmup if self.decay_steps is None else self.steps - self.decay_steps
+        frac = max(0.0, (step - start) / max(1, self.steps - start))
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def stage_at(self, step: int) -> Stage:
         """The stage that ``step`` trains in (one growing stage when no stages are given)."""
@@ -447,12 +463,6 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98),
                             eps=config.adam_eps)
 
-    def lr_at(step: int) -> float:
-        if step < config.warmup:
-            return config.lr * (step + 1) / config.warmup
-        progress_frac = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac))))
-
     batcher = Batcher(config, tokenizer)
     probe = Probe(config, batcher) if config.eval_every else None
     gen = torch.Generator().manual_seed(config.seed + 1)
@@ -489,8 +499,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
-        steps_done = _train_steps(config, model, opt, batcher, probe, gen, lr_at, bar, log, probes, window, started,
-                                  steps_done, stop)
+        steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
+                                  started, steps_done, stop)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)

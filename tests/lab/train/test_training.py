@@ -184,6 +184,20 @@ def test_stop_after_cuts_a_run_short_on_the_full_runs_schedule(tmp_path):
     assert cut["log"][-1]["lr"] > full["log"][-1]["lr"]
 
 
+def test_decay_steps_keep_the_rate_until_the_last_steps():
+    cosine = TrainConfig(steps=100, warmup=10, lr=1e-3)
+    late = TrainConfig(steps=100, warmup=10, lr=1e-3, decay_steps=20)
+    for config in (cosine, late):  # the same linear warm-up
+        assert [config.lr_at(s) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
+        assert config.lr_at(100) == pytest.approx(1e-4)  # both end at a tenth
+    assert cosine.lr_at(55) == pytest.approx(5.5e-4)  # halfway through the decay
+    assert cosine.lr_at(80) < 3e-4
+    assert all(late.lr_at(s) == pytest.approx(1e-3) for s in range(10, 81))  # flat until steps - decay_steps
+    assert late.lr_at(90) == pytest.approx(5.5e-4)
+    rates = [late.lr_at(s) for s in range(80, 101)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+
+
 def test_a_tasks_own_sentence_range_replaces_the_stages():
     """Long documents for qa1 in the same batches as short stories for the demonstration task."""
     config = TrainConfig(steps=50, batch_size=64, tasks=("qa1", "codes"), min_sentences=3, max_sentences=4,
@@ -320,6 +334,10 @@ def test_bad_training_configs(tmp_path):
     path.write_text(json.dumps({"steps": 5, "stages": [{"steps": 5, "tasks": ["qa1"]}]}))
     with pytest.raises(ValueError, match="a stage needs steps, tasks"):
         TrainConfig.from_file(path)
+    with pytest.raises(ValueError, match="decay_steps must be between 1 and steps - warmup = 90, not 95"):
+        TrainConfig(steps=100, warmup=10, decay_steps=95)
+    with pytest.raises(ValueError, match="decay_steps must be between 1 and steps - warmup = 90, not 0"):
+        TrainConfig(steps=100, warmup=10, decay_steps=0)
     with pytest.raises(ValueError, match="loss_weighting must be"):
         TrainConfig(loss_weighting="uniform")
     with pytest.raises(ValueError, match="answer_reduction must be"):
