@@ -8,9 +8,10 @@ MODEL := models/acache-tiny
 PLUS := models/acache-tiny-plus
 BLOCKDIFF := models/acache-tiny-blockdiff
 R2LM := models/acache-tiny-r2lm
+SSM := models/acache-tiny-ssm
 STUDY := docs/study
 
-.PHONY: install run test test-long lint bench study model model-plus model-blockdiff model-r2lm eval-lm clean
+.PHONY: install run test test-long lint bench study model model-plus model-blockdiff model-r2lm model-ssm eval-lm clean
 
 install: $(VENV)/.installed
 
@@ -92,6 +93,12 @@ model-r2lm: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/r2lm-stage1.json --config configs/r2lm-stage2.json \
 		--config configs/r2lm.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(R2LM) --layouts prefix,infix
+
+# the state-space model (docs/model.md, "Attempt 11"): the shipped model's embeddings and MLPs with a Mamba-style
+# scan in place of attention, one config on the prefix and infix layouts; about 80 minutes on 2 CPU cores
+model-ssm: install
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/ssm-tiny.json --overwrite
+	$(VENV)/bin/acache eval tasks --model $(SSM) --layouts prefix,infix
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -195,7 +195,7 @@ def test_decay_steps_keep_the_rate_until_the_last_steps():
     assert all(late.lr_at(s) == pytest.approx(1e-3) for s in range(10, 81))  # flat until steps - decay_steps
     assert late.lr_at(90) == pytest.approx(5.5e-4)
     rates = [late.lr_at(s) for s in range(80, 101)]
-    assert all(a > b for a, b in zip(rates, rates[1:]))
+    assert all(a > b for a, b in pairwise(rates))
 
 
 def test_a_tasks_own_sentence_range_replaces_the_stages():
@@ -490,4 +490,24 @@ def test_r2lm_recipe_and_model():
     runner = LLM(REPO_ROOT / config.out)
     assert isinstance(runner.model, R2LM) and runner.model.config.block_size == 8
     scores = evaluate(runner, examples=20, sentences=6, seed=7, layouts=("prefix", "infix"))
+    assert all(s.accuracy >= 0.9 for s in scores), scores
+
+
+def test_ssm_recipe_and_model():
+    """The state-space model: one config from the shipped model, the config its log records (it was trained into
+    build/ and copied to models/), and it answers every task in the prefix layout."""
+    from acache import LLM
+    from acache.models.ssm import SSMBlockDiffusionLM
+    from acache.paths import REPO_ROOT
+    from acache_lab.eval.tasks import evaluate
+
+    config = TrainConfig.from_file(REPO_ROOT / "configs" / "ssm-tiny.json")
+    assert (REPO_ROOT / config.init_from).resolve() == SHIPPED_MODEL.resolve()
+    assert config.family == "blockdiff_ssm" and config.decay_steps is not None
+    log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
+    assert_logged(config, log["config"], ignore={"out"})
+    assert log["steps_done"] == config.steps
+    llm = LLM(REPO_ROOT / config.out)
+    assert isinstance(llm.model, SSMBlockDiffusionLM)
+    scores = evaluate(llm, examples=20, sentences=6, seed=7, layouts=("prefix",))
     assert all(s.accuracy >= 0.9 for s in scores), scores
