@@ -94,8 +94,9 @@ model-r2lm: install
 		--config configs/r2lm.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(R2LM) --layouts prefix,infix
 
-# the state-space model (docs/model.md, "Attempt 11"): the shipped model's embeddings and MLPs with a Mamba-style
-# scan in place of attention, one config on the prefix and infix layouts; about 80 minutes on 2 CPU cores
+# the state-space model (docs/model.md, "Attempt 11"): the shipped model's weights where the names match
+# (embeddings, MLPs), a Mamba-style scan in place of attention, one config on the prefix and infix layouts;
+# about 80 minutes on 2 CPU cores
 model-ssm: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/ssm-tiny.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(SSM) --layouts prefix,infix
