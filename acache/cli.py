@@ -222,7 +222,7 @@ def _serve_llm_kwargs(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "device": args.device, "max_batch_size": args.max_num_seqs,
             "page_size": args.page_size, "kv_cache_memory": args.kv_cache_memory,
             "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-            "max_affix_tokens": args.max_affix_tokens}
+            "max_affix_tokens": args.max_affix_tokens, "compile": args.compile}
 
 
 def _serve_app_kwargs(args: argparse.Namespace, api_key: str | None) -> dict:
@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-affix-tokens", type=_positive_int, default=None,
                    help="tokens the shared affixes may hold in the KV pool, least recently used out (default: "
                         "whatever the pool has free)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers: the first requests of each kind wait while it compiles "
+                        "(tens of seconds), later ones run faster (BENCHMARKS.md); attention families only")
     p.add_argument("--max-request-bytes", type=parse_size, default="1MiB", help="largest request body accepted")
     p.add_argument("--min-document-tokens", type=int, default=128,
                    help="user messages at least this long are affix candidates")

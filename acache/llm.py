@@ -36,6 +36,7 @@ class LLM:
     the tokens the shared affixes hold in the pool (None: as much as the pool has free).
     ``tensor_parallel_size`` K > 1 splits every layer over K processes (gloo on CPU, nccl on CUDA, one GPU
     each), spawned here and stopped by :meth:`close`; ``tensor_parallel_rank`` is set only in those processes.
+    ``compile`` runs the decoder layers through ``torch.compile`` (attention families; see ``EngineConfig``).
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -44,7 +45,7 @@ class LLM:
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  max_affix_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 tensor_parallel_rank: tuple | None = None) -> None:
+                 tensor_parallel_rank: tuple | None = None, compile: bool = False) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
@@ -56,7 +57,8 @@ class LLM:
         state_cache = getattr(family, "state_cache", False)  # the scan families: a cache of their own, no affix K/V
         if state_cache:
             for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
-                                ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile)):
+                                ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile),
+                                ("compile", compile)):
                 if value:
                     raise ValueError(f"{name} is not supported for a {family.family} model (it shares no affix "
                                      "K/V and runs on one device)")
@@ -74,7 +76,7 @@ class LLM:
                 dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed,
                 affix_cache_bytes=affix_cache_bytes, bicache_profile=bicache_profile, page_size=page_size,
                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                max_model_len=max_model_len, max_affix_tokens=max_affix_tokens))
+                max_model_len=max_model_len, max_affix_tokens=max_affix_tokens, compile=compile))
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", tp.rank)
         try:
@@ -104,7 +106,8 @@ class LLM:
         self._next_request_id = 0
         self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                           gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
-                                          max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens)
+                                          max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens,
+                                          compile=compile)
         self._engine: LLMEngine | MirroredEngine | None = None
         if affix_cache_dir is not None:
             self.engine.affixes.load(affix_cache_dir)

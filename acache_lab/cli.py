@@ -156,6 +156,9 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also run ACache with probe_step: the selection probe decodes the first step")
     p.add_argument("--anchor-query", default=None, choices=ANCHOR_QUERIES,
                    help="also run ACache with its queries from here (shallow: the probe's first layers only)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (compiled in the untimed warm-up, which then runs every "
+                        "mode at batch 1 and 2: dynamic shapes serve the larger batches)")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)

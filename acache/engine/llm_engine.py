@@ -55,6 +55,9 @@ class EngineConfig:
     # per-layer gather and rotation dominate a step, at the cost of a dense copy of each stepping request's
     # cached K/V outside the pool; None: on CPU only (on a GPU the memory is worth more than the copy)
     reuse_step_keys: bool | None = None
+    # torch.compile the decoder layers (``DiffusionLM.compile_layers``): the first forward of each kind compiles
+    # (tens of seconds), later ones run the fused kernels; the attention families only
+    compile: bool = False
 
 
 class LLMEngine:
@@ -70,6 +73,11 @@ class LLMEngine:
             memory = DEFAULT_CPU_KV_BYTES
         self.state_cache = getattr(model, "state_cache", False)
         self.pool: PagePool | None = None
+        if c.compile and self.state_cache:
+            raise ValueError(f"compile applies to the attention families' decoder layers; {model.family} "
+                             "(a scan family) runs eagerly")
+        if c.compile:
+            model.compile_layers()
         if self.state_cache:  # a cache of the model's own per request (the scan families)
             if memory is None:
                 free, _ = torch.cuda.mem_get_info(model.device)

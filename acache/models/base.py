@@ -16,7 +16,7 @@ from torch import nn
 
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
-from acache.models.layers import RMSNorm, apply_rope, attend, block_causal_mask, rope_tables
+from acache.models.layers import RMSNorm, apply_rope, attend, block_causal_mask, dense_mask, rope_tables
 
 
 @dataclass
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, key_mask: torch.Tensor, past_rotated: bool = False
+                past_v: torch.Tensor | None, key_mask: torch.Tensor | None, past_rotated: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the new states and the fed tokens' pre-RoPE q, k, v. With ``past_rotated`` the past keys
         are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once)."""
@@ -111,6 +111,20 @@ class DiffusionLM(nn.Module):
         raise NotImplementedError
 
     # -- compute ----------------------------------------------------------------------------------
+    def compile_layers(self) -> None:
+        """Compiles every decoder layer's forward with ``torch.compile`` (dynamic shapes), once: the norms, the
+        rotations and the gated MLP's element-wise work fuse into a few kernels, the matmuls and attention stay
+        library calls. The layers share their graphs (a handful in all: with or without a past key set, rotated
+        or not, masked or not), so compiling costs tens of seconds at the first forward of each kind, not per
+        layer or per shape. Hooks on the layers still run, outside the compiled code."""
+        if getattr(self, "_layers_compiled", False):
+            return
+        # every kind of forward is one graph shared by the layers; batch 1 and other 0/1-sized shapes add some
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        self._layers_compiled = True
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -162,6 +176,7 @@ class DiffusionLM(nn.Module):
         if self.config.block_size is not None:
             key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
             key_mask = block_causal_mask(key_mask, positions, key_positions, self.config.block_size)
+        key_mask = dense_mask(key_mask)
         keys, values, queries, inputs = [], [], [], []
         for i in layers:
             if capture_inputs:

@@ -44,18 +44,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of ``q [B, Tq, H, D]`` over ``k, v [B, S, Hkv, D]`` (already rotated).
 
     ``key_mask`` is True for keys that may be attended (padding and absent slots are False): ``[B, S]`` for
-    every query alike (bidirectional), or ``[B, Tq, S]`` per query (block-causal). Returns ``[B, Tq, H, D]``.
+    every query alike (bidirectional), or ``[B, Tq, S]`` per query (block-causal); None when every key may be
+    attended by every query (see :func:`dense_mask`). Returns ``[B, Tq, H, D]``.
     """
-    mask = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
+    mask = key_mask
+    if key_mask is not None:
+        mask = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def dense_mask(key_mask: torch.Tensor) -> torch.Tensor | None:
+    """None when ``key_mask`` lets every query see every key: attention then runs without a mask, which on CPU
+    is a quarter faster and gives the same values (an all-True mask only adds zeros to the scores). One host
+    read a forward, not a layer."""
+    return None if bool(key_mask.all()) else key_mask
 
 
 def block_causal_mask(key_mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,

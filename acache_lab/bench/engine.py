@@ -9,6 +9,7 @@ included) for throughput, and the page-count ratio for peak KV memory.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import platform
@@ -320,10 +321,6 @@ def main(args) -> int:
             return make_task_requests(args.model, b, args.sentences, args.seed)
         return make_requests(model, w, b, args.seed + b), w
 
-    if args.warmup:  # one untimed pair first, so the first timed run does not pay for lazy initialisation
-        prompts, wb = requests(batches[0])
-        for reuse in tqdm((False, True), desc="bench warm-up (untimed)", unit="run"):
-            run_mode(model, prompts, wb, reuse, batches[0], args.page_size, args.kv_cache_memory)
     prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
                                ("far_mask_window", args.far_mask_window),
                                ("probe_step", True if args.probe_step else None),
@@ -331,22 +328,40 @@ def main(args) -> int:
     if prune.keys() == {"focus_ratio"}:
         raise ValueError("--focus-ratio needs --focus-layers")
     pruned_name = "acache+" + "+".join(f"{k}={v}" for k, v in prune.items())
-    modes = 3 if prune else 2
-    with tqdm(total=modes * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
+    # every timed mode: (name, model, ACache or not, pruning); compiled modes run on a compiled copy of the model,
+    # so the eager and compiled engines are timed side by side in one run
+    specs: list[tuple[str, DiffusionLM, bool, dict | None]] = [("dual", model, False, None),
+                                                               ("acache", model, True, None)]
+    if prune:
+        specs.append((pruned_name, model, True, prune))
+    if args.compile:
+        compiled = copy.deepcopy(model)
+        compiled.compile_layers()
+        specs += [("dual compiled", compiled, False, None), ("acache compiled", compiled, True, None)]
+
+    def run_spec(spec: tuple, prompts: list[AffixPrompt], wb: Workload, b: int) -> ModeResult:
+        name, m, reuse, pr = spec
+        return run_mode(m, prompts, wb, reuse, b, args.page_size, args.kv_cache_memory,
+                        [workload_params(wb, True, pr)] * len(prompts) if pr else None, name)
+
+    if args.warmup:  # untimed runs first, so no timed run pays for lazy initialisation or compilation
+        ahead = [(batches[0], spec) for spec in specs]
+        # a compiled forward compiles once for every batch of 2 or more, and once more at batch 1
+        ahead += [(b, spec) for b in sorted({min(b, 2) for b in batches} - {batches[0]}) for spec in specs
+                  if spec[1] is not model]
+        for b, spec in tqdm(ahead, desc="bench warm-up (untimed)", unit="run"):
+            run_spec(spec, *requests(b), b)
+    with tqdm(total=len(specs) * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
             prompts, w = requests(b)
-            runs: dict[object, list[ModeResult]] = {False: [], True: [], "pruned": []}
+            runs: dict[str, list[ModeResult]] = {spec[0]: [] for spec in specs}
             for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits every mode alike
-                for reuse in (False, True):
-                    runs[reuse].append(run_mode(model, prompts, w, reuse, b, args.page_size, args.kv_cache_memory))
+                for spec in specs:
+                    runs[spec[0]].append(run_spec(spec, prompts, w, b))
                     bar.update(1)
-                if prune:
-                    runs["pruned"].append(run_mode(model, prompts, w, True, b, args.page_size, args.kv_cache_memory,
-                                                   [workload_params(w, True, prune)] * len(prompts), pruned_name))
-                    bar.update(1)
-            pair = {reuse: median_run(r) for reuse, r in runs.items() if r}
-            results += [pair[False], pair[True]] + ([pair["pruned"]] if prune else [])
-            comparisons.append(compare(pair[False], pair[True], w, args.page_size))
+            best = {name: median_run(r) for name, r in runs.items()}
+            results += list(best.values())
+            comparisons.append(compare(best["dual"], best["acache"], w, args.page_size))
     mixed = []
     if args.mixed:
         b = batches[-1]
@@ -367,11 +382,17 @@ def main(args) -> int:
     header += (f"; machine peak {peak / 1e9:.1f} GFLOP/s ({model.dtype} matmul 2048 x {cfg.hidden_size} x "
                f"{cfg.intermediate_size}, measured in this run)")
     table = markdown(results, comparisons, peak)
+    speed = {(r.batch, r.mode): r.throughput_tokens_per_s for r in results}
     if prune:
-        speed = {(r.batch, r.mode): r.throughput_tokens_per_s for r in results}
         table += "\n\n" + "\n".join(
             f"batch {b}: {pruned_name} at {speed[(b, pruned_name)] / speed[(b, 'dual')]:.2f}x the dual cache's "
             f"tokens/s ({speed[(b, 'acache')] / speed[(b, 'dual')]:.2f}x for plain ACache)" for b in batches)
+    if args.compile:
+        table += "\n\n" + "\n".join(
+            f"batch {b}: compiled / eager tokens/s: dual {speed[(b, 'dual compiled')] / speed[(b, 'dual')]:.2f}x, "
+            f"ACache {speed[(b, 'acache compiled')] / speed[(b, 'acache')]:.2f}x; compiled ACache at "
+            f"{speed[(b, 'acache compiled')] / speed[(b, 'dual compiled')]:.2f}x the compiled dual cache"
+            for b in batches)
     if mixed:
         plain = next(r for r in results if r.mode == "acache" and r.batch == batches[-1])
         table += "\n\n" + mixed_markdown(plain, *mixed)

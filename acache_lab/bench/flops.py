@@ -38,7 +38,12 @@ class FlopCounter:
         width = layer.num_heads * layer.head_dim
 
         def hook(_module, args):
-            x, key_mask = args[0], args[5]
+            x, past_k, key_mask = args[0], args[3], args[5]
+            if key_mask is None:  # every key valid (attention ran without a mask)
+                b, t = x.shape[:2]
+                keys = t + (0 if past_k is None else past_k.shape[1])
+                self._pending.append(torch.tensor(b * (2 * linear * t + 4 * width * t * keys)))
+                return
             fed = key_mask[:, -x.shape[1]:].sum(dim=1)  # the fed tokens are the key set's last columns
             keys = key_mask.sum(dim=1)
             self._pending.append(2 * linear * fed.sum() + 4 * width * (fed * keys).sum())

@@ -78,3 +78,19 @@ def test_kvcache_shape_errors():
 def test_model_rejects_mismatched_inputs(family_model):
     with pytest.raises(ValueError, match="same shape"):
         family_model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_an_all_true_mask_is_dropped_and_changes_nothing():
+    """Attention without a mask (every key valid) gives what the all-True mask gives, to the bit; a mask with
+    one False key is kept."""
+    from acache.models.layers import attend, dense_mask
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 5, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
+    full = torch.ones(2, 7, dtype=torch.bool)
+    assert dense_mask(full) is None
+    assert torch.equal(attend(q, k, v, None), attend(q, k, v, full))
+    holed = full.clone()
+    holed[1, 3] = False
+    assert dense_mask(holed) is holed
+    assert not torch.equal(attend(q, k, v, None)[1], attend(q, k, v, holed)[1])

@@ -119,3 +119,20 @@ def test_anchor_query_runs_as_a_third_mode_and_an_unknown_one_is_named(task_mode
     with pytest.raises(SystemExit):
         main([*args, "--anchor-query", "deep"])
     assert "invalid choice: 'deep'" in capsys.readouterr().err
+
+
+def test_compile_times_a_compiled_copy_beside_the_eager_model(task_model_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--workload", "tasks", "--model", str(task_model_dir), "--sentences", "3", "--batch-sizes",
+                 "1,3", "--compile", "--no-mixed", "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    modes = ["dual", "acache", "dual compiled", "acache compiled"]
+    assert [(r["batch"], r["mode"]) for r in written["results"]] == [(b, m) for b in (1, 3) for m in modes]
+    flops = {(r["batch"], r["mode"]): r["model_flops"] for r in written["results"]}
+    for b in (1, 3):  # the same decoding work, eager or compiled
+        assert flops[(b, "dual")] == flops[(b, "dual compiled")] > 0
+        assert flops[(b, "acache")] == flops[(b, "acache compiled")] > 0
+    printed = capsys.readouterr().out
+    assert "batch 3: compiled / eager tokens/s: dual " in printed

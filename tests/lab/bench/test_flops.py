@@ -33,6 +33,10 @@ def test_counts_layers_attention_and_logits(llada_dir):
     pairs = 4 * (4 + 5) + 3 * (3 + 2)
     assert counter.flops == layers * (2 * linear * fed + 4 * q_width * pairs) + 2 * h * cfg.vocab_size * 2 * 3
     assert "logits" not in vars(model)  # the wrapper is gone after the block
+    # no padding anywhere: attention runs without a mask, and the count is the same arithmetic
+    with torch.inference_mode(), FlopCounter(model) as counter:
+        model(ids, torch.arange(4).expand(2, -1), past=past.columns(slice(0, 2)))
+    assert counter.flops == layers * (2 * linear * 8 + 4 * q_width * 8 * (4 + 2))
 
 
 def test_matmul_peak_is_a_rate():
