@@ -28,7 +28,7 @@ from acache.engine.focus import focused_step
 from acache.engine.outputs import ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
-from acache.engine.step_keys import StackedKV, StepKeyCache
+from acache.engine.step_keys import StepKeyCache
 from acache.models.base import DiffusionLM
 from acache.policies import QUERY_SELECTORS
 
@@ -190,9 +190,9 @@ class ModelRunner:
             past_slots = torch.where(past_valid, slot_maps[rows, past], torch.full_like(past, trash))
             paged = PagedKV(self.pool, past_slots, positions[rows, past], past_valid) if past.shape[1] else None
             if self.step_keys is not None and not batch.refresh and paged is not None:  # rotated once a refresh
-                paged = StackedKV([self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
-                                                      r.state.positions[p.past]) for r, p in zip(reqs, plans,
-                                                                                              strict=True)], dev)
+                sets = [self.step_keys.get(r.request_id, r.state.refreshes, r.slot_map[p.past],
+                                           r.state.positions[p.past]) for r, p in zip(reqs, plans, strict=True)]
+                paged = self.step_keys.stacked([r.request_id for r in reqs], sets, fed.shape[1], dev)
             focus = reqs[0].params.focus_layers if not batch.refresh and paged is not None else None
             if focus is not None and focus < len(self.model.layers):
                 masked = (tokens[rows, fed] == self.model.config.mask_token_id) & fed_valid

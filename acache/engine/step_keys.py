@@ -25,34 +25,42 @@ class StepKeys:
     positions: torch.Tensor  # [P]
 
 
-def _stacked(rows: list[list[torch.Tensor]], width: int) -> LayerView:
-    """Layer ``l`` of every row's set, padded to the longest, built when first asked for."""
-    def layer(index: int) -> torch.Tensor:
-        first = rows[0][index]
-        out = first.new_zeros(len(rows), width, *first.shape[1:])
-        for i, row in enumerate(rows):
-            out[i, :row[index].shape[0]] = row[index]
-        return out
-
-    return LayerView(layer, len(rows[0]))
-
-
 class StackedKV:
-    """A batch's rotated step key sets, read layer by layer like the pool's own view."""
+    """A batch's rotated step key sets, padded to the longest, with ``room`` free columns after them per layer.
+
+    A step feeds ``room`` tokens; their fresh keys are written into the room in place of concatenating them to
+    the stacked set (``DecoderLayer``'s ``fill``), so a batch that steps again with the same sets reuses the
+    stack and copies nothing per layer but its own block. ``keys[l]`` is the set alone (a view), ``full_keys[l]``
+    the set with its room; a layer's buffers are built when the model first reaches it."""
 
     rotated = True
 
-    def __init__(self, sets: list[StepKeys], device: torch.device) -> None:
+    def __init__(self, sets: list[StepKeys], device: torch.device, room: int = 0) -> None:
         width = max(s.positions.numel() for s in sets)
-        self.keys = _stacked([s.keys for s in sets], width)
-        self.values = _stacked([s.values for s in sets], width)
+        self._sets, self.width, self.room = sets, width, room
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.num_layers = len(sets[0].keys)
         self.positions = torch.zeros(len(sets), width, dtype=torch.long, device=device)
         self.mask = torch.zeros(len(sets), width, dtype=torch.bool, device=device)
         for i, s in enumerate(sets):
             n = s.positions.numel()
             self.positions[i, :n] = s.positions
             self.mask[i, :n] = True
-        self.num_layers = len(self.keys)
+        self.keys = LayerView(lambda i: self._layer(i)[0][:, :width], self.num_layers)
+        self.values = LayerView(lambda i: self._layer(i)[1][:, :width], self.num_layers)
+        self.full_keys = LayerView(lambda i: self._layer(i)[0], self.num_layers)
+        self.full_values = LayerView(lambda i: self._layer(i)[1], self.num_layers)
+
+    def _layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self._layers:
+            first = self._sets[0].keys[index]
+            shape = (len(self._sets), self.width + self.room, *first.shape[1:])
+            keys, values = first.new_zeros(shape), first.new_zeros(shape)
+            for i, s in enumerate(self._sets):
+                keys[i, :s.keys[index].shape[0]] = s.keys[index]
+                values[i, :s.values[index].shape[0]] = s.values[index]
+            self._layers[index] = keys, values
+        return self._layers[index]
 
 
 class StepKeyCache:
@@ -61,6 +69,7 @@ class StepKeyCache:
     def __init__(self, pool: PagePool, head_dim: int, rope_theta: float) -> None:
         self.pool, self.head_dim, self.rope_theta = pool, head_dim, rope_theta
         self.entries: dict[str, StepKeys] = {}
+        self._stack: tuple[tuple, StackedKV] | None = None  # the last batch's stack, and what it was built from
 
     def get(self, request_id: str, refreshes: int, slots: torch.Tensor, positions: torch.Tensor) -> StepKeys:
         entry = self.entries.get(request_id)
@@ -71,5 +80,16 @@ class StepKeyCache:
             self.entries[request_id] = entry
         return entry
 
+    def stacked(self, request_ids: list[str], sets: list[StepKeys], room: int, device: torch.device) -> StackedKV:
+        """The batch's stack: the last one again when the same requests step with the same sets and the same
+        number of fed tokens (every step of a block after the first), a new one otherwise."""
+        # the same set objects (the stack holds them, so no id is reused while it lives), not equal values
+        key = (tuple(request_ids), tuple(id(s) for s in sets), room)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = key, StackedKV(sets, device, room)
+        return self._stack[1]
+
     def keep_only(self, request_ids: set[str]) -> None:
         self.entries = {k: v for k, v in self.entries.items() if k in request_ids}
+        if self._stack is not None and not set(self._stack[0][0]) <= request_ids:
+            self._stack = None

@@ -47,10 +47,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, key_mask: torch.Tensor | None, past_rotated: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                past_v: torch.Tensor | None, key_mask: torch.Tensor | None, past_rotated: bool = False,
+                fill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the new states and the fed tokens' pre-RoPE q, k, v. With ``past_rotated`` the past keys
-        are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once)."""
+        are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once); with
+        ``fill`` too, the past's last ``T`` columns are room for the fed keys, written there in place of a
+        concatenation (the same key set, one copy fewer)."""
         b, t, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
@@ -58,6 +60,10 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
         if past_k is None:
             keys, values = apply_rope(k, *rope_k), v
+        elif past_rotated and fill:
+            past_k[:, -t:] = apply_rope(k, *rope_k)
+            past_v[:, -t:] = v
+            keys, values = past_k, past_v
         elif past_rotated:
             keys, values = torch.cat((past_k, apply_rope(k, *rope_k)), dim=1), torch.cat((past_v, v), dim=1)
         else:
@@ -177,14 +183,17 @@ class DiffusionLM(nn.Module):
             key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
             key_mask = block_causal_mask(key_mask, positions, key_positions, self.config.block_size)
         key_mask = dense_mask(key_mask)
+        # a rotated past with room for exactly the fed tokens takes their keys in place (engine.step_keys)
+        fill = past is not None and past.rotated and getattr(past, "room", 0) == positions.shape[1]
         keys, values, queries, inputs = [], [], [], []
         for i in layers:
             if capture_inputs:
                 inputs.append(x)
-            past_k = past.keys[i] if past is not None else None
-            past_v = past.values[i] if past is not None else None
+            past_k = past_v = None
+            if past is not None:
+                past_k, past_v = (past.full_keys[i], past.full_values[i]) if fill else (past.keys[i], past.values[i])
             x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask,
-                                        past is not None and past.rotated)
+                                        past is not None and past.rotated, fill)
             if return_kv:
                 keys.append(k)
                 values.append(v)

@@ -41,7 +41,8 @@ class FlopCounter:
             x, past_k, key_mask = args[0], args[3], args[5]
             if key_mask is None:  # every key valid (attention ran without a mask)
                 b, t = x.shape[:2]
-                keys = t + (0 if past_k is None else past_k.shape[1])
+                fill = len(args) > 7 and args[7]  # the past already holds the fed keys' room
+                keys = (0 if fill else t) + (0 if past_k is None else past_k.shape[1])
                 self._pending.append(torch.tensor(b * (2 * linear * t + 4 * width * t * keys)))
                 return
             fed = key_mask[:, -x.shape[1]:].sum(dim=1)  # the fed tokens are the key set's last columns

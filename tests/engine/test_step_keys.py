@@ -32,6 +32,39 @@ def test_step_keys_are_the_pool_keys_rotated_and_reused_until_a_refresh(llada_mo
     assert set(cache.entries) == {"b"}
 
 
+def test_the_room_takes_the_fed_keys_in_place_of_a_concatenation(llada_model):
+    """A stack with room for the fed tokens gives, step after step, the states and the FLOP count of the stack
+    without room; the same batch gets the same stack back until its sets, its requests or its width change."""
+    from acache_lab.bench.flops import FlopCounter
+
+    cfg = llada_model.config
+    pool = PagePool(cfg, 8, 4, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for t in (*pool.keys, *pool.values):
+        t.copy_(torch.randn(t.shape, generator=g))
+    cache = StepKeyCache(pool, cfg.head_dim, cfg.rope_theta)
+    sets = [cache.get("a", 1, torch.tensor([3, 0, 7, 9, 12]), torch.arange(5)),
+            cache.get("b", 1, torch.tensor([20, 21]), torch.tensor([0, 1]))]
+    dev = torch.device("cpu")
+    stack = cache.stacked(["a", "b"], sets, 3, dev)
+    assert stack.full_keys[0].shape[1] == 5 + 3 and stack.keys[0].shape[1] == 5
+    for step in range(3):  # the room is overwritten at every step, nothing of the last one stays
+        ids = torch.randint(3, cfg.vocab_size - 3, (2, 3), generator=g)
+        positions = torch.tensor([[5, 6, 7], [2, 3, 4]])
+        counters = []
+        with torch.inference_mode():
+            outs = []
+            for past in (cache.stacked(["a", "b"], sets, 3, dev), StackedKV(sets, dev)):
+                with FlopCounter(llada_model) as counter:
+                    outs.append(llada_model(ids, positions, past=past).hidden)
+                counters.append(counter.flops)
+        assert torch.equal(outs[0], outs[1]) and counters[0] == counters[1] > 0
+    assert cache.stacked(["a", "b"], sets, 3, dev) is stack
+    assert cache.stacked(["a", "b"], sets, 2, dev) is not stack  # another width: a new stack
+    cache.keep_only({"a"})
+    assert cache._stack is None
+
+
 def test_reused_step_keys_change_no_token(family_model):
     """The same mixed requests, arriving at different steps, with and without the kept key sets."""
     from acache.engine import EngineConfig, LLMEngine
