@@ -1,0 +1,82 @@
+"""A/B of two exact speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
+
+1. Attention with an all-True key mask against attention with no mask (what ``dense_mask`` passes when every
+   key is valid), at a refresh's shape and at an in-block step's.
+2. An in-block step of a batch: the step key sets stacked afresh and the block's keys concatenated to them at
+   every layer (the code before), against the batch's stack kept from step to step with room for the block's
+   keys, written in place (``StepKeyCache.stacked``). Both give the same states (tests/engine/test_step_keys.py).
+
+The figures in BENCHMARKS.md ("How close to the machine") come from:
+
+    python scripts/step_paths_ab.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from acache.engine.page_pool import PagePool
+from acache.engine.step_keys import StackedKV, StepKeyCache
+from acache.models.layers import attend
+from acache_lab.bench.decode import random_model
+from acache_lab.bench.engine import SMOL_SHAPE
+
+
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each case, the cases run in turn ``repeats`` times after one untimed round."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(repeats + 1):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def report(title: str, medians: dict[str, float]) -> None:
+    (a, ta), (b, tb) = medians.items()
+    print(f"{title}: {a} {ta * 1e3:.1f} ms, {b} {tb * 1e3:.1f} ms ({ta / tb:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    b, cached, block = args.batch, 984, 32  # the bench: 700 affix + 60 question + 256 generated, blocks of 32
+    cfg = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu")).config
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    with torch.inference_mode():
+        for name, tq, s in (("refresh", cached + block, cached + block), ("in-block step", block, cached + block)):
+            q = torch.randn(b, tq, heads, d, dtype=torch.bfloat16)
+            k, v = (torch.randn(b, s, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+            full = torch.ones(b, s, dtype=torch.bool)
+            report(f"attention, {name} shape (batch {b}, {tq} queries, {s} keys)", interleaved(
+                {"all-True mask": lambda q=q, k=k, v=v, m=full: attend(q, k, v, m),
+                 "no mask": lambda q=q, k=k, v=v: attend(q, k, v, None)}, args.repeats))
+        model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"))
+        pool = PagePool(cfg, 16, -(-b * cached // 16) + 1, torch.bfloat16, torch.device("cpu"))
+        for t in (*pool.keys, *pool.values):
+            t.copy_(torch.randn(t.shape))
+        keys = StepKeyCache(pool, d, cfg.rope_theta)
+        ids = [str(i) for i in range(b)]
+        sets = [keys.get(i, 1, torch.arange(n * cached, (n + 1) * cached), torch.arange(cached))
+                for n, i in enumerate(ids)]
+        tokens = torch.randint(0, 1000, (b, block))
+        positions = torch.arange(cached, cached + block).expand(b, -1)
+        dev = torch.device("cpu")
+        report(f"in-block step, the whole model (batch {b}, {block} fed, {cached} cached)", interleaved(
+            {"fresh stack + concatenation": lambda: model(tokens, positions, past=StackedKV(sets, dev)),
+             "kept stack + room": lambda: model(tokens, positions, past=keys.stacked(ids, sets, block, dev))},
+            args.repeats))
+
+
+if __name__ == "__main__":
+    main()
