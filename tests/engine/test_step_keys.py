@@ -48,7 +48,7 @@ def test_the_room_takes_the_fed_keys_in_place_of_a_concatenation(llada_model):
     dev = torch.device("cpu")
     stack = cache.stacked(["a", "b"], sets, 3, dev)
     assert stack.full_keys[0].shape[1] == 5 + 3 and stack.keys[0].shape[1] == 5
-    for step in range(3):  # the room is overwritten at every step, nothing of the last one stays
+    for _ in range(3):  # the room is overwritten at every step, nothing of the last one stays
         ids = torch.randint(3, cfg.vocab_size - 3, (2, 3), generator=g)
         positions = torch.tensor([[5, 6, 7], [2, 3, 4]])
         counters = []
