@@ -1,10 +1,12 @@
-"""A/B of two exact speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
+"""A/B of three exact speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
 
 1. Attention with an all-True key mask against attention with no mask (what ``dense_mask`` passes when every
    key is valid), at a refresh's shape and at an in-block step's.
 2. An in-block step of a batch: the step key sets stacked afresh and the block's keys concatenated to them at
    every layer (the code before), against the batch's stack kept from step to step with room for the block's
    keys, written in place (``StepKeyCache.stacked``). Both give the same states (tests/engine/test_step_keys.py).
+3. A step's greedy proposals, one request's ``[1, 32, vocab]`` block logits at a time as the runner does:
+   ``argmax`` against ``max(...).indices`` (the same first maximum, tests/decoding/test_commit.py).
 
 The figures in BENCHMARKS.md ("How close to the machine") come from:
 
@@ -61,6 +63,10 @@ def main() -> None:
             report(f"attention, {name} shape (batch {b}, {tq} queries, {s} keys)", interleaved(
                 {"all-True mask": lambda q=q, k=k, v=v, m=full: attend(q, k, v, m),
                  "no mask": lambda q=q, k=k, v=v: attend(q, k, v, None)}, args.repeats))
+        logits = [torch.randn(1, block, cfg.vocab_size) for _ in range(b)]
+        report(f"greedy proposals of a step ({b} requests x {block} x {cfg.vocab_size} logits)", interleaved(
+            {"argmax": lambda: [x.argmax(-1) for x in logits],
+             "max().indices": lambda: [x.max(-1).indices for x in logits]}, args.repeats))
         model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"))
         pool = PagePool(cfg, 16, -(-b * cached // 16) + 1, torch.bfloat16, torch.device("cpu"))
         for t in (*pool.keys, *pool.values):

@@ -91,6 +91,18 @@ def test_confidence_is_taken_over_the_whole_vocabulary():
     assert x0.item() != mask and conf.item() < 0.01
 
 
+def test_a_tie_proposes_the_first_of_the_equal_tokens():
+    """Greedy proposals break ties as argmax does, at the lowest id, in every row of a batch alike."""
+    from acache.decoding.sampler import propose
+
+    logits = torch.tensor([[[1.0, 5.0, 2.0, 5.0, 5.0], [7.0, 0.0, 7.0, 1.0, 1.0]],
+                           [[0.0, 0.0, 0.0, 0.0, 0.0], [3.0, 3.0, 9.0, 9.0, 0.0]]])
+    x0, _ = propose(logits, 0.0)
+    assert x0.tolist() == [[1, 0], [0, 2]] == logits.argmax(-1).tolist()
+    x0, _ = propose(logits, 0.0, mask_token_id=1)  # the masked id out: the next equal token
+    assert x0.tolist() == [[3, 0], [0, 2]]
+
+
 def test_forced_head_step_commits_exactly_the_head():
     """A shifted model's block: step 0 commits the first position alone, however confident the others."""
     from acache.decoding.commit import commit_step
