@@ -278,17 +278,22 @@ class SelectionContext:
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
         q_rope = rope_tables(self.kv.positions.gather(1, cols), d, cfg.rope_theta)
         k_rope = rope_tables(c.positions.gather(1, keys_at), d, cfg.rope_theta)
-        weight = pick_valid[:, None, :, None].float()
+        # the steps below that change nothing are left out (decided once, not per layer): the weight when every
+        # query counts, the mask when every key is the affix's, the NaN guard when every row has a member
+        weight = None if bool(pick_valid.all()) else pick_valid[:, None, :, None].float()
+        members = [(slot == affix)[:, None, None, :] for affix in range(int(self.affix_slot.max()) + 1)]
+        members = [(m, bool(m.all()), bool(m.any(-1).all())) for m in members]
         k_index = keys_at[:, :, None, None]
         for layer, q in enumerate(queries):
             q = q.gather(1, pick[:, :, None, None].expand(-1, -1, *q.shape[2:]))
             qr = apply_rope(q, *q_rope).float()
             k = self.kv.keys[layer].gather(1, k_index.expand(-1, -1, *self.kv.keys[layer].shape[2:]))
             kr = apply_rope(k, *k_rope).float().repeat_interleave(rep, dim=2)
-            logits = torch.einsum("bmhd,bthd->bhmt", qr, kr) / math.sqrt(d)
-            for affix in range(int(self.affix_slot.max()) + 1):
-                member = (slot == affix)[:, None, None, :]
-                probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
-                mass = (torch.nan_to_num(probs, nan=0.0) * weight).sum(dim=(1, 2))
+            logits = torch.einsum("bmhd,bthd->bhmt", qr, kr).div_(math.sqrt(d))
+            for member, every_key, every_row in members:
+                probs = torch.softmax(logits if every_key else logits.masked_fill(~member, float("-inf")), dim=-1)
+                if not every_row:
+                    probs = torch.nan_to_num(probs, nan=0.0)
+                mass = (probs if weight is None else probs * weight).sum(dim=(1, 2))
                 scores.scatter_add_(1, keys_at, mass * keys_valid)
         return self.model.reduce_heads(scores)

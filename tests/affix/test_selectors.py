@@ -88,6 +88,55 @@ def test_attention_score_matches_naive_formula(family_model, query, position):
     assert got.sum().item() == pytest.approx(total, rel=1e-4)
 
 
+def _mass_every_step(ctx, queries, q_cols, q_valid):
+    """The attention mass with every mask, guard and weight applied whether it changes anything or not: what
+    ``attention_mass`` computed before it left those steps out."""
+    from acache.affix.context import compact_index
+    from acache.models.layers import apply_rope, rope_tables
+
+    c, cfg = ctx.canvas, ctx.model.config
+    t, d, rep = c.total, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    scores = torch.zeros(c.tokens.shape, dtype=torch.float32)
+    pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])
+    pick = pick.clamp_max(q_valid.shape[1] - 1)
+    cols = q_cols.gather(1, pick)
+    keys_at, keys_valid = compact_index(ctx.affix_mask, fill=t)
+    keys_at = keys_at.clamp_max(t - 1)
+    slot = torch.where(keys_valid, ctx.affix_slot.gather(1, keys_at), -1)
+    q_rope = rope_tables(ctx.kv.positions.gather(1, cols), d, cfg.rope_theta)
+    k_rope = rope_tables(c.positions.gather(1, keys_at), d, cfg.rope_theta)
+    weight = pick_valid[:, None, :, None].float()
+    for layer, q in enumerate(queries):
+        q = q.gather(1, pick[:, :, None, None].expand(-1, -1, *q.shape[2:]))
+        qr = apply_rope(q, *q_rope).float()
+        k = ctx.kv.keys[layer].gather(1, keys_at[:, :, None, None].expand(-1, -1, *ctx.kv.keys[layer].shape[2:]))
+        kr = apply_rope(k, *k_rope).float().repeat_interleave(rep, dim=2)
+        logits = torch.einsum("bmhd,bthd->bhmt", qr, kr) / math.sqrt(d)
+        for affix in range(int(ctx.affix_slot.max()) + 1):
+            member = (slot == affix)[:, None, None, :]
+            probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
+            mass = (torch.nan_to_num(probs, nan=0.0) * weight).sum(dim=(1, 2))
+            scores.scatter_add_(1, keys_at, mass * keys_valid)
+    return scores
+
+
+@pytest.mark.parametrize("layout", [["prefix"], ["infix", "two-affix", "suffix"]])
+def test_attention_mass_leaves_out_only_steps_that_change_nothing(llada_model, layout):
+    """One prompt, one affix, every query counted (each step left out), and a padded batch of different
+    layouts with two affixes in one row (each step kept): the scores equal the every-step formula, to the bit."""
+    prompts = [layouts(affix_len=9 + 3 * i, question_len=4 + i)[k] for i, k in enumerate(layout)]
+    with torch.inference_mode():
+        ctx = selection_context(llada_model, prompts, 8)
+        cols = torch.arange(ctx.canvas.total).expand(len(prompts), -1)
+        valid = ctx.gen_mask & ctx.canvas.valid
+        if len(prompts) > 1:  # rows count different numbers of queries: the weight is kept
+            valid[0, valid[0].nonzero()[:3, 0]] = False
+        queries = ctx.full().queries
+        want = _mass_every_step(ctx, queries, cols, valid)
+        got = ctx.attention_mass(queries, cols, valid)
+    assert torch.equal(got, want) and got.sum() > 0
+
+
 @pytest.mark.parametrize("layers, shallow", [(1, 1), (2, 1), (3, 1), (4, 1), (10, 3), (30, 9), (32, 9), (80, 24)])
 def test_shallow_probe_runs_three_tenths_of_the_layers(layers, shallow):
     assert shallow_layers(layers) == shallow
