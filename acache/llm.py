@@ -57,11 +57,13 @@ class LLM:
         state_cache = getattr(family, "state_cache", False)  # the scan families: a cache of their own, no affix K/V
         if state_cache:
             for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
-                                ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile),
-                                ("compile", compile)):
+                                ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile)):
                 if value:
                     raise ValueError(f"{name} is not supported for a {family.family} model (it shares no affix "
                                      "K/V and runs on one device)")
+            if compile:
+                raise ValueError(f"compile applies to the attention families' decoder layers; a {family.family} "
+                                 "model runs eagerly")
         self.tensor_parallel_size = tensor_parallel_size
         self._tp_workers: list = []
         self._channel = None

@@ -3,6 +3,8 @@ accept it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from acache.engine import EngineConfig, LLMEngine
@@ -39,3 +41,11 @@ def test_compile_is_refused_for_a_scan_family():
     with pytest.raises(ValueError, match="compile applies to the attention families"):
         LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22, compile=True))
     assert not any(hasattr(getattr(m, "forward", None), "_torchdynamo_orig_callable") for m in model.modules())
+
+
+def test_llm_refuses_compile_for_a_scan_family_by_name():
+    from acache import LLM
+
+    with pytest.raises(ValueError, match="compile applies to the attention families' decoder layers; a "
+                                         "blockdiff_ssm model runs eagerly"):
+        LLM(Path(__file__).resolve().parents[2] / "models" / "acache-tiny-ssm", compile=True)
