@@ -53,7 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     b, cached, block = args.batch, 984, 32  # the bench: 700 affix + 60 question + 256 generated, blocks of 32
-    cfg = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu")).config
+    model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"))
+    cfg = model.config
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     with torch.inference_mode():
         for name, tq, s in (("refresh", cached + block, cached + block), ("in-block step", block, cached + block)):
@@ -67,7 +68,6 @@ def main() -> None:
         report(f"greedy proposals of a step ({b} requests x {block} x {cfg.vocab_size} logits)", interleaved(
             {"argmax": lambda: [x.argmax(-1) for x in logits],
              "max().indices": lambda: [x.max(-1).indices for x in logits]}, args.repeats))
-        model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"))
         pool = PagePool(cfg, 16, -(-b * cached // 16) + 1, torch.bfloat16, torch.device("cpu"))
         for t in (*pool.keys, *pool.values):
             t.copy_(torch.randn(t.shape))

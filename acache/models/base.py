@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
         if past_k is None:
             keys, values = apply_rope(k, *rope_k), v
-        elif past_rotated and fill:
+        elif fill:  # a rotated past with room for the fed keys
             past_k[:, -t:] = apply_rope(k, *rope_k)
             past_v[:, -t:] = v
             keys, values = past_k, past_v
@@ -184,7 +184,7 @@ class DiffusionLM(nn.Module):
             key_mask = block_causal_mask(key_mask, positions, key_positions, self.config.block_size)
         key_mask = dense_mask(key_mask)
         # a rotated past with room for exactly the fed tokens takes their keys in place (engine.step_keys)
-        fill = past is not None and past.rotated and getattr(past, "room", 0) == positions.shape[1]
+        fill = past is not None and past.rotated and 0 < getattr(past, "room", 0) == positions.shape[1]
         keys, values, queries, inputs = [], [], [], []
         for i in layers:
             if capture_inputs:

@@ -43,7 +43,7 @@ class FlopCounter:
                 b, t = x.shape[:2]
                 fill = len(args) > 7 and args[7]  # the past already holds the fed keys' room
                 keys = (0 if fill else t) + (0 if past_k is None else past_k.shape[1])
-                self._pending.append(torch.tensor(b * (2 * linear * t + 4 * width * t * keys)))
+                self._counted += b * (2 * linear * t + 4 * width * t * keys)  # shapes only: no tensor, no sync
                 return
             fed = key_mask[:, -x.shape[1]:].sum(dim=1)  # the fed tokens are the key set's last columns
             keys = key_mask.sum(dim=1)
