@@ -12,9 +12,13 @@ import torch
 
 from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
-from acache.models.kv import KVCache
+from acache.models.kv import KVCache, LayerView, LayerwiseKV
 from acache.models.layers import apply_rope, rope_tables
 from acache.policies import SHALLOW_SHARE
+
+#: bytes of attention-mass scores taken at once on CPU: about a core's L2 cache, where a block is scored faster
+#: than the whole layer's [B, H, M, K] at once (3x at batch 16 on the SmolLM2-135M shape)
+_CPU_SCORE_BYTES = 2 << 20
 
 
 def request_seed(seed: int | None, token_ids: Sequence[int]) -> int:
@@ -118,6 +122,7 @@ class SelectionContext:
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
     _affix_queries: list[torch.Tensor] | None = field(default=None, repr=False)
     _shallow: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _rotated: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -130,6 +135,16 @@ class SelectionContext:
         mask = torch.zeros_like(c.valid)
         mask[:, c.gen_start:c.gen_start + c.gen_length] = True
         return mask
+
+    def rotated_keys(self, layer: int) -> torch.Tensor:
+        """``[B, T + 1, Hkv, D]``: layer ``layer``'s placed keys rotated to their canvas positions, once a
+        selection: the probe attends to them and the attention mass scores them (the same rotation the model
+        applies at attend time, so the values are those it would compute)."""
+        if layer not in self._rotated:
+            cfg = self.model.config
+            rope = rope_tables(self.kv.positions, cfg.head_dim, cfg.rope_theta)
+            self._rotated[layer] = apply_rope(self.kv.keys[layer], *rope)
+        return self._rotated[layer]
 
     def probe(self, with_kv: bool = False) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
         """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
@@ -170,8 +185,14 @@ class SelectionContext:
         cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
         gather = fed.clamp_max(t - 1)
         x = model.embed(c.tokens.gather(1, gather)) if hidden is None else hidden
-        out = model.run_layers(x, c.positions.gather(1, gather), fed_valid, self.kv.gather(cached, cached_valid),
-                               layers, return_kv=with_kv, capture_queries=True)
+        index = cached[:, :, None, None].expand(-1, -1, *self.kv.keys[0].shape[2:])
+        n = len(self.kv.keys)
+        past = LayerwiseKV(LayerView(lambda i: self.rotated_keys(i).gather(1, index), n),
+                           LayerView(lambda i: self.kv.values[i].gather(1, index), n),
+                           self.kv.positions.gather(1, cached), self.kv.valid.gather(1, cached) & cached_valid,
+                           rotated=True)
+        out = model.run_layers(x, c.positions.gather(1, gather), fed_valid, past, layers, return_kv=with_kv,
+                               capture_queries=True)
         if layers.stop == model.config.num_layers:
             out.hidden = model.norm(out.hidden)
         return out, fed, fed_valid
@@ -265,35 +286,50 @@ class SelectionContext:
         chosen per affix). Returns ``[B, T]`` (zero outside affixes).
         """
         c, cfg = self.canvas, self.model.config
-        t, d = c.total, cfg.head_dim
-        rep = cfg.num_heads // cfg.num_kv_heads
+        t, d, kv_heads = c.total, cfg.head_dim, cfg.num_kv_heads
+        rep = cfg.num_heads // kv_heads
         scores = torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
         if not bool(self.affix_mask.any()):
             return scores
         pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])  # the queries that count
         pick = pick.clamp_max(q_valid.shape[1] - 1)
+        b, m = pick.shape
         cols = q_cols.gather(1, pick)
         keys_at, keys_valid = compact_index(self.affix_mask, fill=t)  # the affix columns
         keys_at = keys_at.clamp_max(t - 1)
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
         q_rope = rope_tables(self.kv.positions.gather(1, cols), d, cfg.rope_theta)
-        k_rope = rope_tables(c.positions.gather(1, keys_at), d, cfg.rope_theta)
-        # the steps below that change nothing are left out (decided once, not per layer): the weight when every
-        # query counts, the mask when every key is the affix's, the NaN guard when every row has a member
-        weight = None if bool(pick_valid.all()) else pick_valid[:, None, :, None].float()
-        members = [(slot == affix)[:, None, None, :] for affix in range(int(self.affix_slot.max()) + 1)]
-        members = [(m, bool(m.all()), bool(m.any(-1).all())) for m in members]
-        k_index = keys_at[:, :, None, None]
+        # the query heads that share a key head are stacked as rows against it ([B * Hkv, rep * M, D] against
+        # [B * Hkv, D, K]): a batched matmul, no key copied per query head; each row's weight is whether its query
+        # counts, and the rows' weighted sum is the mass over heads and queries
+        n, keys = b * kv_heads, keys_at.shape[1]
+        weight = pick_valid[:, None, None, :].expand(b, kv_heads, rep, m).reshape(n, 1, rep * m).float()
+        # the steps below that change nothing are left out (decided once, not per layer): the mask when every
+        # key is the affix's, the NaN guard when every row has a member
+        members = []
+        for affix in range(int(self.affix_slot.max()) + 1):
+            member = (slot == affix)[:, None, :]
+            members.append((member.expand(b, kv_heads, keys).reshape(n, 1, keys), bool(member.all()),
+                            bool(member.any(-1).all())))
+        k_index = keys_at[:, :, None, None].expand(-1, -1, kv_heads, d)
+        q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, d)
+        contiguous = torch.contiguous_format
+        # on CPU the [rep * M, K] score blocks are taken a few at a time, so each is scored while in cache
+        chunk = n if c.tokens.device.type != "cpu" else max(1, _CPU_SCORE_BYTES // (4 * rep * m * keys))
         for layer, q in enumerate(queries):
-            q = q.gather(1, pick[:, :, None, None].expand(-1, -1, *q.shape[2:]))
-            qr = apply_rope(q, *q_rope).float()
-            k = self.kv.keys[layer].gather(1, k_index.expand(-1, -1, *self.kv.keys[layer].shape[2:]))
-            kr = apply_rope(k, *k_rope).float().repeat_interleave(rep, dim=2)
-            logits = torch.einsum("bmhd,bthd->bhmt", qr, kr).div_(math.sqrt(d))
-            for member, every_key, every_row in members:
-                probs = torch.softmax(logits if every_key else logits.masked_fill(~member, float("-inf")), dim=-1)
-                if not every_row:
-                    probs = torch.nan_to_num(probs, nan=0.0)
-                mass = (probs if weight is None else probs * weight).sum(dim=(1, 2))
-                scores.scatter_add_(1, keys_at, mass * keys_valid)
+            qr = apply_rope(q.gather(1, q_index), *q_rope).view(b, m, kv_heads, rep, d).permute(0, 2, 3, 1, 4)
+            qr = qr.to(torch.float32, memory_format=contiguous, copy=True).view(n, rep * m, d)
+            kr = self.rotated_keys(layer).gather(1, k_index).permute(0, 2, 3, 1)
+            kr = kr.to(torch.float32, memory_format=contiguous, copy=True).view(n, d, keys)
+            mass = torch.zeros(n, keys, dtype=torch.float32, device=scores.device)
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                logits = torch.matmul(qr[lo:hi], kr[lo:hi]).div_(math.sqrt(d))
+                for member, every_key, every_row in members:
+                    probs = torch.softmax(logits if every_key else logits.masked_fill(~member[lo:hi], float("-inf")),
+                                          dim=-1)
+                    if not every_row:
+                        probs = torch.nan_to_num(probs, nan=0.0)
+                    mass[lo:hi] += torch.matmul(weight[lo:hi], probs).squeeze(1)
+            scores.scatter_add_(1, keys_at, mass.view(b, kv_heads, keys).sum(1) * keys_valid)
         return self.model.reduce_heads(scores)

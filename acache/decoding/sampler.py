@@ -19,11 +19,12 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
     ``p(x0) / (1 - p(mask))`` and change which tokens a threshold or factor rule commits.
     """
     logits = logits.float()
-    log_probs = logits.log_softmax(-1)
-    if mask_token_id is not None:
-        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    # log p(x0) = logit(x0) - logsumexp(logits): one reduction a row, no [B, L, V] log-softmax written out
+    log_norm = torch.logsumexp(logits, -1)
     if temperature > 0:
         scores = logits.double() / temperature
+        if mask_token_id is not None:
+            scores[..., mask_token_id] = float("-inf")
         noise = torch.ones_like(scores)
         for row in range(scores.shape[0]):
             if active is not None and not active[row]:
@@ -32,6 +33,21 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
             noise[row].exponential_(generator=gen)
         x0 = (scores - noise.log()).max(-1).indices
     else:
-        x0 = logits.max(-1).indices  # argmax's first maximum, at under half its cost on CPU
-    conf = log_probs.gather(-1, x0[..., None]).squeeze(-1).exp()
+        x0 = first_max(logits, mask_token_id)
+    conf = (logits.gather(-1, x0[..., None]).squeeze(-1) - log_norm).exp()
     return x0, conf
+
+
+def first_max(logits: torch.Tensor, excluded: int | None = None) -> torch.Tensor:
+    """``argmax`` over the last axis with ``excluded`` never chosen: the first maximum among the other tokens.
+
+    ``max().indices`` (argmax's first maximum, at under half its cost on CPU) over all tokens is that unless it
+    lands on ``excluded``; only the positions where it does are taken again without it, so no copy of the
+    logits is made in the common case."""
+    x0 = logits.max(-1).indices
+    if excluded is not None:
+        hit = x0 == excluded
+        if bool(hit.any()):
+            without = logits.index_fill(-1, torch.tensor([excluded], device=logits.device), float("-inf"))
+            x0 = torch.where(hit, without.max(-1).indices, x0)
+    return x0

@@ -20,8 +20,9 @@ import torch
 
 from acache.affix.context import compact_index
 from acache.decoding.commit import commit_top_k
-from acache.engine.page_pool import LayerView, PagedKV, PagePool
+from acache.engine.page_pool import PagedKV, PagePool
 from acache.models.base import DiffusionLM
+from acache.models.kv import LayerView
 from acache.models.layers import apply_rope, rope_tables
 
 

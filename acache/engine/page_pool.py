@@ -8,11 +8,11 @@ on write.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from acache.models.config import ModelConfig
+from acache.models.kv import LayerView, LayerwiseKV
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -96,30 +96,11 @@ class PagePool:
             self.values[layer][flat] = values[j].reshape(-1, *values[j].shape[-2:]).to(self.values[layer].dtype)
 
 
-class LayerView:
-    """``view[l]`` is ``layer(l)``, computed when the model reaches layer ``l``, not before: a key set read
-    from the pool, or assembled, one layer at a time."""
-
-    def __init__(self, layer: Callable[[int], torch.Tensor], num_layers: int) -> None:
-        self.layer, self.num_layers = layer, num_layers
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.layer(layer)
-
-    def __len__(self) -> int:
-        return self.num_layers
-
-
-class PagedKV:
+class PagedKV(LayerwiseKV):
     """A key set read through a slot map: what the model attends to, gathered layer by layer from the
-    pool (shared affix pages and private pages alike)."""
-
-    rotated = False  # pre-RoPE keys, rotated at attend time
+    pool (shared affix pages and private pages alike); pre-RoPE keys, rotated at attend time."""
 
     def __init__(self, pool: PagePool, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
+        super().__init__(LayerView(lambda layer: pool.keys[layer][slots], pool.num_layers),
+                         LayerView(lambda layer: pool.values[layer][slots], pool.num_layers), positions, mask)
         self.slots = slots
-        self.keys = LayerView(lambda layer: pool.keys[layer][slots], pool.num_layers)
-        self.values = LayerView(lambda layer: pool.values[layer][slots], pool.num_layers)
-        self.positions = positions
-        self.mask = mask
-        self.num_layers = pool.num_layers

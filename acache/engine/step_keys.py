@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from acache.engine.page_pool import LayerView, PagePool
+from acache.engine.page_pool import PagePool
+from acache.models.kv import LayerView
 from acache.models.layers import apply_rope, rope_tables
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,3 +72,27 @@ class KVCache:
             torch.cat([p.positions for p in parts], dim=1),
             torch.cat([p.mask for p in parts], dim=1),
         )
+
+
+class LayerView:
+    """``view[l]`` is ``layer(l)``, computed when the model reaches layer ``l``, not before: a key set read
+    from the pool, or assembled, one layer at a time."""
+
+    def __init__(self, layer: Callable[[int], torch.Tensor], num_layers: int) -> None:
+        self.layer, self.num_layers = layer, num_layers
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.layer(layer)
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+
+class LayerwiseKV:
+    """A key set like :class:`KVCache` whose layers are produced when a forward reaches them (a gather from
+    the page pool, or keys rotated once for several readers), so no layer is held before it is needed."""
+
+    def __init__(self, keys: LayerView, values: LayerView, positions: torch.Tensor, mask: torch.Tensor,
+                 rotated: bool = False) -> None:
+        self.keys, self.values, self.positions, self.mask, self.rotated = keys, values, positions, mask, rotated
+        self.num_layers = len(keys)

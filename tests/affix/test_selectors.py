@@ -89,14 +89,14 @@ def test_attention_score_matches_naive_formula(family_model, query, position):
 
 
 def _mass_every_step(ctx, queries, q_cols, q_valid):
-    """The attention mass with every mask, guard and weight applied whether it changes anything or not: what
-    ``attention_mass`` computed before it left those steps out."""
+    """The attention mass as DESIGN §4.3 writes it, in float64, one query head at a time against its key head
+    copied out, with every mask, guard and weight applied whether it changes anything or not."""
     from acache.affix.context import compact_index
     from acache.models.layers import apply_rope, rope_tables
 
     c, cfg = ctx.canvas, ctx.model.config
     t, d, rep = c.total, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-    scores = torch.zeros(c.tokens.shape, dtype=torch.float32)
+    scores = torch.zeros(c.tokens.shape, dtype=torch.float64)
     pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])
     pick = pick.clamp_max(q_valid.shape[1] - 1)
     cols = q_cols.gather(1, pick)
@@ -105,25 +105,26 @@ def _mass_every_step(ctx, queries, q_cols, q_valid):
     slot = torch.where(keys_valid, ctx.affix_slot.gather(1, keys_at), -1)
     q_rope = rope_tables(ctx.kv.positions.gather(1, cols), d, cfg.rope_theta)
     k_rope = rope_tables(c.positions.gather(1, keys_at), d, cfg.rope_theta)
-    weight = pick_valid[:, None, :, None].float()
+    weight = pick_valid[:, None, :, None].double()
     for layer, q in enumerate(queries):
         q = q.gather(1, pick[:, :, None, None].expand(-1, -1, *q.shape[2:]))
-        qr = apply_rope(q, *q_rope).float()
+        qr = apply_rope(q, *q_rope).double()
         k = ctx.kv.keys[layer].gather(1, keys_at[:, :, None, None].expand(-1, -1, *ctx.kv.keys[layer].shape[2:]))
-        kr = apply_rope(k, *k_rope).float().repeat_interleave(rep, dim=2)
+        kr = apply_rope(k, *k_rope).double().repeat_interleave(rep, dim=2)
         logits = torch.einsum("bmhd,bthd->bhmt", qr, kr) / math.sqrt(d)
         for affix in range(int(ctx.affix_slot.max()) + 1):
             member = (slot == affix)[:, None, None, :]
             probs = torch.softmax(logits.masked_fill(~member, float("-inf")), dim=-1)
             mass = (torch.nan_to_num(probs, nan=0.0) * weight).sum(dim=(1, 2))
             scores.scatter_add_(1, keys_at, mass * keys_valid)
-    return scores
+    return scores.float()
 
 
 @pytest.mark.parametrize("layout", [["prefix"], ["infix", "two-affix", "suffix"]])
 def test_attention_mass_leaves_out_only_steps_that_change_nothing(llada_model, layout):
     """One prompt, one affix, every query counted (each step left out), and a padded batch of different
-    layouts with two affixes in one row (each step kept): the scores equal the every-step formula, to the bit."""
+    layouts with two affixes in one row (each step kept): the scores equal the every-step formula in float64
+    (to float32's rounding: the score sums in another order, query heads stacked against their key head)."""
     prompts = [layouts(affix_len=9 + 3 * i, question_len=4 + i)[k] for i, k in enumerate(layout)]
     with torch.inference_mode():
         ctx = selection_context(llada_model, prompts, 8)
@@ -134,7 +135,49 @@ def test_attention_mass_leaves_out_only_steps_that_change_nothing(llada_model, l
         queries = ctx.full().queries
         want = _mass_every_step(ctx, queries, cols, valid)
         got = ctx.attention_mass(queries, cols, valid)
-    assert torch.equal(got, want) and got.sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.sum() > 0
+
+
+def test_attention_mass_scored_one_block_at_a_time_is_the_same(llada_model, monkeypatch):
+    """On CPU the score blocks of a layer are taken a few at a time (so each stays in cache); one block at a time
+    gives the same scores to the bit, on a padded batch with two affixes in a row and rows of unequal counts."""
+    import acache.affix.context as context
+
+    prompts = [layouts(affix_len=9 + 3 * i, question_len=4 + i)[k]
+               for i, k in enumerate(["infix", "two-affix", "suffix"])]
+    with torch.inference_mode():
+        ctx = selection_context(llada_model, prompts, 8)
+        cols = torch.arange(ctx.canvas.total).expand(len(prompts), -1)
+        valid = ctx.gen_mask & ctx.canvas.valid
+        valid[0, valid[0].nonzero()[:3, 0]] = False
+        queries = ctx.full().queries
+        whole = ctx.attention_mass(queries, cols, valid)
+        monkeypatch.setattr(context, "_CPU_SCORE_BYTES", 1)
+        blocks = ctx.attention_mass(queries, cols, valid)
+    assert torch.equal(blocks, whole) and whole.sum() > 0
+
+
+def test_the_probe_attends_to_placed_keys_rotated_once(llada_model):
+    """The probe reads the placed affix keys rotated once a selection (``rotated_keys``, which the attention mass
+    reads too) instead of rotating them at every layer: its states and queries are those of the same forward on
+    the pre-RoPE keys, to the bit, and each layer is rotated once however often it is read."""
+    from acache.affix.context import compact_index
+
+    prompts = [layouts(affix_len=9 + 3 * i, question_len=4 + i)[k] for i, k in enumerate(["infix", "two-affix"])]
+    with torch.inference_mode():
+        ctx = selection_context(llada_model, prompts, 8)
+        out, fed, fed_valid = ctx.probe()
+        assert all(ctx.rotated_keys(i) is ctx.rotated_keys(i) for i in range(llada_model.config.num_layers))
+        c, t = ctx.canvas, ctx.canvas.total
+        cached, cached_valid = compact_index(ctx.affix_mask & ~ctx.own if ctx.own is not None else ctx.affix_mask,
+                                             fill=t)
+        at = fed.clamp_max(t - 1)
+        want = llada_model.run_layers(llada_model.embed(c.tokens.gather(1, at)), c.positions.gather(1, at),
+                                      fed_valid, ctx.kv.gather(cached, cached_valid),
+                                      range(llada_model.config.num_layers), capture_queries=True)
+    assert torch.equal(out.hidden, llada_model.norm(want.hidden))
+    assert all(torch.equal(a, b) for a, b in zip(out.queries, want.queries, strict=True))
 
 
 @pytest.mark.parametrize("layers, shallow", [(1, 1), (2, 1), (3, 1), (4, 1), (10, 3), (30, 9), (32, 9), (80, 24)])

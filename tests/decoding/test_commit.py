@@ -141,3 +141,29 @@ def test_dream_engine_commits_one_token_on_each_block_refresh(dream_dir):
     assert not (req.state.tokens[10:18] == mask).any() and req.state.phase.value == "refresh"
     engine.step()
     assert (req.state.tokens[18:26] != mask).sum() == 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_proposals_match_the_log_softmax_definition(temperature):
+    """Tokens and confidences against the written-out definition (``[MASK]`` filled with -inf before the
+    choice, ``p(x0)`` from the whole vocabulary's log-softmax), on a batch where ``[MASK]`` is the most likely
+    token at some positions only, so the second look runs for those and leaves the others as they were."""
+    from acache.decoding.sampler import propose
+
+    gen = torch.Generator().manual_seed(3)
+    mask, vocab = 5, 40
+    logits = torch.randn(3, 6, vocab, generator=gen) * 4
+    logits[0, 1, mask] = logits[2, 4, mask] = 50.0
+    if temperature == 0:
+        want_x0 = logits.index_fill(-1, torch.tensor([mask]), float("-inf")).argmax(-1)
+        x0, conf = propose(logits, 0.0, mask_token_id=mask)
+    else:
+        draws = [torch.Generator().manual_seed(i) for i in range(3)]
+        scores = logits.double().index_fill(-1, torch.tensor([mask]), float("-inf")) / temperature
+        noise = torch.stack([torch.ones(6, vocab, dtype=torch.float64).exponential_(generator=g) for g in draws])
+        want_x0 = (scores - noise.log()).argmax(-1)
+        x0, conf = propose(logits, temperature, [torch.Generator().manual_seed(i) for i in range(3)],
+                           mask_token_id=mask)
+    assert torch.equal(x0, want_x0) and not bool((x0 == mask).any())
+    want_conf = logits.log_softmax(-1).gather(-1, want_x0[..., None]).squeeze(-1).exp()
+    torch.testing.assert_close(conf, want_conf, rtol=1e-6, atol=1e-7)
