@@ -1,4 +1,4 @@
-"""A/B of three exact speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
+"""A/B of four speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
 
 1. Attention with an all-True key mask against attention with no mask (what ``dense_mask`` passes when every
    key is valid), at a refresh's shape and at an in-block step's.
@@ -7,6 +7,10 @@
    keys, written in place (``StepKeyCache.stacked``). Both give the same states (tests/engine/test_step_keys.py).
 3. A step's greedy proposals, one request's ``[1, 32, vocab]`` block logits at a time as the runner does:
    ``argmax`` against ``max(...).indices`` (the same first maximum, tests/decoding/test_commit.py).
+4. A step's proposals with their confidences, as ``propose`` computes them: the written-out definition (the
+   whole log-softmax, ``[MASK]`` filled with -inf in a copy of the logits) against ``logsumexp`` and a second
+   look only where ``[MASK]`` was the maximum (the same tokens, confidences within 1e-7,
+   tests/decoding/test_commit.py).
 
 The figures in BENCHMARKS.md ("How close to the machine") come from:
 
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from acache.decoding.sampler import propose
 from acache.engine.page_pool import PagePool
 from acache.engine.step_keys import StackedKV, StepKeyCache
 from acache.models.layers import attend
@@ -39,6 +44,13 @@ def interleaved(cases: dict[str, Callable[[], object]], repeats: int) -> dict[st
             if round_:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def written_out_proposals(logits: torch.Tensor, mask: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy proposals as the definition reads: ``[MASK]`` filled out of a copy, ``p(x0)`` from the log-softmax."""
+    log_probs = logits.log_softmax(-1)
+    x0 = logits.index_fill(-1, torch.tensor([mask]), float("-inf")).max(-1).indices
+    return x0, log_probs.gather(-1, x0[..., None]).squeeze(-1).exp()
 
 
 def report(title: str, medians: dict[str, float]) -> None:
@@ -68,6 +80,11 @@ def main() -> None:
         report(f"greedy proposals of a step ({b} requests x {block} x {cfg.vocab_size} logits)", interleaved(
             {"argmax": lambda: [x.argmax(-1) for x in logits],
              "max().indices": lambda: [x.max(-1).indices for x in logits]}, args.repeats))
+        mask = cfg.mask_token_id
+        report(f"a step's proposals and confidences ({b} requests x {block} x {cfg.vocab_size})", interleaved(
+            {"log-softmax, [MASK] filled": lambda: [written_out_proposals(x, mask) for x in logits],
+             "logsumexp, second look": lambda: [propose(x, 0.0, mask_token_id=mask) for x in logits]},
+            args.repeats))
         pool = PagePool(cfg, 16, -(-b * cached // 16) + 1, torch.bfloat16, torch.device("cpu"))
         for t in (*pool.keys, *pool.values):
             t.copy_(torch.randn(t.shape))

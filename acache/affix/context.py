@@ -122,7 +122,9 @@ class SelectionContext:
     _first_layers: ForwardOutput | None = field(default=None, repr=False)
     _affix_queries: list[torch.Tensor] | None = field(default=None, repr=False)
     _shallow: tuple[ForwardOutput, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _rotated: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _affix_columns: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _affix_rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _affix_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def affix_mask(self) -> torch.Tensor:
@@ -136,15 +138,27 @@ class SelectionContext:
         mask[:, c.gen_start:c.gen_start + c.gen_length] = True
         return mask
 
-    def rotated_keys(self, layer: int) -> torch.Tensor:
-        """``[B, T + 1, Hkv, D]``: layer ``layer``'s placed keys rotated to their canvas positions, once a
-        selection: the probe attends to them and the attention mass scores them (the same rotation the model
-        applies at attend time, so the values are those it would compute)."""
-        if layer not in self._rotated:
-            cfg = self.model.config
-            rope = rope_tables(self.kv.positions, cfg.head_dim, cfg.rope_theta)
-            self._rotated[layer] = apply_rope(self.kv.keys[layer], *rope)
-        return self._rotated[layer]
+    @property
+    def affix_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The affix columns of each row in order, ``[B, K]`` padded with the trash column ``T``, and their
+        validity."""
+        if self._affix_columns is None:
+            self._affix_columns = compact_index(self.affix_mask, fill=self.canvas.total)
+        return self._affix_columns
+
+    def affix_keys(self, layer: int) -> torch.Tensor:
+        """``[B, K, Hkv, D]``: layer ``layer``'s placed keys at :attr:`affix_columns`, rotated to their canvas
+        positions once a selection: the probe attends to them and the attention mass scores them (the rotation
+        the model applies at attend time, so the values are those it would compute)."""
+        if layer not in self._affix_keys:
+            cols, _ = self.affix_columns
+            if self._affix_rope is None:
+                cfg = self.model.config
+                self._affix_rope = rope_tables(self.kv.positions.gather(1, cols), cfg.head_dim, cfg.rope_theta)
+            keys = self.kv.keys[layer]
+            index = cols[:, :, None, None].expand(-1, -1, *keys.shape[2:])
+            self._affix_keys[layer] = apply_rope(keys.gather(1, index), *self._affix_rope)
+        return self._affix_keys[layer]
 
     def probe(self, with_kv: bool = False) -> tuple[ForwardOutput, torch.Tensor, torch.Tensor]:
         """The serving-path probe: the columns a refresh recomputes before anchors (the question and masks)
@@ -185,12 +199,14 @@ class SelectionContext:
         cached, cached_valid = compact_index(self.affix_mask & ~own, fill=t)
         gather = fed.clamp_max(t - 1)
         x = model.embed(c.tokens.gather(1, gather)) if hidden is None else hidden
-        index = cached[:, :, None, None].expand(-1, -1, *self.kv.keys[0].shape[2:])
-        n = len(self.kv.keys)
-        past = LayerwiseKV(LayerView(lambda i: self.rotated_keys(i).gather(1, index), n),
-                           LayerView(lambda i: self.kv.values[i].gather(1, index), n),
-                           self.kv.positions.gather(1, cached), self.kv.valid.gather(1, cached) & cached_valid,
-                           rotated=True)
+        if torch.equal(cached, self.affix_columns[0]):  # every affix column is cached: their keys rotated once
+            index = cached[:, :, None, None].expand(-1, -1, *self.kv.keys[0].shape[2:])
+            n = len(self.kv.keys)
+            values = LayerView(lambda i: self.kv.values[i].gather(1, index), n)
+            past = LayerwiseKV(LayerView(self.affix_keys, n), values, self.kv.positions.gather(1, cached),
+                               self.kv.valid.gather(1, cached) & cached_valid, rotated=True)
+        else:
+            past = self.kv.gather(cached, cached_valid)
         out = model.run_layers(x, c.positions.gather(1, gather), fed_valid, past, layers, return_kv=with_kv,
                                capture_queries=True)
         if layers.stop == model.config.num_layers:
@@ -295,7 +311,7 @@ class SelectionContext:
         pick = pick.clamp_max(q_valid.shape[1] - 1)
         b, m = pick.shape
         cols = q_cols.gather(1, pick)
-        keys_at, keys_valid = compact_index(self.affix_mask, fill=t)  # the affix columns
+        keys_at, keys_valid = self.affix_columns
         keys_at = keys_at.clamp_max(t - 1)
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
         q_rope = rope_tables(self.kv.positions.gather(1, cols), d, cfg.rope_theta)
@@ -311,7 +327,6 @@ class SelectionContext:
             member = (slot == affix)[:, None, :]
             members.append((member.expand(b, kv_heads, keys).reshape(n, 1, keys), bool(member.all()),
                             bool(member.any(-1).all())))
-        k_index = keys_at[:, :, None, None].expand(-1, -1, kv_heads, d)
         q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, d)
         contiguous = torch.contiguous_format
         # on CPU the [rep * M, K] score blocks are taken a few at a time, so each is scored while in cache
@@ -319,7 +334,7 @@ class SelectionContext:
         for layer, q in enumerate(queries):
             qr = apply_rope(q.gather(1, q_index), *q_rope).view(b, m, kv_heads, rep, d).permute(0, 2, 3, 1, 4)
             qr = qr.to(torch.float32, memory_format=contiguous, copy=True).view(n, rep * m, d)
-            kr = self.rotated_keys(layer).gather(1, k_index).permute(0, 2, 3, 1)
+            kr = self.affix_keys(layer).permute(0, 2, 3, 1)
             kr = kr.to(torch.float32, memory_format=contiguous, copy=True).view(n, d, keys)
             mass = torch.zeros(n, keys, dtype=torch.float32, device=scores.device)
             for lo in range(0, n, chunk):

@@ -158,20 +158,26 @@ def test_attention_mass_scored_one_block_at_a_time_is_the_same(llada_model, monk
     assert torch.equal(blocks, whole) and whole.sum() > 0
 
 
-def test_the_probe_attends_to_placed_keys_rotated_once(llada_model):
-    """The probe reads the placed affix keys rotated once a selection (``rotated_keys``, which the attention mass
+@pytest.mark.parametrize("own_affix_column", [False, True])
+def test_the_probe_attends_to_placed_keys_rotated_once(llada_model, own_affix_column):
+    """The probe reads the placed affix keys rotated once a selection (``affix_keys``, which the attention mass
     reads too) instead of rotating them at every layer: its states and queries are those of the same forward on
-    the pre-RoPE keys, to the bit, and each layer is rotated once however often it is read."""
+    the pre-RoPE keys, to the bit, and each layer is rotated once however often it is read. When the probe feeds
+    an affix column itself (one its request recomputes at every refresh), the keys it reads are another set and
+    it takes them pre-RoPE, as before."""
     from acache.affix.context import compact_index
 
     prompts = [layouts(affix_len=9 + 3 * i, question_len=4 + i)[k] for i, k in enumerate(["infix", "two-affix"])]
     with torch.inference_mode():
         ctx = selection_context(llada_model, prompts, 8)
+        ctx.own = ~ctx.affix_mask
+        if own_affix_column:
+            ctx.own[1, ctx.affix_mask[1].nonzero()[0, 0]] = True
         out, fed, fed_valid = ctx.probe()
-        assert all(ctx.rotated_keys(i) is ctx.rotated_keys(i) for i in range(llada_model.config.num_layers))
+        assert len(ctx._affix_keys) == (0 if own_affix_column else llada_model.config.num_layers)
+        assert all(ctx.affix_keys(i) is ctx.affix_keys(i) for i in range(llada_model.config.num_layers))
         c, t = ctx.canvas, ctx.canvas.total
-        cached, cached_valid = compact_index(ctx.affix_mask & ~ctx.own if ctx.own is not None else ctx.affix_mask,
-                                             fill=t)
+        cached, cached_valid = compact_index(ctx.affix_mask & ~ctx.own, fill=t)
         at = fed.clamp_max(t - 1)
         want = llada_model.run_layers(llada_model.embed(c.tokens.gather(1, at)), c.positions.gather(1, at),
                                       fed_valid, ctx.kv.gather(cached, cached_valid),
