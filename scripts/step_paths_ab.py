@@ -80,11 +80,17 @@ def main() -> None:
         report(f"greedy proposals of a step ({b} requests x {block} x {cfg.vocab_size} logits)", interleaved(
             {"argmax": lambda: [x.argmax(-1) for x in logits],
              "max().indices": lambda: [x.max(-1).indices for x in logits]}, args.repeats))
-        mask = cfg.mask_token_id
-        report(f"a step's proposals and confidences ({b} requests x {block} x {cfg.vocab_size})", interleaved(
-            {"log-softmax, [MASK] filled": lambda: [written_out_proposals(x, mask) for x in logits],
-             "logsumexp, second look": lambda: [propose(x, 0.0, mask_token_id=mask) for x in logits]},
-            args.repeats))
+        mask, hidden = cfg.mask_token_id, torch.randn(b, block, cfg.hidden_size, dtype=torch.bfloat16)
+
+        def step_proposals(rule: Callable[[torch.Tensor], object]) -> list[object]:
+            logits = model.logits(hidden)  # fresh each step, as in the engine: fp32 [B, 32, V]
+            return [rule(logits[i:i + 1]) for i in range(b)]
+
+        report(f"a step's LM head, proposals and confidences ({b} requests x {block} x {cfg.vocab_size})",
+               interleaved({"log-softmax, [MASK] filled": lambda: step_proposals(
+                               lambda x: written_out_proposals(x, mask)),
+                            "logsumexp, second look": lambda: step_proposals(
+                               lambda x: propose(x, 0.0, mask_token_id=mask))}, args.repeats))
         pool = PagePool(cfg, 16, -(-b * cached // 16) + 1, torch.bfloat16, torch.device("cpu"))
         for t in (*pool.keys, *pool.values):
             t.copy_(torch.randn(t.shape))
