@@ -310,6 +310,8 @@ class SelectionContext:
         pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])  # the queries that count
         pick = pick.clamp_max(q_valid.shape[1] - 1)
         b, m = pick.shape
+        if m == 0:  # no query counts in any row (a question-attention score of prompts with no question)
+            return scores
         cols = q_cols.gather(1, pick)
         keys_at, keys_valid = self.affix_columns
         keys_at = keys_at.clamp_max(t - 1)

@@ -158,6 +158,18 @@ def test_attention_mass_scored_one_block_at_a_time_is_the_same(llada_model, monk
     assert torch.equal(blocks, whole) and whole.sum() > 0
 
 
+def test_attention_mass_with_no_query_that_counts_is_zero(llada_model):
+    """A batch where no row has a query that counts (question attention over prompts with no question) scores
+    every column zero, on CPU too, where the score's block size is taken from the query count."""
+    prompts = [layouts(affix_len=9, question_len=4)[k] for k in ("prefix", "suffix")]
+    with torch.inference_mode():
+        ctx = selection_context(llada_model, prompts, 8)
+        cols = torch.arange(ctx.canvas.total).expand(len(prompts), -1)
+        none = torch.zeros_like(ctx.canvas.valid)
+        got = ctx.attention_mass(ctx.full().queries, cols, none)
+    assert got.shape == ctx.canvas.valid.shape and not bool(got.any())
+
+
 @pytest.mark.parametrize("own_affix_column", [False, True])
 def test_the_probe_attends_to_placed_keys_rotated_once(llada_model, own_affix_column):
     """The probe reads the placed affix keys rotated once a selection (``affix_keys``, which the attention mass
