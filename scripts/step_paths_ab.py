@@ -1,4 +1,4 @@
-"""A/B of four speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
+"""A/B of five speed-ups on the engine benchmark's shapes, interleaved in one process, medians reported.
 
 1. Attention with an all-True key mask against attention with no mask (what ``dense_mask`` passes when every
    key is valid), at a refresh's shape and at an in-block step's.
@@ -11,6 +11,9 @@
    whole log-softmax, ``[MASK]`` filled with -inf in a copy of the logits) against ``logsumexp`` and a second
    look only where ``[MASK]`` was the maximum (the same tokens, confidences within 1e-7,
    tests/decoding/test_commit.py).
+5. Whole forwards with the q/k/v and gate/up projections separate against fused
+   (``DiffusionLM.fuse_projections``: the same states to the bit, tests/models/test_fused_projections.py): a
+   refresh of every column with no cache, and an in-block step against the kept stack.
 
 The figures in BENCHMARKS.md ("How close to the machine") come from:
 
@@ -20,6 +23,7 @@ The figures in BENCHMARKS.md ("How close to the machine") come from:
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -104,6 +108,17 @@ def main() -> None:
         report(f"in-block step, the whole model (batch {b}, {block} fed, {cached} cached)", interleaved(
             {"fresh stack + concatenation": lambda: model(tokens, positions, past=StackedKV(sets, dev)),
              "kept stack + room": lambda: model(tokens, positions, past=keys.stacked(ids, sets, block, dev))},
+            args.repeats))
+        fused = copy.deepcopy(model)
+        fused.fuse_projections()
+        canvas = torch.randint(0, 1000, (b, cached + block))
+        everywhere = torch.arange(cached + block).expand(b, -1)
+        report(f"a refresh with no cache, the whole model (batch {b}, {cached + block} fed)", interleaved(
+            {"separate projections": lambda: model(canvas, everywhere),
+             "fused projections": lambda: fused(canvas, everywhere)}, args.repeats))
+        report(f"in-block step, the whole model (batch {b}, {block} fed, {cached} cached)", interleaved(
+            {"separate projections": lambda: model(tokens, positions, past=keys.stacked(ids, sets, block, dev)),
+             "fused projections": lambda: fused(tokens, positions, past=keys.stacked(ids, sets, block, dev))},
             args.repeats))
 
 

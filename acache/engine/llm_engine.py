@@ -76,6 +76,8 @@ class LLMEngine:
         if c.compile and self.state_cache:
             raise ValueError(f"compile applies to the attention families' decoder layers; {model.family} "
                              "(a scan family) runs eagerly")
+        if not self.state_cache and hasattr(model, "fuse_projections"):
+            model.fuse_projections()  # the same values, fewer matmuls; a no-op when an earlier engine fused them
         if c.compile:
             model.compile_layers()
         if self.state_cache:  # a cache of the model's own per request (the scan families)

@@ -89,7 +89,9 @@ def save_checkpoint(model: DiffusionLM, out: str | Path, tokenizer: HFTokenizer 
     tensors = {}
     for hf_name, ours in model.hf_tensor_names(model.config).items():
         t = params[ours].detach().to("cpu")
-        tensors[hf_name] = (t.to(target) if target is not None else t).contiguous()
+        t = (t.to(target) if target is not None else t).contiguous()
+        # a fused projection's weight is a view into its layer's stacked matrix: safetensors stores tensors alone
+        tensors[hf_name] = t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
     hf_config = model.config_to_hf(model.config)
     if target is not None:
         hf_config["torch_dtype"] = str(target).removeprefix("torch.")
