@@ -29,23 +29,20 @@ class ForwardOutput:
     layer_inputs: list[torch.Tensor] | None = None  # each layer's input states, with ``capture_inputs``
 
 
-def _fuse(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for ``linears``, stacked by output row; each linear's own weight and bias become
-    views into it."""
-    def stack(attr: str) -> torch.Tensor:
-        whole = torch.cat([getattr(lin, attr).detach() for lin in linears])
-        start = 0
-        for lin in linears:
-            old = getattr(lin, attr)
-            setattr(lin, attr, nn.Parameter(whole[start:start + old.shape[0]], requires_grad=old.requires_grad))
-            start += old.shape[0]
-        return whole
-
-    return stack("weight"), (stack("bias") if linears[0].bias is not None else None)
+def _fuse(linears: tuple[nn.Linear, ...], attr: str) -> torch.Tensor:
+    """One tensor holding the ``attr`` (weight or bias) of ``linears`` stacked by output row; each linear's own
+    Parameter keeps its identity (optimizers, hooks) and now reads a view into it."""
+    whole = torch.cat([getattr(lin, attr).detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        param = getattr(lin, attr)
+        param.data = whole[start:start + param.shape[0]]
+        start += param.shape[0]
+    return whole
 
 
 def _aliases(whole: torch.Tensor, parts: list[torch.Tensor]) -> bool:
-    """Whether ``parts`` are still the consecutive row blocks of ``whole`` (no weight replaced or converted)."""
+    """Whether ``parts`` are still the consecutive row blocks of ``whole`` (none converted or re-pointed)."""
     offset = whole.storage_offset()
     for p in parts:
         if (p.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr() or p.storage_offset() != offset
@@ -73,31 +70,54 @@ class DecoderLayer(nn.Module):
         # with fuse_projections: [q; k; v] and [gate; up] in one tensor each, the separate weights views into them
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.gate_up: torch.Tensor | None = None
+        self._fused_from: tuple[nn.Parameter, ...] | None = None  # the Parameters they were built from
+
+    def _projection_params(self) -> tuple[nn.Parameter, ...]:
+        linears = (self.q_proj, self.k_proj, self.v_proj, self.gate_proj, self.up_proj)
+        return (*(m.weight for m in linears), *(m.bias for m in linears[:3] if m.bias is not None))
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
         """Stores the q, k and v projections as one matrix, and the gate and up projections as another, so a
         forward without gradients runs two matmuls where it ran five: on a small model every matmul costs about
-        the same whatever its size, and on a large one the wider matmul runs nearer the machine's peak. Each
-        output equals the separate projection's to the bit (each column is its own dot product). The separate
-        weights become views into the fused ones, so no memory is added, state dicts, checkpoint names and
-        in-place loads see the same tensors as before, and training (which needs each weight's gradient) runs
-        the separate matmuls. Idempotent; a conversion (``.to``) or a weight replaced since is re-fused."""
+        the same whatever its size, and on a large one the wider matmul runs nearer the machine's peak. On CPU
+        each output equals the separate projection's to the bit (tested: each column is its own dot product);
+        a GPU library may pick another kernel for the wider shape, so there it agrees to rounding. The separate
+        Parameters stay the same objects and read views into the fused tensors, so no memory is added and
+        state dicts, checkpoint names, in-place loads and optimizers see what they saw before; a forward that
+        records gradients runs the separate matmuls. Idempotent. A conversion (``.to``) re-fuses at once, a
+        replaced Parameter (``load_state_dict(assign=True)``) at the next forward without gradients, and a copy
+        (``copy.deepcopy``, pickling) starts unfused."""
         qkv, gate_up = (self.q_proj, self.k_proj, self.v_proj), (self.gate_proj, self.up_proj)
-        if self.qkv is not None and self.gate_up is not None and _aliases(self.gate_up, [m.weight for m in gate_up]) \
+        if self.fused_current() and _aliases(self.gate_up, [m.weight for m in gate_up]) \
                 and _aliases(self.qkv[0], [m.weight for m in qkv]) \
                 and (self.qkv[1] is None or _aliases(self.qkv[1], [m.bias for m in qkv])):
             return
         with torch.inference_mode(False):  # the fused tensors must stay ordinary tensors under inference mode
-            self.qkv = _fuse(qkv)
-            self.gate_up, _ = _fuse(gate_up)
+            self.qkv = _fuse(qkv, "weight"), (_fuse(qkv, "bias") if self.q_proj.bias is not None else None)
+            self.gate_up = _fuse(gate_up, "weight")
+        self._fused_from = self._projection_params()
+
+    @property
+    def fused(self) -> bool:
+        """Whether :meth:`fuse_projections` has run on this layer (and no copy or pickling has unfused it)."""
+        return self._fused_from is not None
+
+    def fused_current(self) -> bool:
+        """Whether the layer is fused and every projection Parameter is still the one it was fused from."""
+        return self._fused_from is not None and all(
+            a is b for a, b in zip(self._projection_params(), self._fused_from, strict=True))
 
     def _apply(self, fn, recurse: bool = True):
         # ``.to()``/``.half()`` give every weight its own converted storage: re-fuse them into one again
         out = super()._apply(fn, recurse)
-        if self.qkv is not None:
+        if self.fused:
             self.fuse_projections()
         return out
+
+    def __getstate__(self) -> dict:
+        # a copy's Parameters are fresh tensors, not views into the copied fused ones: the copy starts unfused
+        return {**super().__getstate__(), "qkv": None, "gate_up": None, "_fused_from": None}
 
     def _projections(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None or torch.is_grad_enabled():
@@ -186,7 +206,7 @@ class DiffusionLM(nn.Module):
     # -- compute ----------------------------------------------------------------------------------
     def fuse_projections(self) -> None:
         """Fuses every decoder layer's q/k/v and gate/up projections (:meth:`DecoderLayer.fuse_projections`):
-        the same outputs to the bit, three matmuls fewer a layer in every forward that takes no gradient."""
+        the same outputs (to the bit on CPU), three matmuls fewer a layer in every forward that takes no gradient."""
         for layer in self.layers:
             layer.fuse_projections()
 
@@ -258,6 +278,11 @@ class DiffusionLM(nn.Module):
         key_mask = dense_mask(key_mask)
         # a rotated past with room for exactly the fed tokens takes their keys in place (engine.step_keys)
         fill = past is not None and past.rotated and 0 < getattr(past, "room", 0) == positions.shape[1]
+        if not torch.is_grad_enabled():  # a fused layer whose Parameters were replaced since re-fuses them
+            for i in layers:
+                layer = self.layers[i]
+                if layer.fused and not layer.fused_current():
+                    layer.fuse_projections()
         keys, values, queries, inputs = [], [], [], []
         for i in layers:
             if capture_inputs:

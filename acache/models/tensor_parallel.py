@@ -79,7 +79,7 @@ def shard_model(model, tp: TensorParallel):
             _keep_cols(linear, tp.rank, tp.world_size)
         layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
         layer.tp = tp
-        if layer.qkv is not None:  # fused before sharding: fuse this rank's slices instead
+        if layer.fused:  # fused before sharding: fuse this rank's slices instead
             layer.fuse_projections()
     model.config = local
     model.tp = tp
