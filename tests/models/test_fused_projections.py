@@ -42,9 +42,11 @@ def test_fused_forward_is_bitwise_the_separate_one(family_dir, dtype):
     assert all(layer.qkv is not None and layer.gate_up is not None for layer in fused.layers)
     assert plain.layers[0].qkv is None
     first = _run(plain), _run(fused)
-    assert _same(*first)
     if DEVICE != "cpu":  # another library may pick another kernel for the wider matmul: equal to rounding there
+        torch.testing.assert_close(first[1].hidden, first[0].hidden, atol=2e-2 if dtype == "bfloat16" else 1e-4,
+                                   rtol=2e-2 if dtype == "bfloat16" else 1e-4)
         return
+    assert _same(*first)
     # against a past too (the engine's refreshes and steps), with the first forward's K/V as the cache
     past = KVCache(first[0].kv.keys, first[0].kv.values, torch.arange(9).expand(2, -1).to(DEVICE),
                    torch.ones(2, 9, dtype=torch.bool, device=DEVICE))
