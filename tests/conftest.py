@@ -59,9 +59,17 @@ def family_dir(request, llada_dir, dream_dir, blockdiff_dir):
     return {"llada": llada_dir, "dream": dream_dir, "fast_dllm_v2": blockdiff_dir}[request.param]
 
 
+def _served(path):
+    """A test model fused as every engine fuses its model, so a reference path run before an engine's first
+    forward multiplies the same matrices as the engine does (bitwise the same on CPU anyway, not on a GPU)."""
+    model = load_model(path, device=DEVICE)
+    model.fuse_projections()
+    return model
+
+
 @pytest.fixture(scope="session")
 def family_model(family_dir):
-    return load_model(family_dir, device=DEVICE)
+    return _served(family_dir)
 
 
 def random_prompts(lengths, vocab=256, seed=0):
@@ -71,4 +79,4 @@ def random_prompts(lengths, vocab=256, seed=0):
 
 @pytest.fixture(scope="session")
 def llada_model(llada_dir):
-    return load_model(llada_dir, device=DEVICE)
+    return _served(llada_dir)
