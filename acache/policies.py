@@ -16,6 +16,13 @@ AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
 ANCHOR_QUERIES = ("probe", "full", "shallow")
 #: the selectors that read ``anchor_query`` (the others score without ACache's queries)
 QUERY_SELECTORS = ("attention", "attention-deviation")
+#: the selectors that can choose their anchors inside the request's first refresh forward (``anchor_pass="one"``):
+#: they score from what that forward holds (K/V deviation, the masks' or the question's attention over the affix)
+ONE_PASS_SELECTORS = ("attention", "attention-deviation", "cacheblend", "query-attention")
+#: where anchors are chosen: ``one`` inside the first refresh forward, ``two`` by a selection of their own before it
+ANCHOR_PASSES = ("one", "two")
+#: the selector the server, the command line and the demo use when none is named
+DEFAULT_SELECTOR = "attention"
 #: the share of a model's layers the ``shallow`` probe runs (at least one)
 SHALLOW_SHARE = 0.3
 LAYOUTS = ("prefix", "infix", "suffix")

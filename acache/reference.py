@@ -15,9 +15,10 @@ import torch
 
 from acache.affix.bicache import BiCacheProfile, bicache_depth, bicache_forward
 from acache.affix.context import SelectionContext, request_seed
+from acache.affix.one_pass import refresh_selecting
 from acache.affix.placement import place_affixes
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import make_selector
+from acache.affix.selectors import SELECTORS, anchor_count, make_selector
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
@@ -80,6 +81,8 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             for entry in held:
                 store.ensure_hidden(entry)
             state.set_recompute(shared & False, shared & False)
+        elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
+            state.set_recompute(shared, None)
         elif reuse:
             placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
             # masks beyond a far window are out of selection's forwards, as out of every other
@@ -99,7 +102,10 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             plan = state.plan()
             fed, past = plan.fed, plan.past
             pos = state.positions
-            if split is not None and plan.refresh:
+            block = plan.block[None]
+            if plan.select:
+                hidden, block = _select_refresh(model, state, spans, plan.fed, keys, values), fed[plan.block][None]
+            elif split is not None and plan.refresh:
                 hidden = _bicache_refresh(model, state, spans, split, fed, keys, values)
             else:
                 cache = KVCache([k[past][None] for k in keys], [v[past][None] for v in values], pos[past][None],
@@ -110,7 +116,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
                         keys[layer][fed] = out.kv.keys[layer][0].to(keys[layer].dtype)
                         values[layer][fed] = out.kv.values[layer][0].to(values[layer].dtype)
                 hidden = out.hidden
-            logits = model.logits(hidden, plan.block[None])
+            logits = model.logits(hidden, block)
             gens = [generator] if params.temperature > 0 else None
             x0, conf = propose(logits, params.temperature, gens, mask_token_id=cfg.mask_token_id)
             done = state.commit(x0[0], conf[0])
@@ -119,6 +125,34 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             store.release(entry)
     ids, _ = state.output()
     return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
+
+
+def _select_refresh(model: DiffusionLM, state: RequestState, spans: list, fed: torch.Tensor,
+                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The first refresh choosing its anchors inside the forward (:mod:`acache.affix.one_pass`) on the dense K/V,
+    where the affixes' cached K/V sit at their columns: fixes the anchors in ``state``, writes the K/V of its own
+    columns and anchors, and returns the final states in canvas layout ``[1, T, hidden]``."""
+    t, dev, params = state.length, state.tokens.device, state.params
+    valid = torch.zeros(t, dtype=torch.bool, device=dev)
+    valid[fed] = True
+    gen = torch.zeros_like(valid)
+    gen[state.gen_start:state.gen_start + params.gen_length] = True
+    affix_slot = torch.full((t,), -1, dtype=torch.long, device=dev)
+    shared = torch.zeros_like(valid)
+    for a, (c0, c1, _) in enumerate(spans):
+        affix_slot[c0:c1] = a
+        shared[c0:c1] = True
+    counts = [[anchor_count(params.anchor_ratio, c1 - c0, params.affix_policy) for c0, c1, _ in spans]]
+    result = refresh_selecting(model, state.tokens[None], state.positions[None], valid[None],
+                               state.base_recompute(shared)[None], affix_slot[None], gen[None],
+                               [SELECTORS[params.affix_policy].one_pass], counts,
+                               lambda layer, cols: (keys[layer][cols], values[layer][cols]))
+    state.fix_anchors(result.anchors[0])
+    cols = result.cols[0][result.valid[0]]
+    for layer in range(len(keys)):
+        keys[layer][cols] = result.keys[layer][0][result.valid[0]].to(keys[layer].dtype)
+        values[layer][cols] = result.values[layer][0][result.valid[0]].to(values[layer].dtype)
+    return result.hidden
 
 
 def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split: int, fed: torch.Tensor,

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, BICACHE_POLICIES, CACHE_POLICIES, COMMIT_RULES
+from acache.policies import (
+    AFFIX_POLICIES,
+    ANCHOR_PASSES,
+    ANCHOR_QUERIES,
+    BICACHE_POLICIES,
+    CACHE_POLICIES,
+    COMMIT_RULES,
+    ONE_PASS_SELECTORS,
+    QUERY_SELECTORS,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,16 @@ class SamplingParams:
     for a denoising step instead of adding a forward; the next forward is the first refresh with anchors.
     It trades that one step's accuracy (it sees the affix as direct reuse does) for a forward a request.
 
+    ``anchor_pass`` is where the anchors are chosen. ``"one"``: inside the request's first refresh forward,
+    which runs its first two layers on every column in context, then feeds only the request's own columns and
+    the carried candidates, filtering them down to the anchor count layer by layer; every K/V it computes is
+    kept, so selection adds no forward (``attention``, ``attention-deviation``, ``cacheblend``,
+    ``query-attention``: :mod:`acache.affix.one_pass` says what it computes and where it differs from the
+    selection of its own). ``"two"``: a selection of its own before the first refresh (the probe, a full
+    forward, CacheBlend's layer-by-layer pass), as the selectors were first defined. ``None`` resolves at
+    construction to ``"one"`` where the selector has that form and neither ``probe_step`` nor an
+    ``anchor_query`` other than ``probe`` asks for the separate pass, otherwise to ``"two"``.
+
     Two approximations past the token-count ideal (both off by default): ``far_mask_window`` W leaves the
     mask columns of blocks more than W blocks after the current one out of every forward, fed or
     attended, anchor selection's too (DPad: far masks carry almost nothing); ``focus_layers`` L runs an in-block
@@ -61,6 +80,7 @@ class SamplingParams:
     far_mask_window: int | None = None
     focus_layers: int | None = None
     focus_ratio: float = 0.25
+    anchor_pass: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("threshold", "factor", "temperature", "anchor_ratio"):
@@ -141,6 +161,31 @@ class SamplingParams:
                              f"anchor affix_policy (not None or BiCache), got {self.affix_policy!r}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
+        object.__setattr__(self, "anchor_pass", self._resolve_anchor_pass())
+
+    def _resolve_anchor_pass(self) -> str | None:
+        """``anchor_pass`` checked and resolved: None without anchor selection (no affix policy, BiCache)."""
+        if self.anchor_pass is not None and self.anchor_pass not in ANCHOR_PASSES:
+            raise ValueError(f"anchor_pass must be one of {', '.join(ANCHOR_PASSES)} or None, got {self.anchor_pass!r}")
+        if self.affix_policy is None or self.affix_policy in BICACHE_POLICIES:
+            if self.anchor_pass is not None:
+                raise ValueError(f"anchor_pass chooses where anchors are selected: it needs an anchor affix_policy "
+                                 f"(not None or BiCache), got {self.affix_policy!r}")
+            return None
+        query = self.affix_policy in QUERY_SELECTORS and self.anchor_query != "probe"  # the others ignore it
+        separate = [why for why, asked in (("probe_step", self.probe_step),
+                                           (f"anchor_query={self.anchor_query!r}", query)) if asked]
+        if self.anchor_pass == "one":
+            if self.affix_policy not in ONE_PASS_SELECTORS:
+                raise ValueError(f"anchor selector {self.affix_policy!r} has no one-pass form (it needs a forward the "
+                                 f"refresh does not run); one-pass selectors: {', '.join(ONE_PASS_SELECTORS)}")
+            if separate:
+                raise ValueError(f"anchor_pass='one' chooses anchors inside the refresh, with no probe: "
+                                 f"{' and '.join(separate)} need(s) anchor_pass='two'")
+            return "one"
+        if self.anchor_pass == "two":
+            return "two"
+        return "one" if self.affix_policy in ONE_PASS_SELECTORS and not separate else "two"
 
     def generator(self, device: object = "cpu", default_seed: int | None = None) -> torch.Generator | None:
         """The request's sampling noise: None at temperature 0; otherwise seeded with ``seed``, else with

@@ -12,6 +12,7 @@ import torch
 
 from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
+from acache.models.config import ModelConfig
 from acache.models.kv import KVCache, LayerView, LayerwiseKV
 from acache.models.layers import apply_rope, rope_tables
 from acache.policies import SHALLOW_SHARE
@@ -302,51 +303,72 @@ class SelectionContext:
         chosen per affix). Returns ``[B, T]`` (zero outside affixes).
         """
         c, cfg = self.canvas, self.model.config
-        t, d, kv_heads = c.total, cfg.head_dim, cfg.num_kv_heads
-        rep = cfg.num_heads // kv_heads
+        t = c.total
         scores = torch.zeros(c.tokens.shape, dtype=torch.float32, device=c.tokens.device)
         if not bool(self.affix_mask.any()):
             return scores
         pick, pick_valid = compact_index(q_valid, fill=q_valid.shape[1])  # the queries that count
         pick = pick.clamp_max(q_valid.shape[1] - 1)
-        b, m = pick.shape
-        if m == 0:  # no query counts in any row (a question-attention score of prompts with no question)
+        if pick.shape[1] == 0:  # no query counts in any row (a question-attention score of prompts with no question)
             return scores
         cols = q_cols.gather(1, pick)
         keys_at, keys_valid = self.affix_columns
         keys_at = keys_at.clamp_max(t - 1)
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
-        q_rope = rope_tables(self.kv.positions.gather(1, cols), d, cfg.rope_theta)
-        # the query heads that share a key head are stacked as rows against it ([B * Hkv, rep * M, D] against
-        # [B * Hkv, D, K]): a batched matmul, no key copied per query head; each row's weight is whether its query
-        # counts, and the rows' weighted sum is the mass over heads and queries
-        n, keys = b * kv_heads, keys_at.shape[1]
-        weight = pick_valid[:, None, None, :].expand(b, kv_heads, rep, m).reshape(n, 1, rep * m).float()
-        # the steps below that change nothing are left out (decided once, not per layer): the mask when every
-        # key is the affix's, the NaN guard when every row has a member
-        members = []
-        for affix in range(int(self.affix_slot.max()) + 1):
-            member = (slot == affix)[:, None, :]
-            members.append((member.expand(b, kv_heads, keys).reshape(n, 1, keys), bool(member.all()),
-                            bool(member.any(-1).all())))
-        q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, d)
-        contiguous = torch.contiguous_format
-        # on CPU the [rep * M, K] score blocks are taken a few at a time, so each is scored while in cache
-        chunk = n if c.tokens.device.type != "cpu" else max(1, _CPU_SCORE_BYTES // (4 * rep * m * keys))
+        mass = AffixMass(cfg, pick_valid, slot)
+        q_rope = rope_tables(self.kv.positions.gather(1, cols), cfg.head_dim, cfg.rope_theta)
+        q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, cfg.head_dim)
         for layer, q in enumerate(queries):
-            qr = apply_rope(q.gather(1, q_index), *q_rope).view(b, m, kv_heads, rep, d).permute(0, 2, 3, 1, 4)
-            qr = qr.to(torch.float32, memory_format=contiguous, copy=True).view(n, rep * m, d)
-            kr = self.affix_keys(layer).permute(0, 2, 3, 1)
-            kr = kr.to(torch.float32, memory_format=contiguous, copy=True).view(n, d, keys)
-            mass = torch.zeros(n, keys, dtype=torch.float32, device=scores.device)
-            for lo in range(0, n, chunk):
-                hi = min(n, lo + chunk)
-                logits = torch.matmul(qr[lo:hi], kr[lo:hi]).div_(math.sqrt(d))
-                for member, every_key, every_row in members:
-                    probs = torch.softmax(logits if every_key else logits.masked_fill(~member[lo:hi], float("-inf")),
-                                          dim=-1)
-                    if not every_row:
-                        probs = torch.nan_to_num(probs, nan=0.0)
-                    mass[lo:hi] += torch.matmul(weight[lo:hi], probs).squeeze(1)
-            scores.scatter_add_(1, keys_at, mass.view(b, kv_heads, keys).sum(1) * keys_valid)
+            scores.scatter_add_(1, keys_at, mass(apply_rope(q.gather(1, q_index), *q_rope), self.affix_keys(layer))
+                                * keys_valid)
         return self.model.reduce_heads(scores)
+
+
+class AffixMass:
+    """One layer's attention mass on each affix key: ``sum over heads h and counted queries i of
+    softmax_{j in its affix}(q_{h,i} . k_{h,j} / sqrt(d))``, for fixed query weights and key slots (the shape
+    work is decided once, then each layer is one batched matmul).
+
+    The query heads that share a key head are stacked as rows against it (``[B * Hkv, rep * M, D]`` against
+    ``[B * Hkv, D, K]``): no key copied per query head; each row's weight is whether its query counts, and the
+    rows' weighted sum is the mass over heads and queries. The steps that change nothing are left out: the mask
+    when every key is the affix's, the NaN guard when every row has a member. On CPU the score blocks are taken
+    a few at a time, so each is scored while in cache. The sum covers this process's heads (tensor parallel:
+    the caller completes it with ``reduce_heads``).
+    """
+
+    def __init__(self, config: ModelConfig, weight: torch.Tensor, slot: torch.Tensor) -> None:
+        """``weight [B, M]``: which queries count; ``slot [B, K]``: each key's affix in its row, -1 for padding."""
+        b, m = weight.shape
+        keys = slot.shape[1]
+        self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        self.rep = config.num_heads // self.kv_heads
+        n = b * self.kv_heads
+        self.shape = (b, m, keys)
+        self.weight = weight[:, None, None, :].expand(b, self.kv_heads, self.rep, m).reshape(n, 1, self.rep * m).float()
+        self.members = []
+        for affix in range(int(slot.max()) + 1 if slot.numel() else 0):
+            member = (slot == affix)[:, None, :]
+            self.members.append((member.expand(b, self.kv_heads, keys).reshape(n, 1, keys), bool(member.all()),
+                                 bool(member.any(-1).all())))
+        self.chunk = n if slot.device.type != "cpu" else max(1, _CPU_SCORE_BYTES // (4 * self.rep * m * max(keys, 1)))
+
+    def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[B, K]`` mass from rotated ``queries [B, M, H, D]`` on rotated ``keys [B, K, Hkv, D]``."""
+        b, m, k = self.shape
+        d, rep, n = self.head_dim, self.rep, b * self.kv_heads
+        contiguous = torch.contiguous_format
+        qr = queries.view(b, m, self.kv_heads, rep, d).permute(0, 2, 3, 1, 4)
+        qr = qr.to(torch.float32, memory_format=contiguous, copy=True).view(n, rep * m, d)
+        kr = keys.permute(0, 2, 3, 1).to(torch.float32, memory_format=contiguous, copy=True).view(n, d, k)
+        mass = torch.zeros(n, k, dtype=torch.float32, device=keys.device)
+        for lo in range(0, n, self.chunk):
+            hi = min(n, lo + self.chunk)
+            logits = torch.matmul(qr[lo:hi], kr[lo:hi]).div_(math.sqrt(d))
+            for member, every_key, every_row in self.members:
+                probs = torch.softmax(logits if every_key else logits.masked_fill(~member[lo:hi], float("-inf")),
+                                      dim=-1)
+                if not every_row:
+                    probs = torch.nan_to_num(probs, nan=0.0)
+                mass[lo:hi] += torch.matmul(self.weight[lo:hi], probs).squeeze(1)
+        return mass.view(b, self.kv_heads, k).sum(1)

@@ -50,13 +50,16 @@ class Phase(enum.Enum):
 class StepPlan:
     """What the next forward of one request feeds: canvas columns ``fed`` (ascending) against the cached
     K/V of columns ``past``; ``block`` locates the current block's columns among the fed ones. With
-    ``write`` the fed columns' fresh K/V replace the cached ones."""
+    ``write`` the fed columns' fresh K/V replace the cached ones. With ``select`` (a request's first refresh under
+    ``anchor_pass="one"``) the fed columns are every near column: the forward chooses the anchors and keeps
+    the K/V of its own columns and of them alone."""
 
     fed: torch.Tensor  # [F]
     past: torch.Tensor  # [P]
     block: torch.Tensor  # [L], indices into fed
     refresh: bool
     write: bool
+    select: bool = False
 
 
 def truncate_at_stop(ids: list[int], stop_token_ids: set[int]) -> list[int]:
@@ -93,6 +96,8 @@ class RequestState:
         self.rule = make_commit_rule(params)
         self.anchors = torch.zeros(self.length, dtype=torch.bool, device=device)
         self.recompute = torch.ones(self.length, dtype=torch.bool, device=device)
+        self.selecting = False  # the first refresh still has to choose the anchors (anchor_pass="one")
+        self._shared = torch.zeros(self.length, dtype=torch.bool, device=device)
         self.nfe = 0
         self.refreshes = 0
         self._cols = torch.arange(self.length, device=device)
@@ -115,16 +120,33 @@ class RequestState:
             recompute = recompute | own.repeat_interleave(size)[:self.length]
         return recompute
 
-    def set_recompute(self, shared: torch.Tensor, anchors: torch.Tensor) -> None:
+    def set_recompute(self, shared: torch.Tensor, anchors: torch.Tensor | None) -> None:
         """Fixes the columns every refresh recomputes: the base set plus the ``anchors`` among the
-        ``shared`` columns. Called once, before the first block."""
+        ``shared`` columns. Called once, before the first block. ``anchors`` None: they are chosen inside
+        the first refresh (``anchor_pass="one"``), whose plan then feeds every near column, affixes included
+        (:attr:`StepPlan.select`), and :meth:`fix_anchors` takes them back before that forward is committed."""
         if self.phase is not Phase.SELECT:
             raise RuntimeError("a request's recompute set is fixed once, before its first block")
-        self.anchors = anchors & shared
-        self.recompute = self.base_recompute(shared) | self.anchors
+        self._shared = shared
+        self.selecting = anchors is None
+        self._fix(self.base_recompute(shared) | shared if anchors is None else self.base_recompute(shared) | anchors,
+                  shared & False if anchors is None else anchors & shared)
+        self._begin_block()
+
+    def fix_anchors(self, anchors: torch.Tensor) -> None:
+        """The anchors the first refresh chose inside its forward (``anchor_pass="one"``): from here on every
+        refresh recomputes the base set and them."""
+        if not self.selecting:
+            raise RuntimeError("this request's anchors were fixed before its first refresh")
+        self.selecting = False
+        self._fix(self.base_recompute(self._shared) | (anchors & self._shared), anchors & self._shared)
+        self._plans, self._plans_block = {}, -1
+
+    def _fix(self, recompute: torch.Tensor, anchors: torch.Tensor) -> None:
+        self.anchors = anchors
+        self.recompute = recompute
         # fixed from here on: every refresh feeds these columns against the rest
         self._refresh_fed, self._refresh_past = self._cols[self.recompute], self._cols[~self.recompute]
-        self._begin_block()
 
     @property
     def recompute_count(self) -> int:
@@ -188,7 +210,7 @@ class RequestState:
         if self.phase is Phase.REFRESH:
             fed = self._refresh_fed[near[self._refresh_fed]]
             past = self._refresh_past[near[self._refresh_past]]
-            return StepPlan(fed, past, torch.searchsorted(fed, cols[start:end]), True, True)
+            return StepPlan(fed, past, torch.searchsorted(fed, cols[start:end]), True, True, self.selecting)
         if self.attention_block is not None:
             first, last = self.step_span()
             block = cols[start - first:end - first]

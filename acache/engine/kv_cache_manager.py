@@ -120,17 +120,22 @@ class KVCacheManager:
 
     def map_slots(self, req: Request) -> None:
         """Once the recompute set is fixed: recomputed columns to private slots, the rest to shared ones."""
+        req.slot_map = self.slot_map(req, req.state.recompute)
+
+    @staticmethod
+    def slot_map(req: Request, recompute: torch.Tensor) -> torch.Tensor:
+        """``[T]``: the physical slot of each column when ``recompute`` is its recompute set (the one rule, read
+        also by a forward that chooses the anchors and writes their K/V before the scheduler fixes them)."""
         slot_map = torch.zeros(req.length, dtype=torch.long, device=req.private_slots.device)
         for index, affix in req.shared:
             c0, c1 = req.span_columns(index)
             slot_map[c0:c1] = affix.slots
-        recompute = req.state.recompute
         count = int(recompute.sum())
         if count > req.private_slots.numel():
             raise RuntimeError(f"request {req.request_id} recomputes {count} tokens but holds "
                                f"{req.private_slots.numel()} private slots")
         slot_map[recompute] = req.private_slots[:count]
-        req.slot_map = slot_map
+        return slot_map
 
     def free(self, req: Request) -> None:
         self.pool.free(req.private_pages)

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from acache.affix.bicache import bicache_forward
 from acache.affix.context import SelectionContext, request_seed
+from acache.affix.one_pass import refresh_selecting
 from acache.affix.placement import place_affixes
-from acache.affix.selectors import make_selector
+from acache.affix.selectors import SELECTORS, anchor_count, make_selector
 from acache.decoding.canvas import build_canvas
 from acache.decoding.sampler import propose
 from acache.engine.focus import focused_step
+from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.outputs import ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.engine.request import Request
@@ -77,7 +79,7 @@ class ModelRunner:
                     out.probe_samples[rid] = sample
             _sync(self.device)
             out.selection_time_s = time.perf_counter() - t0
-        self.run_forwards(sched, out, self._forward, self.device)
+        self.run_forwards(sched, out, lambda batch: self._forward(batch, out.anchors), self.device)
         return out
 
     @classmethod
@@ -171,8 +173,11 @@ class ModelRunner:
             self.pool.write(req.slot_map[c0:c1], entry.keys, entry.values)
 
     # -- forwards -------------------------------------------------------------------------------
-    def _forward(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """One batched forward; returns each request's proposed tokens and confidences for its block."""
+    def _forward(self, batch: ForwardBatch, anchors: dict[str, torch.Tensor]) -> dict[str, Sample]:
+        """One batched forward; returns each request's proposed tokens and confidences for its block (and puts
+        in ``anchors`` those a ``select`` forward chose)."""
+        if batch.select:
+            return self._select_forward(batch, anchors)
         reqs, plans, dev = batch.requests, batch.plans, self.device
         trash = self.pool.trash_slot
         fed, fed_valid = _pad([p.fed for p in plans], 0, dev)
@@ -217,6 +222,50 @@ class ModelRunner:
                 conf[out_of_focus] = -1.0
             samples[req.request_id] = (x0, conf)
         return samples
+
+    def _select_forward(self, batch: ForwardBatch, anchors: dict[str, torch.Tensor]) -> dict[str, Sample]:
+        """First refreshes that choose their anchors inside the forward (:mod:`acache.affix.one_pass`), on the
+        requests' own canvases padded to the widest: the shared affixes' K/V are read from their pages, and the
+        K/V of each request's own columns and anchors are written to the private slots its slot map will give
+        them once the scheduler fixes the anchors."""
+        reqs, plans, dev, pool = batch.requests, batch.plans, self.device, self.pool
+        trash, width, b = pool.trash_slot, max(r.length for r in reqs), len(batch.requests)
+        tokens = torch.stack([F.pad(r.state.tokens, (0, width - r.length)) for r in reqs])
+        positions = torch.stack([F.pad(r.state.positions, (0, width - r.length)) for r in reqs])
+        valid = torch.zeros(b, width, dtype=torch.bool, device=dev)
+        own, gen = torch.zeros_like(valid), torch.zeros_like(valid)
+        affix_slot = torch.full((b, width), -1, dtype=torch.long, device=dev)
+        shared_slots = torch.full((b, width), trash, dtype=torch.long, device=dev)
+        for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
+            state = req.state
+            valid[i, plan.fed] = True
+            own[i, :req.length] = state.base_recompute(req.shared_columns)
+            gen[i, state.gen_start:state.gen_start + req.params.gen_length] = True
+            for a, (index, affix) in enumerate(req.shared):
+                c0, c1 = req.span_columns(index)
+                affix_slot[i, c0:c1] = a
+                shared_slots[i, c0:c1] = affix.slots
+        counts = [[anchor_count(r.params.anchor_ratio, a.length, r.params.affix_policy) for _, a in r.shared]
+                  for r in reqs]
+
+        def cached(layer: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            slots = shared_slots.gather(1, cols)
+            return pool.keys[layer][slots], pool.values[layer][slots]
+
+        result = refresh_selecting(self.model, tokens, positions, valid, own, affix_slot, gen,
+                                   [SELECTORS[r.params.affix_policy].one_pass for r in reqs], counts, cached)
+        slot_maps = []
+        for i, req in enumerate(reqs):
+            chosen = result.anchors[i, :req.length]
+            recompute = req.state.base_recompute(req.shared_columns) | chosen
+            slot_maps.append(F.pad(KVCacheManager.slot_map(req, recompute), (0, width - req.length), value=trash))
+            anchors[req.request_id] = chosen
+        write = torch.stack(slot_maps).gather(1, result.cols.clamp_max(width - 1))
+        pool.write(torch.where(result.valid, write, torch.full_like(write, trash)), result.keys, result.values)
+        block, _ = _pad([p.fed[p.block] for p in plans], 0, dev)
+        logits = self.model.logits(result.hidden, block, valid)
+        return {req.request_id: self._propose(req, logits[i:i + 1, :plan.block.numel()])
+                for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))}
 
     def _bicache_refresh(self, batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,
                          slot_maps: torch.Tensor, fed: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:

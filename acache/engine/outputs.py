@@ -16,18 +16,20 @@ Sample = tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class ForwardBatch:
     """Requests that run one batched forward: all refreshes or all in-block steps; a BiCache refresh
-    batch shares one ``split`` layer."""
+    batch shares one ``split`` layer; a ``select`` batch is of first refreshes that choose their anchors inside
+    the forward (``anchor_pass="one"``)."""
 
     requests: list[Request]
     plans: list[StepPlan]
     refresh: bool
     split: int | None = None
+    select: bool = False
 
     def only(self, requests: list[Request]) -> ForwardBatch:
         """The same forward for some of its requests (to rerun them apart when one of them fails)."""
         keep = {id(r) for r in requests}
         pairs = [(r, p) for r, p in zip(self.requests, self.plans, strict=True) if id(r) in keep]
-        return ForwardBatch([r for r, _ in pairs], [p for _, p in pairs], self.refresh, self.split)
+        return ForwardBatch([r for r, _ in pairs], [p for _, p in pairs], self.refresh, self.split, self.select)
 
 
 @dataclass
@@ -41,9 +43,9 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Per request id: chosen anchors (canvas columns), the block's proposed tokens and confidences (of a
-    forward, or of the selection probe under ``probe_step``), or the error that failed it; with the time of
-    each batched selection and forward."""
+    """Per request id: chosen anchors (canvas columns: by the selection, or by a ``select`` forward), the block's
+    proposed tokens and confidences (of a forward, or of the selection probe under ``probe_step``), or the error
+    that failed it; with the time of each batched selection and forward."""
 
     anchors: dict[str, torch.Tensor | None] = field(default_factory=dict)
     samples: dict[str, Sample] = field(default_factory=dict)

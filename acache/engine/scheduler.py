@@ -62,7 +62,7 @@ def split_ragged(batch: ForwardBatch, max_padding: float = MAX_PADDING) -> list[
         parts.append([i])
         real = width
     return [ForwardBatch([batch.requests[i] for i in sorted(p)], [batch.plans[i] for i in sorted(p)], batch.refresh,
-                         batch.split) for p in parts]
+                         batch.split, batch.select) for p in parts]
 
 
 class Scheduler:
@@ -123,6 +123,11 @@ class Scheduler:
             if not req.reuse:  # nothing to select: every column is the request's own
                 shared = req.shared_mask([])
                 req.state.set_recompute(shared, shared)
+            elif req.params.anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
+                shared = req.shared_columns
+                req.state.set_recompute(shared, None if req.shared else shared)
+                if not req.shared:  # every affix computed with the request: nothing to choose
+                    self.kv.map_slots(req)
 
     def schedule(self) -> SchedulerOutput:
         """Admits what fits, then groups the running requests; each group is cut to the token budget
@@ -139,7 +144,7 @@ class Scheduler:
                 plan = req.state.plan()
                 split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
                 focus = None if plan.refresh else req.params.focus_layers  # one early depth a forward
-                key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus)
+                key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus, plan.select)
                 cost = self.kv.step_cost(req, plan)
             if used.get(key, 0) and used[key] + cost > budget:
                 continue
@@ -147,7 +152,7 @@ class Scheduler:
             if key == "select":
                 out.select.append(req)
                 continue
-            batch = groups.setdefault(key, ForwardBatch([], [], plan.refresh, split))
+            batch = groups.setdefault(key, ForwardBatch([], [], plan.refresh, split, plan.select))
             batch.requests.append(req)
             batch.plans.append(plan)
         out.forwards = [part for batch in groups.values() for part in split_ragged(batch)]
@@ -174,8 +179,7 @@ class Scheduler:
             else:
                 req.state.set_recompute(req.shared_columns, anchors)
                 self.kv.map_slots(req)
-            self.metrics.anchors += int(req.state.anchors.sum())
-            self.metrics.affix_tokens += req.affix_tokens
+            self._count_anchors(req)
             if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step
                 outputs += self._commit(req, result.probe_samples[req.request_id], probe=True)
         for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
@@ -190,11 +194,19 @@ class Scheduler:
                 s.max_batch = max(s.max_batch, len(batch.requests))
                 if s.first_scheduled is None:
                     s.first_scheduled = now
+                if batch.select:  # the anchors this refresh chose inside its forward
+                    req.state.fix_anchors(result.anchors[req.request_id])
+                    self.kv.map_slots(req)
+                    self._count_anchors(req)
                 if batch.refresh:
                     s.refresh_times_s.append(elapsed)
                     self.metrics.refreshed_tokens += req.state.recompute_count
                 outputs += self._commit(req, result.samples[req.request_id])
         return outputs
+
+    def _count_anchors(self, req: Request) -> None:
+        self.metrics.anchors += int(req.state.anchors.sum())
+        self.metrics.affix_tokens += req.affix_tokens
 
     def _commit(self, req: Request, sample: Sample, probe: bool = False) -> list[EngineOutput]:
         """Commits one step's proposals; returns the request's output when it finished, or its partial

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from acache.affix.context import shallow_layers
 from acache.affix.selectors import anchor_count
-from acache.affix.selectors.cacheblend import carried_counts
+from acache.affix.selectors.base import carried_counts
 from acache.policies import QUERY_SELECTORS
 
 FREE = ("first-k", "random", "none", "all")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from acache.affix.selectors import make_selector
-from acache.affix.selectors.cacheblend import carried_counts
+from acache.affix.selectors.base import carried_counts
 from acache.affix.store import AffixStore
 from acache.models.kv import KVCache
 from acache.models.loader import load_model

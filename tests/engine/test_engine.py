@@ -204,28 +204,40 @@ def test_a_fault_in_one_request_fails_it_alone(family_model, monkeypatch, select
     assert engine.summary()["requests_failed"] == 1 and engine.summary()["requests_finished"] == 3
 
 
-def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch):
+@pytest.mark.parametrize("anchor_pass", ["one", "two"])
+def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch, anchor_pass):
+    """A selection that raises for one request, in a pass of its own or inside the refresh, fails that request
+    alone; the other decodes as it would alone, and none of the pool's pages is lost."""
     from acache.affix.selectors.attention import AttentionAnchors
+    from acache.engine import model_runner
     from acache.models.loader import load_model
 
     model = load_model(llada_dir)
-    real = AttentionAnchors.scores
+    real_scores, real_refresh = AttentionAnchors.scores, model_runner.refresh_selecting
 
     def scores(self, ctx):
         if (ctx.canvas.tokens == POISON).any():
             raise RuntimeError("selector broke on this request")
-        return real(self, ctx)
+        return real_scores(self, ctx)
+
+    def refresh(model, tokens, *args):
+        if (tokens == POISON).any():
+            raise RuntimeError("selector broke on this request")
+        return real_refresh(model, tokens, *args)
 
     monkeypatch.setattr(AttentionAnchors, "scores", scores)
+    monkeypatch.setattr(model_runner, "refresh_selecting", refresh)
     good = layouts(seed=1)["prefix"]
     from acache.affix.prompt import AffixPrompt
 
     bad = AffixPrompt(good.token_ids[:-1] + (POISON,), good.gen_at, good.affixes)
-    params = SamplingParams(**BASE, affix_policy="attention")
-    outs = run_all(LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22)), [(good, params, None), (bad, params, None)])
+    params = SamplingParams(**BASE, affix_policy="attention", anchor_pass=anchor_pass)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
+    outs = run_all(engine, [(good, params, None), (bad, params, None)])
     assert outs[0].status is Status.FINISHED
     assert outs[0].token_ids == reference_generate(model, good, params).token_ids
     assert outs[1].status is Status.FAILED and outs[1].error == "RuntimeError: selector broke on this request"
+    assert engine.pool.num_used == sum(len(e.pages) for e in engine.affixes.entries.values())
 
 
 def test_an_engine_fault_is_raised(llada_dir, monkeypatch):
@@ -279,7 +291,7 @@ def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_mod
     monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append((name, query)) or
                         real(name, query))
     prompts = list(layouts().values())
-    params = [SamplingParams(**BASE, affix_policy=s, anchor_query=q, anchor_ratio=r)
+    params = [SamplingParams(**BASE, affix_policy=s, anchor_query=q, anchor_ratio=r, anchor_pass="two")
               for s, q, r in (("cacheblend", "probe", 0.3), ("cacheblend", "full", 0.2),
                               ("attention", "probe", 0.3), ("attention", "shallow", 0.3))]
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))

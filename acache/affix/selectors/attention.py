@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from acache.affix.context import SelectionContext
-from acache.affix.selectors.base import AnchorSelector
+from acache.affix.selectors.base import AnchorSelector, OnePass
 from acache.policies import ANCHOR_QUERIES as QUERY_SOURCES
 
 
@@ -19,6 +19,7 @@ class AttentionAnchors(AnchorSelector):
     """
 
     name = "attention"
+    one_pass = OnePass(queries="masks")
 
     def __init__(self, query: str = "probe") -> None:
         if query not in QUERY_SOURCES:
@@ -46,6 +47,7 @@ class QueryAttentionAnchors(AnchorSelector):
     """
 
     name = "query-attention"
+    one_pass = OnePass(queries="question")
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         out, fed, fed_valid = ctx.probe()

@@ -20,11 +20,12 @@ import torch
 
 from acache.affix.context import SelectionContext
 from acache.affix.selectors.attention import AttentionAnchors
-from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_counts, keep_per_affix
+from acache.affix.selectors.base import AnchorSelector, OnePass, affix_sizes, anchor_counts, keep_per_affix
 
 
 class AttentionDeviationAnchors(AnchorSelector):
     name = "attention-deviation"
+    one_pass = OnePass(queries="masks", deviation=True)
 
     def __init__(self, query: str = "probe") -> None:
         self.attention = AttentionAnchors(query)
@@ -36,6 +37,6 @@ class AttentionDeviationAnchors(AnchorSelector):
         sizes = affix_sizes(ctx)
         counts = anchor_counts(ctx, ratio, self.name)
         mass = self.attention.scores(ctx).float()
-        candidates = keep_per_affix(ctx, mass, ctx.affix_mask, [[min(n, 2 * k) for n, k in zip(row, ks, strict=True)]
-                                                                for row, ks in zip(sizes, counts, strict=True)])
-        return keep_per_affix(ctx, mass * ctx.stale_deviation(candidates), candidates, counts)
+        wide = [[min(n, 2 * k) for n, k in zip(row, ks, strict=True)] for row, ks in zip(sizes, counts, strict=True)]
+        candidates = keep_per_affix(ctx.affix_slot, mass, ctx.affix_mask, wide)
+        return keep_per_affix(ctx.affix_slot, mass * ctx.stale_deviation(candidates), candidates, counts)

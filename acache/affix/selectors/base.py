@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -43,21 +44,49 @@ def anchor_counts(ctx: SelectionContext, ratio: float | Sequence[float], selecto
     return [[anchor_count(r, n, selector) for n in row] for r, row in zip(ratios, sizes, strict=True)]
 
 
-def keep_per_affix(ctx: SelectionContext, scores: torch.Tensor, candidates: torch.Tensor,
+def keep_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
                    counts: list[list[int]]) -> torch.Tensor:
-    """``[B, T]``: in each affix ``s`` of each row ``r``, the ``counts[r][s]`` candidates with the highest scores."""
+    """``[B, T]``: in each affix ``s`` of each row ``r`` (``affix_slot [B, T]``), the ``counts[r][s]`` candidates
+    with the highest scores."""
     kept = torch.zeros_like(candidates)
     for r, row_counts in enumerate(counts):
         for s, count in enumerate(row_counts):
             if count:
-                kept[r] |= keep_most(scores[r], candidates[r] & (ctx.affix_slot[r] == s), count)
+                kept[r] |= keep_most(scores[r], candidates[r] & (affix_slot[r] == s), count)
     return kept
+
+
+def carried_counts(k: int, n: int, steps: int) -> list[int]:
+    """How many tokens of an ``n``-token affix are kept after each filtering step (layers 1..L-1), ending at
+    ``k``: from ``min(n, 2k)`` down linearly (CacheBlend's gradual filtering)."""
+    start = min(n, 2 * k)
+    if steps <= 1:
+        return [k] * max(steps, 0)
+    return [round(k + (start - k) * (steps - 1 - s) / (steps - 1)) for s in range(steps)]
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """A selector's score inside the refresh (:mod:`acache.affix.one_pass`): ``queries`` (``"masks"`` or
+    ``"question"``) scores by the attention mass of those columns on each affix token, summed over the layers so
+    far; ``deviation`` multiplies in the layer's K/V deviation ``sum_h ||K - K_cached|| + ||V - V_cached||``."""
+
+    queries: str | None = None
+    deviation: bool = False
+
+    def __post_init__(self) -> None:
+        if self.queries not in (None, "masks", "question"):
+            raise ValueError(f"one-pass queries must be 'masks', 'question' or None, got {self.queries!r}")
+        if self.queries is None and not self.deviation:
+            raise ValueError("a one-pass rule scores by attention mass, deviation or both")
 
 
 class AnchorSelector:
     """Chooses which affix tokens a request recomputes. Subclasses define :meth:`scores`."""
 
     name: ClassVar[str]
+    #: how the selector scores inside the first refresh (``anchor_pass="one"``); None: it needs a pass of its own
+    one_pass: ClassVar[OnePass | None] = None
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         """``[B, T]`` importance of each canvas column; only affix columns are read."""

@@ -16,20 +16,19 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index, kv_deviation
-from acache.affix.selectors.base import AnchorSelector, affix_sizes, anchor_counts, keep_per_affix
-
-
-def carried_counts(k: int, n: int, steps: int) -> list[int]:
-    """How many tokens of an ``n``-token affix are kept after each filtering step (layers 1..L-1), ending at
-    ``k``: from ``min(n, 2k)`` down linearly."""
-    start = min(n, 2 * k)
-    if steps <= 1:
-        return [k] * max(steps, 0)
-    return [round(k + (start - k) * (steps - 1 - s) / (steps - 1)) for s in range(steps)]
+from acache.affix.selectors.base import (
+    AnchorSelector,
+    OnePass,
+    affix_sizes,
+    anchor_counts,
+    carried_counts,
+    keep_per_affix,
+)
 
 
 class CacheBlendAnchors(AnchorSelector):
     name = "cacheblend"
+    one_pass = OnePass(deviation=True)  # the published selection is a refresh's forward: the same anchors
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         raise NotImplementedError("CacheBlend selects by gradual filtering, not by one score: call select()")
@@ -43,7 +42,7 @@ class CacheBlendAnchors(AnchorSelector):
                 for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx), strict=True)]
 
         def keep(scores: torch.Tensor, candidates: torch.Tensor, step: int) -> torch.Tensor:
-            return keep_per_affix(ctx, scores, candidates, [[p[step] for p in row] for row in plan])
+            return keep_per_affix(ctx.affix_slot, scores, candidates, [[p[step] for p in row] for row in plan])
 
         if layers < 2:  # every K/V is context-free: nothing deviates; keep the first tokens
             return keep(torch.zeros(b, t, device=c.tokens.device), affix, 0)

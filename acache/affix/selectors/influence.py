@@ -79,7 +79,7 @@ class InfluenceAnchors(AnchorSelector):
         scores = self.scores(ctx)
         if ctx.own is not None:  # affix columns every refresh recomputes anyway go last (scores are >= 0)
             scores = torch.where(ctx.own & ctx.affix_mask, -1.0, scores)
-        return keep_per_affix(ctx, scores, ctx.affix_mask, anchor_counts(ctx, ratio, self.name))
+        return keep_per_affix(ctx.affix_slot, scores, ctx.affix_mask, anchor_counts(ctx, ratio, self.name))
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         c, model = ctx.canvas, ctx.model

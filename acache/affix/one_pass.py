@@ -1,0 +1,165 @@
+"""Anchors chosen inside the request's first refresh forward (``anchor_pass="one"``): selection adds no forward.
+
+The first refresh of a request with shared affixes runs layer by layer:
+
+* layers 0 and 1 (up to the first stale one: layer 0's K/V depend on each token alone) on every column in
+  context, affix tokens included, as CacheBlend's first layers run;
+* from layer 2 on, only the request's own columns (the ones every refresh recomputes) and the carried
+  candidates, against the cached K/V of the other affix tokens; after each layer from 1 on, the candidates
+  of each affix are filtered by the selector's score, from ``min(n, 2k)`` after layer 1 down linearly to
+  ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors.
+
+Every K/V the forward computes for the own columns and the anchors is kept (the executor writes them where a
+refresh writes them: the request's private slots), its final states decode the block's first step, and the
+later refreshes recompute the own columns and the anchors as any refresh does. A row whose affixes take no
+anchors (ratio 0) feeds its own columns alone at every layer: direct reuse, the same forward. A row whose
+affixes are all anchors (ratio 1) feeds every column at every layer: full recomputation.
+
+Each one-pass selector is a :class:`OnePass` rule (``AnchorSelector.one_pass``): the score at layer ``l`` is
+the attention mass of the masks (or of the question) on each affix token summed over layers ``0..l``, or the
+layer's K/V deviation ``sum_h ||K - K_cached|| + ||V - V_cached||``, or their product.
+
+Where it differs from the selection of its own (``anchor_pass="two"``):
+
+* the first refresh is not the two-pass refresh: its own columns and anchors attend, at the early layers, to
+  fresh K/V of more affix tokens than the anchors (all of them at layers 0-1, the carried ones later), so
+  they are nearer full recomputation than that refresh's; from the second refresh on both compute the same;
+* ``attention`` and ``query-attention`` score with the queries of this forward (in context at layers 0-1,
+  then against fresh carried and cached other keys) over the keys it attends to, instead of the probe's
+  queries over the cached keys at every layer, and filter gradually instead of taking the top ``k`` once;
+* ``attention-deviation`` filters every layer by mass times that layer's deviation instead of taking the
+  masks' top ``2k`` then the top ``k`` by mass times the layer-1 deviation;
+* ``cacheblend`` chooses the same anchors: its published selection is this forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from acache.affix.context import AffixMass, compact_index, kv_deviation
+from acache.affix.selectors.base import OnePass, carried_counts, keep_per_affix
+from acache.models.base import DiffusionLM
+from acache.models.kv import KVCache
+from acache.models.layers import apply_rope, rope_tables
+
+#: the first layer whose K/V depend on context: the forward runs every column through it before filtering
+FIRST_STALE = 1
+
+#: ``cached(layer, cols [B, C])`` -> the cached affix ``(keys, values)`` ``[B, C, Hkv, D]`` at those canvas columns
+CachedKV = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class OnePassResult:
+    """The selecting refresh's output: final (normed) states in canvas layout ``[B, T, hidden]`` (read at the own
+    columns), the anchors ``[B, T]``, and the K/V to keep: per layer ``[B, R, Hkv, D]`` at ``cols [B, R]`` (the
+    own columns and the anchors, ascending, padded with ``T``) where ``valid``."""
+
+    hidden: torch.Tensor
+    anchors: torch.Tensor
+    cols: torch.Tensor
+    valid: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                      own: torch.Tensor, affix_slot: torch.Tensor, gen: torch.Tensor, rules: list[OnePass],
+                      counts: list[list[int]], cached: CachedKV) -> OnePassResult:
+    """The first refresh with its anchors chosen inside it (module docstring).
+
+    ``tokens``/``positions``/``valid`` ``[B, T]``: the canvas and the columns this forward covers (far masks
+    out); ``own``: the columns every refresh recomputes; ``affix_slot``: each shared affix column's affix in
+    its row (-1 elsewhere); ``gen``: the masked generation columns; ``rules[r]`` and ``counts[r][s]`` (the
+    anchor count of affix ``s``) per row; ``cached`` reads the shared affixes' cached K/V."""
+    b, t = tokens.shape
+    cfg = model.config
+    layers, width, dev = cfg.num_layers, cfg.hidden_size, tokens.device
+    affix = (affix_slot >= 0) & valid
+    num_slots = int(affix_slot.max()) + 1 if affix_slot.numel() else 0
+    sizes = [[int((row == s).sum()) for s in range(num_slots)] for row in affix_slot]
+    steps = max(layers - FIRST_STALE, 1)
+    plans = [[carried_counts(k, n, steps) for k, n in zip(row_k, row_n, strict=True)]
+             for row_k, row_n in zip(counts, sizes, strict=True)]
+    takes = torch.zeros(b, t, dtype=torch.bool, device=dev)  # affix columns whose affix takes anchors
+    for r, row_k in enumerate(counts):
+        for s, k in enumerate(row_k):
+            if k:
+                takes[r] |= affix_slot[r] == s
+    # an affix column every refresh recomputes anyway (a block-causal model's mixed attention block) competes for
+    # the anchors as in the selection of its own
+    cand = affix & takes
+    filtering = any(0 < k < n for row_k, row_n in zip(counts, sizes, strict=True)
+                    for k, n in zip(row_k, row_n, strict=True))
+
+    # the score's terms, decided once: which rows multiply in the deviation, which queries count for the mass
+    by_dev = torch.tensor([rule.deviation for rule in rules], device=dev)[:, None]
+    by_mass = torch.tensor([rule.queries is not None for rule in rules], device=dev)[:, None]
+    masks = torch.tensor([rule.queries == "masks" for rule in rules], device=dev)[:, None]
+    question = torch.tensor([rule.queries == "question" for rule in rules], device=dev)[:, None]
+    weight = valid & ((masks & gen) | (question & own & ~gen & ~affix))
+    mass = None
+    if filtering and bool(weight.any()) and bool(affix.any()):
+        q_cols, q_valid = compact_index(weight, fill=t)
+        k_cols, k_valid = compact_index(affix, fill=t)
+        k_slot = torch.where(k_valid, affix_slot.gather(1, k_cols.clamp_max(t - 1)), -1)
+        mass = AffixMass(cfg, q_valid, k_slot)
+        q_rope = rope_tables(positions.gather(1, q_cols.clamp_max(t - 1)), cfg.head_dim, cfg.rope_theta)
+        k_rope = rope_tables(positions.gather(1, k_cols.clamp_max(t - 1)), cfg.head_dim, cfg.rope_theta)
+    mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+
+    hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
+    saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for layer in range(layers):
+        fed, fed_valid = compact_index(valid & (own | cand), fill=t)
+        past, past_valid = compact_index(affix & ~own & ~cand, fill=t)
+        at = fed.clamp_max(t - 1)
+        kv = None
+        if past.shape[1]:
+            at_past = past.clamp_max(t - 1)
+            keys, values = cached(layer, at_past)
+            kv = KVCache([keys] * layers, [values] * layers, positions.gather(1, at_past), past_valid)
+        out = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),
+                               fed_valid, kv, range(layer, layer + 1), return_kv=True, capture_queries=mass is not None)
+        hidden.scatter_(1, fed[..., None].expand(-1, -1, width), out.hidden)
+        keys, values = out.kv.keys[0], out.kv.values[0]
+        saved.append((fed, keys, values))
+        if not filtering:
+            continue
+        if mass is not None:
+            def in_fed(cols: torch.Tensor, fed: torch.Tensor = fed) -> torch.Tensor:
+                return torch.searchsorted(fed, cols.contiguous()).clamp_max(fed.shape[1] - 1)
+
+            q_at = in_fed(q_cols)
+            q = out.queries[0].gather(1, q_at[..., None, None].expand(-1, -1, *out.queries[0].shape[2:]))
+            k_at = in_fed(k_cols)
+            stale, _ = cached(layer, k_cols.clamp_max(t - 1))
+            fresh = keys.gather(1, k_at[..., None, None].expand(-1, -1, *keys.shape[2:]))
+            is_fed = (fed.gather(1, k_at) == k_cols)[..., None, None]
+            attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
+            layer_mass = model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid)
+            mass_sum.scatter_add_(1, k_cols, layer_mass)
+        if layer < FIRST_STALE and layers > 1:
+            continue
+        score = torch.where(by_mass, mass_sum[:, :t], 1.0)
+        if bool(by_dev.any()):
+            deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+            if layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation, the first tokens
+                stale_keys, stale_values = cached(layer, at)
+                deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(keys, values, stale_keys, stale_values)))
+            score = score * torch.where(by_dev, deviation[:, :t], 1.0)
+        step = max(layer - FIRST_STALE, 0)
+        cand = keep_per_affix(affix_slot, score, cand, [[p[step] for p in row] for row in plans])
+
+    kept, kept_valid = compact_index(valid & (own | cand), fill=t)
+    out_keys, out_values = [], []
+    for fed, keys, values in saved:
+        index = torch.searchsorted(fed, kept).clamp_max(fed.shape[1] - 1)[..., None, None].expand(
+            -1, -1, *keys.shape[2:])
+        out_keys.append(keys.gather(1, index))
+        out_values.append(values.gather(1, index))
+    return OnePassResult(model.norm(hidden[:, :t]), cand, kept, kept_valid, out_keys, out_values)
