@@ -25,6 +25,14 @@ from acache import SamplingParams
     (dict(probe_step=True, affix_policy="bicache-matched"), "probe_step .* got 'bicache-matched'"),
     (dict(probe_step=1, affix_policy="attention"), "probe_step must be true or false"),
     (dict(anchor_query="deep"), "anchor_query must be one of probe, full, shallow, got 'deep'"),
+    (dict(affix_policy="attention", anchor_pass="three"), "anchor_pass must be one of one, two or None, got 'three'"),
+    (dict(anchor_pass="one"), "anchor_pass .* needs an anchor affix_policy .* got None"),
+    (dict(affix_policy="bicache-matched", anchor_pass="two"), "anchor_pass .* got 'bicache-matched'"),
+    (dict(affix_policy="kv-deviation", anchor_pass="one"), "'kv-deviation' has no one-pass form"),
+    (dict(affix_policy="influence", anchor_pass="one"), "'influence' has no one-pass form"),
+    (dict(affix_policy="attention", anchor_pass="one", probe_step=True), "probe_step need.* anchor_pass='two'"),
+    (dict(affix_policy="attention", anchor_pass="one", anchor_query="full"),
+     "anchor_query='full' need.* anchor_pass='two'"),
 ])
 def test_invalid_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -50,3 +58,21 @@ def test_defaults_and_schedule():
 def test_wrong_types_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, resolved", [
+    (dict(), None),
+    (dict(affix_policy="bicache-profiled"), None),
+    (dict(affix_policy="attention"), "one"),
+    (dict(affix_policy="cacheblend"), "one"),
+    (dict(affix_policy="cacheblend", anchor_query="full"), "one"),  # cacheblend reads no anchor_query
+    (dict(affix_policy="attention", anchor_query="shallow"), "two"),
+    (dict(affix_policy="query-attention", probe_step=True), "two"),
+    (dict(affix_policy="kv-deviation"), "two"),
+    (dict(affix_policy="random"), "two"),
+    (dict(affix_policy="attention-deviation", anchor_pass="two"), "two"),
+])
+def test_anchor_pass_resolves_once(kwargs, resolved):
+    """Where anchors are chosen is resolved at construction: inside the refresh where the selector has that
+    form and nothing asks for the separate pass."""
+    assert SamplingParams(**kwargs).anchor_pass == resolved

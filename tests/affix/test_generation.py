@@ -8,6 +8,7 @@ import torch
 from acache.affix.store import AffixStore
 from acache.decoding.commit import Threshold
 from acache.models.kv import KVCache
+from acache.policies import ONE_PASS_SELECTORS
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.affix.helpers import affix_engine, affix_run, layouts
@@ -19,8 +20,9 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
 @pytest.mark.parametrize("how", [dict(affix_policy="all"), *(dict(affix_policy=s, anchor_ratio=1.0) for s in (
     "attention", "attention-deviation", "cacheblend", "influence", "kv-deviation", "query-attention", "first-k",
-    "random")), dict(affix_policy="attention", anchor_ratio=1.0, anchor_query="shallow")],
-    ids=lambda h: "-".join(filter(None, (h["affix_policy"], h.get("anchor_query")))))
+    "random")), *(dict(affix_policy=s, anchor_ratio=1.0, anchor_pass="two") for s in ONE_PASS_SELECTORS),
+    dict(affix_policy="attention", anchor_ratio=1.0, anchor_query="shallow")],
+    ids=lambda h: "-".join(filter(None, (h["affix_policy"], h.get("anchor_query"), h.get("anchor_pass")))))
 def test_full_recompute_matches_dual_cache(family_model, position, how):
     prompt = layouts()[position]
     want = affix_run(family_model, prompt, SamplingParams(cache="dual", **BASE))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
-from acache.policies import ANCHOR_QUERIES, COMMIT_RULES, SELECTORS
+from acache.policies import ANCHOR_QUERIES, COMMIT_RULES, ONE_PASS_SELECTORS, QUERY_SELECTORS, SELECTORS
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.helpers import run_engine
@@ -73,6 +73,10 @@ def requests(draw):
         kw["anchor_ratio"] = draw(st.floats(0.0, 1.0))
         kw["anchor_query"] = draw(st.sampled_from(ANCHOR_QUERIES))
         kw["probe_step"] = kw["affix_policy"] not in ("bicache-matched", "bicache-profiled") and draw(st.booleans())
+        if kw["affix_policy"] not in ("bicache-matched", "bicache-profiled"):  # where the anchors are chosen
+            one = kw["affix_policy"] in ONE_PASS_SELECTORS and not kw["probe_step"] and (
+                kw["anchor_query"] == "probe" or kw["affix_policy"] not in QUERY_SELECTORS)
+            kw["anchor_pass"] = draw(st.sampled_from([None, "one", "two"] if one else [None, "two"]))
     arrival = draw(st.integers(0, 6))
     return prompt, SamplingParams(**kw), arrival
 
