@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from acache.cli import _add_model_args, parse_size
-from acache.policies import ANCHOR_QUERIES
+from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
 
 
 def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
@@ -132,12 +132,19 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
                         "--model)")
     p.add_argument("--sentences", type=int, default=8, help="story length for --workload tasks")
     p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests a run (default: the batch size), through an engine of that many slots")
     p.add_argument("--affix-len", type=int, default=700)
     p.add_argument("--question-len", type=int, default=60)
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--steps", type=int, default=64, help="fixed steps (gen/4) so both modes do equal work")
     p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--selector", default=DEFAULT_SELECTOR, choices=SELECTORS,
+                   help=f"ACache's anchor selector (default: {DEFAULT_SELECTOR}, the server's)")
+    p.add_argument("--anchor-pass", default=None, choices=ANCHOR_PASSES,
+                   help="where the anchors are chosen: one (inside the first refresh) or two (a selection of its "
+                        "own); default: one where the selector has that form")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=parse_size, default="4GiB", help="size of the KV page pool")
     p.add_argument("--seed", type=int, default=0)

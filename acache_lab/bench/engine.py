@@ -14,7 +14,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from acache.affix.selectors import anchor_count
 from acache.engine import EngineConfig, LLMEngine
 from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, parse_dtype
+from acache.policies import DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.flops import FlopCounter, matmul_peak
@@ -47,6 +48,8 @@ class Workload:
     block_length: int = 32
     steps: int = 64
     ratio: float = 0.2
+    selector: str = DEFAULT_SELECTOR
+    anchor_pass: str | None = None  # None: the selector's default (one pass where it has one)
 
     @property
     def blocks(self) -> int:
@@ -137,9 +140,10 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
 def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> SamplingParams:
     """The workload's parameters; ``prune`` adds FOCUS, far-mask, probe-step and anchor-query fields
     (``focus_layers``, ...)."""
+    extra = {"anchor_pass": w.anchor_pass} if reuse and w.anchor_pass and "probe_step" not in (prune or {}) else {}
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
-                          remasking="low_confidence", affix_policy="attention" if reuse else None, anchor_ratio=w.ratio,
-                          **(prune or {}))
+                          remasking="low_confidence", affix_policy=w.selector if reuse else None, anchor_ratio=w.ratio,
+                          **extra, **(prune or {}))
 
 
 def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
@@ -151,7 +155,7 @@ def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
         blocks = gen // w.block_length
         steps = max(blocks, gen // 4 // blocks * blocks)
         out.append(SamplingParams(gen_length=gen, block_length=w.block_length, steps=steps,
-                                  remasking="low_confidence", affix_policy="attention",
+                                  remasking="low_confidence", affix_policy=w.selector, anchor_pass=w.anchor_pass,
                                   anchor_ratio=[0.1, 0.2, 0.5][(i // 3) % 3]))
     return out
 
@@ -296,6 +300,8 @@ def plot(comparisons: list[Comparison], path: Path) -> bool:
 
 
 def main(args) -> int:
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be at least 1, not {args.requests}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, not {args.repeats}")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
@@ -306,20 +312,24 @@ def main(args) -> int:
         shape = SHAPES[args.shape]
         model = random_model("llada", shape, dtype, device, args.seed)
         described = f"random LLaDA at {args.shape} shape (" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
-    w = Workload(args.affix_len, args.question_len, args.gen_length, args.block_length, args.steps, args.ratio)
+    w = Workload(args.affix_len, args.question_len, args.gen_length, args.block_length, args.steps, args.ratio,
+                 args.selector, args.anchor_pass)
     if args.workload == "tasks":
         if not args.model:
             raise ValueError("--workload tasks runs on a trained model: pass --model (the shipped one)")
         _, w = make_task_requests(args.model, 1, args.sentences, args.seed)
+        w = replace(w, selector=args.selector, anchor_pass=args.anchor_pass)
         described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())
 
     def requests(b: int) -> tuple[list[AffixPrompt], Workload]:
+        n = args.requests or b
         if args.workload == "tasks":
-            return make_task_requests(args.model, b, args.sentences, args.seed)
-        return make_requests(model, w, b, args.seed + b), w
+            prompts, _ = make_task_requests(args.model, n, args.sentences, args.seed)
+            return prompts, w
+        return make_requests(model, w, n, args.seed + b), w
 
     prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
                                ("far_mask_window", args.far_mask_window),
@@ -374,7 +384,9 @@ def main(args) -> int:
         mixed = [median_run([m[0] for m in mixed]), median_run([m[1] for m in mixed])]
     header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {model.dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
-              f"(low-confidence), ratio {w.ratio}, selector attention (probe), page {args.page_size}; "
+              f"(low-confidence), ratio {w.ratio}, selector {w.selector} "
+              f"({SamplingParams(affix_policy=w.selector, anchor_pass=w.anchor_pass).anchor_pass} pass), "
+              f"page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
               f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")
     cfg = model.config

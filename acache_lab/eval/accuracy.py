@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from acache.llm import LLM
-from acache.policies import LAYOUTS
+from acache.policies import LAYOUTS, ONE_PASS_SELECTORS
 from acache_lab.eval.cost import request_passes
 from acache_lab.eval.metrics import REFERENCE_LABELS, REFERENCES, Cell, summary_table, sweep_table, target_table
 from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
@@ -31,7 +31,8 @@ OURS = ("attention-deviation", "influence")
 #: probe's first layers, and ACache whose selection probe also decodes the first step (``probe_step``)
 VARIANTS = {"attention-full": {"affix_policy": "attention", "anchor_query": "full"},
             "attention-shallow": {"affix_policy": "attention", "anchor_query": "shallow"},
-            "attention-probe-step": {"affix_policy": "attention", "probe_step": True}}
+            "attention-probe-step": {"affix_policy": "attention", "probe_step": True},
+            **{f"{s}-2p": {"affix_policy": s, "anchor_pass": "two"} for s in ONE_PASS_SELECTORS}}
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -61,7 +62,8 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 query = extra.get("anchor_query", "probe")
                 params = task_params(task, affix_policy=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
-                cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio)
+                cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
+                                    params.anchor_pass)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost) for s in selectors
@@ -71,7 +73,8 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     return cells
 
 
-def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, ratio: float) -> float | None:
+def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, ratio: float,
+                 anchor_pass: str | None = None) -> float | None:
     """Mean selection + refresh passes of the requests, in full forwards of each request's canvas (None for
     BiCache, which recomputes layers rather than tokens)."""
     if policy is not None and policy.startswith("bicache"):
@@ -80,7 +83,7 @@ def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, r
     shares = []
     for p in prompts:
         canvas = len(p.token_ids) + gen
-        spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio)
+        spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio, anchor_pass)
         shares.append(spent / (canvas * layers))
     return sum(shares) / len(shares)
 

@@ -16,6 +16,10 @@ every policy (left out, being equal). Selection is counted from each selector's 
   probe, as for ``attention``);
 * ``first-k``, ``random``, ``none``, ``all``: nothing.
 
+A one-pass selector (``anchor_pass="one"``) chooses inside the refresh: nothing is spent before it, and its
+refresh runs layers 0 and 1 of every column, then the non-affix columns and the carried candidates (from
+``min(n, 2k)`` down to ``k``) through each later layer, the pass CacheBlend's selection runs.
+
 BiCache is left out: it recomputes layers, not tokens, and selects nothing.
 """
 
@@ -49,10 +53,17 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0
-        plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1)) for n in affixes]
-        later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
-        return canvas * min(2, layers) + later
+        return filtering_passes(policy, canvas, affixes, layers, ratio)
     raise ValueError(f"no cost model for policy {policy!r}")
+
+
+def filtering_passes(policy: str, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+    """Layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens through each later
+    layer: CacheBlend's selection, and a one-pass selector's whole first refresh."""
+    other = canvas - sum(affixes)
+    plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1)) for n in affixes]
+    later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
+    return canvas * min(2, layers) + later
 
 
 def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
@@ -65,7 +76,10 @@ def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: 
 
 
 def request_passes(policy: str | None, query: str, canvas: int, affixes: list[int], layers: int,
-                   ratio: float) -> int:
-    """Selection plus the block-boundary refresh."""
+                   ratio: float, anchor_pass: str | None = None) -> int:
+    """Selection plus the block-boundary refresh (one pass: the refresh that selects)."""
+    if anchor_pass == "one":  # at ratio 0 and 1 the one pass is the refresh of direct reuse or full recomputation
+        return filtering_passes(policy, canvas, affixes, layers, ratio) if 0 < ratio < 1 and layers > 1 \
+            else refresh_passes(policy, canvas, affixes, layers, ratio)
     select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio)
     return select + refresh_passes(policy, canvas, affixes, layers, ratio)

@@ -16,6 +16,10 @@ class AttentionAnchors(AnchorSelector):
     the stale shared affix K/V); ``query="full"`` from a no-cache forward of the whole request;
     ``query="shallow"`` from the probe's first layers only (``shallow_layers``): the same score over
     fewer layers, at that share of the probe's cost.
+
+    One pass (``anchor_pass="one"``, the default with the probe's queries): inside the first refresh, the masks'
+    queries of that forward on the affix keys it attends to, summed over the layers so far, filter the
+    candidates layer by layer (:mod:`acache.affix.one_pass` says where this differs from the probe's score).
     """
 
     name = "attention"
@@ -43,7 +47,8 @@ class AttentionAnchors(AnchorSelector):
 class QueryAttentionAnchors(AnchorSelector):
     """ProphetKV-style: the affix tokens the prompt's own non-affix, non-mask tokens attend to most.
 
-    A request with no such token scores every affix token zero, which degrades to the first tokens.
+    A request with no such token scores every affix token zero, which degrades to the first tokens. One pass:
+    the question's queries inside the first refresh, as ``attention``'s masks (:mod:`acache.affix.one_pass`).
     """
 
     name = "query-attention"

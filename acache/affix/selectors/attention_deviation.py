@@ -10,6 +10,9 @@ The deviation is measured only for the ``min(n, 2k)`` tokens of each affix the m
 the anchor count): exact there (:meth:`SelectionContext.stale_deviation`), at the cost of layers 0 and 1
 for those tokens and the non-affix ones, not for the whole canvas. The anchors are the ``k`` of those
 candidates with the largest product.
+
+One pass (``anchor_pass="one"``, the default): inside the first refresh, mass (summed over the layers so far)
+times that layer's deviation filters the candidates layer by layer (:mod:`acache.affix.one_pass`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ later layer the carried tokens (plus every non-affix token) are recomputed again
 others, their deviation at that layer measured, and the most deviating kept. The number carried shrinks
 linearly from ``min(n, 2k)`` at layer 1 to ``k = ceil(ratio * n)`` at the last layer, per affix; the tokens
 kept there are the anchors. Unlike the ``kv-deviation`` oracle, no full forward is run past layer 1.
+
+That selection is a refresh's forward, so its one-pass form (``anchor_pass="one"``, the default) runs it as the
+request's first refresh and keeps its K/V: the same anchors, no pass of its own (:mod:`acache.affix.one_pass`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ one above layer 0, whose K/V are context-free) without running the affix in cont
 own queries (:meth:`SelectionContext.affix_queries`: question-free, the same for every request that shares
 the affix) and the request's own K/V from the serving-path probe; the rest is attention arithmetic. Affix
 columns every refresh recomputes anyway (``SelectionContext.own``) are taken last.
+
+It keeps its probe and the affix's own forward (no ``anchor_pass="one"``): its propagation reads the affix
+tokens' queries alone and every layer's probe K/V before any anchor is known.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ from acache.affix.selectors.base import AnchorSelector
 
 
 class KVDeviationAnchors(AnchorSelector):
-    """``score(j) = sum_{l,h} ||K_full - K_cached||_2 + ||V_full - V_cached||_2`` from one full forward."""
+    """``score(j) = sum_{l,h} ||K_full - K_cached||_2 + ||V_full - V_cached||_2`` from one full forward.
+
+    It keeps that pass of its own (no ``anchor_pass="one"``): it needs every layer's in-context K/V of every affix
+    token, which a refresh that recomputes only some of them never holds."""
 
     name = "kv-deviation"
 
