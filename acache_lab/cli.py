@@ -166,6 +166,9 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (compiled in the untimed warm-up, which then runs every "
                         "mode at batch 1 and 2: dynamic shapes serve the larger batches)")
+    p.add_argument("--fastdllm-loop", action="store_true",
+                   help="also time a Fast-dLLM-style loop (upstream generate_with_dual_cache's shape: the batch in "
+                        "lockstep, whole prompts recomputed at every block start)")
     p.add_argument("--no-mixed", dest="mixed", action="store_false",
                    help="skip the heterogeneous batch (mixed gen_length and anchor ratios) at the largest batch size")
     _add_model_args(p)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from acache.affix.context import AffixMass, compact_index, kv_deviation
 from acache.affix.selectors.base import OnePass, carried_counts, keep_per_affix
 from acache.models.base import DiffusionLM
-from acache.models.kv import KVCache
+from acache.models.kv import LayerView, LayerwiseKV
 from acache.models.layers import apply_rope, rope_tables
 
 #: the first layer whose K/V depend on context: the forward runs every column through it before filtering
@@ -114,43 +114,41 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
 
     hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for layer in range(layers):
+    # the layers run together until the candidates are next filtered: all of them when nothing is filtered
+    first = min(FIRST_STALE + 1, layers) if filtering else layers
+    spans = [range(0, first), *(range(layer, layer + 1) for layer in range(first, layers))]
+    for span in spans:
         fed, fed_valid = compact_index(valid & (own | cand), fill=t)
         past, past_valid = compact_index(affix & ~own & ~cand, fill=t)
         at = fed.clamp_max(t - 1)
         kv = None
         if past.shape[1]:
             at_past = past.clamp_max(t - 1)
-            keys, values = cached(layer, at_past)
-            kv = KVCache([keys] * layers, [values] * layers, positions.gather(1, at_past), past_valid)
+            kv = LayerwiseKV(*_layer_views(cached, at_past, layers), positions.gather(1, at_past), past_valid)
         out = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),
-                               fed_valid, kv, range(layer, layer + 1), return_kv=True, capture_queries=mass is not None)
+                               fed_valid, kv, span, return_kv=True, capture_queries=mass is not None)
         hidden.scatter_(1, fed[..., None].expand(-1, -1, width), out.hidden)
-        keys, values = out.kv.keys[0], out.kv.values[0]
-        saved.append((fed, keys, values))
+        saved += [(fed, keys, values) for keys, values in zip(out.kv.keys, out.kv.values, strict=True)]
         if not filtering:
             continue
         if mass is not None:
-            def in_fed(cols: torch.Tensor, fed: torch.Tensor = fed) -> torch.Tensor:
-                return torch.searchsorted(fed, cols.contiguous()).clamp_max(fed.shape[1] - 1)
-
-            q_at = in_fed(q_cols)
-            q = out.queries[0].gather(1, q_at[..., None, None].expand(-1, -1, *out.queries[0].shape[2:]))
-            k_at = in_fed(k_cols)
-            stale, _ = cached(layer, k_cols.clamp_max(t - 1))
-            fresh = keys.gather(1, k_at[..., None, None].expand(-1, -1, *keys.shape[2:]))
+            q_at, k_at = _index_in(fed, q_cols), _index_in(fed, k_cols)
             is_fed = (fed.gather(1, k_at) == k_cols)[..., None, None]
-            attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
-            layer_mass = model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid)
-            mass_sum.scatter_add_(1, k_cols, layer_mass)
-        if layer < FIRST_STALE and layers > 1:
-            continue
+            for j, layer in enumerate(span):
+                queries, keys = out.queries[j], out.kv.keys[j]
+                q = queries.gather(1, q_at[..., None, None].expand(-1, -1, *queries.shape[2:]))
+                fresh = keys.gather(1, k_at[..., None, None].expand(-1, -1, *keys.shape[2:]))
+                stale, _ = cached(layer, k_cols.clamp_max(t - 1))
+                attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
+                mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
+        layer = span[-1]
         score = torch.where(by_mass, mass_sum[:, :t], 1.0)
         if bool(by_dev.any()):
             deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
             if layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation, the first tokens
                 stale_keys, stale_values = cached(layer, at)
-                deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(keys, values, stale_keys, stale_values)))
+                deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(out.kv.keys[-1], out.kv.values[-1],
+                                                                           stale_keys, stale_values)))
             score = score * torch.where(by_dev, deviation[:, :t], 1.0)
         step = max(layer - FIRST_STALE, 0)
         cand = keep_per_affix(affix_slot, score, cand, [[p[step] for p in row] for row in plans])
@@ -158,8 +156,27 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     kept, kept_valid = compact_index(valid & (own | cand), fill=t)
     out_keys, out_values = [], []
     for fed, keys, values in saved:
-        index = torch.searchsorted(fed, kept).clamp_max(fed.shape[1] - 1)[..., None, None].expand(
-            -1, -1, *keys.shape[2:])
+        index = _index_in(fed, kept)[..., None, None].expand(-1, -1, *keys.shape[2:])
         out_keys.append(keys.gather(1, index))
         out_values.append(values.gather(1, index))
     return OnePassResult(model.norm(hidden[:, :t]), cand, kept, kept_valid, out_keys, out_values)
+
+
+def _index_in(fed: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Where each of ``cols [B, C]`` sits in the ascending ``fed [B, F]`` (clamped: a column not fed lands
+    anywhere, and callers check it)."""
+    return torch.searchsorted(fed, cols.contiguous()).clamp_max(fed.shape[1] - 1)
+
+
+def _layer_views(cached: CachedKV, cols: torch.Tensor, layers: int) -> tuple[LayerView, LayerView]:
+    """The cached K/V at ``cols`` as a forward reads them, layer by layer: keys, then values of the same layer,
+    each layer gathered once."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in memo:
+            memo.clear()
+            memo[layer] = cached(layer, cols)
+        return memo[layer]
+
+    return LayerView(lambda i: layer_kv(i)[0], layers), LayerView(lambda i: layer_kv(i)[1], layers)

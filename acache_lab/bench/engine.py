@@ -28,7 +28,9 @@ from acache.models.loader import load_model, parse_device, parse_dtype
 from acache.policies import DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
 from acache_lab.bench.decode import random_model
+from acache_lab.bench.fastdllm import fastdllm_generate
 from acache_lab.bench.flops import FlopCounter, matmul_peak
+from acache_lab.eval.cost import filtering_passes
 
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
@@ -55,11 +57,20 @@ class Workload:
     def blocks(self) -> int:
         return self.gen_length // self.block_length
 
-    def token_passes(self, reuse: bool) -> int:
-        """Tokens fed per request over its whole decoding (what throughput is bound by)."""
+    def token_passes(self, reuse: bool, layers: int | None = None) -> float:
+        """Tokens fed per request over its whole decoding (what throughput is bound by). ACache adds the selection
+        probe before its refreshes; chosen in one pass (given the model's ``layers``), its first refresh is that
+        forward instead (layers 0-1 on every token, then its own and the carried candidates), in tokens of a
+        whole forward."""
         in_block = (self.steps - self.blocks) * self.block_length
         if not reuse:
             return self.blocks * (self.affix_len + self.question_len + self.gen_length) + in_block
+        one = layers is not None and SamplingParams(affix_policy=self.selector, anchor_pass=self.anchor_pass,
+                                                    probe_step=False).anchor_pass == "one"
+        if one:
+            canvas = self.affix_len + self.question_len + self.gen_length
+            first = filtering_passes(self.selector, canvas, [self.affix_len], layers, self.ratio) / layers
+            return first + (self.blocks - 1) * self.refresh_tokens(True) + in_block
         probe = self.question_len + self.gen_length
         return probe + self.blocks * self.refresh_tokens(True) + in_block
 
@@ -187,6 +198,21 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
                       s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"], counter.flops)
 
 
+def run_fastdllm(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int) -> ModeResult:
+    """The same requests through the Fast-dLLM-style reference loop (:mod:`acache_lab.bench.fastdllm`), ``batch``
+    at a time in lockstep, every prompt recomputed whole at each block start."""
+    params = workload_params(w, False)
+    wall = refresh = steps = 0.0
+    with FlopCounter(model) as counter:
+        for lo in range(0, len(prompts), batch):
+            start = time.perf_counter()
+            _, r, s = fastdllm_generate(model, [list(p.token_ids) for p in prompts[lo:lo + batch]], params)
+            wall += time.perf_counter() - start
+            refresh, steps = refresh + r, steps + s
+    decoded = len(prompts) * w.gen_length
+    return ModeResult("fast-dllm loop", batch, wall, decoded, decoded / wall, refresh, steps, 0.0, 0, 0, counter.flops)
+
+
 def run_grouped(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int, page_size: int,
                 kv_bytes: int, params: list[SamplingParams]) -> ModeResult:
     """The same requests as a mixed batch, each group of identical parameters run alone, one after another:
@@ -210,7 +236,8 @@ def median_run(runs: list[ModeResult]) -> ModeResult:
     return sorted(runs, key=lambda r: r.wall_time_s)[len(runs) // 2]
 
 
-def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int) -> Comparison:
+def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int, layers: int | None = None,
+            ) -> Comparison:
     def pages(tokens: int) -> int:
         return -(-tokens // page_size)
 
@@ -222,7 +249,7 @@ def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int) -
         recompute_reduction=1 - acache.recompute_latency_s / dual.recompute_latency_s,
         recompute_reduction_ideal=1 - w.refresh_tokens(True) / w.refresh_tokens(False),
         throughput_gain=acache.throughput_tokens_per_s / dual.throughput_tokens_per_s,
-        throughput_gain_ideal=w.token_passes(False) / w.token_passes(True),
+        throughput_gain_ideal=w.token_passes(False) / w.token_passes(True, layers),
         peak_kv_reduction=1 - acache.peak_kv_pages / dual.peak_kv_pages,
         peak_kv_reduction_ideal=1 - ideal_pages_acache / ideal_pages_dual,
     )
@@ -361,17 +388,23 @@ def main(args) -> int:
                   if spec[1] is not model]
         for b, spec in tqdm(ahead, desc="bench warm-up (untimed)", unit="run"):
             run_spec(spec, *requests(b), b)
+    if args.fastdllm_loop and (model.shifted_logits or model.config.block_size is not None):
+        raise ValueError("--fastdllm-loop runs LLaDA-style models (unshifted, bidirectional)")
     with tqdm(total=len(specs) * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
             prompts, w = requests(b)
             runs: dict[str, list[ModeResult]] = {spec[0]: [] for spec in specs}
+            if args.fastdllm_loop:
+                runs["fast-dllm loop"] = []
             for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits every mode alike
                 for spec in specs:
                     runs[spec[0]].append(run_spec(spec, prompts, w, b))
                     bar.update(1)
+                if args.fastdllm_loop:
+                    runs["fast-dllm loop"].append(run_fastdllm(model, prompts, w, b))
             best = {name: median_run(r) for name, r in runs.items()}
             results += list(best.values())
-            comparisons.append(compare(best["dual"], best["acache"], w, args.page_size))
+            comparisons.append(compare(best["dual"], best["acache"], w, args.page_size, model.config.num_layers))
     mixed = []
     if args.mixed:
         b = batches[-1]
@@ -399,6 +432,11 @@ def main(args) -> int:
         table += "\n\n" + "\n".join(
             f"batch {b}: {pruned_name} at {speed[(b, pruned_name)] / speed[(b, 'dual')]:.2f}x the dual cache's "
             f"tokens/s ({speed[(b, 'acache')] / speed[(b, 'dual')]:.2f}x for plain ACache)" for b in batches)
+    if args.fastdllm_loop:
+        table += "\n\n" + "\n".join(
+            f"batch {b}: ACache at {speed[(b, 'acache')] / speed[(b, 'fast-dllm loop')]:.2f}x the Fast-dLLM-style "
+            f"loop's tokens/s (the engine's dual cache at {speed[(b, 'dual')] / speed[(b, 'fast-dllm loop')]:.2f}x)"
+            for b in batches)
     if args.compile:
         table += "\n\n" + "\n".join(
             f"batch {b}: compiled / eager tokens/s: dual {speed[(b, 'dual compiled')] / speed[(b, 'dual')]:.2f}x, "

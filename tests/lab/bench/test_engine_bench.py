@@ -136,3 +136,44 @@ def test_compile_times_a_compiled_copy_beside_the_eager_model(task_model_dir, tm
         assert flops[(b, "acache")] == flops[(b, "acache compiled")] > 0
     printed = capsys.readouterr().out
     assert "batch 3: compiled / eager tokens/s: dual " in printed
+
+
+def test_one_pass_ideal_counts_the_selecting_refresh():
+    """Chosen in one pass, no probe runs and the first refresh is the forward that filters: layers 0-1 of the whole
+    canvas, then the own tokens and the carried candidates (from 2k down to k) through the later layers."""
+    w = Workload()  # 700 + 60 + 256, k = 140, 8 blocks, attention (one pass by default)
+    layers = 30
+    carried = [round(140 + 140 * (28 - s) / 28) for s in range(29)]  # after layers 1..29
+    first = (1016 * 2 + sum(316 + c for c in carried[:28])) / layers
+    assert w.token_passes(True, layers) == pytest.approx(first + 7 * 456 + 56 * 32)
+    assert Workload(anchor_pass="two").token_passes(True, layers) == w.token_passes(True)  # the probe's count
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "threshold"])
+def test_fastdllm_loop_decodes_as_the_engine(llada_model, remasking):
+    """The Fast-dLLM-style loop the bench times ACache against decodes what the engine's dual cache decodes, token
+    for token (it is a baseline, not a different algorithm)."""
+    from acache.sampling_params import SamplingParams
+    from acache_lab.bench.fastdllm import fastdllm_generate
+    from tests.conftest import random_prompts
+    from tests.helpers import run_engine
+
+    prompts = random_prompts([11, 11, 11], seed=4)
+    params = SamplingParams(gen_length=16, block_length=8, steps=8 if remasking == "low_confidence" else None,
+                            remasking=remasking, threshold=0.5)
+    got, refresh_s, step_s = fastdllm_generate(llada_model, prompts, params)
+    want = run_engine(llada_model, prompts, params)
+    for g, o in zip(got, want, strict=True):  # the engine cuts its output at the first stop token
+        assert g[:len(o.token_ids)] == o.token_ids
+        assert len(o.token_ids) == len(g) or g[len(o.token_ids)] == o.stop_token_id
+    assert refresh_s > 0 and step_s > 0
+
+
+def test_fastdllm_loop_refuses_what_it_cannot_run(llada_model):
+    from acache.sampling_params import SamplingParams
+    from acache_lab.bench.fastdllm import fastdllm_generate
+
+    with pytest.raises(ValueError, match="prompts of one length"):
+        fastdllm_generate(llada_model, [[1, 2, 3], [1, 2]], SamplingParams(gen_length=8, block_length=8))
+    with pytest.raises(ValueError, match="no affix reuse"):
+        fastdllm_generate(llada_model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, affix_policy="none"))
