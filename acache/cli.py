@@ -11,7 +11,15 @@ from importlib.metadata import entry_points, version
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
 from acache.models.registry import ALL_CLASSES
-from acache.policies import AFFIX_POLICIES, ANCHOR_QUERIES, CACHE_POLICIES, COMMIT_RULES, LAYOUTS
+from acache.policies import (
+    AFFIX_POLICIES,
+    ANCHOR_PASSES,
+    ANCHOR_QUERIES,
+    CACHE_POLICIES,
+    COMMIT_RULES,
+    DEFAULT_SELECTOR,
+    LAYOUTS,
+)
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
 
@@ -38,14 +46,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--layout", default="prefix", choices=LAYOUTS,
                    help="prefix [affix][prompt][GEN], infix [prompt][affix][answer][GEN], suffix [prompt][GEN][affix]")
     a.add_argument("--answer-prompt", default="", help="text between the affix and the generation region")
-    a.add_argument("--affix-policy", default=d.affix_policy, choices=AFFIX_POLICIES,
-                   help="reuse the affix's shared K/V with this policy: attention is ACache, none direct reuse, "
-                        "all full recompute; the rest are baselines")
+    a.add_argument("--affix-policy", default=None, choices=AFFIX_POLICIES,
+                   help=f"reuse the affix's shared K/V with this policy (default with --affix: {DEFAULT_SELECTOR}, "
+                        "the server's): attention is ACache, none direct reuse, all full recompute; the rest are "
+                        "baselines")
     a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
                    help="share of affix tokens recomputed")
     a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES,
                    help="where ACache's queries come from: the probe, a no-cache forward (full), or the probe's "
                         "first layers only (shallow: three tenths of them, at least one)")
+    a.add_argument("--anchor-pass", default=None, choices=ANCHOR_PASSES,
+                   help="where anchors are chosen: one (inside the first refresh) or two (a selection of its own "
+                        "first); default: one where the selector has that form")
     a.add_argument("--probe-step", action="store_true",
                    help="let the anchor-selection probe decode the first step (one forward fewer a request)")
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
@@ -112,12 +124,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from acache import LLM, Affix, SamplingParams
     from acache.affix.prompt import layout_segments
 
+    policy = args.affix_policy
+    if policy is None and (args.affix or args.affix_file):
+        policy = DEFAULT_SELECTOR
     params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,
                             refresh_interval=args.refresh_interval, seed=args.seed,
-                            affix_policy=args.affix_policy, anchor_ratio=args.anchor_ratio,
-                            anchor_query=args.anchor_query, probe_step=args.probe_step)
+                            affix_policy=policy, anchor_ratio=args.anchor_ratio,
+                            anchor_query=args.anchor_query, probe_step=args.probe_step, anchor_pass=args.anchor_pass)
     affix_text = args.affix
     if args.affix_file:
         path = Path(args.affix_file)

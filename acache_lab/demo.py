@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from acache import GEN, LLM, Affix, SamplingParams
-from acache.policies import LAYOUTS
+from acache.policies import DEFAULT_SELECTOR, LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ DEMOS = (
          "mary travelled to the cellar .", 2,
          (("where is the apple ?", "cellar"), ("where is the milk ?", "office"))),
 )
-POLICIES = (("direct reuse", "none", 0.0), ("ACache 20%", "attention", 0.2), ("ACache 50%", "attention", 0.5),
+POLICIES = (("direct reuse", "none", 0.0), ("ACache 20%", DEFAULT_SELECTOR, 0.2), ("ACache 50%", DEFAULT_SELECTOR, 0.5),
             ("full recompute", "all", 1.0))
 
 

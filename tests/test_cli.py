@@ -50,6 +50,26 @@ def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_d
     assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
 
 
+def test_generate_reuses_an_affix_with_the_default_selector(capsys, llada_dir):
+    """With --affix and no --affix-policy the command reuses it with the server's default selector, chosen inside
+    the refresh; --anchor-pass two chooses by a pass of its own, and a pass a selector lacks is refused by name."""
+    from acache.policies import DEFAULT_SELECTOR
+
+    base = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--affix",
+            "Mary moved to the kitchen. John went to the garden.", "--gen-length", "8", "--block-length", "8",
+            "--json"]
+    runs = {}
+    for extra in ([], ["--affix-policy", DEFAULT_SELECTOR], ["--anchor-pass", "two"]):
+        assert main(base + extra) == 0
+        runs[tuple(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plain, named, two = runs.values()
+    assert len(plain["affix"]["anchors"]) == -(-51 // 5)  # ceil(0.2 * 51): reused, with anchors
+    assert plain["token_ids"] == named["token_ids"] and plain["affix"]["anchors"] == named["affix"]["anchors"]
+    assert len(two["affix"]["anchors"]) == len(plain["affix"]["anchors"])
+    assert main(base + ["--affix-policy", "kv-deviation", "--anchor-pass", "one"]) == 2
+    assert "'kv-deviation' has no one-pass form" in capsys.readouterr().err
+
+
 def test_bicache_profile_command(tmp_path, capsys, llada_dir):
     out = tmp_path / "profile.json"
     assert main(["bicache-profile", "--model", str(llada_dir), "--out", str(out), "--samples", "4",

@@ -96,9 +96,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     filtering = any(0 < k < n for row_k, row_n in zip(counts, sizes, strict=True)
                     for k, n in zip(row_k, row_n, strict=True))
 
-    # the score's terms, decided once: which rows multiply in the deviation, which queries count for the mass
+    # the score's terms, decided once: which rows read the deviation, which queries count for the mass
     by_dev = torch.tensor([rule.deviation for rule in rules], device=dev)[:, None]
-    by_mass = torch.tensor([rule.queries is not None for rule in rules], device=dev)[:, None]
     masks = torch.tensor([rule.queries == "masks" for rule in rules], device=dev)[:, None]
     question = torch.tensor([rule.queries == "question" for rule in rules], device=dev)[:, None]
     weight = valid & ((masks & gen) | (question & own & ~gen & ~affix))
@@ -142,16 +141,14 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                 attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
                 mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
         layer = span[-1]
-        score = torch.where(by_mass, mass_sum[:, :t], 1.0)
-        if bool(by_dev.any()):
-            deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
-            if layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation, the first tokens
-                stale_keys, stale_values = cached(layer, at)
-                deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(out.kv.keys[-1], out.kv.values[-1],
-                                                                           stale_keys, stale_values)))
-            score = score * torch.where(by_dev, deviation[:, :t], 1.0)
+        deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+        if bool(by_dev.any()) and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
+            stale_keys, stale_values = cached(layer, at)
+            deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(out.kv.keys[-1], out.kv.values[-1],
+                                                                       stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
-        cand = keep_per_affix(affix_slot, score, cand, [[p[step] for p in row] for row in plans])
+        cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t],
+                       [[p[step] for p in row] for row in plans])
 
     kept, kept_valid = compact_index(valid & (own | cand), fill=t)
     out_keys, out_values = [], []
@@ -160,6 +157,39 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         out_keys.append(keys.gather(1, index))
         out_values.append(values.gather(1, index))
     return OnePassResult(model.norm(hidden[:, :t]), cand, kept, kept_valid, out_keys, out_values)
+
+
+def _filter(rules: list[OnePass], affix_slot: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor,
+            deviation: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+    """The candidates kept after a layer: ``counts[r][s]`` of each affix, each row by its rule's score."""
+    kept = torch.zeros_like(cand)
+    for rule in set(rules):
+        mine = [row if rules[r] == rule else [0] * len(row) for r, row in enumerate(counts)]
+        by_mass, by_dev = rule.queries is not None, rule.deviation
+        if not (by_mass and by_dev):
+            kept |= keep_per_affix(affix_slot, mass if by_mass else deviation, cand, mine)
+        elif rule.combine == "product":
+            kept |= keep_per_affix(affix_slot, mass * deviation, cand, mine)
+        elif rule.combine == "split":
+            half = [[-(-c // 2) for c in row] for row in mine]
+            first = keep_per_affix(affix_slot, mass, cand, half)
+            rest = [[c - h for c, h in zip(row, hrow, strict=True)] for row, hrow in zip(mine, half, strict=True)]
+            kept |= first | keep_per_affix(affix_slot, deviation, cand & ~first, rest)
+        else:  # rank: the best sum of the two ranks among the affix's candidates
+            kept |= keep_per_affix(affix_slot, -(_ranks(affix_slot, mass, cand) + _ranks(affix_slot, deviation, cand)),
+                                   cand, mine)
+    return kept
+
+
+def _ranks(affix_slot: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each candidate's rank by ``scores`` among its affix's candidates (0 the highest)."""
+    ranks = torch.zeros_like(scores)
+    for r in range(scores.shape[0]):
+        for s in range(int(affix_slot[r].max()) + 1):
+            member = cand[r] & (affix_slot[r] == s)
+            order = torch.sort(torch.where(member, scores[r], float("-inf")), descending=True, stable=True).indices
+            ranks[r, order] = torch.arange(len(order), dtype=scores.dtype, device=scores.device)
+    return ranks
 
 
 def _index_in(fed: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from acache.affix.prompt import AffixPrompt
 from acache.inputs import InputProcessor
 from acache.llm import LLM
 from acache.models.tokenizer import token_text
-from acache.policies import AFFIX_POLICIES
+from acache.policies import AFFIX_POLICIES, DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
@@ -46,7 +46,6 @@ from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
 
 DEFAULTS = SamplingParams()
 log = logging.getLogger("acache.server")
-DEFAULT_SELECTOR = "attention"
 
 
 class BadRequest(ValueError):
@@ -100,6 +99,8 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
             kwargs[name] = getattr(body, name)
     if body.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
         kwargs["probe_step"] = True
+    if body.anchor_pass is not None and reuse and kwargs["affix_policy"] is not None:
+        kwargs["anchor_pass"] = body.anchor_pass
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # name the request's fields, not SamplingParams'
@@ -319,7 +320,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                  reuse=affix_ids is not None)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
-        for name in ("probe_step", "anchor_query"):
+        for name in ("probe_step", "anchor_query", "anchor_pass"):
             if getattr(body, name) and affix_ids is None:
                 raise BadRequest(f"{name} applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         raw = body.prompt

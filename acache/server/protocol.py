@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from acache.policies import ANCHOR_QUERIES, COMMIT_RULES
+from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES
 
 MAX_LOGPROBS = 20
 MAX_MC_SAMPLES = 1024
@@ -45,6 +45,9 @@ class DiffusionFields(BaseModel):
     selector: str | None = Field(default=None, description="anchor selector for reused affixes; 'off' disables reuse")
     anchor_query: Literal[ANCHOR_QUERIES] | None = Field(default=None, description="where ACache's anchor queries "
                                                          "come from: probe (default), full or shallow")
+    anchor_pass: Literal[ANCHOR_PASSES] | None = Field(default=None, description="where anchors are chosen: one "
+                                                       "(inside the first refresh; the default where the selector "
+                                                       "has that form) or two (a selection of its own first)")
     probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "
                                     "step (one forward fewer); only where an affix is reused")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")

@@ -167,6 +167,37 @@ def test_anchor_query(setup, monkeypatch):
     assert status == 400 and "anchor_query" in str(out)
 
 
+def test_anchor_pass(setup, monkeypatch):
+    """anchor_pass reaches the engine (the offline path's answer, a probe only for 'two'); without an affix, with a
+    selector that lacks the pass, beside probe_step or unknown, it is a 400 that names it."""
+    from acache import Affix
+    from acache.engine import model_runner
+
+    client, llm = setup
+    story = f"story : {STORY}"
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
+                GEN]
+    body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2}
+    asked = []
+    real = model_runner.make_selector
+    monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append(name) or real(name, query))
+    for anchor_pass in ("one", "two"):
+        asked.clear()
+        status, out = post(client, "/v1/completions", {**body, "anchor_pass": anchor_pass})
+        assert asked == ([] if anchor_pass == "one" else ["attention"])
+        want = llm.generate([segments], SamplingParams(gen_length=2, block_length=2, affix_policy="attention",
+                                                        anchor_pass=anchor_pass), use_tqdm=False)[0]
+        assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    for change, why in [({"affix": None, "prompt": f"{story} question : {Q} answer :"},
+                         "anchor_pass applies to a reused affix"),
+                        ({"selector": "kv-deviation"}, "'kv-deviation' has no one-pass form"),
+                        ({"probe_step": True}, "probe_step need"),
+                        ({"anchor_pass": "three"}, "anchor_pass")]:
+        status, out = post(client, "/v1/completions", {**body, "anchor_pass": "one", **change})
+        assert status == 400 and why in str(out), (change, out)
+
+
 def test_probe_step(setup):
     """probe_step reaches the engine when an affix is reused (the offline path's answer); without an affix, or
     with a selector that has no probe, it is a 400 that names it."""

@@ -69,16 +69,21 @@ def carried_counts(k: int, n: int, steps: int) -> list[int]:
 class OnePass:
     """A selector's score inside the refresh (:mod:`acache.affix.one_pass`): ``queries`` (``"masks"`` or
     ``"question"``) scores by the attention mass of those columns on each affix token, summed over the layers so
-    far; ``deviation`` multiplies in the layer's K/V deviation ``sum_h ||K - K_cached|| + ||V - V_cached||``."""
+    far; ``deviation`` by the layer's K/V deviation ``sum_h ||K - K_cached|| + ||V - V_cached||``. With both,
+    ``combine`` says how: ``product`` keeps the largest mass times deviation, ``split`` half of the kept by mass
+    and the rest by deviation, ``rank`` the best sum of the two ranks (a vote)."""
 
     queries: str | None = None
     deviation: bool = False
+    combine: str = "product"
 
     def __post_init__(self) -> None:
         if self.queries not in (None, "masks", "question"):
             raise ValueError(f"one-pass queries must be 'masks', 'question' or None, got {self.queries!r}")
         if self.queries is None and not self.deviation:
             raise ValueError("a one-pass rule scores by attention mass, deviation or both")
+        if self.combine not in ("product", "split", "rank"):
+            raise ValueError(f"one-pass combine must be product, split or rank, got {self.combine!r}")
 
 
 class AnchorSelector:
