@@ -148,7 +148,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                                                                        stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
         cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t],
-                       [[p[step] for p in row] for row in plans])
+                       [[p[step] for p in row] for row in plans], step)
 
     kept, kept_valid = compact_index(valid & (own | cand), fill=t)
     out_keys, out_values = [], []
@@ -160,14 +160,17 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
 
 
 def _filter(rules: list[OnePass], affix_slot: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor,
-            deviation: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
-    """The candidates kept after a layer: ``counts[r][s]`` of each affix, each row by its rule's score."""
+            deviation: torch.Tensor, counts: list[list[int]], step: int) -> torch.Tensor:
+    """The candidates kept after filtering step ``step`` (0: after the first stale layer): ``counts[r][s]`` of each
+    affix, each row by its rule's score."""
     kept = torch.zeros_like(cand)
     for rule in set(rules):
         mine = [row if rules[r] == rule else [0] * len(row) for r, row in enumerate(counts)]
         by_mass, by_dev = rule.queries is not None, rule.deviation
         if not (by_mass and by_dev):
             kept |= keep_per_affix(affix_slot, mass if by_mass else deviation, cand, mine)
+        elif rule.combine == "cascade":  # the stale ones first, then those of them the queries read
+            kept |= keep_per_affix(affix_slot, deviation if step == 0 else mass, cand, mine)
         elif rule.combine == "product":
             kept |= keep_per_affix(affix_slot, mass * deviation, cand, mine)
         elif rule.combine == "split":

@@ -39,6 +39,8 @@ class EngineMetrics:
     refresh_times: Timings = field(default_factory=Timings)  # batched refresh forwards
     step_times: Timings = field(default_factory=Timings)  # batched in-block forwards
     selection_times: Timings = field(default_factory=Timings)  # batched anchor selections
+    #: the refreshes that chose their anchors inside the forward (anchor_pass="one"), counted in refresh_times too
+    selecting_refresh_times: Timings = field(default_factory=Timings)
     refreshed_tokens: int = 0  # tokens fed by all refreshes
     anchors: int = 0  # anchors chosen over all requests
     affix_tokens: int = 0  # shared affix tokens of those requests
@@ -59,6 +61,8 @@ class EngineMetrics:
             "refreshed_tokens": self.refreshed_tokens,
             "step_time_total_s": self.step_times.total_s,
             "selection_latency_total_s": self.selection_times.total_s,
+            "selecting_refresh_total_s": self.selecting_refresh_times.total_s,
+            "selecting_refreshes": self.selecting_refresh_times.count,
             "peak_kv_pages": peak_pages,
             "peak_kv_bytes": peak_pages * page_bytes,
             "kv_pages_in_use": pages_in_use,

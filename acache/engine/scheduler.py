@@ -184,6 +184,8 @@ class Scheduler:
                 outputs += self._commit(req, result.probe_samples[req.request_id], probe=True)
         for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
             (self.metrics.refresh_times if batch.refresh else self.metrics.step_times).add(elapsed)
+            if batch.select:
+                self.metrics.selecting_refresh_times.add(elapsed)
             now = time.perf_counter()
             for req in batch.requests:
                 if req.request_id in result.errors:

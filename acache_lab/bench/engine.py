@@ -92,6 +92,9 @@ class ModeResult:
     peak_kv_pages: int
     peak_kv_bytes: int
     model_flops: int = 0  # useful model arithmetic of the run (acache_lab.bench.flops)
+    refreshes: int = 0  # batched refresh forwards
+    selecting_refresh_s: float = 0.0  # of them, those that chose anchors inside the forward (anchor_pass="one")
+    selecting_refreshes: int = 0
 
     @property
     def model_flops_per_s(self) -> float:
@@ -195,7 +198,8 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
     decoded = sum(sp.gen_length for sp in params)
     return ModeResult(mode or ("acache" if reuse else "dual"), batch, wall, decoded,
                       decoded / wall, s["recompute_latency_total_s"], s["step_time_total_s"],
-                      s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"], counter.flops)
+                      s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"], counter.flops,
+                      s["refreshes"], s["selecting_refresh_total_s"], s["selecting_refreshes"])
 
 
 def run_fastdllm(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int) -> ModeResult:
@@ -253,6 +257,19 @@ def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int, l
         peak_kv_reduction=1 - acache.peak_kv_pages / dual.peak_kv_pages,
         peak_kv_reduction_ideal=1 - ideal_pages_acache / ideal_pages_dual,
     )
+
+
+def selection_share(dual: ModeResult, acache: ModeResult) -> float | None:
+    """What choosing anchors inside the refresh costs, in forwards: how much longer a selecting refresh batch runs
+    than one of the same run's later refresh batches (fixed anchors), over a dual-cache refresh batch (a forward
+    of the whole canvas). None when the run chose no anchors inside a refresh or had no later refresh. Read on the
+    homogeneous workload, where every batch holds the same requests."""
+    plain = acache.refreshes - acache.selecting_refreshes
+    if not acache.selecting_refreshes or not plain or not dual.refreshes:
+        return None
+    later = (acache.recompute_latency_s - acache.selecting_refresh_s) / plain
+    forward = dual.recompute_latency_s / dual.refreshes
+    return (acache.selecting_refresh_s / acache.selecting_refreshes - later) / forward
 
 
 def _secs(x: float) -> str:
@@ -432,6 +449,13 @@ def main(args) -> int:
         table += "\n\n" + "\n".join(
             f"batch {b}: {pruned_name} at {speed[(b, pruned_name)] / speed[(b, 'dual')]:.2f}x the dual cache's "
             f"tokens/s ({speed[(b, 'acache')] / speed[(b, 'dual')]:.2f}x for plain ACache)" for b in batches)
+    shares = [(r.batch, selection_share(next(d for d in results if d.batch == r.batch and d.mode == "dual"), r))
+              for r in results if r.mode == "acache"]
+    if any(share is not None for _, share in shares):
+        table += "\n\n" + "\n".join(
+            f"batch {b}: selection inside the first refresh costs {share:.3f} of a forward (its refresh batch against "
+            "a later one with the anchors fixed, over a dual-cache refresh)"
+            for b, share in shares if share is not None)
     if args.fastdllm_loop:
         table += "\n\n" + "\n".join(
             f"batch {b}: ACache at {speed[(b, 'acache')] / speed[(b, 'fast-dllm loop')]:.2f}x the Fast-dLLM-style "

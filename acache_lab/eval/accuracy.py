@@ -24,7 +24,8 @@ from acache_lab.tasks.render import TWO_AFFIXES, answer_length, render_prompts
 
 RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 STUDY_SELECTORS = ("attention", "attention-full", "attention-shallow", "attention-deviation", "influence",
-                   "kv-deviation", "cacheblend", "query-attention", "first-k", "random", "bicache-matched")
+                   "kv-deviation", "cacheblend", "query-attention", "first-k", "random", "bicache-matched",
+                   "attention-2p", "attention-deviation-2p", "cacheblend-2p", "query-attention-2p")
 #: the project's own selectors, each held against the issue's target in the report
 OURS = ("attention-deviation", "influence")
 #: study labels that are a policy with other settings: ACache with queries from a no-cache forward or from the
@@ -129,11 +130,15 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
             for c in (c for c in mine if c.selector == ref):
                 ax.scatter([c.compute], [100 * c.accuracy], marker=marker, color="black", zorder=3,
                            label="direct reuse" if ref == "none" else "full recompute")
+        colors: dict[str, str] = {}
         for sel in dict.fromkeys(c.selector for c in mine if c.selector not in REFERENCES):
             pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
             if pts:  # BiCache has no token count to cost
-                ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
-                        linewidth=2.2 if sel in ("attention", "attention-deviation") else 1.0, label=sel)
+                base = sel.removesuffix("-2p")  # a selection of its own: dashed, in its one-pass form's colour
+                line = ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
+                               linestyle="--" if sel != base else "-", color=colors.get(base),
+                               linewidth=2.2 if base in ("attention", "attention-deviation") else 1.0, label=sel)
+                colors.setdefault(base, line[0].get_color())
 
     return _panels(cells, path, draw, "selection + refresh (full forwards)")
 

@@ -71,7 +71,8 @@ class OnePass:
     ``"question"``) scores by the attention mass of those columns on each affix token, summed over the layers so
     far; ``deviation`` by the layer's K/V deviation ``sum_h ||K - K_cached|| + ||V - V_cached||``. With both,
     ``combine`` says how: ``product`` keeps the largest mass times deviation, ``split`` half of the kept by mass
-    and the rest by deviation, ``rank`` the best sum of the two ranks (a vote)."""
+    and the rest by deviation, ``rank`` the best sum of the two ranks (a vote), ``cascade`` the most deviating after
+    the first stale layer, then the most attended of them."""
 
     queries: str | None = None
     deviation: bool = False
@@ -82,8 +83,8 @@ class OnePass:
             raise ValueError(f"one-pass queries must be 'masks', 'question' or None, got {self.queries!r}")
         if self.queries is None and not self.deviation:
             raise ValueError("a one-pass rule scores by attention mass, deviation or both")
-        if self.combine not in ("product", "split", "rank"):
-            raise ValueError(f"one-pass combine must be product, split or rank, got {self.combine!r}")
+        if self.combine not in ("product", "split", "rank", "cascade"):
+            raise ValueError(f"one-pass combine must be product, split, rank or cascade, got {self.combine!r}")
 
 
 class AnchorSelector:

@@ -177,3 +177,15 @@ def test_fastdllm_loop_refuses_what_it_cannot_run(llada_model):
         fastdllm_generate(llada_model, [[1, 2, 3], [1, 2]], SamplingParams(gen_length=8, block_length=8))
     with pytest.raises(ValueError, match="no affix reuse"):
         fastdllm_generate(llada_model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, affix_policy="none"))
+
+
+def test_selection_share_reads_the_selecting_refresh_against_a_later_one():
+    """One selecting refresh batch of 3 s, seven later ones of 2 s each, dual refreshes of 5 s: selection costs
+    (3 - 2) / 5 of a forward; a run that selected in no refresh has no such share."""
+    from acache_lab.bench.engine import selection_share
+
+    dual = ModeResult("dual", 16, 10.0, 16, 1.6, 40.0, 1.0, 0.0, 10, 10, refreshes=8)
+    acache = ModeResult("acache", 16, 6.0, 16, 2.6, 3.0 + 7 * 2.0, 1.0, 0.0, 5, 5, refreshes=8,
+                        selecting_refresh_s=3.0, selecting_refreshes=1)
+    assert selection_share(dual, acache) == pytest.approx(0.2)
+    assert selection_share(dual, ModeResult("acache", 16, 6.0, 16, 2.6, 14.0, 1.0, 1.0, 5, 5, refreshes=7)) is None
