@@ -1,0 +1,72 @@
+"""What choosing anchors costs, in forwards: inside the first refresh (one pass) against a pass of its own.
+
+The engine benchmark's workload (SmolLM2-135M shape, random weights, bfloat16, 700-token shared affix, 60-token
+questions, 256 masks) is admitted at ``--batch`` on fresh engines with the affix cached, and each engine's first
+steps are timed: the dual cache's first refresh (a forward of every request's whole canvas), the one-pass
+engine's first refresh (which selects), and the two-pass engine's selection and then its first refresh (the
+anchors fixed). Every engine is fresh, so each first refresh writes into pages touched for the first time alike.
+Selection's own cost is then, over the dual refresh: one pass, its refresh minus the two-pass refresh; two pass,
+its selection. Medians of ``--repeats``, interleaved.
+
+    python scripts/one_pass_cost.py --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from acache.engine.llm_engine import EngineConfig, LLMEngine
+from acache_lab.bench.decode import random_model
+from acache_lab.bench.engine import SMOL_SHAPE, Workload, make_requests, workload_params
+
+
+def first_steps(model, prompts, params, steps: int) -> list[float]:
+    """Seconds of each of a fresh engine's first ``steps`` steps, the affix already cached."""
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 30, max_num_seqs=len(prompts)))
+    if params.affix_policy is not None:
+        shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
+        engine.affixes.release(shared)
+    for p in prompts:
+        engine.add_request(p, params)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--selector", default="attention")
+    args = parser.parse_args()
+    model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"), 0)
+    model.fuse_projections()
+    w = Workload(selector=args.selector)
+    prompts = make_requests(model, w, args.batch, 1)
+    one, two = workload_params(w, True), workload_params(Workload(selector=args.selector, anchor_pass="two"), True)
+    first_steps(model, prompts[:1], one, 2)  # warm-up
+    runs: dict[str, list[float]] = {"dual": [], "one": [], "two select": [], "two refresh": []}
+    for _ in range(args.repeats):
+        runs["dual"].append(first_steps(model, prompts, workload_params(w, False), 1)[0])
+        runs["one"].append(first_steps(model, prompts, one, 1)[0])
+        select, refresh = first_steps(model, prompts, two, 2)
+        runs["two select"].append(select)
+        runs["two refresh"].append(refresh)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"batch {args.batch}, selector {args.selector}, median of {args.repeats}: dual refresh {med['dual']:.3f} s; "
+          f"one-pass refresh {med['one']:.3f} s; two-pass selection {med['two select']:.3f} s + refresh "
+          f"{med['two refresh']:.3f} s")
+    print(f"selection's own cost in forwards: one pass {(med['one'] - med['two refresh']) / med['dual']:.3f}, "
+          f"two pass {med['two select'] / med['dual']:.3f}; first refresh, selection included: one pass "
+          f"{med['one'] / med['dual']:.3f}, two pass {(med['two select'] + med['two refresh']) / med['dual']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
