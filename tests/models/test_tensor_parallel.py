@@ -17,7 +17,8 @@ from tests.affix.helpers import layouts
 def mixed():
     prompts = [layouts(seed=s)[k] for s in range(2) for k in ["prefix", "infix", "suffix", "two-affix"]]
     params = [SamplingParams(gen_length=(8, 16)[i % 2], block_length=8, threshold=0.5,
-                             affix_policy=(None, "attention", "cacheblend", "kv-deviation", "influence")[i % 5],
+                             affix_policy=(None, "attention", "cacheblend", "kv-deviation", "influence",
+                                           "query-attention")[i % 6],
                              anchor_ratio=(0.2, 0.5)[i % 2], temperature=1.0 if i % 3 == 0 else 0.0, seed=i)
               for i in range(len(prompts))]
     return prompts, params
@@ -33,10 +34,11 @@ def test_two_ranks_give_the_tokens_of_one(family_dir):
         assert two.model.config.num_kv_heads == 1 and two.model.layers[0].q_proj.out_features == 32
         outs = two.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outs] == want
-        # the attention selectors' sums over heads are complete on every rank (the deviation ones are left out: on
-        # a block-causal model a prefix affix deviates by rounding noise alone, ties in any order)
+        # the attention selectors' sums over heads are complete on every rank, inside the refresh (one pass) as in a
+        # pass of their own (the deviation ones are left out: on a block-causal model a prefix affix deviates by
+        # rounding noise alone, ties in any order)
         anchors = [[o.stats.affix.anchors for o, p in zip(run, params, strict=True)
-                    if p.affix_policy in ("attention", "influence")] for run in (first, outs)]
+                    if p.affix_policy in ("attention", "influence", "query-attention")] for run in (first, outs)]
         assert anchors[0] == anchors[1]
         # unseeded sampling added without a generator (as the server adds requests): every rank draws the same
         # noise, so the ranks stay in step; then a second call on the same ranks gives the first's tokens
