@@ -146,7 +146,7 @@ def _select_refresh(model: DiffusionLM, state: RequestState, spans: list, fed: t
     result = refresh_selecting(model, state.tokens[None], state.positions[None], valid[None],
                                state.base_recompute(shared)[None], affix_slot[None], gen[None],
                                [SELECTORS[params.affix_policy].one_pass], counts,
-                               lambda layer, cols: (keys[layer][cols], values[layer][cols]))
+                               lambda layer, cols, vals: (keys[layer][cols], values[layer][cols] if vals else None))
     state.fix_anchors(result.anchors[0])
     cols = result.cols[0][result.valid[0]]
     for layer in range(len(keys)):

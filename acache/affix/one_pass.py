@@ -49,8 +49,9 @@ from acache.models.layers import apply_rope, rope_tables
 #: the first layer whose K/V depend on context: the forward runs every column through it before filtering
 FIRST_STALE = 1
 
-#: ``cached(layer, cols [B, C])`` -> the cached affix ``(keys, values)`` ``[B, C, Hkv, D]`` at those canvas columns
-CachedKV = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``cached(layer, cols [B, C], values)`` -> the cached affix ``(keys, values)`` ``[B, C, Hkv, D]`` at those canvas
+#: columns (``values`` False: the keys alone, values None)
+CachedKV = Callable[[int, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -137,15 +138,18 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                 queries, keys = out.queries[j], out.kv.keys[j]
                 q = queries.gather(1, q_at[..., None, None].expand(-1, -1, *queries.shape[2:]))
                 fresh = keys.gather(1, k_at[..., None, None].expand(-1, -1, *keys.shape[2:]))
-                stale, _ = cached(layer, k_cols.clamp_max(t - 1))
+                stale, _ = cached(layer, k_cols.clamp_max(t - 1), False)
                 attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
                 mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
         layer = span[-1]
         deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
         if bool(by_dev.any()) and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
-            stale_keys, stale_values = cached(layer, at)
-            deviation.scatter_(1, fed, model.reduce_heads(kv_deviation(out.kv.keys[-1], out.kv.values[-1],
-                                                                       stale_keys, stale_values)))
+            scored, _ = compact_index(cand, fill=t)  # only the candidates' deviation is read
+            at_scored = scored.clamp_max(t - 1)
+            index = _index_in(fed, scored)[..., None, None].expand(-1, -1, *out.kv.keys[-1].shape[2:])
+            stale_keys, stale_values = cached(layer, at_scored, True)
+            deviation.scatter_(1, scored, model.reduce_heads(kv_deviation(
+                out.kv.keys[-1].gather(1, index), out.kv.values[-1].gather(1, index), stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
         cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t],
                        [[p[step] for p in row] for row in plans], step)
@@ -209,7 +213,7 @@ def _layer_views(cached: CachedKV, cols: torch.Tensor, layers: int) -> tuple[Lay
     def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in memo:
             memo.clear()
-            memo[layer] = cached(layer, cols)
+            memo[layer] = cached(layer, cols, True)
         return memo[layer]
 
     return LayerView(lambda i: layer_kv(i)[0], layers), LayerView(lambda i: layer_kv(i)[1], layers)

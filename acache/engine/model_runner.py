@@ -248,9 +248,9 @@ class ModelRunner:
         counts = [[anchor_count(r.params.anchor_ratio, a.length, r.params.affix_policy) for _, a in r.shared]
                   for r in reqs]
 
-        def cached(layer: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def cached(layer: int, cols: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
             slots = shared_slots.gather(1, cols)
-            return pool.keys[layer][slots], pool.values[layer][slots]
+            return pool.keys[layer][slots], pool.values[layer][slots] if values else None
 
         result = refresh_selecting(self.model, tokens, positions, valid, own, affix_slot, gen,
                                    [SELECTORS[r.params.affix_policy].one_pass for r in reqs], counts, cached)
