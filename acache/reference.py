@@ -15,10 +15,10 @@ import torch
 
 from acache.affix.bicache import BiCacheProfile, bicache_depth, bicache_forward
 from acache.affix.context import SelectionContext, request_seed
-from acache.affix.one_pass import refresh_selecting
+from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import SELECTORS, anchor_count, make_selector
+from acache.affix.selectors import make_selector
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
@@ -104,7 +104,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             pos = state.positions
             block = plan.block[None]
             if plan.select:
-                hidden, block = _select_refresh(model, state, spans, plan.fed, keys, values), fed[plan.block][None]
+                hidden, block = _select_refresh(model, state, spans, keys, values), fed[plan.block][None]
             elif split is not None and plan.refresh:
                 hidden = _bicache_refresh(model, state, spans, split, fed, keys, values)
             else:
@@ -127,25 +127,13 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     return ReferenceResult(ids, state.positions[state.anchors].tolist(), state.nfe, state.refreshes, depth)
 
 
-def _select_refresh(model: DiffusionLM, state: RequestState, spans: list, fed: torch.Tensor,
-                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _select_refresh(model: DiffusionLM, state: RequestState, spans: list, keys: list[torch.Tensor],
+                    values: list[torch.Tensor]) -> torch.Tensor:
     """The first refresh choosing its anchors inside the forward (:mod:`acache.affix.one_pass`) on the dense K/V,
     where the affixes' cached K/V sit at their columns: fixes the anchors in ``state``, writes the K/V of its own
     columns and anchors, and returns the final states in canvas layout ``[1, T, hidden]``."""
-    t, dev, params = state.length, state.tokens.device, state.params
-    valid = torch.zeros(t, dtype=torch.bool, device=dev)
-    valid[fed] = True
-    gen = torch.zeros_like(valid)
-    gen[state.gen_start:state.gen_start + params.gen_length] = True
-    affix_slot = torch.full((t,), -1, dtype=torch.long, device=dev)
-    shared = torch.zeros_like(valid)
-    for a, (c0, c1, _) in enumerate(spans):
-        affix_slot[c0:c1] = a
-        shared[c0:c1] = True
-    counts = [[anchor_count(params.anchor_ratio, c1 - c0, params.affix_policy) for c0, c1, _ in spans]]
-    result = refresh_selecting(model, state.tokens[None], state.positions[None], valid[None],
-                               state.base_recompute(shared)[None], affix_slot[None], gen[None],
-                               [SELECTORS[params.affix_policy].one_pass], counts,
+    inputs = selecting_inputs([(state, [(c0, c1) for c0, c1, _ in spans])], state.tokens.device)
+    result = refresh_selecting(model, *inputs,
                                lambda layer, cols, vals: (keys[layer][cols], values[layer][cols] if vals else None))
     state.fix_anchors(result.anchors[0])
     cols = result.cols[0][result.valid[0]]

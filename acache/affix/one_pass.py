@@ -36,12 +36,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from acache.affix.context import AffixMass, compact_index, kv_deviation
+from acache.affix.selectors import SELECTORS, anchor_count
 from acache.affix.selectors.base import OnePass, carried_counts, keep_per_affix
+from acache.decoding.request_state import RequestState
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView, LayerwiseKV
 from acache.models.layers import apply_rope, rope_tables
@@ -66,6 +69,44 @@ class OnePassResult:
     valid: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+
+class SelectingInputs(NamedTuple):
+    """:func:`refresh_selecting`'s arguments before ``cached``, in its order (so ``*inputs`` passes them)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    own: torch.Tensor
+    affix_slot: torch.Tensor
+    gen: torch.Tensor
+    rules: list[OnePass]
+    counts: list[list[int]]
+
+
+def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], device: torch.device,
+                     ) -> SelectingInputs:
+    """The selecting refresh's inputs for requests about to run it:
+    each row is a request's state and the canvas columns ``[c0, c1)`` of its shared affixes, in order. Canvases
+    are padded on the right to the longest; the columns fed are the refresh plan's (far masks out)."""
+    width, b = max(state.length for state, _ in rows), len(rows)
+    tokens = torch.stack([F.pad(state.tokens, (0, width - state.length)) for state, _ in rows])
+    positions = torch.stack([F.pad(state.positions, (0, width - state.length)) for state, _ in rows])
+    valid = torch.zeros(b, width, dtype=torch.bool, device=device)
+    own, gen = torch.zeros_like(valid), torch.zeros_like(valid)
+    affix_slot = torch.full((b, width), -1, dtype=torch.long, device=device)
+    for i, (state, spans) in enumerate(rows):
+        valid[i, state.plan().fed] = True
+        shared = torch.zeros(state.length, dtype=torch.bool, device=device)
+        for a, (c0, c1) in enumerate(spans):
+            affix_slot[i, c0:c1] = a
+            shared[c0:c1] = True
+        own[i, :state.length] = state.base_recompute(shared)
+        gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
+    rules = [SELECTORS[state.params.affix_policy].one_pass for state, _ in rows]
+    counts = [[anchor_count(state.params.anchor_ratio, c1 - c0, state.params.affix_policy) for c0, c1 in spans]
+              for state, spans in rows]
+    return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts)
 
 
 def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -97,8 +138,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     filtering = any(0 < k < n for row_k, row_n in zip(counts, sizes, strict=True)
                     for k, n in zip(row_k, row_n, strict=True))
 
-    # the score's terms, decided once: which rows read the deviation, which queries count for the mass
-    by_dev = torch.tensor([rule.deviation for rule in rules], device=dev)[:, None]
+    # the score's terms, decided once: whether any row reads the deviation, which queries count for the mass
+    by_dev = any(rule.deviation for rule in rules)
     masks = torch.tensor([rule.queries == "masks" for rule in rules], device=dev)[:, None]
     question = torch.tensor([rule.queries == "question" for rule in rules], device=dev)[:, None]
     weight = valid & ((masks & gen) | (question & own & ~gen & ~affix))
@@ -143,7 +184,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                 mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
         layer = span[-1]
         deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
-        if bool(by_dev.any()) and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
+        if by_dev and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
             scored, _ = compact_index(cand, fill=t)  # only the candidates' deviation is read
             at_scored = scored.clamp_max(t - 1)
             index = _index_in(fed, scored)[..., None, None].expand(-1, -1, *out.kv.keys[-1].shape[2:])

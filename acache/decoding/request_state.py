@@ -129,8 +129,9 @@ class RequestState:
             raise RuntimeError("a request's recompute set is fixed once, before its first block")
         self._shared = shared
         self.selecting = anchors is None
-        self._fix(self.base_recompute(shared) | shared if anchors is None else self.base_recompute(shared) | anchors,
-                  shared & False if anchors is None else anchors & shared)
+        # while the first refresh selects, it feeds every shared column too and no anchor is fixed yet
+        chosen = torch.zeros_like(shared) if anchors is None else anchors & shared
+        self._fix(self.base_recompute(shared) | (shared if anchors is None else chosen), chosen)
         self._begin_block()
 
     def fix_anchors(self, anchors: torch.Tensor) -> None:
@@ -139,7 +140,8 @@ class RequestState:
         if not self.selecting:
             raise RuntimeError("this request's anchors were fixed before its first refresh")
         self.selecting = False
-        self._fix(self.base_recompute(self._shared) | (anchors & self._shared), anchors & self._shared)
+        chosen = anchors & self._shared
+        self._fix(self.base_recompute(self._shared) | chosen, chosen)
         self._plans, self._plans_block = {}, -1
 
     def _fix(self, recompute: torch.Tensor, anchors: torch.Tensor) -> None:

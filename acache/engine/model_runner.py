@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from acache.affix.bicache import bicache_forward
 from acache.affix.context import SelectionContext, request_seed
-from acache.affix.one_pass import refresh_selecting
+from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
-from acache.affix.selectors import SELECTORS, anchor_count, make_selector
+from acache.affix.selectors import make_selector
 from acache.decoding.canvas import build_canvas
 from acache.decoding.sampler import propose
 from acache.engine.focus import focused_step
@@ -229,41 +229,29 @@ class ModelRunner:
         K/V of each request's own columns and anchors are written to the private slots its slot map will give
         them once the scheduler fixes the anchors."""
         reqs, plans, dev, pool = batch.requests, batch.plans, self.device, self.pool
-        trash, width, b = pool.trash_slot, max(r.length for r in reqs), len(batch.requests)
-        tokens = torch.stack([F.pad(r.state.tokens, (0, width - r.length)) for r in reqs])
-        positions = torch.stack([F.pad(r.state.positions, (0, width - r.length)) for r in reqs])
-        valid = torch.zeros(b, width, dtype=torch.bool, device=dev)
-        own, gen = torch.zeros_like(valid), torch.zeros_like(valid)
-        affix_slot = torch.full((b, width), -1, dtype=torch.long, device=dev)
-        shared_slots = torch.full((b, width), trash, dtype=torch.long, device=dev)
-        for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
-            state = req.state
-            valid[i, plan.fed] = True
-            own[i, :req.length] = state.base_recompute(req.shared_columns)
-            gen[i, state.gen_start:state.gen_start + req.params.gen_length] = True
-            for a, (index, affix) in enumerate(req.shared):
+        inputs = selecting_inputs([(r.state, [r.span_columns(index) for index, _ in r.shared]) for r in reqs], dev)
+        trash, width = pool.trash_slot, inputs.tokens.shape[1]
+        shared_slots = torch.full((len(reqs), width), trash, dtype=torch.long, device=dev)
+        for i, req in enumerate(reqs):
+            for index, affix in req.shared:
                 c0, c1 = req.span_columns(index)
-                affix_slot[i, c0:c1] = a
                 shared_slots[i, c0:c1] = affix.slots
-        counts = [[anchor_count(r.params.anchor_ratio, a.length, r.params.affix_policy) for _, a in r.shared]
-                  for r in reqs]
 
         def cached(layer: int, cols: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
             slots = shared_slots.gather(1, cols)
             return pool.keys[layer][slots], pool.values[layer][slots] if values else None
 
-        result = refresh_selecting(self.model, tokens, positions, valid, own, affix_slot, gen,
-                                   [SELECTORS[r.params.affix_policy].one_pass for r in reqs], counts, cached)
+        result = refresh_selecting(self.model, *inputs, cached)
         slot_maps = []
         for i, req in enumerate(reqs):
             chosen = result.anchors[i, :req.length]
-            recompute = req.state.base_recompute(req.shared_columns) | chosen
+            recompute = inputs.own[i, :req.length] | chosen
             slot_maps.append(F.pad(KVCacheManager.slot_map(req, recompute), (0, width - req.length), value=trash))
             anchors[req.request_id] = chosen
         write = torch.stack(slot_maps).gather(1, result.cols.clamp_max(width - 1))
         pool.write(torch.where(result.valid, write, torch.full_like(write, trash)), result.keys, result.values)
         block, _ = _pad([p.fed[p.block] for p in plans], 0, dev)
-        logits = self.model.logits(result.hidden, block, valid)
+        logits = self.model.logits(result.hidden, block, inputs.valid)
         return {req.request_id: self._propose(req, logits[i:i + 1, :plan.block.numel()])
                 for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))}
 
