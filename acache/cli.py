@@ -22,6 +22,7 @@ from acache.policies import (
 )
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
+from acache.server.reuse_gate import AUTO_REUSE_MODES
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
 
@@ -196,6 +197,7 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
     import os
     from pathlib import Path
 
@@ -204,6 +206,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from acache import LLM
     from acache.server.app import create_app
 
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("acache").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
     cache_dir = Path(args.affix_cache_dir) if args.affix_cache_dir else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
@@ -243,7 +247,8 @@ def _serve_llm_kwargs(args: argparse.Namespace) -> dict:
 def _serve_app_kwargs(args: argparse.Namespace, api_key: str | None) -> dict:
     return {"api_key": api_key, "max_request_bytes": args.max_request_bytes,
             "min_document_tokens": args.min_document_tokens, "affix_registry_bytes": args.affix_registry_bytes,
-            "loglikelihood_samples": args.loglikelihood_samples}
+            "loglikelihood_samples": args.loglikelihood_samples, "auto_reuse": args.auto_reuse,
+            "reuse_checks": args.reuse_checks, "reuse_audit_every": args.reuse_audit_every}
 
 
 def _wants_cuda(device: str) -> bool:
@@ -369,7 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=parse_size, default="1MiB", help="largest request body accepted")
     p.add_argument("--min-document-tokens", type=int, default=128,
                    help="user messages at least this long are affix candidates")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--auto-reuse", default="verified", choices=AUTO_REUSE_MODES,
+                   help="reuse of chat spans seen before: verified (a span is reused under a policy only after "
+                        "--reuse-checks requests gave the same answer with and without reuse; until then, and "
+                        "for ever after a mismatch, it is recomputed), on (reused at once: answers may change), "
+                        "off; a request's affix_reuse overrides it")
+    p.add_argument("--reuse-checks", type=_positive_int, default=4,
+                   help="matching answers a span needs before automatic reuse answers with it")
+    p.add_argument("--reuse-audit-every", type=int, default=16,
+                   help="every Nth request a trusted span answers is checked again (0: never)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug",
+                                                              "trace"],
+                   help="uvicorn's and acache's log level (warning: shutdown, saves and reuse mismatches)")
     cluster = p.add_argument_group("cluster (Ray Serve, pip install 'acache[cluster]')")
     cluster.add_argument("--replicas", type=_positive_int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint")

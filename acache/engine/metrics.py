@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass
@@ -41,6 +41,9 @@ class EngineMetrics:
     selection_times: Timings = field(default_factory=Timings)  # batched anchor selections
     #: the refreshes that chose their anchors inside the forward (anchor_pass="one"), counted in refresh_times too
     selecting_refresh_times: Timings = field(default_factory=Timings)
+    first_block_times: Timings = field(default_factory=Timings)  # arrival to a request's first completed block
+    inter_block_times: Timings = field(default_factory=Timings)  # between a request's consecutive blocks
+    request_times: Timings = field(default_factory=Timings)  # arrival to finish, of finished requests
     refreshed_tokens: int = 0  # tokens fed by all refreshes
     anchors: int = 0  # anchors chosen over all requests
     affix_tokens: int = 0  # shared affix tokens of those requests

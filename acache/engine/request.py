@@ -34,6 +34,7 @@ class RequestStats:
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     finished: float | None = None
+    last_block: float | None = None  # when the request's latest block was completed
     forward_time_s: float = 0.0  # of the batched forwards this request ran in
     max_batch: int = 0  # the most requests it shared a forward with (itself included)
     refresh_times_s: list[float] = field(default_factory=list)  # forwards this request's refreshes ran in

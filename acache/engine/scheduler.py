@@ -214,11 +214,25 @@ class Scheduler:
         """Commits one step's proposals; returns the request's output when it finished, or its partial
         output when a streaming request just completed a block."""
         block = req.state.block
-        if req.state.commit(*sample, probe=probe):
+        finished = req.state.commit(*sample, probe=probe)
+        if finished or req.state.block != block:
+            self._block_done(req)
+        if finished:
             return [self._finish(req)]
         if req.stream and req.state.block != block:
             return [self._output(req, Status.RUNNING, finished=False)]
         return []
+
+    def _block_done(self, req: Request) -> None:
+        """Times a completed block: the first from the request's arrival (time to first block, a diffusion
+        model's time to first token), each later one from the block before it."""
+        now = time.perf_counter()
+        last = req.stats.last_block
+        if last is None:
+            self.metrics.first_block_times.add(now - req.stats.arrival)
+        else:
+            self.metrics.inter_block_times.add(now - last)
+        req.stats.last_block = now
 
     def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
         state = req.state
@@ -229,8 +243,9 @@ class Scheduler:
                             stop_token_id=stop_token, error=error)
 
     def _finish(self, req: Request) -> EngineOutput:
+        out = self._output(req, Status.FINISHED)  # before its pages are freed: it reports the affixes it shared
         self.finish(req)
-        out = self._output(req, Status.FINISHED)
+        self.metrics.request_times.add(req.stats.finished - req.stats.arrival)
         self.metrics.requests_finished += 1
         self.metrics.generated_tokens += len(out.token_ids)
         return out

@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from acache.affix.prompt import AffixPrompt
+from acache.affix.prompt import AffixPrompt, affix_key
 from acache.inputs import InputProcessor
 from acache.llm import LLM
 from acache.models.tokenizer import token_text
@@ -42,6 +43,7 @@ from acache.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from acache.server.reuse_gate import Decision, Plan, ReuseGate
 from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
 
 DEFAULTS = SamplingParams()
@@ -110,7 +112,8 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
-               affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES) -> FastAPI:
+               affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES,
+               auto_reuse: str = "verified", reuse_checks: int = 4, reuse_audit_every: int = 16) -> FastAPI:
     if isinstance(loglikelihood_samples, bool) or not isinstance(loglikelihood_samples, int) \
             or loglikelihood_samples <= 0:
         raise ValueError(f"loglikelihood_samples must be a positive integer, got {loglikelihood_samples!r}")
@@ -120,6 +123,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
     registry = AffixRegistry(affix_registry_bytes)
     affixer = AutoAffixer(llm.inputs, lambda ids: llm.engine.affixes.lookup(ids) is not None, min_document_tokens)
+    gate = ReuseGate(auto_reuse, reuse_checks, reuse_audit_every)
+    checks_running: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
     counters: Counter[str] = Counter()
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -141,7 +146,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     app.state.affixer = affixer
     app.state.registry = registry
     app.state.counters = counters
-    registry_metrics = metrics_registry(llm.engine, counters)
+    app.state.gate = gate
+    app.state.checks_running = checks_running
+    registry_metrics = metrics_registry(llm.engine, counters, gate)
 
     def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         counters[f"http_errors_{status}_total"] += 1
@@ -385,17 +392,17 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body)
         messages = [m.as_dict() for m in body.messages]
-        registered_count = 0
+        registered_count, registered_key = 0, None
         if body.affix is not None:
             try:
-                _, registered, _ = registry.get(body.affix)
+                registered_ids, registered, _ = registry.get(body.affix)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
             if registered is None:
                 raise BadRequest(f"affix {body.affix!r} was registered as text; chat requests take affixes "
                                  "registered as messages")
             messages = registered + messages
-            registered_count = len(registered)
+            registered_count, registered_key = len(registered), affix_key(registered_ids)
         if body.top_logprobs and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true")
         if body.mc_samples is not None and not body.logprobs:
@@ -403,24 +410,40 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         scoring_allowed(bool(body.logprobs))
         if body.logprobs and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
-        reuse = body.selector != "off"
+        reuse = body.selector != "off" and body.affix_reuse != "off"
         if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
-            if body.selector not in (None, "off"):
-                raise BadRequest(f"selector applies to a reused affix, which the {llm.model.family} family does "
-                                 "not support")
+            if body.selector not in (None, "off") or body.affix_reuse == "always":
+                raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies "
+                                 f"to a reused affix, which the {llm.model.family} family does not support")
             reuse = False
         try:
-            prompt = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
+            candidate = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        params = sampling_params(body, reuse=bool(prompt.affixes))
+        reuse_params = sampling_params(body, reuse=bool(candidate.affixes))
+        automatic = tuple(a.key for a in candidate.affixes if a.key != registered_key)
+        plan = None
+        if automatic and body.affix_reuse != "always":
+            deterministic = reuse_params.temperature == 0 or reuse_params.seed is not None
+            plan = gate.plan(automatic, reuse_params, deterministic, bool(body.logprobs))
+        prompt, params, check = candidate, reuse_params, None
+        if plan is not None and plan.decision is not Decision.REUSE:
+            prompt = AffixPrompt(candidate.token_ids, candidate.gen_at,
+                                 tuple(a for a in candidate.affixes if a.key == registered_key))
+            params = sampling_params(body, reuse=bool(prompt.affixes))
+            if plan.decision is Decision.CHECK:
+                check = Check(candidate, reuse_params, plan.key)
+                prompt_fits(candidate, reuse_params)
         prompt_fits(prompt, params)
         counters["requests_total"] += 1
+        if plan is not None:
+            counters[f"auto_reuse_{plan.decision.value}_total"] += 1
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        reuse_report = functools.partial(reuse_usage, prompt, params, plan, registered_key, bool(body.logprobs))
         if body.stream:
-            return StreamingResponse(stream_events(prompt, params, body, rid, created, chat=True),
-                                     media_type="text/event-stream")
-        out = await until_disconnect(request, final_output(prompt, params))
+            return StreamingResponse(stream_events(prompt, params, body, rid, created, chat=True, check=check,
+                                                   report=reuse_report), media_type="text/event-stream")
+        out = await until_disconnect(request, final_output(prompt, params, check))
         cut = final_text(out, body)
         logprobs = None
         if body.logprobs:
@@ -431,7 +454,29 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                              "logprobs": logprobs, "finish_reason": finish_reason(out, params, cut, body.max_tokens),
                              "token_ids": cut.token_ids}],
                 "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
-                          "total_tokens": len(prompt.token_ids) + len(cut.token_ids)}}
+                          "total_tokens": len(prompt.token_ids) + len(cut.token_ids), **reuse_report(out)}}
+
+    def reuse_usage(prompt: AffixPrompt, params: SamplingParams, plan: Plan | None, registered_key: str | None,
+                    logprobs: bool, out) -> dict:
+        """What the answer reused, and why: OpenAI's ``prompt_tokens_details.cached_tokens`` (prompt tokens
+        whose K/V came from a shared copy, anchors not counted) and acache's ``affix_reuse``."""
+        reused = out.affix_tokens if out is not None else 0
+        anchors = len(out.anchors) if out is not None else 0
+        report = {"decision": (plan.decision.value if plan is not None else
+                               Decision.REUSE.value if prompt.affixes else "none"),
+                  "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
+                                                                  "no span of this prompt was seen before"),
+                  "reused_tokens": reused, "anchor_tokens": anchors,
+                  "selector": params.affix_policy if prompt.affixes else None,
+                  "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
+                  "spans": [{"tokens": a.length, "kind": "registered" if a.key == registered_key else "automatic"}
+                            for a in prompt.affixes]}
+        if plan is not None:
+            report["state"] = gate.state(plan.key)
+        if logprobs:
+            report["logprobs"] = ("estimated over the full context without reuse" + (
+                "; the tokens were decoded with reuse" if prompt.affixes else ", as the tokens were decoded"))
+        return {"prompt_tokens_details": {"cached_tokens": max(0, reused - anchors)}, "affix_reuse": report}
 
     def scoring_allowed(wanted: bool) -> None:
         """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror; it masks and
@@ -454,17 +499,53 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         ids = out.token_ids[:body.max_tokens] if body.max_tokens is not None else out.token_ids
         return cut_at_stop(ids, llm.tokenizer.decode, stop_list(body.stop))
 
-    async def final_output(prompt: AffixPrompt, params: SamplingParams):
+    async def final_output(prompt: AffixPrompt, params: SamplingParams, check: Check | None = None):
+        shadow = start_check(check)
+        plain = None
         try:
             outputs = [o async for o in engine.generate(prompt, params, stream=False)]
+            plain = outputs[-1]
         except (RequestFailed, EngineFailed) as exc:
             raise RequestError(str(exc)) from None
-        return outputs[-1]
+        finally:
+            settle_check(shadow, check, plain)
+        return plain
+
+    def start_check(check: Check | None) -> asyncio.Task | None:
+        """Runs the checked request with reuse beside the answer without it (the client never sees it)."""
+        if check is None:
+            return None
+        task = asyncio.ensure_future(final_output(check.prompt, check.params))
+        checks_running.add(task)
+        task.add_done_callback(checks_running.discard)
+        return task
+
+    def settle_check(shadow: asyncio.Task | None, check: Check | None, plain) -> None:
+        """Records whether reuse gave the answer ``plain`` once the shadow request ends; without an answer
+        (the client went away, the request failed) the check is dropped."""
+        if shadow is None:
+            return
+        if plain is None:
+            shadow.cancel()
+            return
+        want = list(plain.token_ids)
+
+        def compare(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is None:
+                same = list(task.result().token_ids) == want
+                gate.record(check.key, same)
+                if not same:
+                    log.warning("automatic reuse changed an answer: its spans are recomputed from now on (%s)",
+                                check.key[1:])
+
+        shadow.add_done_callback(compare)
 
     async def stream_events(prompt: AffixPrompt, params: SamplingParams, body: DiffusionFields, rid: str,
-                            created: int, chat: bool) -> AsyncIterator[str]:
+                            created: int, chat: bool, check: Check | None = None,
+                            report: Callable | None = None) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         sent = ""
+        final = None
 
         def event(delta_text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
@@ -479,17 +560,20 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         if chat:
             yield event(None, None, first=True)
         stops = stop_list(body.stop)
+        shadow = start_check(check)
         try:
             async for out in engine.generate(prompt, params, stream=True):
                 cut = final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
+                    final = out if out.finished else None
                     yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.max_tokens))
                     if (body.stream_options or {}).get("include_usage"):
                         n, m = len(prompt.token_ids), len(cut.token_ids)
+                        extra = report(out) if report is not None else {}
                         yield "data: " + json.dumps({"id": rid, "object": kind, "created": created,
                                                      "model": model_name, "choices": [], "usage": {
                                                          "prompt_tokens": n, "completion_tokens": m,
-                                                         "total_tokens": n + m}}) + "\n\n"
+                                                         "total_tokens": n + m, **extra}}) + "\n\n"
                     break
                 safe = cut.text[:len(cut.text) - held_back(cut.text, stops)]
                 if len(safe) > len(sent):
@@ -499,6 +583,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             known = (RequestFailed, EngineFailed, ValueError)
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
+        finally:
+            settle_check(shadow, check, final)  # a stream cut by a stop string is not compared
         yield "data: [DONE]\n\n"
 
     return app
@@ -517,6 +603,14 @@ async def until_disconnect(request: Request, work):
     finally:
         if not task.done():
             task.cancel()
+
+
+class Check(NamedTuple):
+    """The same request with automatic reuse, run beside its answer without it to see if reuse changes it."""
+
+    prompt: AffixPrompt
+    params: SamplingParams
+    key: tuple
 
 
 class ClientGone(Exception):

@@ -8,12 +8,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from acache.engine import LLMEngine
 from acache.engine.metrics import LATENCY_BUCKETS
+from acache.server.reuse_gate import ReuseGate
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine, counters: dict[str, int]) -> None:
+    def __init__(self, engine: LLMEngine, counters: dict[str, int], gate: ReuseGate | None = None) -> None:
         self.engine = engine
         self.counters = counters
+        self.gate = gate
 
     def collect(self):
         e, m = self.engine, self.engine.metrics
@@ -28,6 +30,10 @@ class EngineCollector:
             gauges += [("kv_pages_in_use", "KV pool pages in use (shared affix pages counted once).", e.pool.num_used),
                        ("kv_pages_total", "KV pool pages.", e.pool.num_pages),
                        ("kv_pages_peak", "Most KV pool pages in use at once.", e.pool.peak_pages_used)]
+        if self.gate is not None:
+            spans = self.gate.counts()
+            gauges += [(f"auto_reuse_{state}_spans", f"Spans (under one policy) automatic reuse holds {state}.",
+                        spans[state]) for state in ("trusted", "refused", "checking")]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"acache_{name}", doc, value=value)
         counters = [("affix_hits", "Affix lookups served by a shared copy.", e.affixes.stats.hits),
@@ -37,19 +43,32 @@ class EngineCollector:
                     ("requests_aborted", "Requests aborted (client gone or cancelled).", m.requests_aborted),
                     ("requests_failed", "Requests the engine failed alone.", m.requests_failed),
                     ("generated_tokens", "Generated tokens (after stop tokens).", m.generated_tokens)]
+        if self.gate is not None:
+            totals = self.gate.counts()
+            counters += [("auto_reuse_checks", "Answers without reuse compared with the same request with reuse.",
+                          totals["checks"]),
+                         ("auto_reuse_mismatches", "Checks where reuse would have changed the answer.",
+                          totals["mismatches"])]
         counters += [(name.removesuffix("_total"), f"Server counter {name}.", value)
                      for name, value in sorted(self.counters.items())]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"acache_{name}", doc, value=value)
-        t = m.refresh_times
-        buckets = [(str(edge), count) for edge, count in zip(LATENCY_BUCKETS, t.buckets, strict=True)]
-        yield HistogramMetricFamily("acache_recompute_latency_seconds", "Block-boundary refresh forwards.",
-                                    buckets=[*buckets, ("+Inf", t.count)], sum_value=t.total_s)
+        for name, doc, t in (("recompute_latency_seconds", "Block-boundary refresh forwards.", m.refresh_times),
+                             ("time_to_first_block_seconds", "Arrival to a request's first completed block "
+                              "(a diffusion model's time to first token).", m.first_block_times),
+                             ("inter_block_latency_seconds", "Between a request's consecutive completed blocks.",
+                              m.inter_block_times),
+                             ("e2e_request_latency_seconds", "Arrival to finish of finished requests.",
+                              m.request_times)):
+            buckets = [(str(edge), count) for edge, count in zip(LATENCY_BUCKETS, t.buckets, strict=True)]
+            yield HistogramMetricFamily(f"acache_{name}", doc, buckets=[*buckets, ("+Inf", t.count)],
+                                        sum_value=t.total_s)
 
 
-def metrics_registry(engine: LLMEngine, counters: dict[str, int]) -> CollectorRegistry:
+def metrics_registry(engine: LLMEngine, counters: dict[str, int], gate: ReuseGate | None = None
+                     ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, counters))
+    registry.register(EngineCollector(engine, counters, gate))
     return registry
 
 

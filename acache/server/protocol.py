@@ -3,7 +3,7 @@
 Unknown fields are refused (400) rather than ignored, so a client never believes a setting took
 effect when it did not. Defaults of the extras: gen_length 128 (or from max_tokens), block_length 32,
 threshold 0.9, temperature 0, steps = gen_length, remasking threshold, anchor_ratio 0.2, selector
-attention (when an affix is reused).
+attention (when an affix is reused), affix_reuse auto (the server's rule, :mod:`acache.server.reuse_gate`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class DiffusionFields(BaseModel):
     probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "
                                     "step (one forward fewer); only where an affix is reused")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")
+    affix_reuse: Literal["auto", "off", "always"] | None = Field(
+        default=None, description="automatic reuse of spans seen before: auto (the server's rule, default), off "
+        "(computed as if never seen), always (reused at once, unchecked: the answer may differ)")
     # OpenAI fields a diffusion model honours only at their neutral value (NEUTRAL says which and why)
     top_p: float | None = None
     frequency_penalty: float | None = None

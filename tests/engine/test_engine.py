@@ -40,9 +40,13 @@ def test_engine_matches_single_request_path(family_model, selector, batch):
         assert out.token_ids == ref.token_ids
         assert out.anchors == ref.anchors
         assert (out.nfe, out.refreshes) == (ref.nfe, ref.refreshes)
+        assert out.affix_tokens == sum(a.length for a in prompt.affixes)  # what it shared, read before freeing
     summary = engine.summary()
     assert summary["requests_finished"] == 16 and summary["kv_pages_in_use"] == engine.affixes.pages_in_use
     assert summary["affix_hits"] >= 16 and summary["affix_queries"] == 20
+    m = engine.metrics  # two blocks a request: one time to first block, one gap between blocks, one whole
+    assert (m.first_block_times.count, m.inter_block_times.count, m.request_times.count) == (16, 16, 16)
+    assert m.request_times.total_s >= m.first_block_times.total_s > 0
 
 
 def test_engine_without_reuse_is_the_dual_cache(family_model):

@@ -69,18 +69,23 @@ def test_completion_matches_llm_generate(client, llm):
 def test_chat_matches_llm_generate_and_reuses_the_system_prompt(client, llm, server):
     messages = [{"role": "system", "content": SYSTEM + " (chat test)"}, {"role": "user", "content": "Where is John?"}]
     params = SamplingParams(gen_length=16, block_length=8, threshold=0.5)
+    body = {"block_length": 8, "threshold": 0.5}
     hits = metric(server, "affix_hits_total")
-    first = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
-                                           extra_body={"block_length": 8, "threshold": 0.5})
+    first = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16, extra_body=body)
     plain = llm.generate([list(llm.chat_prompt(messages, affix_messages=[]).token_ids)], params, use_tqdm=False)[0]
     assert extra(first.choices[0], "token_ids") == plain.token_ids
-    second = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
-                                            extra_body={"block_length": 8, "threshold": 0.5})
+    # seen again: answered without reuse while reuse is checked beside it
+    second = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16, extra_body=body)
+    assert extra(second.choices[0], "token_ids") == plain.token_ids
+    assert second.usage.model_extra["affix_reuse"]["decision"] == "checking"
+    forced = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
+                                            extra_body={**body, "affix_reuse": "always"})
     reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=16, block_length=8, threshold=0.5,
                                                                      affix_policy="attention"), use_tqdm=False)[0]
-    assert extra(second.choices[0], "token_ids") == reused.token_ids
-    assert second.choices[0].message.content == reused.text
-    assert metric(server, "affix_queries_total") >= 1 and metric(server, "affix_hits_total") == hits
+    assert extra(forced.choices[0], "token_ids") == reused.token_ids
+    assert forced.choices[0].message.content == reused.text
+    assert forced.usage.prompt_tokens_details.cached_tokens > 0
+    assert metric(server, "affix_queries_total") >= 1 and metric(server, "affix_hits_total") >= hits + 1
 
 
 def test_streaming_chat(client):
@@ -98,7 +103,7 @@ def test_streaming_chat(client):
 
 def test_load_64_requests_concurrency_16(client, llm, server):
     system = SYSTEM + " (load test)"
-    body = {"block_length": 8, "threshold": 0.5}
+    body = {"block_length": 8, "threshold": 0.5, "affix_reuse": "always"}  # reuse from the second sighting
     warm = [{"role": "system", "content": system}, {"role": "user", "content": "warm up"}]
     client.chat.completions.create(model="llada0", messages=warm, max_tokens=8, extra_body=body)  # seen once
     hits_before, queries_before = metric(server, "affix_hits_total"), metric(server, "affix_queries_total")

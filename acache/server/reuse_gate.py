@@ -1,0 +1,130 @@
+"""Whether the server's automatic reuse may answer a request: only where it was seen to give the same answer.
+
+Reusing a span's K/V computed elsewhere is exact under causal attention (vLLM's prefix caching), not under
+bidirectional attention: a span reused with a few anchors recomputed can change a diffusion model's answer.
+So automatic reuse (a chat's system prompt or document seen before) is earned span by span. In ``verified``
+mode (the default) the first ``checks`` requests that could reuse a span under a given policy are answered
+without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
+once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. Every
+``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
+the trust. A request answered during a check gets exactly its answer without reuse. ``on`` reuses at once
+(the old behaviour, for models measured exact enough elsewhere); ``off`` never reuses automatically.
+
+Only deterministic requests can be checked (temperature 0, or a seed): a sampled request without a seed
+reuses a trusted span and otherwise recomputes. A request asking for logprobs recomputes (its logprobs are
+estimated over the full context, so its tokens come from that computation too).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from enum import Enum
+
+from acache.sampling_params import SamplingParams
+
+AUTO_REUSE_MODES = ("verified", "on", "off")
+
+
+class Decision(str, Enum):
+    REUSE = "reused"  # answered with reuse
+    CHECK = "checking"  # answered without reuse; the same request with reuse runs beside it
+    RECOMPUTE = "recomputed"  # answered without reuse
+
+
+@dataclass
+class SpanRecord:
+    checks: int = 0
+    mismatches: int = 0
+    served: int = 0  # requests answered with reuse since the span was trusted
+    trusted: bool = False
+    refused: bool = False
+
+    @property
+    def state(self) -> str:
+        return "refused" if self.refused else "trusted" if self.trusted else f"checked {self.checks}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    decision: Decision
+    key: tuple
+    reason: str
+
+
+def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
+    """What a check vouches for: these spans, reused by this selector at this ratio and pass."""
+    return (span_keys, params.affix_policy, params.anchor_ratio, params.anchor_pass, params.anchor_query)
+
+
+class ReuseGate:
+    """Per (spans, policy) records of how automatic reuse compared with recomputation; thread-safe."""
+
+    def __init__(self, mode: str = "verified", checks: int = 4, audit_every: int = 16,
+                 max_tracked: int = 65536) -> None:
+        if mode not in AUTO_REUSE_MODES:
+            raise ValueError(f"auto reuse mode must be one of {', '.join(AUTO_REUSE_MODES)}, got {mode!r}")
+        for name, value, low in (("checks", checks, 1), ("audit_every", audit_every, 0),
+                                 ("max_tracked", max_tracked, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.mode, self.checks, self.audit_every, self.max_tracked = mode, checks, audit_every, max_tracked
+        self._records: dict[tuple, SpanRecord] = {}
+        self._lock = threading.Lock()
+        self.totals = {"checks": 0, "mismatches": 0}
+
+    def plan(self, span_keys: tuple[str, ...], params: SamplingParams, deterministic: bool,
+             wants_logprobs: bool) -> Plan:
+        """How to answer a request whose automatic candidates ``span_keys`` could be reused with ``params``."""
+        key = policy_key(span_keys, params)
+        if self.mode == "off":
+            return Plan(Decision.RECOMPUTE, key, "automatic reuse is off on this server")
+        if wants_logprobs:
+            return Plan(Decision.RECOMPUTE, key, "logprobs are estimated without reuse, so the tokens are too")
+        if self.mode == "on":
+            return Plan(Decision.REUSE, key, "automatic reuse is on, unchecked")
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                if len(self._records) >= self.max_tracked:
+                    self._records.pop(next(iter(self._records)))
+                record = self._records[key] = SpanRecord()
+            if record.refused:
+                return Plan(Decision.RECOMPUTE, key, "reuse changed an answer for this span and policy")
+            if record.trusted:
+                due = self.audit_every and (record.served + 1) % self.audit_every == 0
+                if not (due and deterministic):
+                    record.served += 1
+                    return Plan(Decision.REUSE, key, f"trusted after {record.checks} matching checks")
+                return Plan(Decision.CHECK, key, "an audit of a trusted span")
+            if not deterministic:
+                return Plan(Decision.RECOMPUTE, key, "a sampled request without a seed cannot be checked")
+            return Plan(Decision.CHECK, key, f"check {record.checks + 1} of {self.checks}")
+
+    def record(self, key: tuple, same: bool) -> None:
+        """The outcome of one check: the answer with reuse was (or was not) the answer without it."""
+        with self._lock:
+            self.totals["checks"] += 1
+            self.totals["mismatches"] += not same
+            record = self._records.setdefault(key, SpanRecord())
+            record.checks += 1
+            if not same:
+                record.mismatches += 1
+                record.trusted, record.refused = False, True
+            elif record.checks >= self.checks:
+                record.trusted = True
+            if record.trusted:
+                record.served += 1  # an audit counts as a use: the next audit is a full period later
+
+    def state(self, key: tuple) -> str:
+        with self._lock:
+            record = self._records.get(key)
+            return record.state if record is not None else "unseen"
+
+    def counts(self) -> dict[str, int]:
+        """Spans by state and the checks made, for /metrics."""
+        with self._lock:
+            trusted = sum(r.trusted for r in self._records.values())
+            refused = sum(r.refused for r in self._records.values())
+            return {"trusted": trusted, "refused": refused, "checking": len(self._records) - trusted - refused,
+                    **self.totals}

@@ -1,0 +1,198 @@
+"""Automatic reuse never changes an answer unchecked: the README's chat sent again answers the same, a span is
+reused only after it gave the same answers, and the usage says what was reused and why."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from acache import LLM, SamplingParams
+from acache.paths import SHIPPED_MODEL
+from acache.server.app import create_app
+
+STORY = "mary moved to the kitchen . john went to the garden ."
+
+
+def story(*extra: str) -> str:
+    """The README's story with more sentences: each test a span no other test's engine holds yet."""
+    return " ".join([STORY, *(f"{who} went to the {where} ." for who, where in extra)])
+
+
+def chat(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(SHIPPED_MODEL, page_size=8)
+
+
+def served(llm, **kwargs) -> TestClient:
+    return TestClient(create_app(llm, "acache-tiny", **kwargs))
+
+
+def ask(client: TestClient, messages: list[dict], settle: bool = True, **fields) -> dict:
+    """One chat request; with ``settle``, also waits for the check it started (its shadow request with reuse
+    may end after the answer) so that the next request sees its outcome."""
+    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **fields})
+    assert resp.status_code == 200, resp.text
+    if settle:
+        assert wait_for(lambda: not client.app.state.checks_running)
+    return resp.json()
+
+
+def plain_answer(llm, messages, **params) -> list[int]:
+    params = {"gen_length": 2, "block_length": 2, **params}
+    prompt = [list(llm.chat_prompt(messages, affix_messages=[]).token_ids)]
+    return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].token_ids
+
+
+def test_the_readme_chat_sent_again_answers_the_same(llm):
+    """The issue's case: at ratio 0.2 reusing the story turns ``kitchen`` into ``mary``; the check sees it and
+    the span is recomputed from then on."""
+    messages = chat(STORY, "Where is Mary?")
+    with served(llm) as client:
+        answers = [ask(client, messages) for _ in range(5)]
+        metrics = client.get("/metrics").text
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    assert texts == ["kitchen"] * 5
+    assert all(a["choices"][0]["token_ids"] == plain_answer(llm, messages) for a in answers)
+    decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
+    assert decisions == ["none", "checking", "recomputed", "recomputed", "recomputed"]
+    assert answers[2]["usage"]["affix_reuse"]["state"] == "refused"
+    assert answers[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "acache_auto_reuse_mismatches_total 1.0" in metrics and "acache_auto_reuse_refused_spans 1.0" in metrics
+    # what reuse would have said, so the check had something to catch
+    reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=2, block_length=2,
+                                                                    affix_policy="attention"), use_tqdm=False)[0]
+    assert reused.text != "kitchen"
+
+
+def test_a_span_that_gives_the_same_answers_is_trusted_then_reused(llm):
+    """At anchor ratio 1 reuse recomputes every affix token, so it matches: after the checks it answers."""
+    messages = chat(story(("emma", "cellar")), "Where is John?")
+    with served(llm, reuse_checks=2, reuse_audit_every=0) as client:
+        answers = [ask(client, messages, anchor_ratio=1.0) for _ in range(4)]
+        after = answers[-1]
+    decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
+    assert decisions == ["none", "checking", "checking", "reused"]
+    usage = after["usage"]
+    assert usage["affix_reuse"]["state"] == "trusted" and usage["affix_reuse"]["anchor_ratio"] == 1.0
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # every token recomputed at ratio 1
+    want = plain_answer(llm, messages)
+    assert all(a["choices"][0]["token_ids"] == want for a in [*answers, after])
+
+
+def wait_for(condition, seconds: float = 30.0) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_mixed_requests_arriving_apart_answer_as_without_reuse(llm):
+    """Different stories, questions, lengths, ratios, temperatures and arrival times, run concurrently: every
+    answer not served by reuse equals the request without reuse, token for token, and those served by reuse
+    come from spans trusted under their policy (at ratio 1, where reuse recomputes everything, equal too)."""
+    stories = [story(("daniel", "office")), "sandra went to the office . daniel moved to the hallway ."]
+    jobs = []
+    for n in range(12):
+        system = stories[n % 2]
+        fields = {"anchor_ratio": [0.2, 1.0, 0.5][n % 3], "max_tokens": [2, 4][n % 2]}
+        if n % 4 == 3:
+            fields |= {"temperature": 0.7, "seed": n}
+        jobs.append((chat(system, ["Where is Mary?", "Where is Daniel?", "Where is John?"][n % 3]), fields))
+    results: dict[int, dict] = {}
+    with served(llm, reuse_checks=1, reuse_audit_every=0) as client:
+        for messages, _ in jobs[:2]:
+            ask(client, messages)  # each story seen once: the twelve may reuse them
+
+        def run(n: int) -> None:
+            time.sleep(0.05 * (n % 5))
+            messages, fields = jobs[n]
+            results[n] = ask(client, messages, settle=False, **fields)
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for n, (messages, fields) in enumerate(jobs):
+        usage = results[n]["usage"]["affix_reuse"]
+        gen = fields["max_tokens"]
+        params = {"gen_length": gen, "block_length": gen, "temperature": fields.get("temperature", 0.0),
+                  "seed": fields.get("seed")}
+        if usage["decision"] == "reused":
+            assert usage["state"] == "trusted"
+            if fields["anchor_ratio"] < 1.0:
+                continue  # a trusted span may still change an answer: the tolerance docs/serving.md measures
+        assert results[n]["choices"][0]["token_ids"] == plain_answer(llm, messages, **params)[:gen], (n, usage)
+
+
+def test_logprobs_requests_decode_without_reuse_and_say_what_the_logprobs_describe(llm):
+    messages = chat(story(("lucas", "garage")), "Where is Mary?")
+    with served(llm, auto_reuse="on") as client:
+        ask(client, messages)
+        out = ask(client, messages, logprobs=True, top_logprobs=2, mc_samples=4)
+        reused = ask(client, messages)
+    report = out["usage"]["affix_reuse"]
+    assert report["decision"] == "recomputed" and "without reuse" in report["logprobs"]
+    assert out["choices"][0]["token_ids"] == plain_answer(llm, messages)
+    assert reused["usage"]["affix_reuse"]["decision"] == "reused"  # mode on: unchecked reuse otherwise
+
+
+def test_the_per_request_switch(llm):
+    messages = chat(story(("oliver", "bedroom")), "Where is Mary?")
+    with served(llm) as client:
+        ask(client, messages)
+        forced = ask(client, messages, affix_reuse="always")
+        off = ask(client, messages, affix_reuse="off")
+        bad = client.post("/v1/chat/completions", json={"messages": messages, "affix_reuse": "sometimes"})
+    assert forced["usage"]["affix_reuse"]["decision"] == "reused"
+    assert forced["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=2, block_length=2,
+                                                                    affix_policy="attention"), use_tqdm=False)[0]
+    assert forced["choices"][0]["token_ids"] == reused.token_ids
+    assert off["usage"]["affix_reuse"]["decision"] == "none" and off["usage"]["affix_reuse"]["spans"] == []
+    assert off["choices"][0]["token_ids"] == plain_answer(llm, messages)
+    assert bad.status_code == 400 and "affix_reuse" in bad.json()["error"]["message"]
+
+
+def test_the_server_switch_off_never_reuses(llm):
+    messages = chat(story(("sofia", "bathroom")), "Where is John?")
+    with served(llm, auto_reuse="off") as client:
+        answers = [ask(client, messages) for _ in range(3)]
+    assert [a["usage"]["affix_reuse"]["decision"] for a in answers] == ["none", "recomputed", "recomputed"]
+    assert all(a["usage"]["affix_reuse"]["reason"] == "automatic reuse is off on this server" for a in answers[1:])
+
+
+def test_a_streamed_check_answers_as_without_reuse_and_is_recorded(llm):
+    messages = chat(story(("emma", "hallway")), "Where is Mary?")
+    with served(llm) as client:
+        ask(client, messages)
+        with client.stream("POST", "/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True}}) as resp:
+            lines = [line for line in resp.iter_lines() if line.startswith("data: {")]
+        assert wait_for(lambda: not client.app.state.checks_running)
+        assert client.app.state.gate.counts()["checks"] == 1
+    chunks = [json.loads(line[6:]) for line in lines]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "kitchen"
+    assert chunks[-1]["usage"]["affix_reuse"]["decision"] == "checking"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"auto_reuse": "sometimes"}, "auto reuse mode must be one of"),
+    ({"reuse_checks": 0}, "checks must be an integer >= 1"),
+    ({"reuse_audit_every": -2}, "audit_every must be an integer >= 0"),
+])
+def test_bad_server_settings_are_named(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        create_app(llm, "acache-tiny", **kwargs)

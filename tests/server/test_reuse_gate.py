@@ -1,0 +1,86 @@
+"""The rule that decides when automatic reuse may answer: checks, trust, refusal, audits, bad settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from acache import SamplingParams
+from acache.server.reuse_gate import Decision, ReuseGate
+
+PARAMS = SamplingParams(gen_length=8, block_length=8, affix_policy="attention")
+SPANS = ("span-a",)
+
+
+def test_a_span_is_checked_until_trusted_then_reused():
+    gate = ReuseGate("verified", checks=3, audit_every=0)
+    for n in range(3):
+        plan = gate.plan(SPANS, PARAMS, deterministic=True, wants_logprobs=False)
+        assert plan.decision is Decision.CHECK and f"check {n + 1} of 3" in plan.reason
+        gate.record(plan.key, True)
+    assert gate.state(plan.key) == "trusted"
+    assert all(gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE for _ in range(50))
+
+
+def test_one_mismatch_refuses_the_span_for_good():
+    gate = ReuseGate("verified", checks=4)
+    plan = gate.plan(SPANS, PARAMS, True, False)
+    gate.record(plan.key, True)
+    gate.record(plan.key, False)
+    assert gate.state(plan.key) == "refused"
+    later = [gate.plan(SPANS, PARAMS, True, False) for _ in range(10)]
+    assert all(p.decision is Decision.RECOMPUTE and "changed an answer" in p.reason for p in later)
+    assert gate.counts() == {"trusted": 0, "refused": 1, "checking": 0, "checks": 2, "mismatches": 1}
+
+
+def test_trust_is_per_policy():
+    gate = ReuseGate("verified", checks=1)
+    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
+    other = SamplingParams(gen_length=8, block_length=8, affix_policy="attention", anchor_ratio=0.5)
+    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE
+    assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
+    assert gate.plan(("span-b",), PARAMS, True, False).decision is Decision.CHECK
+
+
+def test_every_nth_trusted_use_is_audited_and_a_failed_audit_revokes_trust():
+    gate = ReuseGate("verified", checks=1, audit_every=4)
+    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)  # trusted; that check counts as use 1
+    decisions = [gate.plan(SPANS, PARAMS, True, False).decision for _ in range(3)]
+    assert decisions == [Decision.REUSE, Decision.REUSE, Decision.CHECK]  # uses 2, 3, then the audit at 4
+    audit = gate.plan(SPANS, PARAMS, True, False)
+    assert audit.decision is Decision.CHECK  # not settled yet: still due
+    gate.record(audit.key, False)
+    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.RECOMPUTE
+
+
+def test_a_request_that_cannot_be_checked_is_recomputed_until_trusted():
+    gate = ReuseGate("verified", checks=1, audit_every=2)
+    assert gate.plan(SPANS, PARAMS, deterministic=False, wants_logprobs=False).decision is Decision.RECOMPUTE
+    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
+    # trusted: a sampled request reuses, and an audit that falls on it is passed to the next deterministic one
+    assert [gate.plan(SPANS, PARAMS, False, False).decision for _ in range(3)] == [Decision.REUSE] * 3
+
+
+def test_logprobs_and_modes():
+    assert ReuseGate("verified").plan(SPANS, PARAMS, True, True).decision is Decision.RECOMPUTE
+    assert ReuseGate("on").plan(SPANS, PARAMS, True, True).decision is Decision.RECOMPUTE
+    assert ReuseGate("on").plan(SPANS, PARAMS, False, False).decision is Decision.REUSE
+    assert ReuseGate("off").plan(SPANS, PARAMS, True, False).decision is Decision.RECOMPUTE
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "maybe"}, "auto reuse mode must be one of verified, on, off"),
+    ({"checks": 0}, "checks must be an integer >= 1"),
+    ({"checks": True}, "checks must be an integer >= 1"),
+    ({"audit_every": -1}, "audit_every must be an integer >= 0"),
+    ({"max_tracked": 0}, "max_tracked must be an integer >= 1"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReuseGate(**kwargs)
+
+
+def test_the_records_stay_bounded():
+    gate = ReuseGate("verified", max_tracked=8)
+    for n in range(50):
+        gate.plan((f"span-{n}",), PARAMS, True, False)
+    assert sum(gate.counts()[k] for k in ("trusted", "refused", "checking")) == 8
