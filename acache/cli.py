@@ -102,6 +102,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
+    return value
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``2GiB``, ``512MiB``, ``1.5GB`` or a plain number."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -381,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "off; a request's affix_reuse overrides it")
     p.add_argument("--reuse-checks", type=_positive_int, default=4,
                    help="matching answers a span needs before automatic reuse answers with it")
-    p.add_argument("--reuse-audit-every", type=int, default=16,
+    p.add_argument("--reuse-audit-every", type=_non_negative_int, default=16,
                    help="every Nth request a trusted span answers is checked again (0: never)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug",
                                                               "trace"],

@@ -117,6 +117,20 @@ def _cmd_eval_lm(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_eval_auto_reuse(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from acache_lab.eval.auto_reuse import measure, report
+
+    args = _with_default_model(args)
+    logging.getLogger("acache.server").setLevel(logging.ERROR)  # each mismatch is counted in the table instead
+    results = measure(args.model, args.tasks.split(","), args.stories, args.rounds, args.concurrency, args.checks,
+                      args.audit_every, args.seed)
+    print(report(results, Path(args.json) if args.json else None))
+    return 0
+
+
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     from acache_lab.bench.engine import main
 
@@ -290,6 +304,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "seeds at 1, 4, 16 and 64 samples, on --limit arithmetic documents (no server, no lm-eval)")
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_lm))
+
+    p = evaluate.add_parser("auto-reuse", help="how often the server's automatic reuse changes a chat answer, "
+                            "--auto-reuse on vs verified against off")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--tasks", default="qa1,twohop,arith,count", help="comma-separated held-out tasks")
+    p.add_argument("--stories", type=int, default=4, help="held-out contexts a task, each asked all its questions")
+    p.add_argument("--rounds", type=int, default=3, help="times the whole burst is sent")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--checks", type=int, default=4, help="the server's --reuse-checks")
+    p.add_argument("--audit-every", type=int, default=16, help="the server's --reuse-audit-every")
+    p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
+    p.add_argument("--json", default=None, help="also write the figures here")
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_eval_auto_reuse))
 
     p = sub.add_parser("bicache-profile", help="build BiCache's layer-depth table from a calibration set")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")

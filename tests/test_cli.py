@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from acache.cli import main
+import pytest
+
+from acache.cli import build_parser, main
 from acache.models.loader import load_model
 
 
@@ -154,6 +156,26 @@ def test_vllm_style_options():
     assert (args.model_path, args.kv_cache_memory, args.max_model_len) == ("some/model", 2 << 30, 128)
     assert (args.dtype, args.device, args.max_request_bytes) == ("auto", "auto", 1 << 20)
     assert "(default: 8000)" in build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--auto-reuse", "maybe"], "argument --auto-reuse: invalid choice: 'maybe'"),
+    (["--reuse-checks", "0"], "argument --reuse-checks: not a positive integer: '0'"),
+    (["--reuse-audit-every", "-1"], "argument --reuse-audit-every: not a non-negative integer: '-1'"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+])
+def test_bad_serve_reuse_and_log_flags_are_named(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_serve_reuse_defaults_and_help():
+    args = build_parser().parse_args(["serve"])
+    assert (args.auto_reuse, args.reuse_checks, args.reuse_audit_every, args.log_level) == ("verified", 4, 16,
+                                                                                            "warning")
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "--auto-reuse {verified,on,off}" in text and "reuse mismatches" in text
 
 
 def test_version_and_a_model_given_twice(capsys):

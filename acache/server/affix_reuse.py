@@ -4,8 +4,9 @@ Candidates in a chat: the messages before the last user message (system prompt a
 merged into one span) and every user message of at least ``min_document_tokens`` tokens (a pasted
 document). A candidate becomes an affix the second time its exact tokens are seen: a span seen once is
 not worth a shared copy, one seen again is; one the engine already holds (a restart with
-``--affix-cache-dir``) is reused at once. Affixes registered with ``POST /v1/affixes`` are affixes from
-their first use.
+``--affix-cache-dir``) is one at once. Affixes registered with ``POST /v1/affixes`` are affixes from
+their first use. Whether an automatic affix may then answer a request is the reuse gate's call
+(:mod:`acache.server.reuse_gate`): becoming an affix makes a span a candidate for reuse, not reused.
 """
 
 from __future__ import annotations

@@ -1,0 +1,21 @@
+"""``acache eval auto-reuse``: in the verified mode only answers served from a trusted span can differ from the
+server without reuse (by construction); unchecked reuse is counted."""
+
+from __future__ import annotations
+
+from acache.paths import SHIPPED_MODEL
+from acache_lab.eval.auto_reuse import chat_workload, measure, report
+
+
+def test_only_trusted_reuse_can_change_an_answer(tmp_path):
+    results = {r.mode: r for r in measure(str(SHIPPED_MODEL), ["qa1", "arith"], stories=1, rounds=3,
+                                          concurrency=4, checks=1, audit_every=4)}
+    assert set(results) == {"off", "on", "verified"}
+    off, on, verified = results["off"], results["on"], results["verified"]
+    assert off.requests == on.requests == verified.requests == 3 * len(chat_workload(["qa1", "arith"], 1, 0))
+    assert (off.changed, off.reused, off.checks) == (0, 0, 0)
+    assert on.reused > 0 and on.checks == 0 and on.changed == on.changed_when_reused  # only reuse changes answers
+    assert verified.changed == verified.changed_when_reused and verified.checks > 0
+    assert verified.refused_spans <= verified.mismatches  # a mismatch refuses a span (checks in flight may add)
+    text = report(list(results.values()), tmp_path / "auto_reuse.json")
+    assert "| verified | " in text and (tmp_path / "auto_reuse.json").is_file()
