@@ -229,11 +229,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cache_dir is not None and args.tensor_parallel_size > 1:
         raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
-    warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
-    llm = LLM(args.model, affix_cache_dir=cache_dir if warm else None, tensor_parallel_size=args.tensor_parallel_size,
-              **_serve_llm_kwargs(args))
-    if warm:
-        print(f"loaded {len(llm.engine.affixes)} shared affixes from {cache_dir}", flush=True)
+    warm = cache_dir is not None and cache_dir.is_dir()
+    llm = LLM(args.model, affix_cache_dir=cache_dir if warm else None, affix_cache_quarantine=True,
+              tensor_parallel_size=args.tensor_parallel_size, **_serve_llm_kwargs(args))
+    report = llm.affix_cache_report
+    if report is not None and (report.loaded or report.quarantined):
+        aside = f"; {len(report.quarantined)} set aside into {cache_dir / 'quarantine'} (the warnings above say " \
+                "why; each is recomputed when a request next uses it)" if report.quarantined else ""
+        print(f"loaded {report.loaded} shared affixes from {cache_dir}{aside}", flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
     app = create_app(llm, name, affix_cache_dir=cache_dir, **_serve_app_kwargs(args, api_key))

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from acache.affix.bicache import BiCacheProfile
+from acache.affix.cache import LoadReport
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
@@ -30,7 +31,10 @@ class LLM:
     ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens. ``seed`` seeds the
     sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
     Shared affixes live in the engine's pool (one copy each, evicted when no request holds them);
-    ``affix_cache_dir`` loads a saved affix cache into it at start. ``affix_cache_bytes`` bounds the dense
+    ``affix_cache_dir`` loads a saved affix cache into it at start: strictly by default (a fault anywhere is an
+    ``AffixStoreError`` and nothing loads), or, with ``affix_cache_quarantine``, as a server must: each fault
+    is moved into the directory's ``quarantine/`` and the rest loads (``affix_cache_report`` says what was
+    set aside; a set-aside affix is recomputed when next used). ``affix_cache_bytes`` bounds the dense
     store that keeps BiCache's affix K/V and hidden states (default 1 GiB; None: unbounded);
     ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``. ``max_affix_tokens`` bounds
     the tokens the shared affixes hold in the pool (None: as much as the pool has free).
@@ -45,7 +49,8 @@ class LLM:
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  max_affix_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 tensor_parallel_rank: tuple | None = None, compile: bool = False) -> None:
+                 tensor_parallel_rank: tuple | None = None, compile: bool = False,
+                 affix_cache_quarantine: bool = False) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
@@ -111,8 +116,11 @@ class LLM:
                                           max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens,
                                           compile=compile)
         self._engine: LLMEngine | MirroredEngine | None = None
-        if affix_cache_dir is not None:
-            self.engine.affixes.load(affix_cache_dir)
+        self.affix_cache_report: LoadReport | None = None
+        if affix_cache_dir is not None and affix_cache_quarantine:
+            self.affix_cache_report = self.engine.affixes.recover(affix_cache_dir)
+        elif affix_cache_dir is not None:
+            self.affix_cache_report = LoadReport(self.engine.affixes.load(affix_cache_dir))
         if tp is not None and tp.rank > 0:
             serve_rank(self.engine, self._channel)  # a worker rank: replays rank 0's engine until it stops
             parallel.leave()

@@ -7,6 +7,16 @@ under a byte budget (the reference path, BiCache's hidden states) or pages of th
 room cannot be made, a dense cache hands the affix out uncached (``transient``) and a paged one answers
 None, so the engine's request waits. Either saves to and loads from the same on-disk format, refusing
 a cache made with another model.
+
+What the store on disk guarantees, and against whom: it is built against accidents, not against an
+adversary who can write its directory. A save is atomic (a reader sees the old store or the new one), and
+a load detects a truncated or bit-flipped file, swapped or deleted files, a manifest that is not one, an
+entry whose K/V do not hash to its checksum or whose first layer does not follow from its own token ids
+(another affix's, or another model's, K/V), wrong shapes and non-finite values. It does not authenticate:
+the checksums are plain SHA-256 and only layer 0 is recomputed, so someone who can write the directory can
+alter a deeper layer, recompute the checksums, and have it served. Keep the directory writable by the
+server's user only. :meth:`AffixCache.load` refuses a store with any fault (library use, tests);
+:meth:`AffixCache.recover` (the server) moves each fault aside into ``quarantine/`` and loads the rest.
 """
 
 from __future__ import annotations
@@ -14,11 +24,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
+import tempfile
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
@@ -31,7 +45,9 @@ from acache.models.base import DiffusionLM
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
+QUARANTINE = "quarantine"
 FORMAT_VERSION = 2
+log = logging.getLogger("acache.affix")
 
 
 @dataclass
@@ -103,6 +119,24 @@ class CacheStats:
     @property
     def queries(self) -> int:
         return self.hits + self.misses
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A part of a store on disk that could not be trusted: ``what`` it was, ``why``, and the folder it was
+    moved to (None where the directory is read-only: it was skipped, not moved)."""
+
+    what: str
+    reason: str
+    moved_to: Path | None
+
+
+@dataclass
+class LoadReport:
+    """What :meth:`AffixCache.recover` did: how many entries it loaded and what it set aside."""
+
+    loaded: int = 0
+    quarantined: list[Quarantined] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -277,18 +311,22 @@ class AffixCache(Generic[H]):
                 if item["key"] not in mine:
                     entries.append(item)
                     tensors |= theirs
-            blob = save_bytes(tensors) if tensors else b""
-            tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
-            _write_atomic(root / tensor_file, blob)
-            manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
-                        "family": self.model.family, "num_layers": len(self.model.layers),
-                        "dtype": str(self.model.dtype).removeprefix("torch."), "tensors": tensor_file,
-                        "entries": entries}
-            _write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
-            for old in root.glob("affixes-*.safetensors"):
-                if old.name != tensor_file:
-                    old.unlink(missing_ok=True)
+            self._write_store(root, entries, tensors)
         return root
+
+    def _write_store(self, root: Path, entries: list[dict], tensors: dict[str, torch.Tensor]) -> None:
+        """The tensor file, then the manifest naming it, then the old tensor files removed (under the lock)."""
+        blob = save_bytes(tensors) if tensors else b""
+        tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
+        _write_atomic(root / tensor_file, blob)
+        manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
+                    "family": self.model.family, "num_layers": len(self.model.layers),
+                    "dtype": str(self.model.dtype).removeprefix("torch."), "tensors": tensor_file,
+                    "entries": entries}
+        _write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
+        for old in root.glob("affixes-*.safetensors"):
+            if old.name != tensor_file:
+                old.unlink(missing_ok=True)
 
     def _saved_entries(self, root: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
         """The entries already saved at ``root`` whose checksums hold, with their tensors (none if the
@@ -314,35 +352,127 @@ class AffixCache(Generic[H]):
         """Adds the entries saved at ``path`` that fit; returns how many. Every entry is checked before any
         room is taken for it (its checksum, shapes, dtype and finiteness, and its first layer's K/V
         recomputed from its token ids, which no other model or affix reproduces); any refusal is one
-        :class:`AffixStoreError` naming the file and the problem."""
+        :class:`AffixStoreError` naming the file and the problem, and nothing is loaded (the strict mode:
+        :meth:`recover` is the one that loads around a fault)."""
         root = Path(path)
-        manifest_file = root / MANIFEST
-        if not manifest_file.is_file():
+        if not (root / MANIFEST).is_file():
             raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
         with store_lock(root, exclusive=False):
             _remove_stale(root)
+            manifest, tensors, tensor_file, _ = self._read_store(root, salvage=False)
+        return self._admit([self._checked_entry(item, tensors, tensor_file) for item in manifest["entries"]])
+
+    def recover(self, path: str | Path) -> LoadReport:
+        """Loads what can be trusted of the store at ``path`` and moves the rest aside, so that one fault
+        never keeps a server down. An entry that fails any check of :meth:`load` is written into a folder
+        of ``path/quarantine`` (its manifest item, its tensors, the reason) and dropped from the store: it
+        is simply absent, and the next request that uses the affix computes it again. A manifest that
+        cannot be read, or that another model wrote, or whose tensor file is gone or unreadable, is moved
+        there with every tensor file (the server starts cold); so are tensor files no manifest names. Each
+        is logged by name and reason. A directory this process cannot write is only read: the faults are
+        skipped and reported, not moved. Never raises for what it finds on disk."""
+        root = Path(path)
+        report = LoadReport()
+        if not root.is_dir():
+            return report
+        writable = os.access(root, os.W_OK)
+        checked: list[AffixEntry] = []
+        with store_lock(root, exclusive=writable):
+            if writable:
+                _remove_stale(root)
+            tensor_files = sorted(root.glob("affixes-*.safetensors"))
+            if not (root / MANIFEST).exists():
+                if tensor_files:
+                    self._set_aside(root, report, "store", f"no {MANIFEST} names them (it was deleted?)",
+                                    tensor_files, writable)
+                self._log(root, report)
+                return report
             try:
-                manifest = json.loads(manifest_file.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise AffixStoreError(f"{manifest_file}: not a manifest ({exc})") from None
-            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-                found = manifest.get("format") if isinstance(manifest, dict) else None
-                raise AffixStoreError(f"{manifest_file}: format {found!r}, this version reads {FORMAT_VERSION}")
-            if manifest.get("model_fingerprint") != self.fingerprint:
-                raise AffixStoreError(
-                    f"{manifest_file} was made with another model ({manifest.get('family')}, "
-                    f"{manifest.get('num_layers')} layers, fingerprint {str(manifest.get('model_fingerprint'))[:12]}) "
-                    f"than this one ({self.model.family}, {len(self.model.layers)} layers, fingerprint "
-                    f"{self.fingerprint[:12]}); refusing to load it")
-            tensor_file = root / str(manifest.get("tensors", ""))
-            entries = manifest.get("entries")
-            if not isinstance(entries, list) or tensor_file.parent != root or not tensor_file.is_file():
-                raise AffixStoreError(f"{manifest_file}: names no readable tensor file ({tensor_file.name!r})")
+                manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
+            except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
+                self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
+                self._log(root, report)
+                return report
+            if damage is not None:  # a copy of the damaged file aside; the entries it still holds whole stay
+                self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept",
+                                [], writable, {tensor_file.name: tensor_file.read_bytes()})
+            kept_items, kept_tensors = [], {}
+            for i, item in enumerate(manifest["entries"]):
+                key = item.get("key") if isinstance(item, dict) else None
+                theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
+                try:
+                    checked.append(self._checked_entry(item, tensors, tensor_file))
+                except Exception as exc:
+                    label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
+                    kept = {"entry.json": json.dumps(item).encode()}
+                    if theirs:
+                        kept["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
+                    self._set_aside(root, report, f"entry-{label or i}", _reason(exc), [], writable, kept)
+                    continue
+                kept_items.append(item)
+                kept_tensors |= theirs
+            if report.quarantined and writable:
+                self._write_store(root, kept_items, kept_tensors)
+        report.loaded = self._admit(checked)
+        self._log(root, report)
+        return report
+
+    @staticmethod
+    def _set_aside(root: Path, report: LoadReport, label: str, reason: str, files: Sequence[Path],
+                   writable: bool, written: dict[str, bytes] | None = None) -> None:
+        if label.startswith("entry-"):
+            what = label.replace("-", " ", 1)
+        elif written:
+            what = "the damaged tensor file " + ", ".join(written)
+        else:
+            what = "the whole store (" + ", ".join(f.name for f in files) + ")"
+        moved = quarantine(root, label, reason, files, written) if writable else None
+        report.quarantined.append(Quarantined(what, reason, moved))
+
+    @staticmethod
+    def _log(root: Path, report: LoadReport) -> None:
+        for q in report.quarantined:
+            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (the directory is read-only)"
+            log.warning("affix cache %s: %s set aside, %s: %s", root, q.what, where, q.reason)
+        if report.quarantined:
+            log.warning("affix cache %s: loaded %d entries; %d set aside, recomputed when a request next uses "
+                        "them", root, report.loaded, len(report.quarantined))
+
+    def _read_store(self, root: Path, salvage: bool) -> tuple[dict, dict[str, torch.Tensor], Path, str | None]:
+        """The manifest, the tensors and the tensor file of the store at ``root`` (called under its lock), and
+        what is wrong with that file where ``salvage`` read what it still holds whole (None: nothing); an
+        :class:`AffixStoreError` where the store as a whole cannot be trusted."""
+        manifest_file = root / MANIFEST
+        try:
+            manifest = json.loads(manifest_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise AffixStoreError(f"{manifest_file}: not a manifest ({exc})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise AffixStoreError(f"{manifest_file}: format {found!r}, this version reads {FORMAT_VERSION}")
+        if manifest.get("model_fingerprint") != self.fingerprint:
+            raise AffixStoreError(
+                f"{manifest_file} was made with another model ({manifest.get('family')}, "
+                f"{manifest.get('num_layers')} layers, fingerprint {str(manifest.get('model_fingerprint'))[:12]}) "
+                f"than this one ({self.model.family}, {len(self.model.layers)} layers, fingerprint "
+                f"{self.fingerprint[:12]}); refusing to load it")
+        tensor_file = root / str(manifest.get("tensors", ""))
+        if not isinstance(manifest.get("entries"), list) or tensor_file.parent != root or not tensor_file.is_file():
+            raise AffixStoreError(f"{manifest_file}: names no readable tensor file ({tensor_file.name!r})")
+        try:
+            tensors = load_file(tensor_file, device="cpu") if tensor_file.stat().st_size else {}
+            return manifest, tensors, tensor_file, None
+        except Exception as exc:  # safetensors raises its own error types on corrupt files
+            damage = f"{tensor_file}: not a safetensors file ({exc})"
+        if salvage:
             try:
-                tensors = load_file(tensor_file, device="cpu") if tensor_file.stat().st_size else {}
-            except Exception as exc:  # safetensors raises its own error types on corrupt files
-                raise AffixStoreError(f"{tensor_file}: not a safetensors file ({exc})") from None
-        checked = [self._checked_entry(item, tensors, tensor_file) for item in entries]
+                return manifest, _salvage(tensor_file), tensor_file, damage
+            except Exception:  # its header is gone too
+                pass
+        raise AffixStoreError(damage)
+
+    def _admit(self, checked: list[AffixEntry]) -> int:
+        """Stores the checked entries that are new and fit; how many."""
         loaded = 0
         for entry in checked:
             if entry.key in self.entries or not self.evict_until(self.storage.cost(entry.length)):
@@ -420,6 +550,59 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def quarantine(root: Path, label: str, reason: str, files: Sequence[Path] = (),
+               written: dict[str, bytes] | None = None) -> Path:
+    """Moves ``files`` of the store at ``root`` (and writes ``written``) into a new folder of
+    ``root/quarantine`` beside a ``reason.txt``: what could not be trusted is kept for a person to look at,
+    never deleted, and never read again. Called under the store's lock."""
+    (root / QUARANTINE).mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = Path(tempfile.mkdtemp(prefix=f"{stamp}-{label}-", dir=root / QUARANTINE))
+    (folder / "reason.txt").write_text(reason + "\n")
+    for name, data in (written or {}).items():
+        (folder / name).write_bytes(data)
+    for f in files:  # the manifest first: a crash halfway leaves tensor files no manifest names, set aside next time
+        if f.exists():
+            os.replace(f, folder / f.name)
+    return folder
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def _salvage(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a damaged safetensors file that still lie whole in it, found through its header (a file
+    cut short keeps those before the cut; their checksums then say whether they are intact). Raises where
+    the header itself cannot be read."""
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or 8 + size > len(data):
+        raise ValueError("the header is cut")
+    header = json.loads(data[8:8 + size])
+    body = memoryview(data)[8 + size:]
+    tensors = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = meta["data_offsets"]
+            if not 0 <= begin <= end <= len(body):
+                continue  # past the cut
+            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+            raw = bytearray(body[begin:end])
+            flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            tensors[name] = flat.reshape(meta["shape"])
+        except (KeyError, TypeError, ValueError, RuntimeError):
+            continue
+    return tensors
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, AffixStoreError) else f"unreadable ({type(exc).__name__}: {exc})"
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -447,7 +630,7 @@ def _remove_stale(root: Path) -> None:
 
 
 @contextmanager
-def store_lock(root: Path, exclusive: bool):
+def store_lock(root: Path, exclusive: bool) -> Iterator[None]:
     """The directory's lock: one writer, or any number of readers. A reader of a directory it cannot write
     (a cache shipped read-only) reads without it: nobody can be writing there."""
     try:

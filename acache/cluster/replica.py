@@ -42,8 +42,9 @@ class EngineReplica:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         cache_dir = Path(settings.affix_cache_dir) if settings.affix_cache_dir else None
-        warm = cache_dir is not None and (cache_dir / "manifest.json").is_file()
-        self.llm = LLM(settings.model, affix_cache_dir=cache_dir if warm else None, **settings.llm)
+        warm = cache_dir is not None and cache_dir.is_dir()
+        self.llm = LLM(settings.model, affix_cache_dir=cache_dir if warm else None, affix_cache_quarantine=True,
+                       **settings.llm)
         self.app = create_app(self.llm, settings.served_model_name, affix_cache_dir=cache_dir, **settings.app)
         self.cache_dir = cache_dir
         self.replica_id = serve.get_replica_context().replica_id.unique_id
