@@ -318,12 +318,12 @@ class AffixCache(Generic[H]):
         """The tensor file, then the manifest naming it, then the old tensor files removed (under the lock)."""
         blob = save_bytes(tensors) if tensors else b""
         tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
-        _write_atomic(root / tensor_file, blob)
+        write_atomic(root / tensor_file, blob)
         manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
                     "family": self.model.family, "num_layers": len(self.model.layers),
                     "dtype": str(self.model.dtype).removeprefix("torch."), "tensors": tensor_file,
                     "entries": entries}
-        _write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
+        write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
         for old in root.glob("affixes-*.safetensors"):
             if old.name != tensor_file:
                 old.unlink(missing_ok=True)
@@ -603,7 +603,7 @@ def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, AffixStoreError) else f"unreadable ({type(exc).__name__}: {exc})"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:

@@ -5,23 +5,40 @@ merged into one span) and every user message of at least ``min_document_tokens``
 document). A candidate becomes an affix the second time its exact tokens are seen: a span seen once is
 not worth a shared copy, one seen again is; one the engine already holds (a restart with
 ``--affix-cache-dir``) is one at once. Affixes registered with ``POST /v1/affixes`` are affixes from
-their first use. Whether an automatic affix may then answer a request is the reuse gate's call
-(:mod:`acache.server.reuse_gate`): becoming an affix makes a span a candidate for reuse, not reused.
+their first use; with ``--affix-cache-dir`` the registry is saved beside the affix cache
+(``registry.json``) and loaded at start, so that an id stays valid across a restart. Whether an automatic
+affix may then answer a request is the reuse gate's call (:mod:`acache.server.reuse_gate`): becoming an
+affix makes a span a candidate for reuse, not reused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
+from acache.affix.cache import Quarantined, quarantine, store_lock, write_atomic
 from acache.affix.chat import chat_segments
 from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, affix_key, resolve_segments
 from acache.inputs import InputProcessor
 
 AFFIX_MARKER = "<|affix|>"  # where an infix completion places its registered affix
+REGISTRY = "registry.json"
+REGISTRY_FORMAT = 1
+log = logging.getLogger("acache.server")
+
+
+def registration_id(token_ids: list[int] | tuple[int, ...], messages: list[dict] | None) -> str:
+    """The id of a registration: the hash of what was registered, so that the same content gets the same id
+    in every process and a stored registration whose content was altered no longer matches its id."""
+    described = json.dumps({"tokens": list(token_ids), "messages": messages}, sort_keys=True)
+    return "affix-" + hashlib.sha256(described.encode()).hexdigest()[:24]
 
 
 class AffixRegistry:
@@ -40,9 +57,8 @@ class AffixRegistry:
     def register(self, token_ids: list[int], messages: list[dict] | None, name: str | None) -> str:
         if not token_ids:
             raise ValueError("an affix must not be empty")
-        described = json.dumps({"tokens": list(token_ids), "messages": messages}, sort_keys=True)
-        affix_id = "affix-" + hashlib.sha256(described.encode()).hexdigest()[:24]
-        size = 8 * len(token_ids) + len(described) + len(name or "")
+        affix_id = registration_id(token_ids, messages)
+        size = _size(token_ids, messages, name)
         if size > self.max_bytes:
             raise ValueError(f"the affix takes {size} bytes, more than the registry's {self.max_bytes}")
         with self._lock:
@@ -66,6 +82,121 @@ class AffixRegistry:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def snapshot(self) -> list[dict]:
+        """Every registration, least recently used first, as ``registry.json`` holds them."""
+        with self._lock:
+            return [{"id": i, "tokens": list(ids), "messages": messages, "name": name}
+                    for i, (ids, messages, name, _) in self._by_id.items()]
+
+    def save(self, root: Path, fingerprint: str) -> int:
+        """Writes the registrations to ``root/registry.json`` (atomically, under the store's lock), with the
+        sound ones already there that this registry does not hold while the byte budget allows (another
+        server's on a shared directory, or ones this one let go); returns how many it wrote."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        mine = self.snapshot()
+        held = {item["id"] for item in mine}
+        room = self.max_bytes - sum(_size(i["tokens"], i["messages"], i["name"]) for i in mine)
+        with store_lock(root, exclusive=True):
+            theirs = []
+            try:
+                for item in reversed(_read_registry(root, fingerprint)):
+                    size = _size(item["tokens"], item["messages"], item["name"])
+                    if _fault(item, None) is None and item["id"] not in held and size <= room:
+                        theirs.append(item)
+                        room -= size
+            except Exception:  # nothing sound there to keep: it is replaced
+                theirs = []
+            items = theirs[::-1] + mine
+            body = {"format": REGISTRY_FORMAT, "model_fingerprint": fingerprint, "affixes": items}
+            write_atomic(root / REGISTRY, (json.dumps(body) + "\n").encode())
+        return len(items)
+
+    def load(self, root: Path, fingerprint: str, vocab_size: int) -> list[Quarantined]:
+        """Registers what ``root/registry.json`` holds (the ids stay those the clients were given) and moves
+        what cannot be trusted into ``root/quarantine`` with the reason, never keeping the server down: a
+        registration whose content no longer hashes to its id or that is malformed alone, a file that is not
+        a registry or belongs to another model whole. Each is logged; returns what was set aside."""
+        root = Path(root)
+        if not (root / REGISTRY).is_file():
+            return []
+        writable = os.access(root, os.W_OK)
+        aside: list[Quarantined] = []
+        with store_lock(root, exclusive=writable):
+            try:
+                items = _read_registry(root, fingerprint)
+            except Exception as exc:
+                reason = f"{root / REGISTRY}: {exc}"
+                moved = quarantine(root, "registry", reason, [root / REGISTRY]) if writable else None
+                aside.append(Quarantined(f"the registry ({REGISTRY})", reason, moved))
+                items = []
+            good = []
+            for n, item in enumerate(items):
+                fault = _fault(item, vocab_size)
+                if fault is None:
+                    good.append(item)
+                    continue
+                label = re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40]
+                what = f"registration {label or n}"
+                moved = quarantine(root, f"registration-{label or n}", fault, (),
+                                   {"registration.json": json.dumps(item).encode()}) if writable else None
+                aside.append(Quarantined(what, fault, moved))
+            if writable and aside and items:
+                body = {"format": REGISTRY_FORMAT, "model_fingerprint": fingerprint, "affixes": good}
+                write_atomic(root / REGISTRY, (json.dumps(body) + "\n").encode())
+        for item in good:
+            try:
+                self.register(item["tokens"], item["messages"], item["name"])
+            except ValueError as exc:  # larger than this server's --affix-registry-bytes: it stays on disk
+                log.warning("affix registry %s: %s not loaded: %s", root, item["id"], exc)
+        for q in aside:
+            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (the directory is read-only)"
+            log.warning("affix registry %s: %s set aside, %s: %s", root, q.what, where, q.reason)
+        if aside:
+            log.warning("affix registry %s: kept %d registrations; %d set aside (their ids are unknown now: "
+                        "register them again)", root, len(good), len(aside))
+        return aside
+
+
+def _size(token_ids: list[int] | tuple[int, ...], messages: list[dict] | None, name: str | None) -> int:
+    described = json.dumps({"tokens": list(token_ids), "messages": messages}, sort_keys=True)
+    return 8 * len(token_ids) + len(described) + len(name or "")
+
+
+def _read_registry(root: Path, fingerprint: str) -> list:
+    """The registrations ``root/registry.json`` lists; raises where the file as a whole cannot be trusted."""
+    try:
+        body = json.loads((root / REGISTRY).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not a registry ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != REGISTRY_FORMAT or not isinstance(body.get("affixes"), list):
+        found = body.get("format") if isinstance(body, dict) else None
+        raise ValueError(f"not a registry of format {REGISTRY_FORMAT} (format {found!r})")
+    if body.get("model_fingerprint") != fingerprint:
+        raise ValueError(f"made with another model (fingerprint {str(body.get('model_fingerprint'))[:12]}, this "
+                         f"one {fingerprint[:12]})")
+    return body["affixes"]
+
+
+def _fault(item: object, vocab_size: int | None) -> str | None:
+    """What is wrong with one stored registration (None: nothing); ``vocab_size`` None skips the token range."""
+    if not isinstance(item, dict) or set(item) != {"id", "tokens", "messages", "name"}:
+        return "malformed (not an object of id, tokens, messages and name)"
+    tokens, messages, name = item["tokens"], item["messages"], item["name"]
+    if not isinstance(tokens, list) or not tokens or any(type(t) is not int for t in tokens):
+        return "its tokens are not a non-empty list of token ids"
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
+        return f"it holds a token id outside the vocabulary of {vocab_size}"
+    if messages is not None and (not isinstance(messages, list) or not all(
+            isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in m.items())
+            for m in messages)):
+        return "its messages are not a list of messages"
+    if name is not None and not isinstance(name, str):
+        return "its name is not a string"
+    if item["id"] != registration_id(tokens, messages):
+        return f"its content does not hash to its id {str(item['id'])[:40]!r} (corrupt or altered)"
+    return None
 
 
 class AutoAffixer:

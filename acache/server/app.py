@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from acache.affix.cache import model_fingerprint
 from acache.affix.prompt import AffixPrompt, affix_key
 from acache.inputs import InputProcessor
 from acache.llm import LLM
@@ -122,6 +123,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     # one scoring job at a time, on its own thread: it never starves the shared pool the handlers use
     score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
     registry = AffixRegistry(affix_registry_bytes)
+    fingerprint = model_fingerprint(llm.model) if affix_cache_dir is not None else ""
+    if affix_cache_dir is not None:  # the ids given out before a restart stay valid; a bad file is set aside
+        registry.load(affix_cache_dir, fingerprint, llm.config.vocab_size)
     affixer = AutoAffixer(llm.inputs, lambda ids: llm.engine.affixes.lookup(ids) is not None, min_document_tokens)
     gate = ReuseGate(auto_reuse, reuse_checks, reuse_audit_every)
     checks_running: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
@@ -246,7 +250,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     def save_affixes() -> int:
         with engine.lock:  # the engine thread is not stepping while its pages are read
             llm.save_affix_cache(affix_cache_dir)
-            return len(llm.engine.affixes)
+            saved = len(llm.engine.affixes)
+        registry.save(affix_cache_dir, fingerprint)
+        return saved
 
     @app.post("/v1/affixes/save")
     async def save_affix_cache():
