@@ -366,8 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Monte Carlo draws per split behind echo+logprobs (a request's mc_samples overrides it); "
                         "the estimate's standard error shrinks as 1/sqrt(draws), see docs/lm_eval.md")
     p.add_argument("--affix-cache-dir", default=None,
-                   help="load the shared affixes from DIR at start, save them there at shutdown and on "
-                        "POST /v1/affixes/save, so a restart serves warm")
+                   help="load the shared and the registered affixes from DIR at start, save them there at "
+                        "shutdown and on POST /v1/affixes/save, so a restart serves warm; what fails a check is "
+                        "moved into DIR/quarantine and the rest loads")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")

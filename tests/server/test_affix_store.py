@@ -178,3 +178,45 @@ def test_two_servers_saving_to_one_directory_keep_each_others_registrations(tmp_
     c = small.register([9], None, None)
     assert small.save(tmp_path, "fp") == 2
     assert [r["id"] for r in json.loads((tmp_path / "registry.json").read_text())["affixes"]] == [b, c]
+
+
+def test_acache_serve_starts_over_a_store_whose_manifest_is_cut(tmp_path):
+    """``acache serve`` itself: a cut manifest no longer exits 2; the server says what it set aside, starts
+    cold, answers as before, and the registered id (its registry is sound) still works."""
+    from tests.server.helpers import start_server
+    from tests.server.test_front_door import CHAT as DOOR_CHAT
+    from tests.server.test_front_door import STORY as DOOR_STORY
+    from tests.server.test_front_door import call
+
+    cache = tmp_path / "affixes"
+    chat = {"messages": DOOR_CHAT, "max_tokens": 2}
+
+    def ask(port, affix_id):
+        texts = []
+        for body, path in ((chat, "/v1/chat/completions"), (chat, "/v1/chat/completions"),
+                           ({"prompt": "where is john ?", "affix": affix_id, "max_tokens": 2}, "/v1/completions")):
+            status, text = call(port, "POST", path, body, auth=None)
+            assert status == 200, text
+            texts.append(json.loads(text)["choices"][0]["token_ids"])
+        return texts
+
+    proc, port = start_server(["--affix-cache-dir", str(cache)])
+    try:
+        status, text = call(port, "POST", "/v1/affixes", {"text": DOOR_STORY}, auth=None)
+        affix_id = json.loads(text)["id"]
+        before = ask(port, affix_id)  # the system prompt seen once, then shared; the registered affix used
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    manifest = (cache / "manifest.json").read_text()
+    assert len(json.loads(manifest)["entries"]) == 2
+    (cache / "manifest.json").write_text(manifest[:len(manifest) // 2])
+    proc, port = start_server(["--affix-cache-dir", str(cache)])
+    try:
+        assert ask(port, affix_id) == before
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    out = proc.stdout.read().decode()
+    assert "manifest.json: not a manifest" in out and "set aside" in out, out
+    assert len(list((cache / "quarantine").iterdir())) == 1
