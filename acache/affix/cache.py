@@ -412,7 +412,10 @@ class AffixCache(Generic[H]):
                 kept_items.append(item)
                 kept_tensors |= theirs
             if report.quarantined and writable:
-                self._write_store(root, kept_items, kept_tensors)
+                try:
+                    self._write_store(root, kept_items, kept_tensors)
+                except OSError as exc:  # the faults stay on disk, and are set aside again next time
+                    log.warning("affix cache %s: could not rewrite the store without its faults: %s", root, exc)
         report.loaded = self._admit(checked)
         self._log(root, report)
         return report
@@ -426,13 +429,18 @@ class AffixCache(Generic[H]):
             what = "the damaged tensor file " + ", ".join(written)
         else:
             what = "the whole store (" + ", ".join(f.name for f in files) + ")"
-        moved = quarantine(root, label, reason, files, written) if writable else None
+        moved = None
+        if writable:
+            try:
+                moved = quarantine(root, label, reason, files, written)
+            except OSError as exc:  # a full disk, say: skipped as in a read-only directory, the server still starts
+                reason = f"{reason} (could not be moved aside: {exc})"
         report.quarantined.append(Quarantined(what, reason, moved))
 
     @staticmethod
     def _log(root: Path, report: LoadReport) -> None:
         for q in report.quarantined:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (the directory is read-only)"
+            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
             log.warning("affix cache %s: %s set aside, %s: %s", root, q.what, where, q.reason)
         if report.quarantined:
             log.warning("affix cache %s: loaded %d entries; %d set aside, recomputed when a request next uses "

@@ -124,12 +124,20 @@ class AffixRegistry:
         writable = os.access(root, os.W_OK)
         aside: list[Quarantined] = []
         with store_lock(root, exclusive=writable):
+            def set_aside(what: str, label: str, reason: str, files: list[Path], written: dict | None) -> None:
+                moved = None
+                if writable:
+                    try:
+                        moved = quarantine(root, label, reason, files, written)
+                    except OSError as exc:  # skipped as in a read-only directory: the server still starts
+                        reason = f"{reason} (could not be moved aside: {exc})"
+                aside.append(Quarantined(what, reason, moved))
+
             try:
                 items = _read_registry(root, fingerprint)
             except Exception as exc:
-                reason = f"{root / REGISTRY}: {exc}"
-                moved = quarantine(root, "registry", reason, [root / REGISTRY]) if writable else None
-                aside.append(Quarantined(f"the registry ({REGISTRY})", reason, moved))
+                set_aside(f"the registry ({REGISTRY})", "registry", f"{root / REGISTRY}: {exc}", [root / REGISTRY],
+                          None)
                 items = []
             good = []
             for n, item in enumerate(items):
@@ -138,20 +146,21 @@ class AffixRegistry:
                     good.append(item)
                     continue
                 label = re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40]
-                what = f"registration {label or n}"
-                moved = quarantine(root, f"registration-{label or n}", fault, (),
-                                   {"registration.json": json.dumps(item).encode()}) if writable else None
-                aside.append(Quarantined(what, fault, moved))
+                set_aside(f"registration {label or n}", f"registration-{label or n}", fault, [],
+                          {"registration.json": json.dumps(item).encode()})
             if writable and aside and items:
                 body = {"format": REGISTRY_FORMAT, "model_fingerprint": fingerprint, "affixes": good}
-                write_atomic(root / REGISTRY, (json.dumps(body) + "\n").encode())
+                try:
+                    write_atomic(root / REGISTRY, (json.dumps(body) + "\n").encode())
+                except OSError as exc:  # the faults stay on disk, and are set aside again next time
+                    log.warning("affix registry %s: could not rewrite it without its faults: %s", root, exc)
         for item in good:
             try:
                 self.register(item["tokens"], item["messages"], item["name"])
             except ValueError as exc:  # larger than this server's --affix-registry-bytes: it stays on disk
                 log.warning("affix registry %s: %s not loaded: %s", root, item["id"], exc)
         for q in aside:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (the directory is read-only)"
+            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
             log.warning("affix registry %s: %s set aside, %s: %s", root, q.what, where, q.reason)
         if aside:
             log.warning("affix registry %s: kept %d registrations; %d set aside (their ids are unknown now: "

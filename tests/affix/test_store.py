@@ -475,3 +475,18 @@ def test_a_set_aside_affix_is_recomputed_and_answers_as_without_a_store(tmp_path
     want = LLM(llada_dir).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [(o.stats.affix.affix_hits, o.stats.affix.affix_misses) for o in got] == [(0, 1), (1, 0)]
+
+
+def test_a_fault_that_cannot_be_moved_aside_is_skipped_and_the_rest_loads(model, tmp_path, caplog, monkeypatch):
+    manifest = saved_store(model, tmp_path, A, B)
+    flip_byte(tmp_path, manifest, key_of(A))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("acache.affix.cache.quarantine", full_disk)
+    monkeypatch.setattr("acache.affix.cache.write_atomic", full_disk)
+    store = AffixStore(model)
+    report = store.recover(tmp_path)
+    assert report.loaded == 1 and tuple(B) in store and [q.moved_to for q in report.quarantined] == [None]
+    assert "No space left on device" in report.quarantined[0].reason and "could not rewrite" in caplog.text
