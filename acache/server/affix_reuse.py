@@ -102,8 +102,10 @@ class AffixRegistry:
             theirs = []
             try:
                 for item in reversed(_read_registry(root, fingerprint)):
+                    if _fault(item, None) is not None or item["id"] in held:
+                        continue
                     size = _size(item["tokens"], item["messages"], item["name"])
-                    if _fault(item, None) is None and item["id"] not in held and size <= room:
+                    if size <= room:
                         theirs.append(item)
                         room -= size
             except Exception:  # nothing sound there to keep: it is replaced

@@ -220,3 +220,18 @@ def test_acache_serve_starts_over_a_store_whose_manifest_is_cut(tmp_path):
     out = proc.stdout.read().decode()
     assert "manifest.json: not a manifest" in out and "set aside" in out, out
     assert len(list((cache / "quarantine").iterdir())) == 1
+
+
+def test_a_save_drops_a_bad_registration_it_finds_and_keeps_the_sound_ones(tmp_path):
+    from acache.server.affix_reuse import AffixRegistry
+
+    one = AffixRegistry()
+    a = one.register([1, 2, 3], None, None)
+    one.save(tmp_path, "fp")
+    body = json.loads((tmp_path / "registry.json").read_text())
+    body["affixes"].insert(0, {"tokens": [5]})  # malformed, before the sound one
+    (tmp_path / "registry.json").write_text(json.dumps(body))
+    two = AffixRegistry()
+    b = two.register([4], None, None)
+    assert two.save(tmp_path, "fp") == 2
+    assert [r["id"] for r in json.loads((tmp_path / "registry.json").read_text())["affixes"]] == [a, b]
