@@ -112,6 +112,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a non-negative number of seconds: {text!r}")
+    return value
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``2GiB``, ``512MiB``, ``1.5GB`` or a plain number."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -211,8 +221,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    import uvicorn
-
     from acache import LLM
     from acache.server.app import create_app
 
@@ -243,10 +251,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port} (OpenAI-compatible: /v1/completions, "
           f"/v1/chat/completions)", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        serve_until_signalled(app, args)
     finally:
         llm.close()
     return 0
+
+
+def serve_until_signalled(app, args: argparse.Namespace) -> None:
+    """uvicorn, with the app told when a signal starts the shutdown: its in-flight work then has
+    ``--shutdown-grace`` seconds before it is cancelled with a 503 (uvicorn's own timeout, a little later, is
+    the backstop)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.drain.begin(args.shutdown_grace)
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=int(args.shutdown_grace) + 5)).run()
 
 
 def _serve_llm_kwargs(args: argparse.Namespace) -> dict:
@@ -397,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="matching answers a span needs before automatic reuse answers with it")
     p.add_argument("--reuse-audit-every", type=_non_negative_int, default=16,
                    help="every Nth request a trusted span answers is checked again (0: never)")
+    p.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
+                   help="seconds in-flight requests (scoring included) may run after SIGTERM or Ctrl-C; then they "
+                        "are cancelled with a 503 and the server exits")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug",
                                                               "trace"],
                    help="uvicorn's and acache's log level (warning: shutdown, saves and reuse mismatches)")

@@ -28,7 +28,7 @@ from acache.llm import LLM
 from acache.models.tokenizer import token_text
 from acache.policies import AFFIX_POLICIES, DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
-from acache.scoring import DEFAULT_SAMPLES
+from acache.scoring import DEFAULT_SAMPLES, ScoringCancelled
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
 from acache.server.guard import Guard
@@ -45,6 +45,7 @@ from acache.server.protocol import (
     error_body,
 )
 from acache.server.reuse_gate import Decision, Plan, ReuseGate
+from acache.server.shutdown import Drain, ShuttingDown
 from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
 
 DEFAULTS = SamplingParams()
@@ -119,6 +120,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             or loglikelihood_samples <= 0:
         raise ValueError(f"loglikelihood_samples must be a positive integer, got {loglikelihood_samples!r}")
     engine = AsyncEngine(llm.engine)
+    drain = Drain(engine.cancel_all)
     scorer = Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock)
     # one scoring job at a time, on its own thread: it never starves the shared pool the handlers use
     score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
@@ -136,6 +138,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         try:
             yield
         finally:
+            drain.expire()  # whatever the grace period left running stops now
             score_pool.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()
             if affix_cache_dir is not None:
@@ -151,6 +154,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     app.state.registry = registry
     app.state.counters = counters
     app.state.gate = gate
+    app.state.drain = drain
     app.state.checks_running = checks_running
     registry_metrics = metrics_registry(llm.engine, counters, gate)
 
@@ -188,6 +192,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         counters["requests_abandoned_total"] += 1
         return error(499, "the client closed the request")
 
+    @app.exception_handler(ShuttingDown)
+    async def _shutting_down(request: Request, exc: ShuttingDown):
+        return error(503, str(exc), "server_error", code="shutting_down")
+
     @app.exception_handler(RequestError)
     async def _failed(request: Request, exc: RequestError):
         return error(500, str(exc), "server_error")
@@ -199,6 +207,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     @app.get("/health")
     async def health():
+        if drain.started:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if engine.error is not None:
             return JSONResponse({"status": "error", "error": f"the engine failed: {type(engine.error).__name__}"},
                                 status_code=503)
@@ -495,11 +505,17 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def scoring(request: Request, fn: Callable, *args):
         """Runs a scoring job on the scoring thread; a client that goes away stops it between two batches."""
         cancel = threading.Event()
+        drain.track(cancel)
         future = asyncio.get_running_loop().run_in_executor(score_pool, functools.partial(fn, *args, cancel=cancel))
         try:
             return await until_disconnect(request, future)
+        except ScoringCancelled:
+            if drain.expired is not None:
+                raise drain.expired from None
+            raise
         finally:
             cancel.set()  # a no-op once the job is done
+            drain.untrack(cancel)
 
     def final_text(out, body: DiffusionFields) -> Cut:
         ids = out.token_ids[:body.max_tokens] if body.max_tokens is not None else out.token_ids
@@ -586,7 +602,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                     yield event(safe[len(sent):], None)
                     sent = safe
         except Exception as exc:  # after the first event the status is sent: report in the stream
-            known = (RequestFailed, EngineFailed, ValueError)
+            known = (RequestFailed, EngineFailed, ValueError, ShuttingDown)
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         finally:

@@ -13,6 +13,7 @@ import torch
 from acache.affix.prompt import AffixPrompt
 from acache.engine import EngineOutput, LLMEngine, Status
 from acache.sampling_params import SamplingParams
+from acache.server.shutdown import ShuttingDown
 
 
 class RequestFailed(RuntimeError):
@@ -38,6 +39,7 @@ class AsyncEngine:
         self._cancelled: set[str] = set()  # aborted before (or while) being added
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.closed: ShuttingDown | None = None  # set once in-flight work was cancelled by a shutdown
 
     def start(self) -> None:
         if self._thread is None:
@@ -83,6 +85,15 @@ class AsyncEngine:
             if self.engine.abort(request_id):
                 self._cancelled.discard(request_id)
 
+    def cancel_all(self, exc: ShuttingDown) -> None:
+        """Aborts every request in flight and tells each of ``exc``; a request added later is refused with it."""
+        self.closed = exc
+        with self.lock:
+            failed = self._fail_all(exc)
+        for request_id, item in failed:
+            self._deliver(request_id, item)
+        self.wake.set()
+
     def _fail_all(self, exc: BaseException) -> list[tuple[str, BaseException]]:
         """Aborts every request in the engine; each of them is then told of ``exc``."""
         failed = []
@@ -103,6 +114,8 @@ class AsyncEngine:
             if request_id in self._cancelled:  # its caller went away while this waited for the lock
                 self._cancelled.discard(request_id)
                 return
+            if self.closed is not None:
+                raise self.closed
             self.engine.add_request(prompt, params, request_id, generator, stream)
         self.wake.set()
 
@@ -118,6 +131,9 @@ class AsyncEngine:
             await asyncio.to_thread(self._add, prompt, params, request_id, stream, generator)
             while True:
                 item = await queue.get()
+                if isinstance(item, ShuttingDown):
+                    finished = True
+                    raise item
                 if isinstance(item, BaseException):
                     finished = True
                     raise EngineFailed(f"the engine failed while serving this request: {item}") from item
