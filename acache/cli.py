@@ -263,12 +263,14 @@ def serve_until_signalled(app, args: argparse.Namespace) -> None:
     the backstop)."""
     import uvicorn
 
+    from acache.server.http import json_error_protocol
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             app.state.drain.begin(args.shutdown_grace)
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=json_error_protocol(),
                           timeout_graceful_shutdown=int(args.shutdown_grace) + 5)).run()
 
 
@@ -320,7 +322,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     replica = ReplicaSettings(model, name, cluster.directory, NAMESPACE, llm, app,
                               str(cache_dir.resolve()) if cache_dir else None, threads)
     frontend = FrontendSettings(model, cluster.directory, NAMESPACE, args.max_model_len, args.min_document_tokens,
-                                args.affix_registry_bytes, args.max_request_bytes, api_key)
+                                args.affix_registry_bytes, args.max_request_bytes, api_key,
+                                replicas=cluster.replicas, app_name=cluster.app_name)
     connect(cluster)
 
     def terminate(*_) -> None:  # after ray.init, which sets a handler of its own

@@ -6,9 +6,10 @@ retries a request whose replica died before answering."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import ray
@@ -41,6 +42,8 @@ class FrontendSettings:
     max_request_bytes: int = 1 << 20
     api_key: str | None = None
     retries: int = 1  # further replicas tried when one dies before answering
+    replicas: int = 1  # /health is ready once this many engine replicas run
+    app_name: str = "acache"  # the Serve application whose replicas /health counts
 
 
 class SpanExtractor:
@@ -102,10 +105,32 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def build_frontend(settings: FrontendSettings, engine, directory) -> FastAPI:
-    """The FastAPI app that forwards to ``engine`` (a Serve handle to the replicas)."""
+def running_replicas(app_name: str, deployment: str = "EngineReplica") -> int:
+    """Replicas of ``deployment`` that Serve reports RUNNING (started, and passing their health checks)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    states = app.deployments[deployment].replica_states if app and deployment in app.deployments else {}
+    return int(states.get("RUNNING", 0))
+
+
+def build_frontend(settings: FrontendSettings, engine, directory, ready: Callable[[], int] | None = None) -> FastAPI:
+    """The FastAPI app that forwards to ``engine`` (a Serve handle to the replicas); ``ready`` counts the
+    replicas running (Serve's own status by default)."""
     extractor = SpanExtractor(settings)
     app = FastAPI(title="acache cluster", description="OpenAI-compatible front door of acache replicas")
+    ready = ready or functools.partial(running_replicas, settings.app_name)
+
+    @app.get("/health")
+    async def health():
+        """Ready only when every replica is: a load balancer must not send traffic to a half-started cluster."""
+        try:
+            running = await asyncio.to_thread(ready)
+        except Exception as exc:  # Serve's controller cannot be asked: not ready, and say why
+            return JSONResponse({"status": "unknown", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        body = {"status": "ok" if running >= settings.replicas else "starting", "replicas_ready": running,
+                "replicas": settings.replicas}
+        return JSONResponse(body, status_code=200 if running >= settings.replicas else 503)
 
     async def forward(forwarded: ForwardedRequest) -> Response:
         tries = settings.retries + 1

@@ -59,6 +59,12 @@ class EngineReplica:
             log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(self._events), cache_dir)
         ray.get(self._report())  # before its first request: the router knows at once what it holds
 
+    def check_health(self) -> None:
+        """Serve's periodic health check: a replica whose engine failed is replaced, and is not ready meanwhile."""
+        error = self.app.state.engine.error
+        if error is not None:
+            raise RuntimeError(f"the engine of replica {self.replica_id} failed: {type(error).__name__}: {error}")
+
     def _report(self):
         """Sends the events since the last report, and the cumulative hit counts, to the directory."""
         events = []

@@ -214,10 +214,20 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
                                 status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "acache",
+                "max_model_len": llm.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "acache", "max_model_len": llm.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            return error(404, f"model {model_id!r} is not served here; this server serves {model_name!r}",
+                         "not_found_error", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

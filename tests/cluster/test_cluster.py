@@ -18,7 +18,7 @@ from acache.cluster.replica import ReplicaSettings
 from acache.paths import default_model
 from acache.server.app import create_app
 from acache_lab.bench.cluster import call, documents_workload, run
-from tests.server.helpers import free_port
+from tests.server.helpers import free_port, wait_until
 
 CAP = 144  # nine 16-token pages: three of the workload's 38-token documents per replica, of six
 
@@ -57,7 +57,7 @@ def cluster(port: int, router: str, app_name: str, **llm) -> tuple[ClusterSettin
     replica = ReplicaSettings(model, "tiny", settings.directory, NAMESPACE, threads=1,
                               llm={"kv_cache_memory": 1 << 24, "max_affix_tokens": CAP, **llm.pop("llm", {})},
                               **llm)
-    start(settings, replica, FrontendSettings(model, settings.directory, NAMESPACE))
+    start(settings, replica, FrontendSettings(model, settings.directory, NAMESPACE, replicas=2, app_name=app_name))
     return settings, f"http://127.0.0.1:{settings.port}"
 
 
@@ -100,6 +100,9 @@ def test_a_dead_replica_loses_no_request_and_gets_no_more(local_ray, workload, s
             assert (status, answer) == (200, want) or status == 503, status
         assert all("replica serving this request died" in e for e in r.errors), r.errors
         assert r.statuses.count(200) >= len(r.statuses) - 2
+        # Serve replaces the dead replica; /health is ready again once both run
+        assert wait_until(lambda: call(url, "/health")[0] == 200, 120), call(url, "/health")
+        assert call(url, "/health")[1] == {"status": "ok", "replicas_ready": 2, "replicas": 2}
         after = run(url, documents_workload(documents=2, questions=6, seed=1), concurrency=2)
         assert after.statuses == [200] * 12, after.errors
         dead_id = victim.rsplit("#", 1)[-1]

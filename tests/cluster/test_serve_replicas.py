@@ -3,6 +3,7 @@ as the single server answers them; SIGTERM takes the cluster down."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import urllib.request
@@ -48,6 +49,10 @@ def test_serve_with_replicas_streams_the_single_servers_answers():
     proc, port = start_server(["--replicas", "2", "--kv-cache-memory", "16MiB"])
     failure = None
     try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        health = json.loads(conn.getresponse().read())
+        assert health == {"status": "ok", "replicas_ready": 2, "replicas": 2}  # start_server waited for a 200
         got = [streamed_text(port, chat(q, True, 2 + 2 * (i % 2))) for i, q in enumerate(QUESTIONS * 2)]
         assert got == want
         # a replica Ray replaced (its memory monitor may kill one on a loaded machine) reports on its start

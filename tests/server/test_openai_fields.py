@@ -223,3 +223,14 @@ def test_probe_step(setup):
     assert status == 400 and "probe_step" in out["error"]["message"] and "selector" in out["error"]["message"]
     status, out = post(client, "/v1/completions", {**body, "probe_step": "yes"})
     assert status == 400 and "probe_step" in str(out)
+
+
+def test_one_model_by_id(setup):
+    """``GET /v1/models/{id}`` as OpenAI's API answers it: the card of a served model, a 404 naming the others."""
+    client, _ = setup
+    card = client.get("/v1/models/tiny")
+    assert card.status_code == 200 and card.json() == client.get("/v1/models").json()["data"][0]
+    for missing in ("llama", "tiny/extra", "TINY"):
+        resp = client.get(f"/v1/models/{missing}")
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+        assert f"model '{missing}' is not served here; this server serves 'tiny'" in resp.json()["error"]["message"]

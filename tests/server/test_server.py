@@ -304,3 +304,21 @@ def test_a_scoring_client_that_disconnects_stops_its_scoring(server):
         {"prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True, "logprobs": 0, "mc_samples": 1}).encode())
     assert status == 200 and len(json.loads(text)["choices"][0]["logprobs"]["token_logprobs"]) == 4
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",  # no method, path and version
+    b"GET /health HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",  # a header without a colon
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",  # a length that is not one
+])
+def test_unparseable_http_gets_the_api_error_shape(server, request_bytes):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server), timeout=10) as sock:
+        sock.sendall(request_bytes)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["message"].startswith("malformed HTTP request: ")
