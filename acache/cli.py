@@ -183,7 +183,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         s = out.stats
         affix = s.affix
         if args.json:
-            record = {"prompt": question, "text": out.text, "token_ids": out.token_ids, "nfe": s.nfe,
+            record = {"prompt": question, "text": out.text, "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason, "nfe": s.nfe,
                       "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
             if affix is not None:
                 record["affix"] = {"anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
@@ -192,7 +193,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record))
             continue
         print(f"> {question}")
-        print(out.text)
+        print(out.text if out.text or out.error else _why_empty(out, llm.tokenizer))
         tokens = f"{s.num_generated_tokens} token{'s' if s.num_generated_tokens != 1 else ''}"
         line = (f"[{tokens}, NFE {s.nfe} ({s.refreshes} refreshes), "
                 f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}")
@@ -202,6 +203,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                      f"{affix.recomputed_per_refresh} tokens a refresh")
         print(line + "]\n")
     return 0
+
+
+def _why_empty(out, tokenizer) -> str:
+    """What an empty answer means, in place of printing nothing."""
+    if out.token_ids:
+        return (f"(no text: the {len(out.token_ids)} generated tokens are special tokens, which decode to nothing: "
+                f"{out.token_ids})")
+    if out.stop_token_id is not None:
+        stop = tokenizer.decode([out.stop_token_id], skip_special_tokens=False)
+        return (f"(no text: the model's first token was its end-of-text token {stop!r}, so the answer is empty; a "
+                "model ends at once when the prompt is not one it answers: the shipped model answers questions about "
+                "a story, e.g. --affix 'story : mary moved to the kitchen .' "
+                "--prompt 'question : where is mary ? answer :' answers kitchen)")
+    return "(no text)"
 
 
 def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:

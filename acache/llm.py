@@ -216,7 +216,8 @@ class LLM:
             outputs.append(RequestOutput(request_id=self._next_request_id, prompt=texts[i],
                                          prompt_token_ids=list(encoded[i].token_ids),
                                          text=self.tokenizer.decode(out.token_ids), token_ids=out.token_ids,
-                                         stats=self._stats(out, params), error=out.error))
+                                         stats=self._stats(out, params), error=out.error,
+                                         stop_token_id=out.stop_token_id))
             self._next_request_id += 1
         return outputs
 

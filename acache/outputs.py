@@ -39,3 +39,9 @@ class RequestOutput:
     token_ids: list[int]
     stats: RequestStats
     error: str | None = None  # why the request failed; its tokens are then empty
+    stop_token_id: int | None = None  # the stop token (EOS) that ended the text before gen_length, if one did
+
+    @property
+    def finish_reason(self) -> str:
+        """``stop`` when a stop token ended the text, ``length`` when the generation region did (vLLM's words)."""
+        return "stop" if self.stop_token_id is not None else "length"

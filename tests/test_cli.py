@@ -200,3 +200,30 @@ def test_dtype_auto_and_max_model_len(llada_dir):
         llm.generate([list(range(1, 30))], SamplingParams(gen_length=16, block_length=8))
     with pytest.raises(ValueError, match="max_model_len must be an integer in 1..512"):
         LLM(llada_dir, max_model_len=10_000)
+
+
+def test_an_empty_answer_says_why(capsys):
+    """The shipped model ends at once on a question with no story: the command says so instead of printing ''."""
+    assert main(["generate", "--chat", "--prompt", "where is mary ?", "--gen-length", "2", "--block-length", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(no text: the model's first token was its end-of-text token '<|endoftext|>'" in out
+    # the command the message suggests answers
+    assert main(["generate", "--affix", "story : mary moved to the kitchen .", "--prompt",
+                 "question : where is mary ? answer :", "--gen-length", "2", "--block-length", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "kitchen"
+
+
+def test_outputs_say_why_they_ended():
+    from acache import LLM, SamplingParams
+    from acache.paths import SHIPPED_MODEL
+
+    llm = LLM(SHIPPED_MODEL)
+    stopped, full = llm.generate(["question : where is mary ? answer :",
+                                  "story : mary moved to the kitchen . question : where is mary ? answer :"],
+                                 SamplingParams(gen_length=4, block_length=4), use_tqdm=False)
+    assert (stopped.text, stopped.finish_reason, stopped.stop_token_id) == ("", "stop", llm.config.eos_token_id)
+    assert full.text == "kitchen" and full.finish_reason == "stop"
+    filled = llm.generate(["story : mary has 5 pencils . john has 9 pencils . question : how many pencils do john "
+                           "and mary have ? answer :"], SamplingParams(gen_length=2, block_length=2),
+                          use_tqdm=False)[0]
+    assert len(filled.token_ids) == 2 and filled.finish_reason == "length"

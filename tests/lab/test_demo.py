@@ -16,3 +16,18 @@ def test_the_demo_shows_each_policy_beside_the_expected_answer():
     right = [line.split()[1:] for line in lines if line.startswith("right")]
     assert len(right) == 3 and all(len(r) == len(POLICIES) for r in right)
     assert right[0][0] == "0/3" and right[0][-1] == "3/3"  # qa1: direct reuse loses all three, full gets all
+
+
+def test_the_header_explains_the_rows_and_the_token_counts_hold(capsys):
+    import argparse
+
+    from acache_lab.demo import main
+
+    assert main(argparse.Namespace(model=str(default_model()), dtype="auto", device="cpu")) == 0
+    out = capsys.readouterr().out
+    head = out.split("\n==")[0]
+    assert "tokens a refresh: the columns each block-boundary refresh computes" in head
+    assert "forward ms/request: the fastest of 3 runs after a warm-up" in head
+    assert "win" not in head  # no claim the table does not show
+    tokens = [[float(x) for x in line.split()[3:]] for line in out.splitlines() if line.startswith("tokens a refresh ")]
+    assert len(tokens) == 3 and all(row == sorted(row) and len(set(row)) == 4 for row in tokens)
