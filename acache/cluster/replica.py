@@ -99,12 +99,13 @@ class EngineReplica:
             await self._flush()
 
     def __del__(self) -> None:
-        """Ray Serve's graceful shutdown: stop the engine thread, save the affixes to the shared directory."""
+        """Ray Serve's graceful shutdown: stop the engine thread, save the affixes and the registered ids to the
+        shared directory."""
         if getattr(self, "app", None) is None:  # the constructor failed: nothing was started
             return
         self.app.state.engine.shutdown()
         if self.cache_dir is not None:
             try:
-                self.llm.save_affix_cache(self.cache_dir)
+                self.app.state.save_affixes()
             except Exception as exc:  # shutting down: say so, do not raise from __del__
                 log.warning("replica %s could not save its affixes to %s: %s", self.replica_id, self.cache_dir, exc)

@@ -274,6 +274,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         registry.save(affix_cache_dir, fingerprint)
         return saved
 
+    app.state.save_affixes = save_affixes  # a cluster replica saves the same way when Serve stops it
+
     @app.post("/v1/affixes/save")
     async def save_affix_cache():
         if affix_cache_dir is None:

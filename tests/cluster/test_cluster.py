@@ -116,22 +116,28 @@ def test_a_dead_replica_loses_no_request_and_gets_no_more(local_ray, workload, s
 
 def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload, single_answers, tmp_path):
     llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    asked = []
     with TestClient(create_app(llm, "tiny", affix_cache_dir=tmp_path)) as client:
         for text in workload.documents[:2]:
             affix = client.post("/v1/affixes", json={"text": text}).json()["id"]
             body = {"prompt": "question : where is mary ? answer :", "affix": affix, "max_tokens": 2}
-            assert client.post("/v1/completions", json=body).status_code == 200
+            out = client.post("/v1/completions", json=body)
+            assert out.status_code == 200
+            asked.append((body, out.json()["choices"][0]["token_ids"]))
         assert client.post("/v1/affixes/save").json()["saved"] == 2
     settings, url = cluster(local_ray, "span", "test-warm", affix_cache_dir=str(tmp_path),
                             llm={"max_affix_tokens": None})
     try:
         held = call(url, "/cluster/stats")[1]
         assert [row["affixes"] for row in held["replicas"].values()] == [2, 2]
+        for body, want in asked:  # ids registered before the restart, unknown to this front door: the replicas' own
+            status, out = call(url, "/v1/completions", body)
+            assert status == 200 and out["choices"][0]["token_ids"] == want, out
         picked = [i for i, (d, _) in enumerate(workload.requests) if d < 2][:6]
         sub = type(workload)(workload.documents[:2], [workload.requests[i] for i in picked], [0.0] * len(picked))
         result = run(url, sub, concurrency=2)
         assert result.answers == [single_answers[i] for i in picked]
         stats = call(url, "/cluster/stats")[1]
-        assert stats["affix_hits"] == stats["affix_queries"] == len(picked)
+        assert stats["affix_hits"] == stats["affix_queries"] == len(picked) + len(asked)
     finally:
         stop(settings)
