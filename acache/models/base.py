@@ -239,8 +239,9 @@ class DiffusionLM(nn.Module):
 
         Each fed token attends to every valid fed token and every valid slot of ``past`` (a block-causal
         model: those of its own block and earlier ones, by position). Padding (``attention_mask`` False) is
-        never attended. Returns final hidden states of the fed tokens and,
-        with ``return_kv``, their pre-RoPE K/V so callers can cache them.
+        never attended. A ``[B, T, T]`` ``attention_mask`` says per query which keys it sees (without ``past``):
+        what affix-isolated training feeds (:mod:`acache_lab.train.isolation`). Returns final hidden states of
+        the fed tokens and, with ``return_kv``, their pre-RoPE K/V so callers can cache them.
         """
         out = self.run_layers(self.embed(input_ids), positions, attention_mask, past,
                               range(len(self.layers)), return_kv, capture_queries)
@@ -260,6 +261,9 @@ class DiffusionLM(nn.Module):
                              "must have the same shape")
         if attention_mask is None:
             attention_mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        if attention_mask.dim() == 3 and (past is not None or self.config.block_size is not None):
+            raise ValueError("a per-query attention_mask [B, T, T] (affix-isolated training) takes no past and no "
+                             "block-causal mask")
         rope_q = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         if past is not None:
             if past.num_layers != len(self.layers):

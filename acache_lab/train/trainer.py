@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
+from acache_lab.train.isolation import isolation_mask
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -125,6 +127,9 @@ class TrainConfig:
     #: how a new scan's decays start (a scan family's mixers, R2LM's sidecar): ``short`` or ``long``
     #: (Mamba's ranges; ``acache.models.ssm.SCAN_INITS``)
     scan_init: str = "short"
+    #: the share of rows trained as direct reuse serves them: each affix attends only within itself, every
+    #: other token to everything (affix-aware training, :mod:`acache_lab.train.isolation`); 0 trains none
+    affix_isolation: float = 0.0
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -207,6 +212,11 @@ class TrainConfig:
             takes = ("blockdiff_ssm", "r2lm") if name == "state_size" else ("blockdiff_ssm",)
             if cls.family not in takes:
                 raise ValueError(f"model.{name} is an option of {' and '.join(takes)} only, not of {cls.family}")
+        if not 0.0 <= self.affix_isolation <= 1.0:
+            raise ValueError(f"affix_isolation is a share of rows in [0, 1], not {self.affix_isolation}")
+        if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
+            raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
+                             f"{cls.family}")
         self.layouts = tuple(self.layouts)
         bad = [x for x in self.layouts if x not in LAYOUTS]
         if bad or not self.layouts:
@@ -263,15 +273,18 @@ class Batcher:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def row(self, example, layout: str) -> tuple[list[int], int, int]:
-        """The example's full sequence (answer in place), where its answer starts, and its length."""
+    def row(self, example, layout: str) -> Row:
+        """The example's full sequence (answer in place), where its answer starts, its length, and its affix
+        spans on that sequence (those after the answer moved past it)."""
         r = render(example, layout, self.encode, self.eos)
         ids = list(r.prompt.token_ids)
-        g = r.prompt.gen_at
-        return ids[:g] + list(r.answer) + ids[g:], g, len(r.answer)
+        g, n = r.prompt.gen_at, len(r.answer)
+        spans = tuple((a.start + n * (a.start >= g), a.end + n * (a.start >= g)) for a in r.prompt.affixes)
+        return Row(ids[:g] + list(r.answer) + ids[g:], g, n, spans)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid``."""
+    def batch(self, step: int) -> Batch:
+        """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid`` and each row's
+        affix spans."""
         rows = []
         stage = self.config.stage_at(step)
         for _ in range(self.config.batch_size):
@@ -284,24 +297,48 @@ class Batcher:
             rows.append(self.row(example, self.rng.choice(self.config.layouts)))
         return self.collate(rows)
 
-    def collate(self, rows: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, ...]:
-        width = max(len(ids) for ids, _, _ in rows)
+    def collate(self, rows: list[Row]) -> Batch:
+        width = max(len(r.ids) for r in rows)
         b = len(rows)
         ids = torch.full((b, width), self.pad, dtype=torch.long)
         answer = torch.zeros((b, width), dtype=torch.bool)
         valid = torch.zeros((b, width), dtype=torch.bool)
-        for i, (row, g, n) in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-            valid[i, :len(row)] = True
-            answer[i, g:g + n] = True
+        for i, r in enumerate(rows):
+            ids[i, :len(r.ids)] = torch.tensor(r.ids)
+            valid[i, :len(r.ids)] = True
+            answer[i, r.answer_at:r.answer_at + r.answer_len] = True
         positions = torch.arange(width).expand(b, -1).contiguous()
-        return ids, answer, positions, valid
+        return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows))
+
+
+class Row(NamedTuple):
+    ids: list[int]
+    answer_at: int
+    answer_len: int
+    spans: tuple[tuple[int, int], ...]  # the affixes, [start, end) on ids
+
+
+class Batch(NamedTuple):
+    ids: torch.Tensor
+    answer: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+    def attention(self, isolated: torch.Tensor | None) -> torch.Tensor:
+        """What the forward attends with: ``valid``, or where ``isolated [B]`` says so the affix-isolated mask
+        (:mod:`acache_lab.train.isolation`), under which a row's forward is direct reuse of its affixes."""
+        if isolated is None or not bool(isolated.any()):
+            return self.valid
+        return isolation_mask(self.valid, [s if keep else () for s, keep in zip(self.spans, isolated.tolist(),
+                                                                                strict=True)])
 
 
 def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
                     valid: torch.Tensor) -> torch.Tensor:
     """``[B, T, V]`` predictions of a right-padded batch, for a transformer family or a scan family (the
-    state-space variant, R2LM), whose rows start at position 0."""
+    state-space variant, R2LM), whose rows start at position 0. ``valid`` may be a per-query ``[B, T, T]``
+    mask (affix-isolated rows)."""
     if hasattr(model, "train_logits"):  # a scan family
         return model.train_logits(ids, valid)
     return model.logits(model(ids, positions, valid).hidden)
@@ -318,7 +355,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
-                          eos_weight: float = 1.0) -> torch.Tensor:
+                          eos_weight: float = 1.0, attention: torch.Tensor | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -327,7 +364,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     up to 1000, so one row steers the whole step (docs/model.md, run 7). ``reduction="mean"`` divides
     each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
-    (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``).
+    (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``). ``attention``
+    (default ``valid``) is what the forward attends with: a ``[B, T, T]`` mask trains rows under direct reuse.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -346,7 +384,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if context_mask_rate > 0:
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    logits = training_logits(model, noisy, positions, valid)
+    logits = training_logits(model, noisy, positions, valid if attention is None else attention)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0:
@@ -367,6 +405,7 @@ class Probe:
 
     def __init__(self, config: TrainConfig, batcher: Batcher) -> None:
         self.batcher = batcher
+        self.reuse = config.affix_isolation > 0
         self.batches = {}
         for task in config.eval_tasks:
             exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
@@ -378,12 +417,16 @@ class Probe:
         was_training = model.training
         model.eval()
         out = {}
-        for task, (ids, answer, positions, valid) in self.batches.items():
+        for task, batch in self.batches.items():
+            ids, answer = batch.ids, batch.answer
             noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                pred = training_logits(model, noisy, positions, valid).argmax(-1)
-            right = ((pred == ids) | ~answer).all(-1)
-            out[task] = right.float().mean().item()
+            views = {task: batch.valid}
+            if self.reuse:  # the same questions with every affix computed alone: what direct reuse answers
+                views[f"{task}@reuse"] = batch.attention(torch.ones(len(ids), dtype=torch.bool))
+            for name, attention in views.items():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    pred = training_logits(model, noisy, batch.positions, attention).argmax(-1)
+                out[name] = ((pred == ids) | ~answer).all(-1).float().mean().item()
         model.train(was_training)
         return out
 
@@ -535,14 +578,18 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        ids, answer, positions, valid = batcher.batch(step)
+        batch = batcher.batch(step)
+        ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
+        isolated = None
+        if config.affix_isolation > 0:  # these rows train as direct reuse serves them
+            isolated = torch.rand(len(ids), generator=gen) < config.affix_isolation
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight)
+                                         config.eos_weight, batch.attention(isolated))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

@@ -58,9 +58,33 @@ def test_probe_scores_whole_answers_with_the_answer_hidden():
     for task, wrong, expected in (("qa1", [], 1.0), ("arith", [0, 3, 5], 0.5)):
         config = TrainConfig(tasks=(task,), eval_every=1, eval_examples=6)
         probe = Probe(config, Batcher(config, tok))
-        ids, answer, _, _ = probe.batches[task]
+        ids, answer = probe.batches[task].ids, probe.batches[task].answer
         oracle = _Oracle(ids, answer, wrong, vocab)
         assert probe(oracle, bf16=False) == {task: expected}
+
+
+def test_affix_isolated_rows_train_and_are_probed_under_direct_reuse(tmp_path):
+    """A share of rows attends as direct reuse serves them; the probe scores the held-out questions both ways."""
+    from acache_lab.train.isolation import isolation_mask
+
+    config = TrainConfig(out=str(tmp_path / "m"), steps=40, batch_size=8, lr=3e-3, warmup=5, log_every=10,
+                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("qa1",), min_sentences=2, max_sentences=3, bf16=False, eval_every=20,
+                         eval_examples=6, affix_isolation=0.5)
+    batch = Batcher(config, build_word_tokenizer()).batch(0)
+    assert all(len(spans) == 1 for spans in batch.spans)  # one story a row, wherever its layout put it
+    for row, spans in enumerate(batch.spans):
+        (start, end), = spans
+        assert batch.valid[row, start:end].all() and not batch.answer[row, start:end].any()
+    chosen = torch.tensor([True, False] * 4)
+    mask = batch.attention(chosen)
+    assert torch.equal(mask[0], isolation_mask(batch.valid[:1], batch.spans[:1])[0])
+    assert torch.equal(mask[1], batch.valid[1].expand(mask.shape[1], -1))  # a row not chosen attends as usual
+    assert batch.attention(torch.zeros(8, dtype=torch.bool)) is batch.valid
+    summary = train(config, progress=False)
+    assert all(set(p["accuracy"]) == {"qa1", "qa1@reuse"} for p in summary["probes"])
+    losses = [r["loss"] for r in summary["log"]]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
 
 def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
@@ -104,7 +128,7 @@ def _mixed_batch():
     config = TrainConfig(tasks=("qa1", "arith"), batch_size=8)
     batcher = Batcher(config, build_word_tokenizer())
     model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
-    ids, answer, positions, valid = batcher.batch(0)
+    ids, answer, positions, valid, _ = batcher.batch(0)
     assert set(answer.sum(-1).tolist()) == {2, 6}  # rows of both lengths in one batch
     return batcher, model, ids, answer, positions, valid
 
@@ -202,7 +226,7 @@ def test_a_tasks_own_sentence_range_replaces_the_stages():
     """Long documents for qa1 in the same batches as short stories for the demonstration task."""
     config = TrainConfig(steps=50, batch_size=64, tasks=("qa1", "codes"), min_sentences=3, max_sentences=4,
                          curriculum_steps=1, task_sentences={"qa1": (30, 34)})
-    ids, answer, _, valid = Batcher(config, build_word_tokenizer()).batch(0)
+    ids, answer, _, valid, _ = Batcher(config, build_word_tokenizer()).batch(0)
     lengths = valid.sum(-1)
     tok = build_word_tokenizer()
     demos = torch.tensor([(row == tok.token_to_id("worksheet")).any() for row in ids])
@@ -327,6 +351,12 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(model=ModelShape(block_size=8))
     with pytest.raises(ValueError, match="layouts must be some of"):
         TrainConfig(layouts=("prefix", "diagonal"))
+    for share in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="affix_isolation is a share of rows in"):
+            TrainConfig(affix_isolation=share)
+    with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
+        TrainConfig(family="fast_dllm_v2", layouts=("prefix", "infix"), affix_isolation=0.5,
+                    model=ModelShape(block_size=8))
     with pytest.raises(ValueError, match="stages' steps sum to 5, not to steps=6"):
         TrainConfig(steps=6, stages=(Stage(5, ("qa1",), 2, 2),))
     with pytest.raises(ValueError, match="bad stage"):
