@@ -3,15 +3,28 @@
 A masked diffusion model has no left-to-right factorisation, so ``log p(continuation | context)`` is
 estimated by the bound LLaDA evaluates with (its Eq. 6, the lower-variance form): draw ``l`` uniformly from
 ``1..L`` (``L`` continuation tokens), mask ``l`` of them chosen uniformly without replacement, and score
-``(L / l) * sum over the masked tokens of log p(token | context, the unmasked rest)``; the estimate is the mean
-over ``samples`` such draws. Every draw comes from the caller's ``torch.Generator``, so a seed fixes it.
+``(L / l) * sum over the masked tokens of log p(token | context, the unmasked rest)``; the estimate ``E_c`` for
+the split at ``c`` is the mean over ``samples`` such draws, independent of each other. Every draw comes from
+the caller's ``torch.Generator``, so a seed fixes it.
 
 An OpenAI client asking for ``echo`` + ``logprobs`` does not say where its context ends (lm-eval sends
 context and continuation as one prompt and sums the per-token values after its own split). So per-token
-values are built by telescoping: with ``E_c`` the estimate for the split at ``c`` on the same canvas,
-token ``c`` gets ``E_c - E_{c+1}``, and the values from any ``c`` to the end add up to ``E_c`` exactly. One
-value alone is a difference of two estimates, not a probability (it can even be positive); only such sums
-are meaningful. The cost is ``samples`` forwards a split, batched ``batch_size`` rows at a time.
+values are built by telescoping: token ``c`` gets ``E_c - E_{c+1}``, and the values from any ``c`` to the end
+add up to ``E_c`` exactly. One value alone is a difference of two estimates, not a probability (it can even
+be positive); only such sums are meaningful.
+
+**Draws coupled across splits.** Sample ``s`` of every split comes from one chain (:func:`_chained_draws`),
+built from the last split back to the first: going from split ``c + 1`` (``L`` tokens) to ``c``, the draw
+becomes "all ``L + 1`` tokens masked" with probability ``1 / (L + 1)``; otherwise it keeps its ``l``, and with
+probability ``l / (L + 1)`` one of its masked tokens, chosen uniformly, is swapped for token ``c``. By
+induction each split's draw has exactly the distribution above (``l`` uniform in ``1..L``, the masked set
+uniform given ``l``), and the chains are independent, so each ``E_c`` is distributed exactly as with
+independent draws per split; only the estimates of different splits are now correlated (positively, which
+makes the telescoped differences less noisy). About half the steps leave the masked set unchanged, and a
+masked set is forwarded once however many (split, sample) pairs drew it, so a request costs about
+``samples x (prompt length) / 2`` sequence forwards instead of ``samples x (prompt length - 1)``. The draws of a
+split depend only on the seed and the splits after it: scoring from an earlier start, or one split alone
+(:func:`continuation_logprob`), gives that split the same draws.
 """
 
 from __future__ import annotations
@@ -40,6 +53,18 @@ class TokenLogprobs:
     top: list[dict[int, float]]
 
 
+@dataclass(frozen=True)
+class ScoreJob:
+    """One sequence to score (:func:`score_jobs`): telescoped values for ``token_ids[start:]`` from ``samples``
+    draws a split taken from ``generator``, and the ``top_k`` most likely tokens at each of those positions."""
+
+    token_ids: Sequence[int]
+    start: int
+    samples: int
+    generator: torch.Generator
+    top_k: int = 0
+
+
 class ScoringCancelled(RuntimeError):
     """The caller gave up (``cancel`` was set): scoring stopped between two batches."""
 
@@ -59,20 +84,75 @@ def _check(model: DiffusionLM, ids: Sequence[int], starts: Sequence[int], sample
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
 
-def _masked_rows(n: int, starts: Sequence[int], samples: int, generator: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each split and sample: which columns are masked ``[R, n]``, the draw's weight ``L / l`` and which
-    split it belongs to. ``l`` is uniform in ``1..L`` and the ``l`` masked columns a uniform subset of the
-    split's ``L``: the first ``l`` of a random order of them."""
-    start = torch.tensor(list(starts)).repeat_interleave(samples)
-    length = n - start
-    masked = (torch.rand(len(start), generator=generator, dtype=torch.float64) * length).long() + 1
+def _check_top_k(top_k: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer, got {top_k!r}")
+
+
+@dataclass(frozen=True)
+class _Draws:
+    """The draws of splits ``first..n-1``: ``masks [R, n]`` the distinct masked sets drawn (one row each),
+    ``row [n - first, samples]`` the one split ``first + i``'s sample ``s`` drew, ``size`` its ``l``."""
+
+    masks: torch.Tensor
+    row: torch.Tensor
+    size: torch.Tensor
+
+
+def _chained_draws(n: int, first: int, samples: int, generator: torch.Generator) -> _Draws:
+    """Every split's draws, one chain a sample from split ``n - 1`` back to ``first`` (the module docstring).
+    Each step takes three uniforms a sample, so the draws of split ``c`` do not depend on ``first <= c``."""
     cols = torch.arange(n)
-    inside = cols[None, :] >= start[:, None]
-    keys = torch.where(inside, torch.rand(len(start), n, generator=generator), torch.full((len(start), n), 2.0))
-    rank = keys.argsort(dim=1).argsort(dim=1)  # a random order of the split's columns, the others last
-    owner = torch.arange(len(starts)).repeat_interleave(samples)
-    return rank < masked[:, None], (length / masked).double(), owner
+    steps = n - first
+    members = torch.full((samples, steps), n - 1)  # the masked columns of each chain, its first ``l`` entries
+    size = torch.ones(samples, dtype=torch.long)
+    row = torch.zeros(steps, samples, dtype=torch.long)
+    sizes = torch.ones(steps, samples, dtype=torch.long)
+    masks = [cols[None, :] == n - 1]
+    count = 1
+    every = torch.arange(samples)
+    for i in range(1, steps):
+        c, length = n - 1 - i, i  # this step adds column c to the ``length`` columns of split c + 1
+        u = torch.rand(samples, 3, generator=generator, dtype=torch.float64)
+        full = u[:, 0] * (length + 1) < 1
+        swap = ~full & (u[:, 1] * (length + 1) < size)
+        slot = (u[:, 2] * size).long().clamp_max(size - 1)
+        members[every[swap], slot[swap]] = c
+        members[full, :length + 1] = torch.arange(c, n)
+        size = torch.where(full, length + 1, size)
+        current = row[steps - i].clone()  # the rows of split c + 1, index n - 1 - (c + 1) - first
+        if bool(full.any()):
+            masks.append(cols[None, :] >= c)
+            current[full] = count
+            count += 1
+        changed = every[swap]
+        if len(changed):
+            picked = members[changed]
+            held = torch.arange(steps)[None, :] < size[changed, None]
+            new = torch.zeros(len(changed), n + 1, dtype=torch.bool)
+            new.scatter_(1, torch.where(held, picked, n), True)
+            masks.append(new[:, :n])
+            current[changed] = torch.arange(count, count + len(changed))
+            count += len(changed)
+        row[steps - 1 - i] = current
+        sizes[steps - 1 - i] = size
+    return _Draws(torch.cat(masks), row, sizes)
+
+
+def _pack(masks: torch.Tensor) -> torch.Tensor:
+    """An exact integer key of each mask row: its columns as bits, 62 to an int64."""
+    r, n = masks.shape
+    words = -(-n // 62)
+    padded = torch.zeros(r, words * 62, dtype=torch.long)
+    padded[:, :n] = masks
+    return (padded.view(r, words, 62) << torch.arange(62)).sum(-1)
+
+
+def _distinct(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of ``masks`` and, for each row, the index of its distinct row."""
+    keys, inverse = torch.unique(_pack(masks), dim=0, return_inverse=True)
+    first = torch.zeros(len(keys), dtype=torch.long).scatter_(0, inverse, torch.arange(len(masks)))
+    return masks[first], inverse
 
 
 #: fp32 logits held at once while scoring (about 1 GiB): rows are batched to stay under it
@@ -83,36 +163,119 @@ def _rows_per_batch(model: DiffusionLM, columns: int, batch_size: int) -> int:
     return max(1, min(batch_size, LOGIT_BUDGET // max(1, columns * model.config.vocab_size)))
 
 
-def _token_logprobs(model: DiffusionLM, hidden: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor
-                    ) -> torch.Tensor:
-    """``log p(targets)`` at the fed columns ``cols [B, K]``: logits of those columns only."""
-    logits = model.logits(hidden, cols)
-    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+@dataclass
+class _RowSet:
+    """Rows of one canvas to forward: ``masks [U, n]`` (distinct), and whether each row's first masked column
+    needs its top ``top_k`` tokens."""
+
+    ids: torch.Tensor
+    masks: torch.Tensor
+    top: torch.Tensor
+    top_k: int
 
 
 @torch.inference_mode()
-def _masked_logprobs(model: DiffusionLM, ids: torch.Tensor, masks: torch.Tensor, batch_size: int,
-                     lock: contextlib.AbstractContextManager | None,
-                     cancel: threading.Event | None = None) -> torch.Tensor:
-    """``sum over the masked columns of log p(true token)`` for each row of ``masks``, in float64."""
+def _forward_rows(model: DiffusionLM, sets: Sequence[_RowSet], batch_size: int,
+                  lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each set: ``sum over the masked columns of log p(true token)`` of every row (float64), and the top
+    tokens' values and ids at the first masked column of the rows flagged ``top``. Rows of sets of the same
+    length share forwards, fewest masked columns first (so a batch pads its logit columns little); results
+    stay on the device until every batch is done."""
     dev = model.device
-    n = ids.numel()
-    positions = torch.arange(n, device=dev)
-    ids = ids.to(dev)
+    out: list[list] = [[None, None, None] for _ in sets]
+    by_length: dict[int, list[int]] = {}
+    for i, s in enumerate(sets):
+        by_length.setdefault(s.ids.numel(), []).append(i)
+    for n, members in by_length.items():
+        masks = torch.cat([sets[i].masks for i in members])
+        owner = torch.cat([torch.full((len(sets[i].masks),), j) for j, i in enumerate(members)])
+        top = torch.cat([sets[i].top for i in members])
+        ids = torch.stack([sets[i].ids for i in members]).to(dev)
+        k = max(sets[i].top_k for i in members)
+        counts = masks.sum(1)
+        order = counts.argsort(stable=True)
+        positions = torch.arange(n, device=dev)
+        sums = torch.empty(len(masks), dtype=torch.float64, device=dev)
+        top_values = torch.empty(len(masks), min(k, model.config.vocab_size), device=dev)
+        top_ids = torch.empty(len(masks), min(k, model.config.vocab_size), dtype=torch.long, device=dev)
+        lo = 0
+        while lo < len(order):
+            if cancel is not None and cancel.is_set():
+                raise ScoringCancelled("scoring was cancelled")
+            hi = lo + 1
+            while hi < len(order) and hi - lo < _rows_per_batch(model, int(counts[order[hi]]), batch_size):
+                hi += 1
+            pick = order[lo:hi]
+            rows = masks[pick].to(dev)
+            canvas = ids[owner[pick].to(dev)]
+            fed = torch.where(rows, model.config.mask_token_id, canvas)
+            cols, valid = compact_index(rows, fill=0)
+            with lock if lock is not None else contextlib.nullcontext():
+                hidden = model(fed, positions.expand(len(pick), -1)).hidden
+                logp = torch.log_softmax(model.logits(hidden, cols), dim=-1)
+            true = logp.gather(-1, canvas.gather(1, cols)[..., None])[..., 0].double()
+            sums[pick.to(dev)] = (true * valid).sum(dim=1)
+            wanted = top[pick]
+            if k and bool(wanted.any()):
+                values, index = logp[wanted.to(dev), 0].topk(top_values.shape[1], dim=-1)
+                where = pick[wanted].to(dev)
+                top_values[where], top_ids[where] = values, index
+            lo = hi
+        sums, top_values, top_ids = sums.cpu(), top_values.cpu(), top_ids.cpu()
+        for j, i in enumerate(members):
+            mine = owner == j
+            out[i] = [sums[mine], top_values[mine, :sets[i].top_k], top_ids[mine, :sets[i].top_k]]
+    return [tuple(o) for o in out]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One job's draws, mapped onto the rows of its :class:`_RowSet`: ``row [len(starts), samples]``,
+    ``weight`` the draws' ``L / l``, and for each position from ``top_from`` the row of its top tokens."""
+
+    starts: list[int]
+    row: torch.Tensor
+    weight: torch.Tensor
+    top_from: int
+    top_row: torch.Tensor
+
+
+def _plan(token_ids: Sequence[int], starts: Sequence[int], samples: int, generator: torch.Generator,
+          top_from: int | None, top_k: int) -> tuple[_RowSet, _Plan]:
+    """The distinct masked rows the splits ``starts`` drew (plus, from ``top_from``, each position's row with it
+    and everything after it masked, whose first column gives the top tokens)."""
+    n = len(token_ids)
+    first = min(starts)
+    draws = _chained_draws(n, first, samples, generator)
+    index = torch.tensor([c - first for c in starts])
+    row, size = draws.row[index], draws.size[index]
+    masks = draws.masks
+    top_masks = torch.zeros(0, n, dtype=torch.bool)
+    if top_from is not None:
+        top_masks = torch.arange(n)[None, :] >= torch.arange(top_from, n)[:, None]
+    used, local = torch.unique(row, return_inverse=True)  # only the rows these splits drew
+    distinct, inverse = _distinct(torch.cat([masks[used], top_masks]))
+    top = torch.zeros(len(distinct), dtype=torch.bool)
+    top_row = inverse[len(used):]
+    top[top_row] = top_k > 0
+    length = (n - torch.tensor(list(starts)))[:, None]
+    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    plan = _Plan(list(starts), inverse[:len(used)][local], (length / size).double(),
+                 top_from if top_from is not None else n, top_row)
+    return _RowSet(ids, distinct, top, top_k), plan
+
+
+def _run(model: DiffusionLM, plans: Sequence[tuple[_RowSet, _Plan]], batch_size: int,
+         lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None
+         ) -> list[tuple[torch.Tensor, list[dict[int, float]]]]:
+    """Each plan's draws ``[len(starts), samples]`` (float64) and its top tokens."""
+    results = _forward_rows(model, [s for s, _ in plans], batch_size, lock, cancel)
     out = []
-    step = _rows_per_batch(model, int(masks.sum(1).max()) if masks.numel() else 1, batch_size)
-    for lo in range(0, masks.shape[0], step):
-        if cancel is not None and cancel.is_set():
-            raise ScoringCancelled("scoring was cancelled")
-        rows = masks[lo:lo + step].to(dev)
-        fed = torch.where(rows, torch.full_like(rows, model.config.mask_token_id, dtype=torch.long),
-                          ids.expand(rows.shape[0], -1))
-        cols, valid = compact_index(rows, fill=0)
-        with lock if lock is not None else contextlib.nullcontext():
-            hidden = model(fed, positions.expand(rows.shape[0], -1)).hidden
-            true = _token_logprobs(model, hidden, cols, ids[cols]).double()
-        out.append((true * valid).sum(dim=1).cpu())
-    return torch.cat(out)
+    for (_, plan), (sums, top_values, top_ids) in zip(plans, results, strict=True):
+        tops = [dict(zip(top_ids[r].tolist(), top_values[r].tolist(), strict=True)) for r in plan.top_row.tolist()]
+        out.append((sums[plan.row] * plan.weight, tops))
+    return out
 
 
 def bound_draws(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
@@ -120,11 +283,11 @@ def bound_draws(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[i
                 lock: contextlib.AbstractContextManager | None = None,
                 cancel: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every single draw of the bound: ``samples`` values for each split in ``starts`` (float64), and the
-    index into ``starts`` each belongs to."""
+    index into ``starts`` each belongs to. The samples of one split are independent; those of different
+    splits are coupled (the module docstring)."""
     _check(model, token_ids, starts, samples)
-    ids = torch.tensor(list(token_ids), dtype=torch.long)
-    masks, weights, owner = _masked_rows(len(token_ids), starts, samples, generator)
-    return _masked_logprobs(model, ids, masks, batch_size, lock, cancel) * weights, owner
+    draws, _ = _run(model, [_plan(token_ids, starts, samples, generator, None, 0)], batch_size, lock, cancel)[0]
+    return draws.reshape(-1), torch.arange(len(starts)).repeat_interleave(samples)
 
 
 def split_estimates(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
@@ -141,39 +304,33 @@ def split_estimates(model: DiffusionLM, token_ids: Sequence[int], starts: Sequen
 
 def continuation_logprob(model: DiffusionLM, context: Sequence[int], continuation: Sequence[int], samples: int,
                          generator: torch.Generator, batch_size: int = 64) -> float:
-    """The estimate of ``log p(continuation | context)``: what a multiple-choice evaluation compares."""
+    """The estimate of ``log p(continuation | context)``: what a multiple-choice evaluation compares. The same
+    seed gives it the draws :func:`token_logprobs` gives this split on the same tokens."""
     if not continuation:
         raise ValueError("the continuation is empty")
     return split_estimates(model, [*context, *continuation], [len(context)], samples, generator, batch_size)[0]
 
 
-@torch.inference_mode()
-def _top_tokens(model: DiffusionLM, ids: torch.Tensor, start: int, k: int, batch_size: int,
-                lock: contextlib.AbstractContextManager | None,
-                cancel: threading.Event | None = None) -> list[dict[int, float]]:
-    """At each position from ``start``: the ``k`` most likely tokens given what precedes it, with it and
-    everything after it masked."""
-    n = ids.numel()
-    if k == 0:
-        return [{} for _ in range(start, n)]
-    dev = model.device
-    positions = torch.arange(n, device=dev)
-    cols = torch.arange(start, n)
-    masks = torch.arange(n)[None, :] >= cols[:, None]
-    top: list[dict[int, float]] = []
-    step = _rows_per_batch(model, 1, batch_size)
-    for lo in range(0, len(cols), step):
-        if cancel is not None and cancel.is_set():
-            raise ScoringCancelled("scoring was cancelled")
-        rows = masks[lo:lo + step].to(dev)
-        fed = torch.where(rows, torch.full_like(rows, model.config.mask_token_id, dtype=torch.long),
-                          ids.to(dev).expand(rows.shape[0], -1))
-        with lock if lock is not None else contextlib.nullcontext():
-            hidden = model(fed, positions.expand(rows.shape[0], -1)).hidden
-            logp = torch.log_softmax(model.logits(hidden, cols[lo:lo + step].to(dev)[:, None]), dim=-1)
-        values, index = logp[:, 0].topk(min(k, logp.shape[-1]), dim=-1)
-        top += [dict(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(index, values, strict=True)]
-    return top
+def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 64,
+               lock: contextlib.AbstractContextManager | None = None,
+               cancel: threading.Event | None = None) -> list[TokenLogprobs]:
+    """:func:`token_logprobs` of several sequences at once: each job draws from its own generator, so its
+    values are those it gets alone (to float tolerance: batches are composed differently), while the rows of
+    jobs of one length share forwards (an echo's prompt and its continuation, a batch of choices)."""
+    plans = []
+    for job in jobs:
+        _check_top_k(job.top_k)
+        starts = range(job.start, len(job.token_ids))
+        _check(model, job.token_ids, starts, job.samples)
+        plans.append(_plan(job.token_ids, starts, job.samples, job.generator, job.start if job.top_k else None,
+                           job.top_k))
+    out = []
+    for job, (draws, tops) in zip(jobs, _run(model, plans, batch_size, lock, cancel), strict=True):
+        estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
+        values = [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
+        out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else
+                                 [{} for _ in values]))
+    return out
 
 
 def token_logprobs(model: DiffusionLM, token_ids: Sequence[int], start: int, samples: int,
@@ -182,12 +339,5 @@ def token_logprobs(model: DiffusionLM, token_ids: Sequence[int], start: int, sam
                    cancel: threading.Event | None = None) -> TokenLogprobs:
     """Telescoped per-token values for ``token_ids[start:]``: those from any ``c >= start`` to the end add
     up to ``E_c``, the estimate of ``log p(token_ids[c:] | token_ids[:c])`` on this canvas."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative integer, got {top_k!r}")
-    n = len(token_ids)
-    estimates = split_estimates(model, token_ids, range(start, n), samples, generator, batch_size, lock,
-                                cancel) + [0.0]
-    values = [estimates[i] - estimates[i + 1] for i in range(n - start)]
-    ids = torch.tensor(list(token_ids), dtype=torch.long)
-    return TokenLogprobs(list(token_ids), start, values,
-                         _top_tokens(model, ids, start, top_k, batch_size, lock, cancel))
+    return score_jobs(model, [ScoreJob(token_ids, start, samples, generator, top_k)], batch_size, lock,
+                      cancel)[0]

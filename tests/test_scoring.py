@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 
 import pytest
 import torch
 
-from acache.scoring import continuation_logprob, split_estimates, token_logprobs
+from acache.scoring import (
+    ScoreJob,
+    ScoringCancelled,
+    _chained_draws,
+    _plan,
+    bound_draws,
+    continuation_logprob,
+    score_jobs,
+    split_estimates,
+    token_logprobs,
+)
 from tests.conftest import random_prompts
 
 
@@ -43,12 +54,11 @@ def test_one_token_continuation_is_exact_whatever_the_draws(family_model):
 def test_the_estimate_converges_to_the_bound(family_model):
     ids = random_prompts([8], vocab=family_model.config.vocab_size - 2, seed=3)[0]
     want = exact_bound(family_model, ids, 5)
-    got = continuation_logprob(family_model, ids[:5], ids[5:], 3000, torch.Generator().manual_seed(0), batch_size=512)
-    few = [continuation_logprob(family_model, ids[:5], ids[5:], 4, torch.Generator().manual_seed(s))
-           for s in range(40)]
-    spread = float(torch.tensor(few).std())
-    assert spread > 0  # three tokens: the draws matter
-    assert got == pytest.approx(want, abs=4 * spread / math.sqrt(3000 / 4))
+    # 20,000 draws of three tokens are seven distinct masked sets, each forwarded once
+    draws, _ = bound_draws(family_model, ids, [5], 20_000, torch.Generator().manual_seed(0), batch_size=512)
+    stderr = float(draws.std()) / math.sqrt(len(draws))
+    assert stderr > 0  # three tokens: the draws matter
+    assert float(draws.mean()) == pytest.approx(want, abs=4 * stderr)
 
 
 def test_a_seed_fixes_the_estimate_and_another_changes_it(family_model):
@@ -68,6 +78,9 @@ def test_telescoped_values_add_up_to_each_split(family_model):
     # batch by its size: on an AMD EPYC the sums differ in the 8th digit even under one key mask)
     for c in range(2, 12):
         assert sum(scored.values[c - 2:]) == pytest.approx(again[c - 2], abs=1e-5)
+        # a split's draws depend on the seed and the splits after it only: scored alone it gets the same ones
+        alone = split_estimates(family_model, ids, [c], 5, torch.Generator().manual_seed(9))[0]
+        assert sum(scored.values[c - 2:]) == pytest.approx(alone, abs=1e-5)
     # the top tokens at a position: its prediction with it and all after it masked
     last = logp_masked(family_model, ids, set(range(7, 12)), 7)
     assert scored.top[5].get(ids[7], last) == pytest.approx(last, abs=1e-5)
@@ -104,13 +117,125 @@ def test_bad_top_k_and_empty_continuation(family_model):
 
 
 def test_a_set_cancel_event_stops_scoring(family_model):
-    import threading
-
-    from acache.scoring import ScoringCancelled
-
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(ScoringCancelled):
         split_estimates(family_model, [1, 2, 3, 4], [1, 2], 3, torch.Generator(), cancel=cancel)
     with pytest.raises(ScoringCancelled):
         token_logprobs(family_model, [1, 2, 3, 4], 1, 3, torch.Generator(), top_k=2, cancel=cancel)
+
+
+class CancellingLock:
+    """An engine lock stand-in that counts the forwards it is held around and sets ``cancel`` in the
+    ``after``-th, as a client going away mid-request does."""
+
+    def __init__(self, cancel: threading.Event, after: int) -> None:
+        self.cancel, self.after, self.forwards = cancel, after, 0
+
+    def __enter__(self):
+        self.forwards += 1
+        if self.forwards == self.after:
+            self.cancel.set()
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_cancel_during_scoring_stops_at_the_next_batch(family_model):
+    ids = random_prompts([14], vocab=family_model.config.vocab_size - 2, seed=8)[0]
+    cancel = threading.Event()
+    lock = CancellingLock(cancel, after=2)
+    with pytest.raises(ScoringCancelled):
+        token_logprobs(family_model, ids, 1, 8, torch.Generator(), top_k=1, batch_size=2, lock=lock, cancel=cancel)
+    assert lock.forwards == 2
+
+
+def test_each_split_draws_exactly_the_bounds_distribution():
+    """Chained draws: at every split, ``l`` uniform in ``1..L`` and the masked set uniform given ``l``, so each
+    masked set ``M`` of the split's columns comes up with probability ``1 / (L * C(L, |M|))``."""
+    n, first, chains = 7, 1, 40_000
+    draws = _chained_draws(n, first, chains, torch.Generator().manual_seed(0))
+    keys = (draws.masks.long() << torch.arange(n)).sum(1)
+    for c in range(first, n):
+        rows = draws.row[c - first]
+        masks = draws.masks[rows]
+        assert not masks[:, :c].any() and (masks.sum(1) == draws.size[c - first]).all()
+        seen = torch.bincount(keys[rows], minlength=1 << n).double() / chains
+        length = n - c
+        worst = 0.0
+        for size in range(1, length + 1):
+            want = 1 / (length * math.comb(length, size))
+            for subset in itertools.combinations(range(c, n), size):
+                got = float(seen[sum(1 << i for i in subset)])
+                worst = max(worst, abs(got - want) / math.sqrt(want * (1 - want) / chains + 1e-300))
+        assert worst < 4.5, (c, worst)
+
+
+def test_each_draw_is_its_masked_tokens_log_probability(family_model):
+    """The same draws give the same values as one dense forward a draw: distinct masked sets forwarded once,
+    sorted and batched, each (split, sample) reading its own."""
+    ids = random_prompts([9], vocab=family_model.config.vocab_size - 2, seed=7)[0]
+    starts, samples = [2, 5, 8], 4
+    draws, owner = bound_draws(family_model, ids, starts, samples, torch.Generator().manual_seed(3), batch_size=3)
+    chain = _chained_draws(len(ids), min(starts), samples, torch.Generator().manual_seed(3))
+    for j, c in enumerate(starts):
+        for s in range(samples):
+            masked = chain.masks[chain.row[c - min(starts), s]].nonzero().flatten().tolist()
+            want = (len(ids) - c) / len(masked) * sum(logp_masked(family_model, ids, set(masked), i) for i in masked)
+            assert owner[j * samples + s] == j
+            assert float(draws[j * samples + s]) == pytest.approx(want, abs=1e-5)
+
+
+def independent_estimates(model, ids, starts, samples, generator):
+    """The estimator before chained draws, as a reference: every split its own independent draws (``l``
+    uniform, then a uniform ``l``-subset of its columns), every draw forwarded. Means and standard errors."""
+    n = len(ids)
+    means, errors = [], []
+    for c in starts:
+        length = n - c
+        sizes = torch.randint(1, length + 1, (samples,), generator=generator)
+        order = torch.rand(samples, length, generator=generator).argsort(dim=1)
+        masks = torch.zeros(samples, n, dtype=torch.bool)
+        masks[:, c:] = order.argsort(dim=1) < sizes[:, None]
+        fed = torch.where(masks, model.config.mask_token_id, torch.tensor(ids).expand(samples, -1))
+        with torch.inference_mode():
+            logp = torch.log_softmax(model.logits(model(fed, torch.arange(n).expand(samples, -1)).hidden), dim=-1)
+        true = logp.gather(-1, torch.tensor(ids).expand(samples, -1)[..., None])[..., 0].double()
+        draws = (true * masks).sum(1) * length / sizes
+        means.append(float(draws.mean()))
+        errors.append(float(draws.std()) / math.sqrt(samples))
+    return means, errors
+
+
+def test_chained_estimates_agree_with_independent_draws_within_their_error(family_model):
+    ids = random_prompts([9], vocab=family_model.config.vocab_size - 2, seed=9)[0]
+    starts, samples = list(range(1, 9)), 800
+    old, old_err = independent_estimates(family_model, ids, starts, samples, torch.Generator().manual_seed(1))
+    draws, owner = bound_draws(family_model, ids, starts, samples, torch.Generator().manual_seed(2))
+    for j, c in enumerate(starts):
+        mine = draws[owner == j]
+        new, new_err = float(mine.mean()), float(mine.std()) / math.sqrt(samples)
+        assert new == pytest.approx(old[j], abs=4 * math.hypot(old_err[j], new_err)), c
+        assert new_err == pytest.approx(old_err[j], rel=0.25)  # the same distribution: the same spread
+
+
+def test_chained_draws_forward_about_half_the_rows():
+    n, samples = 48, 32
+    rows, _ = _plan(list(range(n)), range(1, n), samples, torch.Generator().manual_seed(0), 1, 1)
+    independent = (n - 1) * samples + (n - 1)  # a row a (split, sample), and one a position for its top tokens
+    assert len(rows.masks) < 0.55 * independent
+
+
+def test_jobs_scored_together_get_what_each_gets_alone(family_model):
+    a, b, c = random_prompts([10, 10, 7], vocab=family_model.config.vocab_size - 2, seed=10)
+    specs = [(a, 1, 6, 1, 2), (b, 3, 4, 2, 0), (c, 2, 5, 3, 3), (a, 9, 3, 4, 1)]
+    together = score_jobs(family_model, [ScoreJob(ids, start, samples, torch.Generator().manual_seed(seed), k)
+                                         for ids, start, samples, seed, k in specs], batch_size=5)
+    for (ids, start, samples, seed, k), got in zip(specs, together, strict=True):
+        alone = token_logprobs(family_model, ids, start, samples, torch.Generator().manual_seed(seed), k)
+        assert got.start == alone.start and got.token_ids == alone.token_ids
+        assert got.values == pytest.approx(alone.values, abs=1e-5)
+        assert [list(t) for t in got.top] == [list(t) for t in alone.top]
+        for mine, theirs in zip(got.top, alone.top, strict=True):
+            assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
+            assert len(mine) == k

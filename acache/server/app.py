@@ -392,22 +392,25 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             return StreamingResponse(stream_events(prompts[0], params, body, rid, created, chat=False),
                                      media_type="text/event-stream")
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for i, p in enumerate(prompts):
+        decoded = []
+        for p in prompts:
             if score_only:
-                out, cut, finish = None, Cut("", [], False), "length"
+                decoded.append((None, Cut("", [], False), "length"))
             else:
                 out = await until_disconnect(request, final_output(p, params))
                 cut = final_text(out, body)
-                finish = finish_reason(out, params, cut, body.max_tokens)
+                decoded.append((out, cut, finish_reason(out, params, cut, body.max_tokens)))
+        logprobs_list: list = [None] * len(prompts)
+        if body.logprobs is not None:  # every prompt of the request in one scoring pass
+            logprobs_list = await scoring(request, scorer.completions,
+                                          [(p.token_ids, scored_tokens(out, cut, body.max_tokens))
+                                           for p, (out, cut, _) in zip(prompts, decoded, strict=True)],
+                                          bool(body.echo), body.logprobs, body.seed, body.mc_samples)
+        for i, (p, (_, cut, finish), logprobs) in enumerate(zip(prompts, decoded, logprobs_list, strict=True)):
             echoed = ""
             if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
                 echoed = llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(texts[i], str) \
                     else texts[i]
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = await scoring(request, scorer.completion, p.token_ids,
-                                         scored_tokens(out, cut, body.max_tokens), bool(body.echo), body.logprobs,
-                                         body.seed, body.mc_samples)
             choices.append({"index": i, "text": echoed + cut.text, "logprobs": logprobs, "token_ids": cut.token_ids,
                             "finish_reason": finish})
             usage["prompt_tokens"] += len(p.token_ids)

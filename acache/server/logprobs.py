@@ -4,20 +4,21 @@ Completions (legacy shape): ``tokens``, ``token_logprobs``, ``top_logprobs`` and
 token. With ``echo`` the prompt's tokens come first (the first of them has no value, as in OpenAI's API), and
 the values from any prompt token to the end of the prompt add up to the estimate of ``log p(that suffix of
 the prompt | what precedes it)``; the generated tokens follow, whose values add up to the estimate of
-``log p(generated | prompt)``. lm-eval's loglikelihood requests read exactly such sums.
+``log p(generated | prompt)``. lm-eval's loglikelihood requests read exactly such sums. The prompt, its
+continuation and every other prompt of the request are scored in one pass (:func:`acache.scoring.score_jobs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from acache.models.base import DiffusionLM
 from acache.models.tokenizer import Tokenizer
-from acache.scoring import TokenLogprobs, token_logprobs
+from acache.scoring import ScoreJob, TokenLogprobs, score_jobs
 
 
 class Scorer:
@@ -28,11 +29,19 @@ class Scorer:
                  lock: contextlib.AbstractContextManager | None = None) -> None:
         self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
 
+    def job(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
+            samples: int | None) -> ScoreJob:
+        """One sequence's scoring, its draws from a generator of its own seeded by ``seed`` (0 when None)."""
+        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        return ScoreJob(token_ids, start, samples or self.samples, generator, top_k)
+
     def score(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
               samples: int | None, cancel: threading.Event | None = None) -> TokenLogprobs:
-        generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-        return token_logprobs(self.model, token_ids, start, samples or self.samples, generator, top_k,
-                              lock=self.lock, cancel=cancel)
+        return self.score_all([self.job(token_ids, start, top_k, seed, samples)], cancel)[0]
+
+    def score_all(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
+        """Several jobs in one pass: rows of sequences of one length share forwards."""
+        return score_jobs(self.model, jobs, lock=self.lock, cancel=cancel)
 
     def piece(self, token_id: int) -> str:
         """A token's own text, special tokens included (an EOS is reported as itself, not as nothing)."""
@@ -41,6 +50,23 @@ class Scorer:
     def completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
                    seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> dict:
         """The completions ``logprobs`` object over the echoed prompt (if ``echo``) and the generated tokens."""
+        return self.completions([(prompt_ids, generated)], echo, top_k, seed, samples, cancel)[0]
+
+    def completions(self, choices: Sequence[tuple[Sequence[int], Sequence[int]]], echo: bool, top_k: int,
+                    seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> list[dict]:
+        """:meth:`completion` for each ``(prompt_ids, generated)`` of a request, every prompt and continuation
+        scored in one pass (each job seeded as it is alone, so a choice's values do not depend on the others)."""
+        jobs: list[ScoreJob] = []
+        for prompt_ids, generated in choices:
+            if echo and len(prompt_ids) > 1:
+                jobs.append(self.job(prompt_ids, 1, top_k, seed, samples))
+            if generated:
+                jobs.append(self.job([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples))
+        scored = iter(self.score_all(jobs, cancel))
+        return [self._completion(prompt_ids, generated, echo, top_k, scored) for prompt_ids, generated in choices]
+
+    def _completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
+                    scored: Iterator[TokenLogprobs]) -> dict:
         tokens: list[int] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -49,14 +75,14 @@ class Scorer:
             values.append(None)
             tops.append(None)
             if len(prompt_ids) > 1:
-                scored = self.score(prompt_ids, 1, top_k, seed, samples, cancel)
-                values += scored.values
-                tops += [self._named(t) for t in scored.top]
+                prompt = next(scored)
+                values += prompt.values
+                tops += [self._named(t) for t in prompt.top]
         if generated:
-            scored = self.score([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples, cancel)
+            continuation = next(scored)
             tokens += list(generated)
-            values += scored.values
-            tops += [self._named(t) for t in scored.top]
+            values += continuation.values
+            tops += [self._named(t) for t in continuation.top]
         pieces = [self.piece(t) for t in tokens]
         offsets = [len(self.tokenizer.decode(tokens[:i + 1], skip_special_tokens=False)) - len(pieces[i])
                    for i in range(len(tokens))]

@@ -14,6 +14,9 @@ from acache_lab.tasks.generators import PLACES, held_out
 
 STORY = "story : mary moved to the kitchen . john went to the garden . question : where is mary ? answer :"
 SAMPLES = 8
+# the same draws forwarded in batches of other sizes (distinct rows are shared, sorted and batched per
+# request): float-close, not bit-equal, as a CPU's matmul kernels block a batch by its size
+SAME_DRAWS = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_lm_eval_loglikelihood_requests_get_the_paper_estimate(setup):
         assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
         total, _ = lm_eval_slice(choice, len(ctx))
         want = continuation_logprob(llm.model, ctx, cont, SAMPLES, torch.Generator().manual_seed(1234))
-        assert total == pytest.approx(want, abs=1e-6)
+        assert total == pytest.approx(want, abs=SAME_DRAWS)
         scores.append(total)
     assert scores[0] == max(scores)  # mary is in the kitchen
 
@@ -75,7 +78,7 @@ def test_score_only_echo_and_every_split(setup):
     assert choice["logprobs"]["top_logprobs"] is None and len(values) == len(ids)
     want = split_estimates(llm.model, ids, range(1, len(ids)), 3, torch.Generator().manual_seed(5))
     for c in (1, len(ids) // 2, len(ids) - 1):
-        assert sum(values[c:]) == pytest.approx(want[c - 1], abs=1e-6)
+        assert sum(values[c:]) == pytest.approx(want[c - 1], abs=SAME_DRAWS)
     assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
     offsets, pieces = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
     assert all(STORY[o:o + len(p)] == p for o, p in zip(offsets[:-1], pieces[:-1], strict=True))
@@ -104,7 +107,7 @@ def test_generated_tokens_logprobs(setup):
     ctx = llm.tokenizer.encode(STORY)
     want = continuation_logprob(llm.model, ctx, choice["token_ids"] + [llm.config.eos_token_id], SAMPLES,
                                 torch.Generator().manual_seed(3))
-    assert sum(lp["token_logprobs"]) == pytest.approx(want, abs=1e-6)
+    assert sum(lp["token_logprobs"]) == pytest.approx(want, abs=SAME_DRAWS)
     assert max(lp["top_logprobs"][0], key=lp["top_logprobs"][0].get) == "kitchen"
 
 
@@ -122,7 +125,7 @@ def test_chat_logprobs(setup):
     prompt = llm.chat_prompt([m for m in body["messages"]])
     want = continuation_logprob(llm.model, prompt.token_ids, choice["token_ids"], SAMPLES,
                                 torch.Generator().manual_seed(4))
-    assert content[0]["logprob"] == pytest.approx(want, abs=1e-6)
+    assert content[0]["logprob"] == pytest.approx(want, abs=SAME_DRAWS)
     status, out = post(client, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": 0})
     assert status == 200 and out["choices"][0]["logprobs"] is None
 
@@ -202,3 +205,17 @@ def test_echo_with_a_registered_affix_echoes_what_it_scores(setup):
     assert len(choice["logprobs"]["token_logprobs"]) == len(want)
     assert choice["text"] == llm.tokenizer.decode(want) and choice["text"].startswith("story :")
     assert isinstance(client.get("/tokenizer_info").json()["pad_token"], str)
+
+
+def test_prompts_scored_in_one_request_get_what_each_gets_alone(setup):
+    """A request's prompts (and each prompt's continuation) share scoring forwards, each seeded as alone."""
+    client, llm = setup
+    ctx = llm.tokenizer.encode(STORY)
+    prompts = [ctx + llm.tokenizer.encode(" " + p) for p in ("kitchen", "garden")] + [ctx[:-3]]
+    _, together = post(client, "/v1/completions", lm_eval_loglikelihood_payload(prompts))
+    for prompt, choice in zip(prompts, together["choices"], strict=True):
+        _, alone = post(client, "/v1/completions", lm_eval_loglikelihood_payload([prompt]))
+        mine, theirs = choice["logprobs"], alone["choices"][0]["logprobs"]
+        assert mine["tokens"] == theirs["tokens"] and mine["token_logprobs"][0] is None
+        assert mine["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], abs=SAME_DRAWS)
+        assert [list(t) for t in mine["top_logprobs"][1:]] == [list(t) for t in theirs["top_logprobs"][1:]]
