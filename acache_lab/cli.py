@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from acache.cli import _add_model_args, parse_size
+from acache.cli import _add_model_args, _positive_int, parse_size
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
 
 
@@ -200,6 +200,12 @@ def _cmd_bench_context(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_bench_scoring(args: argparse.Namespace) -> int:
+    from acache_lab.bench.scoring import main
+
+    return main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from acache_lab.demo import main
 
@@ -383,6 +389,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_decode))
+
+    p = bench.add_parser("scoring", help="lm-eval-shaped echo+logprobs requests/s on acache serve, this tree "
+                         "beside a baseline commit (--baseline-ref)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    p.add_argument("--limit", type=int, default=2, help="held-out documents of each multiple-choice task")
+    p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
+    p.add_argument("--samples", type=int, default=32, help="the servers' --loglikelihood-samples")
+    p.add_argument("--baseline-ref", default=None,
+                   help="also serve this commit's acache (git archive into a temporary directory) and compare")
+    p.add_argument("--per-request", type=_positive_int, default=1,
+                   help="prompts a request (lm-eval's batch_size; 1 is its default)")
+    p.add_argument("--concurrency", type=_positive_int, default=1,
+                   help="requests in flight (lm-eval's num_concurrent; 1 is its default)")
+    p.add_argument("--port", type=int, default=8790, help="port of the first server (the second: +1)")
+    p.add_argument("--json", default=None, help="also write every latency and reading here")
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_bench_scoring))
 
     p = bench.add_parser("context", help="block diffusion: step latency and cache size against context length, "
                          "attention vs state-space")
