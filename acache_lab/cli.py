@@ -402,6 +402,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompts a request (lm-eval's batch_size; 1 is its default)")
     p.add_argument("--concurrency", type=_positive_int, default=1,
                    help="requests in flight (lm-eval's num_concurrent; 1 is its default)")
+    p.add_argument("--pause", type=float, default=1.0,
+                   help="seconds, untimed, before each round: the other server's threads go quiet first")
     p.add_argument("--port", type=int, default=8790, help="port of the first server (the second: +1)")
     p.add_argument("--json", default=None, help="also write every latency and reading here")
     _add_overwrite(p)

@@ -206,6 +206,7 @@ def main(args) -> int:
         for r, group in enumerate(rounds):
             order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
             for k in order:
+                time.sleep(args.pause)  # untimed: the other server's threads have gone quiet
                 _round(bases[k], sides[k], group, args.per_request, args.concurrency)
             print(f"round {r + 1}/{len(rounds)}: " + ", ".join(f"{s.name} {s.wall_s:.1f} s" for s in sides),
                   file=sys.stderr, flush=True)

@@ -30,7 +30,7 @@ def test_the_choices_are_lm_evals():
 def test_a_baseline_commit_beside_this_tree_serves_the_same_estimates(tmp_path, capsys):
     out = tmp_path / "scoring.json"
     args = Namespace(model=None, limit=1, seed=0, samples=2, baseline_ref="HEAD", per_request=2, concurrency=2,
-                     port=free_port(), json=str(out), overwrite=False)
+                     pause=0.0, port=free_port(), json=str(out), overwrite=False)
     assert _cmd_bench_scoring(args) == 0
     report = json.loads(out.read_text())
     baseline, here = report["sides"]
