@@ -48,9 +48,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="prefix [affix][prompt][GEN], infix [prompt][affix][answer][GEN], suffix [prompt][GEN][affix]")
     a.add_argument("--answer-prompt", default="", help="text between the affix and the generation region")
     a.add_argument("--affix-policy", default=None, choices=AFFIX_POLICIES,
-                   help=f"reuse the affix's shared K/V with this policy (default with --affix: {DEFAULT_SELECTOR}, "
-                        "the server's): attention is ACache, none direct reuse, all full recompute; the rest are "
-                        "baselines")
+                   help=f"reuse the affix's shared K/V with this policy (default with --affix, as the server's: "
+                        f"{DEFAULT_SELECTOR}, or none for a model trained to be reused): attention is ACache, none "
+                        "direct reuse, all full recompute; the rest are baselines")
     a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
                    help="share of affix tokens recomputed")
     a.add_argument("--anchor-query", default=d.anchor_query, choices=ANCHOR_QUERIES,
@@ -146,8 +146,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from acache.affix.prompt import layout_segments
 
     policy = args.affix_policy
-    if policy is None and (args.affix or args.affix_file):
-        policy = DEFAULT_SELECTOR
+    if policy is None and (args.affix or args.affix_file):  # the server's default for this model
+        from acache.models.loader import read_config
+
+        policy = "none" if read_config(args.model)[1].affix_training is not None else DEFAULT_SELECTOR
     params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,

@@ -20,6 +20,7 @@ from acache.models.loader import load_model, parse_device, read_config
 from acache.models.tensor_parallel import check_divisible, shard_model
 from acache.models.tokenizer import Tokenizer
 from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
+from acache.policies import DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
 
 
@@ -174,6 +175,13 @@ class LLM:
             raise ValueError("saving the affix cache is not supported with tensor parallelism (each rank holds a "
                              "slice of every affix)")
         return self.engine.affixes.save(path)
+
+    @property
+    def default_selector(self) -> str:
+        """How affixes are reused when a request does not say: by direct reuse (no anchors, no selection: the
+        fastest path) for a model trained to be reused (``config.affix_training``), else by ACache with
+        :data:`acache.policies.DEFAULT_SELECTOR`."""
+        return "none" if self.config.affix_training is not None else DEFAULT_SELECTOR
 
     @property
     def stop_token_ids(self) -> set[int]:

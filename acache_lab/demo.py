@@ -94,7 +94,11 @@ def run(llm: LLM) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    print(f"{args.model}: each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "
+    mode = ("trained to be reused (config.json records affix-aware training): the server reuses its affixes by "
+            "direct reuse by default" if llm.config.affix_training is not None else
+            f"not trained to be reused: the server reuses its affixes with ACache ({DEFAULT_SELECTOR}) by default")
+    print(f"{args.model}: {mode}.")
+    print(f"Each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "
           "first refresh) at two anchor ratios and full recompute (ok: the expected answer). The model gets 100% of "
           "held-out questions right under full recompute (docs/model.md); the last line counts what each policy "
           "gets right here.\n"

@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A ``config.json`` that is missing a field or holds a value the engine cannot run."""
 
 
+#: the config.json entry affix-aware training writes (acache_lab.train): its settings, so that a server can
+#: serve such a model's affixes by direct reuse by default
+AFFIX_TRAINING_KEY = "acache_affix_training"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -36,6 +41,13 @@ class ModelConfig:
     #: own block, both ways; None is full bidirectional attention (LLaDA, Dream)
     block_size: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def affix_training(self) -> dict | None:
+        """The record affix-aware training left in config.json (its affixes were trained to be reused as
+        computed alone), or None."""
+        record = self.raw.get(AFFIX_TRAINING_KEY)
+        return record if isinstance(record, dict) else None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",

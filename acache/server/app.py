@@ -60,8 +60,9 @@ class RequestError(RuntimeError):
     """A request the engine failed alone: 500 with the engine's message, the server goes on."""
 
 
-def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
-    """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length."""
+def sampling_params(body: DiffusionFields, reuse: bool, default_selector: str = DEFAULT_SELECTOR) -> SamplingParams:
+    """Maps the request's fields to SamplingParams; ``max_tokens`` becomes whole blocks of gen_length; a reused
+    affix without a ``selector`` takes the served model's ``default_selector``."""
     if body.n != 1:
         raise BadRequest("only n=1 is supported")
     for name, (neutral, why) in NEUTRAL.items():
@@ -93,7 +94,7 @@ def sampling_params(body: DiffusionFields, reuse: bool) -> SamplingParams:
     elif body.block_length is None and body.max_tokens is None and 0 < gen < block:
         block = gen  # a short generation region is one block
 
-    selector = body.selector or DEFAULT_SELECTOR
+    selector = body.selector or default_selector
     kwargs = {"gen_length": gen, "block_length": block, "steps": body.steps, "seed": body.seed,
               "temperature": body.temperature if body.temperature is not None else DEFAULTS.temperature,
               "affix_policy": selector if reuse and selector != "off" else None}
@@ -215,8 +216,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         return {"status": "ok"}
 
     def model_card() -> dict:
+        """OpenAI's model object, plus how this model's affixes are reused by default and why."""
+        trained = llm.config.affix_training is not None
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "acache",
-                "max_model_len": llm.max_model_len}
+                "max_model_len": llm.max_model_len,
+                "affix_reuse": {"default_selector": llm.default_selector, "affix_trained": trained,
+                                "mode": "direct reuse (trained to be reused)" if trained else
+                                f"ACache: anchors chosen by {llm.default_selector}"}}
 
     @app.get("/v1/models")
     async def models():
@@ -352,7 +358,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             raise BadRequest("logprobs with suffix (infilling) are not implemented: the generated tokens must end "
                              "the sequence")
         params = sampling_params(body.model_copy(update={"max_tokens": None}) if score_only else body,
-                                 reuse=affix_ids is not None)
+                                 reuse=affix_ids is not None, default_selector=llm.default_selector)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         for name in ("probe_step", "anchor_query", "anchor_pass"):
@@ -451,7 +457,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             candidate = await asyncio.to_thread(affixer.chat_prompt, messages, reuse, registered_count)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        reuse_params = sampling_params(body, reuse=bool(candidate.affixes))
+        reuse_params = sampling_params(body, reuse=bool(candidate.affixes), default_selector=llm.default_selector)
         automatic = tuple(a.key for a in candidate.affixes if a.key != registered_key)
         plan = None
         if automatic and body.affix_reuse != "always":
@@ -461,7 +467,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         if plan is not None and plan.decision is not Decision.REUSE:
             prompt = AffixPrompt(candidate.token_ids, candidate.gen_at,
                                  tuple(a for a in candidate.affixes if a.key == registered_key))
-            params = sampling_params(body, reuse=bool(prompt.affixes))
+            params = sampling_params(body, reuse=bool(prompt.affixes), default_selector=llm.default_selector)
             if plan.decision is Decision.CHECK:
                 check = Check(candidate, reuse_params, plan.key)
                 prompt_fits(candidate, reuse_params)

@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, family_model, init_weights_, save_checkpoint, tokenizer_config
+from acache.models.config import AFFIX_TRAINING_KEY
+from acache.models.loader import CONFIG_FILE
 from acache.models.registry import family_class
 from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
@@ -553,6 +555,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     out = Path(config.out)
     tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
     save_checkpoint(model, out, tokenizer, tok_config)
+    if config.affix_isolation > 0:
+        record_affix_training(out, config, steps_done)
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
                "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
                "log": log, "probes": probes, "interrupted": interrupted}
@@ -566,6 +570,16 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     else:
         (out / RESUME_FILE).unlink(missing_ok=True)
     return summary
+
+
+def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
+    """Notes in the checkpoint's config.json that its affixes were trained to be reused as computed alone, so
+    that the engine's front ends serve them by direct reuse by default (``ModelConfig.affix_training``)."""
+    path = out / CONFIG_FILE
+    hf = json.loads(path.read_text())
+    hf[AFFIX_TRAINING_KEY] = {"affix_isolation": config.affix_isolation, "steps": steps,
+                              "init_from": config.init_from, "layouts": list(config.layouts)}
+    path.write_text(json.dumps(hf, indent=2) + "\n")
 
 
 def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,

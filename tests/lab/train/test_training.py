@@ -83,6 +83,10 @@ def test_affix_isolated_rows_train_and_are_probed_under_direct_reuse(tmp_path):
     assert batch.attention(torch.zeros(8, dtype=torch.bool)) is batch.valid
     summary = train(config, progress=False)
     assert all(set(p["accuracy"]) == {"qa1", "qa1@reuse"} for p in summary["probes"])
+    from acache.models.loader import read_config
+
+    record = read_config(tmp_path / "m")[1].affix_training  # what the front ends read to serve by direct reuse
+    assert record == {"affix_isolation": 0.5, "steps": 40, "init_from": None, "layouts": list(config.layouts)}
     losses = [r["loss"] for r in summary["log"]]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
