@@ -192,8 +192,16 @@ def test_models_tokenize_metrics(client, server, llm):
     assert status == 200 and json.loads(text)["tokens"] == llm.tokenizer.encode("Where is Mary?")
     _, text = raw(server, "GET", "/metrics")
     for name in ("requests_running", "requests_waiting", "kv_pages_in_use", "cache_bytes_in_use", "affix_hits_total",
-                 "affix_queries_total", "anchors_recomputed_total", "recompute_latency_seconds_count"):
+                 "affix_queries_total", "anchors_recomputed_total", "recompute_latency_seconds_count",
+                 "auto_reuse_checks_total", "auto_reuse_mismatches_total", "auto_reuse_trusted_spans"):
         assert f"acache_{name}" in text
+    finished = metric(server, "requests_finished_total")
+    # a diffusion model's time to first token is its time to the first completed block; every finished request
+    # has one, and one end-to-end latency
+    for name in ("time_to_first_block_seconds_count", "e2e_request_latency_seconds_count"):
+        assert metric(server, name) >= finished > 0, name
+    assert metric(server, "inter_block_latency_seconds_count") > 0  # the earlier tests decode 2-block requests
+    assert metric(server, "e2e_request_latency_seconds_sum") >= metric(server, "time_to_first_block_seconds_sum")
 
 
 def test_max_tokens_cuts_whole_blocks_and_stop_strings(client, llm):
