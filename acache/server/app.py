@@ -570,11 +570,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             return
         if plain is None:
             shadow.cancel()
+            gate.drop(check.key)
             return
         want = list(plain.token_ids)
 
         def compare(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is None:
+            if task.cancelled() or task.exception() is not None:
+                gate.drop(check.key)
+            else:
                 same = list(task.result().token_ids) == want
                 gate.record(check.key, same)
                 if not same:

@@ -7,8 +7,9 @@ mode (the default) the first ``checks`` requests that could reuse a span under a
 without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
 once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. Every
 ``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
-the trust. A request answered during a check gets exactly its answer without reuse. ``on`` reuses at once
-(the old behaviour, for models measured exact enough elsewhere); ``off`` never reuses automatically.
+the trust. At most ``checks`` checks of a span run at once: the rest of a burst is recomputed meanwhile. A
+request answered during a check gets exactly its answer without reuse. ``on`` reuses at once (the old
+behaviour, for models measured exact enough elsewhere); ``off`` never reuses automatically.
 
 Only deterministic requests can be checked (temperature 0, or a seed): a sampled request without a seed
 reuses a trusted span and otherwise recomputes. A request asking for logprobs recomputes (its logprobs are
@@ -37,6 +38,7 @@ class SpanRecord:
     checks: int = 0
     mismatches: int = 0
     served: int = 0  # requests answered with reuse since the span was trusted
+    pending: int = 0  # checks started and not yet recorded
     trusted: bool = False
     refused: bool = False
 
@@ -93,13 +95,17 @@ class ReuseGate:
                 return Plan(Decision.RECOMPUTE, key, "reuse changed an answer for this span and policy")
             if record.trusted:
                 due = self.audit_every and (record.served + 1) % self.audit_every == 0
-                if not (due and deterministic):
+                if not (due and deterministic and record.pending == 0):
                     record.served += 1
                     return Plan(Decision.REUSE, key, f"trusted after {record.checks} matching checks")
+                record.pending += 1
                 return Plan(Decision.CHECK, key, "an audit of a trusted span")
             if not deterministic:
                 return Plan(Decision.RECOMPUTE, key, "a sampled request without a seed cannot be checked")
-            return Plan(Decision.CHECK, key, f"check {record.checks + 1} of {self.checks}")
+            if record.checks + record.pending >= self.checks:  # a burst runs no more checks than it needs
+                return Plan(Decision.RECOMPUTE, key, f"{record.pending} checks of this span are still running")
+            record.pending += 1
+            return Plan(Decision.CHECK, key, f"check {record.checks + record.pending} of {self.checks}")
 
     def record(self, key: tuple, same: bool) -> None:
         """The outcome of one check: the answer with reuse was (or was not) the answer without it."""
@@ -107,6 +113,7 @@ class ReuseGate:
             self.totals["checks"] += 1
             self.totals["mismatches"] += not same
             record = self._records.setdefault(key, SpanRecord())
+            record.pending = max(0, record.pending - 1)
             record.checks += 1
             if not same:
                 record.mismatches += 1
@@ -115,6 +122,13 @@ class ReuseGate:
                 record.trusted = True
             if record.trusted:
                 record.served += 1  # an audit counts as a use: the next audit is a full period later
+
+    def drop(self, key: tuple) -> None:
+        """A check that ended without an outcome (its client went away, a request failed)."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None:
+                record.pending = max(0, record.pending - 1)
 
     def state(self, key: tuple) -> str:
         with self._lock:
