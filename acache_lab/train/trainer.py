@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
+from acache.affix.prompt import AffixPrompt
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, family_model, init_weights_, save_checkpoint, tokenizer_config
 from acache.models.config import AFFIX_TRAINING_KEY
@@ -279,10 +281,7 @@ class Batcher:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
         spans on that sequence (those after the answer moved past it)."""
         r = render(example, layout, self.encode, self.eos)
-        ids = list(r.prompt.token_ids)
-        g, n = r.prompt.gen_at, len(r.answer)
-        spans = tuple((a.start + n * (a.start >= g), a.end + n * (a.start >= g)) for a in r.prompt.affixes)
-        return Row(ids[:g] + list(r.answer) + ids[g:], g, n, spans)
+        return answer_row(r.prompt, r.answer)
 
     def batch(self, step: int) -> Batch:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid`` and each row's
@@ -300,17 +299,7 @@ class Batcher:
         return self.collate(rows)
 
     def collate(self, rows: list[Row]) -> Batch:
-        width = max(len(r.ids) for r in rows)
-        b = len(rows)
-        ids = torch.full((b, width), self.pad, dtype=torch.long)
-        answer = torch.zeros((b, width), dtype=torch.bool)
-        valid = torch.zeros((b, width), dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, :len(r.ids)] = torch.tensor(r.ids)
-            valid[i, :len(r.ids)] = True
-            answer[i, r.answer_at:r.answer_at + r.answer_len] = True
-        positions = torch.arange(width).expand(b, -1).contiguous()
-        return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows))
+        return collate_rows(rows, self.pad)
 
 
 class Row(NamedTuple):
@@ -320,12 +309,40 @@ class Row(NamedTuple):
     spans: tuple[tuple[int, int], ...]  # the affixes, [start, end) on ids
 
 
+def answer_row(prompt: AffixPrompt, answer: Sequence[int]) -> Row:
+    """The full training sequence of a prompt and its answer: the answer in the generation region, the affix
+    spans of the prompt moved past it where they follow it (the suffix layout)."""
+    ids = list(prompt.token_ids)
+    g, n = prompt.gen_at, len(answer)
+    spans = tuple((a.start + n * (a.start >= g), a.end + n * (a.start >= g)) for a in prompt.affixes)
+    return Row(ids[:g] + list(answer) + ids[g:], g, n, spans)
+
+
+def collate_rows(rows: Sequence[Row], pad: int) -> Batch:
+    """Right-padded ``[B, T]`` tensors of rows, positions from 0."""
+    width = max(len(r.ids) for r in rows)
+    b = len(rows)
+    ids = torch.full((b, width), pad, dtype=torch.long)
+    answer = torch.zeros((b, width), dtype=torch.bool)
+    valid = torch.zeros((b, width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r.ids)] = torch.tensor(r.ids)
+        valid[i, :len(r.ids)] = True
+        answer[i, r.answer_at:r.answer_at + r.answer_len] = True
+    positions = torch.arange(width).expand(b, -1).contiguous()
+    return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows))
+
+
 class Batch(NamedTuple):
     ids: torch.Tensor
     answer: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
     spans: tuple[tuple[tuple[int, int], ...], ...]
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch's tensors on ``device`` (the spans are plain indices)."""
+        return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans)
 
     def attention(self, isolated: torch.Tensor | None) -> torch.Tensor:
         """What the forward attends with: ``valid``, or where ``isolated [B]`` says so the affix-isolated mask
@@ -376,13 +393,14 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     b, t_len = ids.shape
     # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
     # tames the variance of the 1/t weight
-    t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3)
+    # drawn from the CPU generator whatever the device, so a run's noise does not depend on where it runs
+    t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3).to(ids.device)
     if masking == "all":
         t = torch.ones_like(t)
-    u = torch.rand(b, t_len, generator=gen)
+    u = torch.rand(b, t_len, generator=gen).to(ids.device)
     masked = answer & (u < t)
     first = answer.float().argmax(-1)  # every row masks at least one answer token
-    masked[torch.arange(b), first] |= ~masked.any(-1)
+    masked[torch.arange(b, device=ids.device), first] |= ~masked.any(-1)
     if context_mask_rate > 0:
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
@@ -575,10 +593,16 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
 def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     """Notes in the checkpoint's config.json that its affixes were trained to be reused as computed alone, so
     that the engine's front ends serve them by direct reuse by default (``ModelConfig.affix_training``)."""
-    path = out / CONFIG_FILE
+    write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
+                               "init_from": config.init_from, "layouts": list(config.layouts)})
+
+
+def write_affix_training(out: str | Path, record: dict) -> None:
+    """Writes an affix-training ``record`` (at least ``affix_isolation``, ``steps``, ``init_from`` and
+    ``layouts``) into the checkpoint's config.json: shared by the task-suite trainer and LoRA fine-tuning."""
+    path = Path(out) / CONFIG_FILE
     hf = json.loads(path.read_text())
-    hf[AFFIX_TRAINING_KEY] = {"affix_isolation": config.affix_isolation, "steps": steps,
-                              "init_from": config.init_from, "layouts": list(config.layouts)}
+    hf[AFFIX_TRAINING_KEY] = record
     path.write_text(json.dumps(hf, indent=2) + "\n")
 
 
