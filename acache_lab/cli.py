@@ -1,5 +1,5 @@
-"""The research side's commands (train, eval, bench, bicache-profile), added to ``acache``'s command line
-through the ``acache.commands`` entry point."""
+"""The research side's commands (train, finetune-affix, eval, bench, bicache-profile), added to ``acache``'s
+command line through the ``acache.commands`` entry point."""
 
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"{last:.4f}; wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
     if len(configs) > 1:
         print(f"{len(configs)} configs, {total_s / 60:.1f} min of training in all")
+    return 0
+
+
+def _cmd_finetune_affix(args: argparse.Namespace) -> int:
+    from acache_lab.train.lora import LoraConfig, finetune
+
+    targets = {} if args.targets is None else {"targets": tuple(t for t in args.targets.split(",") if t)}
+    config = LoraConfig(model=args.model, data=args.data, out=args.out, rank=args.rank, alpha=args.alpha,
+                        dropout=args.dropout, **targets, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                        batch_size=args.batch_size, isolation=args.isolation, merge=args.merge,
+                        device=args.device, dtype=args.dtype, bf16=args.bf16,
+                        time_limit_minutes=args.time_limit_minutes, seed=args.seed)
+    summary = finetune(config)
+    last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
+    print(f"fine-tuned {summary['steps_done']} steps ({summary['tokens']:,} tokens) in "
+          f"{summary['train_time_s'] / 60:.1f} min, {summary['trainable_parameters']:,} trainable parameters, "
+          f"final loss {last:.4f}; adapter: {summary['adapter']}"
+          + (f"; merged checkpoint: {summary['merged']}" if summary["merged"] else ""))
     return 0
 
 
@@ -248,6 +266,34 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "continues from its output directory")
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_train))
+
+    p = sub.add_parser("finetune-affix", help="LoRA fine-tuning of a checkpoint (LLaDA, Dream) with the affix "
+                                              "isolation objective (needs the lora extra: pip install "
+                                              "'acache[lora]'; docs/model.md)")
+    p.add_argument("--model", required=True, help="checkpoint directory in the upstream layout")
+    p.add_argument("--data", required=True, help='JSONL, one {"affix", "prompt", "answer", "layout"} record a line '
+                   '(optional "answer_prompt")')
+    p.add_argument("--out", required=True, help="output directory: adapter/, finetune_log.json, merged/")
+    p.add_argument("--rank", type=_positive_int, default=16, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha")
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--targets", default=None, help="comma-separated module names to adapt (default: the attention "
+                   "and MLP projections, q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    p.add_argument("--steps", type=_positive_int, default=500)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
+    p.add_argument("--batch-size", type=_positive_int, default=4)
+    p.add_argument("--isolation", type=float, default=0.5,
+                   help="share of rows trained as direct reuse serves them")
+    p.add_argument("--merge", action="store_true",
+                   help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast (default: on a GPU)")
+    p.add_argument("--time-limit-minutes", type=float, default=None, help="stop (and save) after this long")
+    p.add_argument("--seed", type=int, default=0)
+    _add_model_args(p)
+    _add_overwrite(p)
+    p.set_defaults(func=_guarded(_cmd_finetune_affix))
 
     evaluate = sub.add_parser("eval", help="studies").add_subparsers(dest="eval", required=True)
     p = evaluate.add_parser("tasks", help="held-out exact match per task and layout (full recomputation)")

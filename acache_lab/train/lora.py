@@ -1,0 +1,289 @@
+"""Affix-aware LoRA fine-tuning of a real checkpoint (LLaDA, Dream) with the isolation objective.
+
+The task-suite trainer (:mod:`acache_lab.train.trainer`) trains a small model from scratch; a released
+8B model is too large to train whole and too valuable to train on synthetic tasks. This module trains low-rank
+adapters (``peft``, the optional ``lora`` extra) on a checkpoint directory read by the engine's own loader,
+with the same objective: LLaDA's masked-diffusion loss on the answer, a share of the rows computed under the
+affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them.
+
+Data is JSONL, the calibration format (:mod:`acache.affix.calibration`) with an answer: one record a line,
+``{"affix": str, "prompt": str, "answer": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}``
+(``layout`` defaults to prefix, ``answer_prompt`` to ""), tokenized with the checkpoint's own tokenizer; the
+answer ends with the tokenizer's stop token. The run writes ``OUT/adapter`` (peft's ``save_pretrained``),
+``OUT/finetune_log.json`` and, with ``merge``, ``OUT/merged``: the checkpoint with the adapters folded into
+its weights, in the upstream layout, with the source's tokenizer files and the affix-training record that makes
+the engine's front ends serve it by direct reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from acache.affix.prompt import Affix, layout_segments, resolve_segments
+from acache.models.base import DiffusionLM
+from acache.models.checkpoint import save_checkpoint
+from acache.models.loader import CONFIG_FILE, checkpoint_dir, load_model, parse_device
+from acache.models.tokenizer import Tokenizer
+from acache.policies import LAYOUTS
+from acache_lab.train.trainer import Row, answer_row, collate_rows, masked_diffusion_loss, write_affix_training
+
+#: the decoder layer's projections (the unfused nn.Linear modules): attention and MLP
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_DIR = "adapter"
+MERGED_DIR = "merged"
+LOG_FILE = "finetune_log.json"
+SHARD_BYTES = 5 * 2**30  # a merged checkpoint's shard size, as upstream shards theirs
+#: the source's files a merged checkpoint takes along: the tokenizer's, the generation defaults, and the
+#: modelling code (``*.py``) its config's ``auto_map`` names for the upstream loader
+COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config")
+PEFT_MISSING = "LoRA fine-tuning needs peft: pip install 'acache[lora]'"
+
+
+def require_peft():
+    """The ``peft`` module, or an ImportError that names the extra to install."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(PEFT_MISSING) from None
+    return peft
+
+
+@dataclass
+class LoraConfig:
+    """One fine-tuning run: the checkpoint, the data, the adapters and the optimisation."""
+
+    model: str
+    data: str
+    out: str
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    steps: int = 500
+    lr: float = 1e-4
+    warmup: int = 10
+    batch_size: int = 4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    #: the share of rows trained as direct reuse serves them (each affix attends only within itself)
+    isolation: float = 0.5
+    merge: bool = False
+    device: str = "auto"
+    dtype: str = "auto"  # the weights' dtype: auto is the checkpoint's own torch_dtype
+    bf16: bool | None = None  # bf16 autocast; None: on a GPU, off on the CPU
+    time_limit_minutes: float | None = None
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        if self.rank <= 0 or self.alpha <= 0:
+            raise ValueError(f"rank and alpha must be positive, got rank={self.rank}, alpha={self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
+        if self.steps <= 0 or self.batch_size <= 0 or self.log_every <= 0:
+            raise ValueError("steps, batch_size and log_every must be positive")
+        if self.lr <= 0 or self.grad_clip <= 0 or self.warmup < 0 or self.weight_decay < 0:
+            raise ValueError("lr and grad_clip must be positive, warmup and weight_decay >= 0")
+        if not 0.0 <= self.isolation <= 1.0:
+            raise ValueError(f"isolation is a share of rows in [0, 1], not {self.isolation}")
+        if self.time_limit_minutes is not None and self.time_limit_minutes <= 0:
+            raise ValueError(f"time_limit_minutes must be positive, not {self.time_limit_minutes}")
+        if not self.targets:
+            raise ValueError("LoRA needs at least one target module")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then constant: a short adapter run has no schedule to speak of."""
+        return self.lr * min(1.0, (step + 1) / (self.warmup + 1))
+
+
+def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, context: int) -> tuple[list[Row],
+                                                                                                      list[str]]:
+    """The JSONL file's rows as training sequences, and the layouts they use; every bad record is reported with
+    its line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"fine-tuning data not found: {path}")
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    rows, layouts = [], []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: a record is a JSON object, not {type(item).__name__}")
+        missing = [k for k in ("affix", "prompt", "answer") if k not in item]
+        if missing:
+            raise ValueError(f"{where}: the record lacks {', '.join(repr(k) for k in missing)}")
+        fields = {k: item.get(k, d) for k, d in (("affix", ""), ("prompt", ""), ("answer", ""),
+                                                  ("layout", "prefix"), ("answer_prompt", ""))}
+        bad = [k for k, v in fields.items() if not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"{where}: {bad[0]!r} must be a string, not {type(fields[bad[0]]).__name__}")
+        if fields["layout"] not in LAYOUTS:
+            raise ValueError(f"{where}: unknown layout {fields['layout']!r}; choose one of {', '.join(LAYOUTS)}")
+        try:
+            prompt = resolve_segments(layout_segments(fields["layout"], Affix(fields["affix"]), fields["prompt"],
+                                                      fields["answer_prompt"]), encode)
+            answer = encode(fields["answer"])
+        except ValueError as exc:  # an empty affix, text the vocabulary cannot encode
+            raise ValueError(f"{where}: {exc}") from None
+        if not answer:
+            raise ValueError(f"{where}: the answer is empty")
+        row = answer_row(prompt, [*answer, stop_id])
+        if len(row.ids) > context:
+            raise ValueError(f"{where}: {len(row.ids)} tokens with the answer, more than the model's context of "
+                             f"{context}")
+        rows.append(row)
+        layouts.append(fields["layout"])
+    if not rows:
+        raise ValueError(f"{path} holds no fine-tuning records")
+    return rows, sorted(set(layouts), key=LAYOUTS.index)
+
+
+def _check_targets(model: DiffusionLM, targets: tuple[str, ...]) -> None:
+    if any(getattr(layer, "fused", False) for layer in model.layers):
+        raise ValueError("the model's projections are fused (fuse_projections): LoRA adapts the separate "
+                         "nn.Linear modules, so fine-tune a model as load_model returns it")
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [t for t in targets if t not in linears]
+    if unknown:
+        raise ValueError(f"unknown LoRA target module {unknown[0]!r}; the model's linear modules are "
+                         f"{', '.join(sorted(linears))}")
+
+
+@dataclass
+class LoraRun:
+    """A trained run in memory: the peft-wrapped model, where it came from, its log and its training record."""
+
+    adapted: nn.Module
+    source: Path
+    summary: dict
+    record: dict
+
+
+def finetune(config: LoraConfig, progress: bool = True) -> dict:
+    """Trains LoRA adapters on ``config.model`` with the isolation objective and writes them (and, with
+    ``merge``, the merged checkpoint) under ``config.out``; returns the run's log."""
+    return save_run(train_lora(config, progress), config)
+
+
+def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
+    """The training half of :func:`finetune`: nothing is written, so a caller can still look at the adapted
+    model before :func:`save_run` (which merges it in place)."""
+    peft = require_peft()
+    source = checkpoint_dir(config.model)
+    device = parse_device(config.device)
+    bf16 = device.type == "cuda" if config.bf16 is None else config.bf16
+    model = load_model(source, dtype=config.dtype, device=device)
+    if model.block_causal or hasattr(model, "train_logits"):
+        raise ValueError(f"affix-isolated fine-tuning trains bidirectional attention families (llada, dream), "
+                         f"not {model.family}")
+    _check_targets(model, config.targets)
+    tokenizer = Tokenizer.from_dir(source)
+    stop_id = tokenizer.eos_token_id
+    if stop_id is None:
+        stop_id = model.config.eos_token_id
+    rows, layouts = load_finetune_data(config.data, tokenizer, stop_id, model.config.max_position_embeddings)
+
+    torch.manual_seed(config.seed)  # the adapters' initialisation
+    lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                           target_modules=list(config.targets))
+    adapted = peft.get_peft_model(model, lora)
+    adapted.peft_config["default"].base_model_name_or_path = str(source.resolve())
+    adapted.train()
+    trainable = [p for p in adapted.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+
+    rng = random.Random(config.seed)
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    pad = model.config.pad_token_id
+    log: list[dict] = []
+    window: list[float] = []
+    steps_done, tokens = 0, 0
+    started = time.perf_counter()
+    limit_s = math.inf if config.time_limit_minutes is None else 60 * config.time_limit_minutes
+    bar = tqdm(range(config.steps), desc="finetune", unit="step", disable=not progress)
+    for step in bar:
+        if time.perf_counter() - started > limit_s:
+            bar.write(f"time limit of {config.time_limit_minutes} min reached after {steps_done} steps")
+            break
+        for group in opt.param_groups:
+            group["lr"] = config.lr_at(step)
+        batch = collate_rows(rng.choices(rows, k=config.batch_size), pad).to(device)
+        isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
+                                         model.config.mask_token_id, gen, attention=batch.attention(isolated))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        opt.step()
+        steps_done, tokens = step + 1, tokens + int(batch.valid.sum())
+        window.append(loss.item())
+        if len(window) == config.log_every or steps_done == config.steps:
+            mean = sum(window) / len(window)
+            log.append({"step": steps_done, "loss": mean, "lr": config.lr_at(step),
+                        "elapsed_s": time.perf_counter() - started})
+            bar.set_postfix(loss=f"{mean:.3f}")
+            window.clear()
+    bar.close()
+    train_time = time.perf_counter() - started
+    adapted.eval()
+    record = {"affix_isolation": config.isolation, "steps": steps_done, "init_from": str(source.resolve()),
+              "layouts": layouts, "lora": {"rank": config.rank, "alpha": config.alpha,
+                                           "targets": list(config.targets), "data": str(config.data)}}
+    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
+               "tokens": tokens, "rows": len(rows), "layouts": layouts,
+               "trainable_parameters": sum(p.numel() for p in trainable),
+               "parameters": sum(p.numel() for p in model.parameters()), "log": log}
+    return LoraRun(adapted, source, summary, record)
+
+
+def save_run(run: LoraRun, config: LoraConfig) -> dict:
+    """Writes the adapter, the log and, with ``config.merge``, the merged checkpoint (merging ``run.adapted``
+    in place); returns the log with where each went."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the embeddings are never adapted: False also keeps peft from reading the base config as a transformers one
+    run.adapted.save_pretrained(str(out / ADAPTER_DIR), save_embedding_layers=False)
+    summary = {**run.summary, "adapter": str(out / ADAPTER_DIR), "merged": None}
+    if config.merge:
+        merged = run.adapted.merge_and_unload()
+        summary["merged"] = str(write_merged(merged, run.source, out / MERGED_DIR, run.record))
+    (out / LOG_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def write_merged(model: DiffusionLM, source: Path, out: Path, record: dict) -> Path:
+    """Writes a merged model as a checkpoint the engine (and the upstream code) loads like ``source``: its
+    weights under upstream names, the source's config keys the engine does not write (``auto_map`` and the
+    like) kept, the source's tokenizer and other non-weight files copied, and the affix-training record."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    save_checkpoint(model, out, shards=max(1, math.ceil(size / SHARD_BYTES)),
+                    dtype=str(model.dtype).removeprefix("torch."))
+    written = json.loads((out / CONFIG_FILE).read_text())
+    original = json.loads((source / CONFIG_FILE).read_text())
+    (out / CONFIG_FILE).write_text(json.dumps({**original, **written}, indent=2) + "\n")
+    for file in sorted(source.iterdir()):
+        if file.is_file() and (file.name.startswith(COPIED_PREFIXES) or file.suffix == ".py"):
+            shutil.copy2(file, out / file.name)
+    write_affix_training(out, record)
+    return out

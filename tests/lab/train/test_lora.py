@@ -1,0 +1,207 @@
+"""LoRA fine-tuning of a checkpoint with the affix-isolation objective (acache_lab.train.lora), on the tiny random
+LLaDA and Dream checkpoints of conftest (byte-level tokenizers, so any ASCII text encodes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from acache.models.loader import load_model, read_config
+from acache.models.tokenizer import Tokenizer
+from acache_lab.train.lora import LoraConfig, finetune, load_finetune_data, require_peft, save_run, train_lora
+from acache_lab.train.trainer import collate_rows, masked_diffusion_loss
+
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft is not installed (pip install 'acache[lora]')")
+
+NAMES = ("Ada", "Bo", "Cy", "Di", "Eve", "Fu", "Gil", "Hal")
+LAYOUT_CYCLE = ("prefix", "infix", "suffix")
+
+
+def write_data(path, n: int = 8):
+    """Records whose answer is read from the affix: a code per name, each layout in turn."""
+    with path.open("w") as f:
+        for i in range(n):
+            name = NAMES[i % len(NAMES)]
+            f.write(json.dumps({"affix": f"The code of {name} is {i * 37 % 100:02d}.",
+                                "prompt": f"Code of {name}?", "answer": f"{i * 37 % 100:02d}",
+                                "layout": LAYOUT_CYCLE[i % 3], "answer_prompt": " A:"}) + "\n")
+    return path
+
+
+def config(model_dir, tmp_path, **kw) -> LoraConfig:
+    opts = {"model": str(model_dir), "data": str(write_data(tmp_path / "data.jsonl")), "out": str(tmp_path / "run"),
+            "rank": 8, "alpha": 16, "steps": 30, "lr": 1e-2, "warmup": 0, "batch_size": 8, "log_every": 5,
+            "device": "cpu", "dtype": "float32", "bf16": False}
+    opts.update(kw)
+    return LoraConfig(**opts)
+
+
+def logits_of(model, batch, attention=None):
+    with torch.no_grad():
+        mask = batch.valid if attention is None else attention
+        return model.logits(model(batch.ids, batch.positions, mask).hidden)
+
+
+@needs_peft
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_loss_falls_and_the_saved_adapter_and_merged_checkpoint_give_the_trained_logits(family, llada_dir,
+                                                                                        dream_dir, tmp_path):
+    from peft import PeftModel
+
+    model_dir = {"llada": llada_dir, "dream": dream_dir}[family]
+    cfg = config(model_dir, tmp_path, merge=True)
+    run = train_lora(cfg, progress=False)
+    logged = [r["loss"] for r in run.summary["log"]]
+    assert len(logged) == 6 and all(loss == loss for loss in logged)  # noisy (t ~ U(0, 1], weighted 1/t)
+    assert 0 < run.summary["trainable_parameters"] < run.summary["parameters"]
+
+    base = load_model(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    rows, layouts = load_finetune_data(cfg.data, tok, tok.eos_token_id, base.config.max_position_embeddings)
+    assert layouts == ["prefix", "infix", "suffix"]
+    batch = collate_rows(rows, base.config.pad_token_id)
+    isolated = batch.attention(torch.ones(len(rows), dtype=torch.bool))  # every affix computed alone
+    trained = run.adapted.get_base_model()
+
+    def loss_of(model, attention):  # every answer column masked, fixed noise: the same loss before and after
+        with torch.no_grad():
+            return masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
+                                         base.config.mask_token_id, torch.Generator().manual_seed(0),
+                                         masking="all", attention=attention).item()
+
+    for attention in (batch.valid, isolated):  # in context and under direct reuse
+        before, after = loss_of(base, attention), loss_of(trained, attention)
+        assert after < 0.5 * before, (before, after)
+    in_memory = [logits_of(trained, batch), logits_of(trained, batch, isolated)]
+    assert not torch.allclose(in_memory[0], logits_of(base, batch), atol=1e-3)  # the adapters changed something
+
+    summary = save_run(run, cfg)
+    loaded = PeftModel.from_pretrained(load_model(model_dir), summary["adapter"]).get_base_model()
+    merged = load_model(summary["merged"])
+    for i, attention in enumerate((None, isolated)):
+        torch.testing.assert_close(logits_of(loaded, batch, attention), in_memory[i], atol=1e-6, rtol=0)
+        # W + BA scaled, rounded once, against x W + (x B) A: fp32 rounding of logits up to ~7 (measured 1.4e-5)
+        scale = in_memory[i].abs().max().item()
+        torch.testing.assert_close(logits_of(merged, batch, attention), in_memory[i], atol=1e-5 * scale, rtol=0)
+
+    record = read_config(summary["merged"])[1].affix_training  # the front ends then serve by direct reuse
+    assert record["affix_isolation"] == 0.5 and record["steps"] == 30
+    assert record["layouts"] == ["prefix", "infix", "suffix"]
+    assert record["init_from"] == str(model_dir.resolve())
+    assert record["lora"] == {"rank": 8, "alpha": 16, "targets": list(cfg.targets), "data": cfg.data}
+    assert Tokenizer.from_dir(summary["merged"]).encode("Code of Ada?") == tok.encode("Code of Ada?")
+    written = json.loads((tmp_path / "run" / "finetune_log.json").read_text())
+    assert written["steps_done"] == 30 and written["merged"] == summary["merged"]
+    assert read_config(model_dir)[1].affix_training is None  # the source is left as it was
+
+
+@needs_peft
+def test_the_command_line_writes_the_adapter_and_the_merged_checkpoint(llada_dir, tmp_path):
+    from acache.cli import main
+
+    data = write_data(tmp_path / "data.jsonl", n=3)
+    out = tmp_path / "run"
+    rc = main(["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--out", str(out), "--steps", "2",
+               "--batch-size", "2", "--rank", "2", "--isolation", "1.0", "--merge", "--device", "cpu",
+               "--targets", "q_proj,v_proj", "--time-limit-minutes", "5"])
+    assert rc == 0
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"] and adapter["r"] == 2
+    assert read_config(out / "merged")[1].affix_training["affix_isolation"] == 1.0
+
+
+@needs_peft
+def test_the_time_limit_stops_the_run(llada_dir, tmp_path, monkeypatch):
+    import acache_lab.train.lora as lora
+
+    clock = iter(range(0, 10_000, 50))  # 50 s a reading: the limit of one minute passes after the first step
+    monkeypatch.setattr(lora.time, "perf_counter", lambda: float(next(clock)))
+    run = train_lora(config(llada_dir, tmp_path, time_limit_minutes=1.0), progress=False)
+    assert run.summary["steps_done"] == 1
+
+
+def bad_data(tmp_path, lines: list[str]):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+GOOD = json.dumps({"affix": "The code is 12.", "prompt": "Code?", "answer": "12", "layout": "prefix"})
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([GOOD, "{not json"], r"bad.jsonl:2: not valid JSON"),
+    ([GOOD, "", json.dumps({"affix": "a", "prompt": "b", "answer": "c", "layout": "middle"})],
+     r"bad.jsonl:3: unknown layout 'middle'; choose one of prefix, infix, suffix"),
+    ([json.dumps({"affix": "a", "prompt": "b"})], r"bad.jsonl:1: the record lacks 'answer'"),
+    ([json.dumps(["a", "b"])], r"bad.jsonl:1: a record is a JSON object, not list"),
+    ([json.dumps({"affix": "a", "prompt": "b", "answer": 3})], r"bad.jsonl:1: 'answer' must be a string, not int"),
+    ([json.dumps({"affix": "", "prompt": "b", "answer": "c"})], r"bad.jsonl:1: affix\s+is empty"),
+    ([json.dumps({"affix": "a", "prompt": "b", "answer": ""})], r"bad.jsonl:1: the answer is empty"),
+    (["", "   "], r"bad.jsonl holds no fine-tuning records"),
+])
+def test_bad_data_lines_are_reported_with_their_line_number(llada_dir, tmp_path, lines, message):
+    tok = Tokenizer.from_dir(llada_dir)
+    with pytest.raises(ValueError, match=message):
+        load_finetune_data(bad_data(tmp_path, lines), tok, tok.eos_token_id, 512)
+
+
+def test_a_row_longer_than_the_context_is_refused(llada_dir, tmp_path):
+    tok = Tokenizer.from_dir(llada_dir)
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: \d+ tokens with the answer, more than the model's context "
+                                         r"of 8"):
+        load_finetune_data(bad_data(tmp_path, [GOOD]), tok, tok.eos_token_id, 8)
+
+
+def test_a_missing_data_file_is_named(llada_dir, tmp_path):
+    tok = Tokenizer.from_dir(llada_dir)
+    with pytest.raises(FileNotFoundError, match="fine-tuning data not found: .*nowhere.jsonl"):
+        load_finetune_data(tmp_path / "nowhere.jsonl", tok, tok.eos_token_id, 512)
+
+
+@needs_peft
+def test_a_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        train_lora(config(tmp_path / "no-model", tmp_path), progress=False)
+
+
+def test_without_peft_the_message_names_the_extra(llada_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'acache\[lora\]'"):
+        require_peft()
+    with pytest.raises(ImportError, match=r"pip install 'acache\[lora\]'"):
+        finetune(config(llada_dir, tmp_path), progress=False)
+
+
+@needs_peft
+def test_an_unknown_target_module_is_named(llada_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown LoRA target module 'qkv_proj'; the model's linear modules are "
+                                         "down_proj, gate_proj, k_proj, lm_head, o_proj"):
+        train_lora(config(llada_dir, tmp_path, targets=("q_proj", "qkv_proj")), progress=False)
+
+
+@needs_peft
+def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
+    with pytest.raises(ValueError, match="bidirectional attention families .* not fast_dllm_v2"):
+        train_lora(config(blockdiff_dir, tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"rank": 0}, "rank and alpha must be positive"),
+    ({"alpha": -1.0}, "rank and alpha must be positive"),
+    ({"isolation": 1.5}, r"isolation is a share of rows in \[0, 1\]"),
+    ({"steps": 0}, "steps, batch_size and log_every must be positive"),
+    ({"lr": 0.0}, "lr and grad_clip must be positive"),
+    ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+    ({"time_limit_minutes": 0.0}, "time_limit_minutes must be positive"),
+    ({"targets": ()}, "at least one target module"),
+])
+def test_bad_options(options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        LoraConfig(model="m", data="d", out=str(tmp_path), **options)
