@@ -11,7 +11,7 @@ R2LM := models/acache-tiny-r2lm
 SSM := models/acache-tiny-ssm
 STUDY := docs/study
 
-.PHONY: install run test test-long lint bench study model model-plus model-blockdiff model-r2lm model-ssm eval-lm clean
+.PHONY: install run test test-long lint bench study study-affix model model-affix model-plus model-blockdiff model-r2lm model-ssm eval-lm clean
 
 install: $(VENV)/.installed
 
@@ -79,6 +79,28 @@ model-plus: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/plus.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,arith,twohop,codes
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,twohop --sentences 34
+
+# the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with half of its rows
+# attending as direct reuse serves them; one config, about 26 minutes on 2 CPU cores
+AFFIX := models/acache-tiny-affix
+model-affix: install
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix.json --overwrite
+	$(VENV)/bin/acache eval tasks --model $(AFFIX) --tasks qa1,arith,twohop,codes
+
+# docs/accuracy.md "Affix-aware training": direct reuse, ACache 0.2 and full recomputation before (the plus
+# model) and after (the affix model) on the study's cells, the table and the plot (about 10 minutes)
+study-affix: install
+	for m in plus affix; do \
+	  $(VENV)/bin/acache eval accuracy --model models/acache-tiny-$$m --tasks qa1,arith,twohop --selectors attention \
+	    --ratios 0,0.2,1.0 --examples 300 --seed 0 --out $(STUDY)/affix_training/$$m/base --overwrite && \
+	  $(VENV)/bin/acache eval accuracy --model models/acache-tiny-$$m --tasks codes --layouts prefix,infix,suffix,two-affix \
+	    --sentences 6 --selectors attention --ratios 0,0.2,1.0 --examples 300 --seed 0 \
+	    --out $(STUDY)/affix_training/$$m/demonstrations --overwrite && \
+	  $(VENV)/bin/acache eval accuracy --model models/acache-tiny-$$m --tasks qa1,twohop --sentences 34 \
+	    --selectors attention --ratios 0,0.2,1.0 --examples 300 --seed 0 --out $(STUDY)/affix_training/$$m/long \
+	    --overwrite || exit 1; done
+	$(PY) scripts/affix_training_table.py $(STUDY)/affix_training/plus $(STUDY)/affix_training/affix \
+	  --md $(STUDY)/affix_training/before_after.md --plot $(STUDY)/affix_training/accuracy_compute.png
 
 # the block-diffusion model (docs/model.md, "acache-tiny-blockdiff"): the R2LM model's weights (below) in the
 # Fast-dLLM v2 layout (block-causal attention, blocks of 8, shifted logits), fine-tuned in one config on the prefix

@@ -281,6 +281,18 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
+def test_affix_recipe_is_the_affix_models_config_from_the_plus_model():
+    from acache.models.loader import read_config
+    from acache.paths import REPO_ROOT
+
+    config = TrainConfig.from_file(REPO_ROOT / "configs" / "affix.json")
+    assert (REPO_ROOT / config.init_from).resolve() == PLUS_MODEL.resolve() and config.affix_isolation == 0.5
+    log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
+    assert_logged(config, log["config"])
+    assert log["steps_done"] == config.steps
+    assert read_config(REPO_ROOT / config.out)[1].affix_training["steps"] == config.steps
+
+
 def test_plus_recipe_is_the_plus_models_config_from_the_shipped_model():
     from acache.paths import REPO_ROOT
 
@@ -479,6 +491,25 @@ def test_plus_model_uses_its_demonstrations_and_reads_long_documents():
     exs = held_out("codes", 20, 6, seed=7)
     bare = render_prompts(llm.tokenizer, exs, "prefix", drop_affix=True)
     assert exact_matches(llm, bare, exs, task_params("codes")) <= 2  # the code is in the demonstrations only
+
+
+def test_affix_model_answers_its_demonstrations_and_documents_under_direct_reuse():
+    """The affix-aware model, reused with no anchors at all, answers where its parent under direct reuse does
+    not: the demonstrations (codes) and the 206-token documents; in context it still answers as the parent."""
+    from acache import LLM
+    from acache_lab.eval.tasks import exact_matches, task_params
+    from acache_lab.tasks.generators import held_out
+    from acache_lab.tasks.render import render_prompts
+
+    affix, plus = LLM(SHIPPED_MODEL.parent / "acache-tiny-affix"), LLM(PLUS_MODEL)
+    assert affix.default_selector == "none" and plus.default_selector == "attention"
+    for task, sentences in (("codes", 6), ("qa1", 34)):
+        exs = held_out(task, 20, sentences, seed=7)
+        prompts = render_prompts(affix.tokenizer, exs, "infix")
+        reused = {name: exact_matches(llm, prompts, exs, task_params(task, affix_policy="none"))
+                  for name, llm in (("affix", affix), ("plus", plus))}
+        assert reused["affix"] >= 18 and reused["plus"] <= 6, (task, reused)
+        assert exact_matches(affix, prompts, exs, task_params(task)) >= 19  # full recomputation
 
 
 def test_blockdiff_recipe_and_model():
