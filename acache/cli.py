@@ -92,34 +92,22 @@ def _add_tp_arg(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many processes (CPU: gloo; CUDA: nccl, one GPU each)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return value
+def _checked(cast: type, ok, what: str):
+    """An argparse ``type`` that parses with ``cast`` and names ``what`` it wanted when ``ok`` refuses it."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+        return value
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"not a non-negative integer: {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"not a non-negative number of seconds: {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+_non_negative_int = _checked(int, lambda v: v >= 0, "a non-negative integer")
+_non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a non-negative number of seconds")
 
 
 def parse_size(text: str) -> int:
