@@ -470,7 +470,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             params = sampling_params(body, reuse=bool(prompt.affixes), default_selector=llm.default_selector)
             if plan.decision is Decision.CHECK:
                 check = Check(candidate, reuse_params, plan.key)
-                prompt_fits(candidate, reuse_params)
+                try:
+                    prompt_fits(candidate, reuse_params)
+                except BadRequest as exc:  # the request runs as it is; only its check cannot
+                    gate.drop(plan.key)
+                    check, plan = None, Plan(Decision.RECOMPUTE, plan.key, f"not checked: with reuse, {exc}")
         prompt_fits(prompt, params)
         counters["requests_total"] += 1
         if plan is not None:

@@ -188,6 +188,26 @@ def test_a_streamed_check_answers_as_without_reuse_and_is_recorded(llm):
     assert chunks[-1]["usage"]["affix_reuse"]["decision"] == "checking"
 
 
+def test_a_check_that_cannot_run_leaves_the_request_answered(llm, monkeypatch):
+    """When the request with reuse would be refused (here: made to be), the answer without reuse still comes."""
+    messages = chat(story(("daniel", "cellar")), "Where is Mary?")
+    engine_check = llm.engine.check_request
+
+    def refuse_reuse(prompt, params):
+        if prompt.affixes:
+            raise ValueError("no room for it")
+        return engine_check(prompt, params)
+
+    with served(llm) as client:
+        ask(client, messages)
+        monkeypatch.setattr(llm.engine, "check_request", refuse_reuse)
+        out = ask(client, messages)
+        assert client.app.state.gate.counts()["checks"] == 0
+    assert out["usage"]["affix_reuse"]["decision"] == "recomputed"
+    assert out["usage"]["affix_reuse"]["reason"] == "not checked: with reuse, no room for it"
+    assert out["choices"][0]["token_ids"] == plain_answer(llm, messages)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"auto_reuse": "sometimes"}, "auto reuse mode must be one of"),
     ({"reuse_checks": 0}, "checks must be an integer >= 1"),
