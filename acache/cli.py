@@ -135,9 +135,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     policy = args.affix_policy
     if policy is None and (args.affix or args.affix_file):  # the server's default for this model
+        from acache.models.config import affix_training
         from acache.models.loader import read_config
 
-        policy = "none" if read_config(args.model)[1].affix_training is not None else DEFAULT_SELECTOR
+        policy = "none" if affix_training(read_config(args.model)[1]) is not None else DEFAULT_SELECTOR
     params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,

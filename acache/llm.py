@@ -16,6 +16,7 @@ from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
 from acache.engine.llm_engine import DEFAULT_CPU_KV_BYTES
 from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
+from acache.models.config import affix_training
 from acache.models.loader import load_model, parse_device, read_config
 from acache.models.tensor_parallel import check_divisible, shard_model
 from acache.models.tokenizer import Tokenizer
@@ -181,7 +182,7 @@ class LLM:
         """How affixes are reused when a request does not say: by direct reuse (no anchors, no selection: the
         fastest path) for a model trained to be reused (``config.affix_training``), else by ACache with
         :data:`acache.policies.DEFAULT_SELECTOR`."""
-        return "none" if self.config.affix_training is not None else DEFAULT_SELECTOR
+        return "none" if affix_training(self.config) is not None else DEFAULT_SELECTOR
 
     @property
     def stop_token_ids(self) -> set[int]:

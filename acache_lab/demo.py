@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from acache import GEN, LLM, Affix, SamplingParams
+from acache.models.config import affix_training
 from acache.policies import DEFAULT_SELECTOR, LAYOUTS
 
 
@@ -95,7 +96,7 @@ def run(llm: LLM) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     mode = ("trained to be reused (config.json records affix-aware training): the server reuses its affixes by "
-            "direct reuse by default" if llm.config.affix_training is not None else
+            "direct reuse by default" if affix_training(llm.config) is not None else
             f"not trained to be reused: the server reuses its affixes with ACache ({DEFAULT_SELECTOR}) by default")
     print(f"{args.model}: {mode}.")
     print(f"Each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "

@@ -44,10 +44,7 @@ class ModelConfig:
 
     @property
     def affix_training(self) -> dict | None:
-        """The record affix-aware training left in config.json (its affixes were trained to be reused as
-        computed alone), or None."""
-        record = self.raw.get(AFFIX_TRAINING_KEY)
-        return record if isinstance(record, dict) else None
+        return affix_training(self)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -80,3 +77,10 @@ def require(raw: dict[str, Any], key: str, family: str) -> Any:
     if key not in raw or raw[key] is None:
         raise ConfigError(f"{family} config.json is missing the field '{key}'")
     return raw[key]
+
+
+def affix_training(config: object) -> dict | None:
+    """The record affix-aware training left in a model's config.json (its affixes were trained to be reused as
+    computed alone), or None; for any family's config (the scan families' have a ``raw`` of their own)."""
+    record = (getattr(config, "raw", None) or {}).get(AFFIX_TRAINING_KEY)
+    return record if isinstance(record, dict) else None

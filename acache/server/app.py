@@ -25,6 +25,7 @@ from acache.affix.cache import model_fingerprint
 from acache.affix.prompt import AffixPrompt, affix_key
 from acache.inputs import InputProcessor
 from acache.llm import LLM
+from acache.models.config import affix_training
 from acache.models.tokenizer import token_text
 from acache.policies import AFFIX_POLICIES, DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ from acache.server.shutdown import Drain, ShuttingDown
 from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
 
 DEFAULTS = SamplingParams()
+SCORING_REQUESTS = 8  # scoring requests that may wait for, or share, one pass
 log = logging.getLogger("acache.server")
 
 
@@ -123,8 +125,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     engine = AsyncEngine(llm.engine)
     drain = Drain(engine.cancel_all)
     scorer = Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock)
-    # one scoring job at a time, on its own thread: it never starves the shared pool the handlers use
-    score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acache-score")
+    # scoring on threads of its own (it never starves the shared pool the handlers use); requests scoring at
+    # the same time share passes (Scorer.shared), one pass running at a time
+    score_pool = ThreadPoolExecutor(max_workers=SCORING_REQUESTS, thread_name_prefix="acache-score")
     registry = AffixRegistry(affix_registry_bytes)
     fingerprint = model_fingerprint(llm.model) if affix_cache_dir is not None else ""
     if affix_cache_dir is not None:  # the ids given out before a restart stay valid; a bad file is set aside
@@ -156,6 +159,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     app.state.counters = counters
     app.state.gate = gate
     app.state.drain = drain
+    app.state.scorer = scorer
     app.state.checks_running = checks_running
     registry_metrics = metrics_registry(llm.engine, counters, gate)
 
@@ -217,7 +221,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
 
     def model_card() -> dict:
         """OpenAI's model object, plus how this model's affixes are reused by default and why."""
-        trained = llm.config.affix_training is not None
+        trained = affix_training(llm.config) is not None
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "acache",
                 "max_model_len": llm.max_model_len,
                 "affix_reuse": {"default_selector": llm.default_selector, "affix_trained": trained,

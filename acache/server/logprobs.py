@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -21,13 +21,79 @@ from acache.models.tokenizer import Tokenizer
 from acache.scoring import ScoreJob, TokenLogprobs, score_jobs
 
 
+class AllSet:
+    """Set once every one of ``events`` is: a shared pass stops only when all its callers gave up."""
+
+    def __init__(self, events: Sequence[threading.Event | None]) -> None:
+        self.events = [e for e in events if e is not None]
+        self.all = len(self.events) == len(events)
+
+    def is_set(self) -> bool:
+        return self.all and all(e.is_set() for e in self.events)
+
+
+class _Waiting:
+    def __init__(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None) -> None:
+        self.jobs, self.cancel = list(jobs), cancel
+        self.done = False
+        self.result: list[TokenLogprobs] | None = None
+        self.error: BaseException | None = None
+
+
+class SharedPasses:
+    """Scores the jobs of concurrent callers in shared passes. A caller that finds no pass running runs one
+    with every caller waiting at that moment, its own jobs included; callers arriving meanwhile wait and the
+    next of them runs the next pass. Each job keeps its own generator, so its values are those it gets alone."""
+
+    def __init__(self, run: Callable[[list[ScoreJob], AllSet], list[TokenLogprobs]]) -> None:
+        self.run = run
+        self.passes = 0
+        self._waiting: list[_Waiting] = []
+        self._running = False
+        self._cv = threading.Condition()
+
+    def __call__(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
+        me = _Waiting(jobs, cancel)
+        with self._cv:
+            self._waiting.append(me)
+            while self._running and not me.done:
+                self._cv.wait()
+            if not me.done:
+                self._running = True
+                batch, self._waiting = self._waiting, []
+        if not me.done:
+            self._run(batch)
+        if me.error is not None:
+            raise me.error
+        return me.result
+
+    def _run(self, batch: list[_Waiting]) -> None:
+        try:
+            results = self.run([job for w in batch for job in w.jobs], AllSet([w.cancel for w in batch]))
+            at = 0
+            for w in batch:
+                w.result, at = results[at:at + len(w.jobs)], at + len(w.jobs)
+        except BaseException as exc:  # every caller of the pass hears of it (a cancel, a bad sequence)
+            for w in batch:
+                w.error = exc
+        finally:
+            with self._cv:
+                self.passes += 1
+                for w in batch:
+                    w.done = True
+                self._running = False
+                self._cv.notify_all()
+
+
 class Scorer:
     """Scores token sequences with the served model; ``lock`` (the engine's) is held around each forward so
-    scoring interleaves with the engine's steps instead of racing them."""
+    scoring interleaves with the engine's steps instead of racing them. Concurrent requests share passes
+    (:class:`SharedPasses`)."""
 
     def __init__(self, model: DiffusionLM, tokenizer: Tokenizer, samples: int,
                  lock: contextlib.AbstractContextManager | None = None) -> None:
         self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
+        self.shared = SharedPasses(lambda jobs, cancel: score_jobs(self.model, jobs, lock=self.lock, cancel=cancel))
 
     def job(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
             samples: int | None) -> ScoreJob:
@@ -40,8 +106,9 @@ class Scorer:
         return self.score_all([self.job(token_ids, start, top_k, seed, samples)], cancel)[0]
 
     def score_all(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
-        """Several jobs in one pass: rows of sequences of one length share forwards."""
-        return score_jobs(self.model, jobs, lock=self.lock, cancel=cancel)
+        """Several jobs in one pass, with those of any request scoring at the same time: rows of sequences of
+        one length share forwards."""
+        return self.shared(jobs, cancel)
 
     def piece(self, token_id: int) -> str:
         """A token's own text, special tokens included (an EOS is reported as itself, not as nothing)."""

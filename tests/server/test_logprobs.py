@@ -219,3 +219,51 @@ def test_prompts_scored_in_one_request_get_what_each_gets_alone(setup):
         assert mine["tokens"] == theirs["tokens"] and mine["token_logprobs"][0] is None
         assert mine["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], abs=SAME_DRAWS)
         assert [list(t) for t in mine["top_logprobs"][1:]] == [list(t) for t in theirs["top_logprobs"][1:]]
+
+
+def test_concurrent_scoring_requests_share_passes_and_get_what_each_gets_alone(setup):
+    """Requests scoring at the same time (different prompts, seeds, draws and top-k, arriving apart) share
+    forwards; each gets the values it gets alone."""
+    import threading
+    import time
+
+    client, llm = setup
+    ctx = llm.tokenizer.encode(STORY)
+    bodies = [{**lm_eval_loglikelihood_payload([ctx + llm.tokenizer.encode(" " + place)]), "seed": seed,
+               "mc_samples": samples, "logprobs": top}
+              for place, seed, samples, top in (("kitchen", 1, 8, 1), ("garden", 2, 16, 0), ("office", 3, 4, 2),
+                                                ("hallway", 4, 8, 1), ("kitchen", 5, 12, 3), ("cellar", 6, 8, 0))]
+    alone = [post(client, "/v1/completions", body)[1] for body in bodies]
+    shared = client.app.state.scorer.shared
+    passes = shared.passes
+    together: dict[int, dict] = {}
+
+    def send(n: int) -> None:
+        time.sleep(0.01 * n)
+        together[n] = post(client, "/v1/completions", bodies[n])[1]
+
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n, want in enumerate(alone):
+        mine, theirs = together[n]["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+        assert mine["tokens"] == theirs["tokens"]
+        assert mine["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], abs=SAME_DRAWS), n
+        assert (mine["top_logprobs"] is None) == (theirs["top_logprobs"] is None)
+    assert shared.passes - passes < len(bodies)  # some of them shared a pass
+
+
+def test_a_shared_pass_stops_only_when_every_caller_gave_up():
+    import threading
+
+    from acache.server.logprobs import AllSet
+
+    a, b = threading.Event(), threading.Event()
+    both = AllSet([a, b])
+    a.set()
+    assert not both.is_set()
+    b.set()
+    assert both.is_set()
+    assert not AllSet([a, None]).is_set()  # a caller that cannot cancel keeps the pass going

@@ -11,7 +11,7 @@ from tests.server.helpers import start_server
 def test_bench_serve_loads_the_shipped_model_in_its_own_words(tmp_path, capsys):
     from argparse import Namespace
 
-    proc, port = start_server([])
+    proc, port = start_server(["--auto-reuse", "on"])  # the story reused from its second sighting, unchecked
     try:
         out = tmp_path / "serve.json"
         args = Namespace(url=f"http://127.0.0.1:{port}", concurrency=4, requests=8, api_key=None, max_tokens=2,
