@@ -1,11 +1,12 @@
 """``acache bench serve``: load a running server with concurrent streaming chat requests, on the openai client.
 
 Every request shares one system prompt (an affix candidate: reused from its second sighting on a server
-started with ``--auto-reuse on``, after its checks under the default ``verified``) and asks its own question. With ``--prompts auto`` the prompts are English unless the server's tokenizer refuses them,
-in which case they come from the task suite (the shipped model's own words). Token counts are the
-server's own (``stream_options.include_usage``); the time to the first block is the first streamed
-content. Reports requests/s, output tokens/s, time to first block and latency percentiles, and the affix
-hit rate read from ``/metrics`` before and after.
+started with ``--auto-reuse on``, after its checks under the default ``verified``) and asks its own question.
+With ``--prompts auto`` the prompts are English unless the server's tokenizer refuses them, in which case they
+come from the task suite (the shipped model's own words). Token counts are the server's own
+(``stream_options.include_usage``); the time to the first block is the first streamed content. Reports
+requests/s, output tokens/s, time to first block and latency percentiles, and the affix hit rate read from
+``/metrics`` before and after.
 """
 
 from __future__ import annotations
