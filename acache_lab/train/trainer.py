@@ -37,7 +37,7 @@ from acache.models.registry import family_class
 from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
-from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, build_word_tokenizer, render
+from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
 from acache_lab.train.isolation import isolation_mask
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
@@ -85,7 +85,8 @@ class TrainConfig:
     #: the model family written (its upstream layout and attention): llada, or fast_dllm_v2 (block diffusion)
     family: str = "llada"
     #: the prompt layouts drawn for training rows; a block-causal model cannot read an affix after the
-    #: generation region, so its recipes leave ``suffix`` out
+    #: generation region, so its recipes leave ``suffix`` out. ``two-affix`` (demonstrations and story, each an
+    #: affix) applies to tasks with demonstrations; another task's row drawn in it takes the first plain layout
     layouts: tuple[str, ...] = LAYOUTS
     model: ModelShape = field(default_factory=ModelShape)
     steps: int = 3000
@@ -222,9 +223,13 @@ class TrainConfig:
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
         self.layouts = tuple(self.layouts)
-        bad = [x for x in self.layouts if x not in LAYOUTS]
+        known = (*LAYOUTS, TWO_AFFIXES)
+        bad = [x for x in self.layouts if x not in known]
         if bad or not self.layouts:
-            raise ValueError(f"layouts must be some of {', '.join(LAYOUTS)}, got {list(self.layouts)}")
+            raise ValueError(f"layouts must be some of {', '.join(known)}, got {list(self.layouts)}")
+        if self.layouts == (TWO_AFFIXES,):
+            raise ValueError(f"layouts needs a plain layout ({', '.join(LAYOUTS)}) beside {TWO_AFFIXES}, for the "
+                             "rows of tasks without demonstrations")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step``: linear warm-up, then the cosine to a tenth of ``lr`` that
@@ -279,7 +284,10 @@ class Batcher:
 
     def row(self, example, layout: str) -> Row:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
-        spans on that sequence (those after the answer moved past it)."""
+        spans on that sequence (those after the answer moved past it). A task without demonstrations drawn in
+        the two-affix layout takes the config's first plain layout."""
+        if layout == TWO_AFFIXES and not example.context:
+            layout = next(x for x in self.config.layouts if x != TWO_AFFIXES)
         r = render(example, layout, self.encode, self.eos)
         return answer_row(r.prompt, r.answer)
 

@@ -108,6 +108,26 @@ def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
     assert ramp.stage_at(0) == Stage(100, ramp.tasks, 2, 2)
 
 
+def test_two_affix_rows_carry_two_spans_and_plain_tasks_fall_back():
+    """In the two-affix layout a task with demonstrations trains with two isolated spans (demonstrations and
+    story), the same tokens as its prefix row; a task without them takes the config's first plain layout."""
+    from acache_lab.tasks.generators import held_out
+
+    config = TrainConfig(steps=4, batch_size=4, tasks=("codes", "qa1"), layouts=("two-affix", "infix"))
+    batcher = Batcher(config, build_word_tokenizer())
+    codes = held_out("codes", 1, 4, seed=3)[0]
+    two, prefix = batcher.row(codes, "two-affix"), batcher.row(codes, "prefix")
+    assert len(two.spans) == 2 and len(prefix.spans) == 1
+    assert two.ids == prefix.ids and two.spans[0] == prefix.spans[0]
+    assert two.spans[1][0] >= two.spans[0][1]
+    qa = held_out("qa1", 1, 4, seed=3)[0]
+    assert batcher.row(qa, "two-affix") == batcher.row(qa, "infix") != batcher.row(qa, "prefix")
+    seen = {len(s) for step in range(4) for s in batcher.batch(step).spans}
+    assert seen == {1, 2}
+    with pytest.raises(ValueError, match="layouts needs a plain layout"):
+        TrainConfig(layouts=("two-affix",))
+
+
 def test_loss_weights():
     answer = torch.zeros(3, 12, dtype=torch.bool)
     answer[:2, 2:8] = True  # two 6-column answers (a worked sum)
