@@ -22,9 +22,9 @@ from acache.inputs import InputProcessor
 from acache.models.loader import read_config
 from acache.models.tokenizer import Tokenizer
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
-from acache.server.app import leading_affix_ids
 from acache.server.guard import authorized
 from acache.server.protocol import AffixRegistration, ChatCompletionRequest, error_body
+from acache.server.serving_affixes import leading_affix_ids
 
 log = logging.getLogger("acache.cluster")
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)

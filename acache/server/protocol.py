@@ -12,10 +12,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES
+from acache.policies import AFFIX_POLICIES, ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT_SELECTOR
+from acache.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_MC_SAMPLES = 1024
+DEFAULTS = SamplingParams()
+#: the sampling fields a body passes to SamplingParams as they are, when given
+PASSED_THROUGH = ("threshold", "remasking", "factor", "anchor_ratio", "anchor_query", "far_mask_window", "focus_layers",
+                  "focus_ratio")
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400."""
 
 
 class DiffusionFields(BaseModel):
@@ -63,6 +72,60 @@ class DiffusionFields(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        """The most tokens the answer may have: ``max_tokens``, or chat's ``max_completion_tokens``."""
+        return self.max_tokens if self.max_tokens is not None else getattr(self, "max_completion_tokens", None)
+
+    def to_sampling_params(self, reuse: bool, default_selector: str = DEFAULT_SELECTOR) -> SamplingParams:
+        """The request's SamplingParams, every field checked here (the body is left as it came):
+        ``max_tokens`` becomes whole blocks of gen_length, a reused affix without a ``selector`` takes the served
+        model's ``default_selector``. Raises BadRequest naming the request's own fields."""
+        if self.n != 1:
+            raise BadRequest("only n=1 is supported")
+        for name, (neutral, why) in NEUTRAL.items():
+            value = getattr(self, name, None)
+            if not any(value == ok and type(value) is type(ok) or value is ok for ok in neutral):
+                raise BadRequest(f"{name}={value!r} cannot be honoured by this diffusion model: {why}")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise BadRequest("stream_options is only allowed with stream=true")
+            unknown = set(self.stream_options) - {"include_usage"}
+            if unknown or not isinstance(self.stream_options.get("include_usage", False), bool):
+                raise BadRequest(f"stream_options takes include_usage (a bool); got {self.stream_options!r}")
+        limit = getattr(self, "max_completion_tokens", None)
+        if limit is not None and self.max_tokens is not None and self.max_tokens != limit:
+            raise BadRequest(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({limit}) disagree")
+        if self.selector is not None and self.selector != "off" and self.selector not in AFFIX_POLICIES:
+            raise BadRequest(f"selector must be one of {', '.join(AFFIX_POLICIES)} or 'off', got {self.selector!r}")
+        max_tokens = self.token_limit
+        block = self.block_length if self.block_length is not None else DEFAULTS.block_length
+        gen = self.gen_length
+        if gen is None and max_tokens is not None:
+            if max_tokens <= 0:
+                raise BadRequest(f"max_tokens must be positive, got {max_tokens}")
+            block = min(block, max_tokens) if self.block_length is None and block > 0 else block
+            gen = -(-max_tokens // block) * block if block > 0 else max_tokens
+        if gen is None:
+            gen = DEFAULTS.gen_length
+        elif self.block_length is None and max_tokens is None and 0 < gen < block:
+            block = gen  # a short generation region is one block
+
+        selector = self.selector or default_selector
+        kwargs = {"gen_length": gen, "block_length": block, "steps": self.steps, "seed": self.seed,
+                  "temperature": self.temperature if self.temperature is not None else DEFAULTS.temperature,
+                  "affix_policy": selector if reuse and selector != "off" else None}
+        kwargs.update({name: getattr(self, name) for name in PASSED_THROUGH if getattr(self, name) is not None})
+        if self.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
+            kwargs["probe_step"] = True
+        if self.anchor_pass is not None and reuse and kwargs["affix_policy"] is not None:
+            kwargs["anchor_pass"] = self.anchor_pass
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:  # name the request's fields, not SamplingParams'
+            raise BadRequest(str(exc).replace("affix_policy", "selector").replace(
+                "gen_length", "gen_length (or max_tokens)")) from None
 
 
 #: field -> (the values a diffusion model honours, why it cannot honour others)

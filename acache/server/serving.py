@@ -1,0 +1,255 @@
+"""What every OpenAI-style handler shares: the served model and its engine, decoding a request to its final
+output or to a stream of events, the shadow check of automatic reuse, and scoring on threads of its own.
+
+The handlers themselves are one class a route family (``serving_completion``, ``serving_chat``,
+``serving_affixes``, ``serving_tokenization``); ``app.py`` keeps the routes and the mapping of errors to statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from fastapi import Request
+
+from acache.affix.prompt import AffixPrompt
+from acache.llm import LLM
+from acache.models.config import affix_training
+from acache.sampling_params import SamplingParams
+from acache.scoring import ScoringCancelled
+from acache.server.affix_reuse import AffixRegistry, AutoAffixer
+from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
+from acache.server.logprobs import Scorer
+from acache.server.protocol import BadRequest, DiffusionFields, error_body
+from acache.server.reuse_gate import ReuseGate
+from acache.server.shutdown import Drain, ShuttingDown
+from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
+
+log = logging.getLogger("acache.server")
+
+
+class RequestError(RuntimeError):
+    """A request the engine failed alone: 500 with the engine's message, the server goes on."""
+
+
+class ClientGone(Exception):
+    """The client went away before its answer was ready."""
+
+
+class Check(NamedTuple):
+    """The same request with automatic reuse, run beside its answer without it to see if reuse changes it."""
+
+    prompt: AffixPrompt
+    params: SamplingParams
+    key: tuple
+
+
+@dataclass
+class ServerContext:
+    """The served model and the server's shared parts, built once by ``create_app`` and handed to each
+    handler class."""
+
+    llm: LLM
+    model_name: str
+    engine: AsyncEngine
+    drain: Drain
+    scorer: Scorer
+    score_pool: ThreadPoolExecutor
+    registry: AffixRegistry
+    affixer: AutoAffixer
+    gate: ReuseGate
+    counters: Counter = field(default_factory=Counter)
+    #: shadow checks in flight, held here: the event loop keeps only weak references to tasks
+    checks_running: set = field(default_factory=set)
+
+
+class OpenAIServing:
+    """The base of the handler classes: the checks every request makes, and decoding one request."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.llm = ctx.llm
+
+    def model_card(self) -> dict:
+        """OpenAI's model object, plus how this model's affixes are reused by default and why."""
+        llm = self.llm
+        trained = affix_training(llm.config) is not None
+        return {"id": self.ctx.model_name, "object": "model", "created": 0, "owned_by": "acache",
+                "max_model_len": llm.max_model_len,
+                "affix_reuse": {"default_selector": llm.default_selector, "affix_trained": trained,
+                                "mode": "direct reuse (trained to be reused)" if trained else
+                                f"ACache: anchors chosen by {llm.default_selector}"}}
+
+    def check_model(self, body) -> None:
+        if body.model is not None and body.model != self.ctx.model_name:
+            raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.ctx.model_name!r}")
+
+    def prompt_fits(self, prompt: AffixPrompt, params: SamplingParams) -> None:
+        """Every check the engine makes when a request is added (context, vocabulary, pool size, BiCache
+        profile), made before any work or any streamed byte."""
+        try:
+            self.llm.engine.check_request(prompt, params)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def encode_text(self, text: str) -> list[int]:
+        try:
+            return self.llm.inputs.encode_text(text)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def scoring_allowed(self, wanted: bool) -> None:
+        """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror; it masks and
+        scores whole sequences bidirectionally, which a scan family's cache interface does not offer."""
+        if wanted and self.llm.tensor_parallel_size > 1:
+            raise BadRequest("logprobs are not supported with --tensor-parallel-size > 1 yet")
+        if wanted and self.llm.engine.state_cache:
+            raise BadRequest(f"logprobs are not supported for the {self.llm.model.family} family yet")
+
+    async def scoring(self, request: Request, fn: Callable, *args):
+        """Runs a scoring job on the scoring threads; a client that goes away stops it between two batches."""
+        drain = self.ctx.drain
+        cancel = threading.Event()
+        drain.track(cancel)
+        future = asyncio.get_running_loop().run_in_executor(self.ctx.score_pool,
+                                                            functools.partial(fn, *args, cancel=cancel))
+        try:
+            return await until_disconnect(request, future)
+        except ScoringCancelled:
+            if drain.expired is not None:
+                raise drain.expired from None
+            raise
+        finally:
+            cancel.set()  # a no-op once the job is done
+            drain.untrack(cancel)
+
+    def final_text(self, out, body: DiffusionFields) -> Cut:
+        limit = body.token_limit
+        ids = out.token_ids[:limit] if limit is not None else out.token_ids
+        return cut_at_stop(ids, self.llm.tokenizer.decode, stop_list(body.stop))
+
+    async def final_output(self, prompt: AffixPrompt, params: SamplingParams, check: Check | None = None):
+        shadow = self.start_check(check)
+        plain = None
+        try:
+            outputs = [o async for o in self.ctx.engine.generate(prompt, params, stream=False)]
+            plain = outputs[-1]
+        except (RequestFailed, EngineFailed) as exc:
+            raise RequestError(str(exc)) from None
+        finally:
+            self.settle_check(shadow, check, plain)
+        return plain
+
+    def start_check(self, check: Check | None) -> asyncio.Task | None:
+        """Runs the checked request with reuse beside the answer without it (the client never sees it)."""
+        if check is None:
+            return None
+        task = asyncio.ensure_future(self.final_output(check.prompt, check.params))
+        self.ctx.checks_running.add(task)
+        task.add_done_callback(self.ctx.checks_running.discard)
+        return task
+
+    def settle_check(self, shadow: asyncio.Task | None, check: Check | None, plain) -> None:
+        """Records whether reuse gave the answer ``plain`` once the shadow request ends; without an answer
+        (the client went away, the request failed) the check is dropped."""
+        if shadow is None:
+            return
+        gate = self.ctx.gate
+        if plain is None:
+            shadow.cancel()
+            gate.drop(check.key)
+            return
+        want = list(plain.token_ids)
+
+        def compare(task: asyncio.Task) -> None:
+            if task.cancelled() or task.exception() is not None:
+                gate.drop(check.key)
+            else:
+                same = list(task.result().token_ids) == want
+                gate.record(check.key, same)
+                if not same:
+                    log.warning("automatic reuse changed an answer: its spans are recomputed from now on (%s)",
+                                check.key[1:])
+
+        shadow.add_done_callback(compare)
+
+    async def stream_events(self, prompt: AffixPrompt, params: SamplingParams, body: DiffusionFields, rid: str,
+                            created: int, chat: bool, check: Check | None = None,
+                            report: Callable | None = None) -> AsyncIterator[str]:
+        """The server-sent events of one request: text deltas held back where a stop string may begin, the
+        finish, the usage when asked for, and an error event if the request fails after the first byte."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        model_name = self.ctx.model_name
+        sent = ""
+        final = None
+
+        def event(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else (
+                    {"content": delta_text} if delta_text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
+                                          "choices": [choice]}) + "\n\n"
+
+        if chat:
+            yield event(None, None, first=True)
+        stops = stop_list(body.stop)
+        shadow = self.start_check(check)
+        try:
+            async for out in self.ctx.engine.generate(prompt, params, stream=True):
+                cut = self.final_text(out, body)
+                if out.finished or cut.stopped:  # a stop string ends the stream at once
+                    final = out if out.finished else None
+                    yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.token_limit))
+                    if (body.stream_options or {}).get("include_usage"):
+                        n, m = len(prompt.token_ids), len(cut.token_ids)
+                        extra = report(out) if report is not None else {}
+                        yield "data: " + json.dumps({"id": rid, "object": kind, "created": created,
+                                                     "model": model_name, "choices": [], "usage": {
+                                                         "prompt_tokens": n, "completion_tokens": m,
+                                                         "total_tokens": n + m, **extra}}) + "\n\n"
+                    break
+                safe = cut.text[:len(cut.text) - held_back(cut.text, stops)]
+                if len(safe) > len(sent):
+                    yield event(safe[len(sent):], None)
+                    sent = safe
+        except Exception as exc:  # after the first event the status is sent: report in the stream
+            known = (RequestFailed, EngineFailed, ValueError, ShuttingDown)
+            message = str(exc) if isinstance(exc, known) else "internal error while streaming"
+            yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
+        finally:
+            self.settle_check(shadow, check, final)  # a stream cut by a stop string is not compared
+        yield "data: [DONE]\n\n"
+
+
+async def until_disconnect(request: Request, work):
+    """Awaits ``work``; a client that disconnects first cancels it, which aborts its engine request."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def finish_reason(out, params: SamplingParams, cut: Cut, max_tokens: int | None = None) -> str:
+    """``stop`` when a stop token or stop string ended the text, ``length`` when the budget did."""
+    limit = min(params.gen_length, max_tokens or params.gen_length)
+    if cut.stopped:
+        return "stop"
+    return "stop" if out.stopped and len(out.token_ids) < limit else "length"

@@ -1,0 +1,132 @@
+"""``POST /v1/chat/completions``: a conversation, a registered affix of messages before it, and the spans the
+server saw before reused as the reuse gate (:mod:`acache.server.reuse_gate`) allows."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from acache.affix.prompt import AffixPrompt, affix_key
+from acache.sampling_params import SamplingParams
+from acache.server.protocol import BadRequest, ChatCompletionRequest
+from acache.server.reuse_gate import Decision, Plan
+from acache.server.serving import Check, OpenAIServing, finish_reason, until_disconnect
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint: the prompt with every span it could reuse, the gate's plan for the automatic ones,
+    and the answer with (or, until the spans are trusted, without) reuse."""
+
+    def check(self, body: ChatCompletionRequest) -> None:
+        """The refusals that concern the request's fields together, before its prompt is built."""
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true")
+        if body.mc_samples is not None and not body.logprobs:
+            raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs=true too")
+        self.scoring_allowed(bool(body.logprobs))
+        if body.logprobs and body.stream:
+            raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
+
+    async def create(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body)
+        llm, ctx = self.llm, self.ctx
+        messages = [m.as_dict() for m in body.messages]
+        registered_count, registered_key = 0, None
+        if body.affix is not None:
+            try:
+                registered_ids, registered, _ = ctx.registry.get(body.affix)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            if registered is None:
+                raise BadRequest(f"affix {body.affix!r} was registered as text; chat requests take affixes "
+                                 "registered as messages")
+            messages = registered + messages
+            registered_count, registered_key = len(registered), affix_key(registered_ids)
+        self.check(body)
+        reuse = body.selector != "off" and body.affix_reuse != "off"
+        if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
+            if body.selector not in (None, "off") or body.affix_reuse == "always":
+                raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies "
+                                 f"to a reused affix, which the {llm.model.family} family does not support")
+            reuse = False
+        try:
+            candidate = await asyncio.to_thread(ctx.affixer.chat_prompt, messages, reuse, registered_count)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        reuse_params = body.to_sampling_params(reuse=bool(candidate.affixes), default_selector=llm.default_selector)
+        prompt, params, plan, check = self.plan(body, candidate, reuse_params, registered_key)
+        self.prompt_fits(prompt, params)
+        ctx.counters["requests_total"] += 1
+        if plan is not None:
+            ctx.counters[f"auto_reuse_{plan.decision.value}_total"] += 1
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        reuse_report = functools.partial(self.reuse_usage, prompt, params, plan, registered_key, bool(body.logprobs))
+        if body.stream:
+            return StreamingResponse(self.stream_events(prompt, params, body, rid, created, chat=True, check=check,
+                                                        report=reuse_report), media_type="text/event-stream")
+        out = await until_disconnect(request, self.final_output(prompt, params, check))
+        cut = self.final_text(out, body)
+        logprobs = None
+        if body.logprobs:
+            logprobs = await self.scoring(request, ctx.scorer.chat, prompt.token_ids, cut.token_ids,
+                                          body.top_logprobs or 0, body.seed, body.mc_samples)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": cut.text},
+                             "logprobs": logprobs,
+                             "finish_reason": finish_reason(out, params, cut, body.token_limit),
+                             "token_ids": cut.token_ids}],
+                "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
+                          "total_tokens": len(prompt.token_ids) + len(cut.token_ids), **reuse_report(out)}}
+
+    def plan(self, body: ChatCompletionRequest, candidate: AffixPrompt, reuse_params: SamplingParams,
+             registered_key: str | None) -> tuple[AffixPrompt, SamplingParams, Plan | None, Check | None]:
+        """What the request runs: the candidate prompt with every span it could reuse, or, where the gate does
+        not trust the automatic spans yet, the prompt without them (and, when the gate asks, a check with
+        them run beside it)."""
+        automatic = tuple(a.key for a in candidate.affixes if a.key != registered_key)
+        if not automatic or body.affix_reuse == "always":
+            return candidate, reuse_params, None, None
+        gate = self.ctx.gate
+        deterministic = reuse_params.temperature == 0 or reuse_params.seed is not None
+        plan = gate.plan(automatic, reuse_params, deterministic, bool(body.logprobs))
+        if plan.decision is Decision.REUSE:
+            return candidate, reuse_params, plan, None
+        prompt = AffixPrompt(candidate.token_ids, candidate.gen_at,
+                             tuple(a for a in candidate.affixes if a.key == registered_key))
+        params = body.to_sampling_params(reuse=bool(prompt.affixes), default_selector=self.llm.default_selector)
+        check = None
+        if plan.decision is Decision.CHECK:
+            check = Check(candidate, reuse_params, plan.key)
+            try:
+                self.prompt_fits(candidate, reuse_params)
+            except BadRequest as exc:  # the request runs as it is; only its check cannot
+                gate.drop(plan.key)
+                check, plan = None, Plan(Decision.RECOMPUTE, plan.key, f"not checked: with reuse, {exc}")
+        return prompt, params, plan, check
+
+    def reuse_usage(self, prompt: AffixPrompt, params: SamplingParams, plan: Plan | None, registered_key: str | None,
+                    logprobs: bool, out) -> dict:
+        """What the answer reused, and why: OpenAI's ``prompt_tokens_details.cached_tokens`` (prompt tokens
+        whose K/V came from a shared copy, anchors not counted) and acache's ``affix_reuse``."""
+        reused = out.affix_tokens if out is not None else 0
+        anchors = len(out.anchors) if out is not None else 0
+        report = {"decision": (plan.decision.value if plan is not None else
+                               Decision.REUSE.value if prompt.affixes else "none"),
+                  "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
+                                                                  "no span of this prompt was seen before"),
+                  "reused_tokens": reused, "anchor_tokens": anchors,
+                  "selector": params.affix_policy if prompt.affixes else None,
+                  "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
+                  "spans": [{"tokens": a.length, "kind": "registered" if a.key == registered_key else "automatic"}
+                            for a in prompt.affixes]}
+        if plan is not None:
+            report["state"] = self.ctx.gate.state(plan.key)
+        if logprobs:
+            report["logprobs"] = ("estimated over the full context without reuse" + (
+                "; the tokens were decoded with reuse" if prompt.affixes else ", as the tokens were decoded"))
+        return {"prompt_tokens_details": {"cached_tokens": max(0, reused - anchors)}, "affix_reuse": report}

@@ -1,0 +1,126 @@
+"""``POST /v1/completions``: one or several prompts, a registered affix in any layout, infilling, streaming,
+and scoring (``echo`` with ``logprobs``, ``max_tokens=0`` to score the prompt alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from acache.affix.prompt import AffixPrompt
+from acache.server.protocol import BadRequest, CompletionRequest
+from acache.server.serving import OpenAIServing, finish_reason, until_disconnect
+from acache.server.stops import Cut
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint: every check before any work, then each prompt decoded, then every prompt of
+    the request scored in one pass."""
+
+    def check(self, body: CompletionRequest) -> None:
+        """The refusals that concern the request's fields together, before its prompts are built."""
+        if body.max_tokens == 0 and not body.echo:
+            raise BadRequest("max_tokens=0 generates nothing: it is allowed only with echo=true, which returns the "
+                             "prompt (scored, with logprobs)")
+        if body.max_tokens == 0 and body.stream:
+            raise BadRequest("max_tokens=0 generates nothing to stream: use stream=false")
+        if body.mc_samples is not None and body.logprobs is None:
+            raise BadRequest("mc_samples sets the Monte Carlo draws of logprobs: pass logprobs too")
+        self.scoring_allowed(body.logprobs is not None)
+        if body.logprobs is not None and body.stream:
+            raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
+        if body.logprobs is not None and body.suffix:
+            raise BadRequest("logprobs with suffix (infilling) are not implemented: the generated tokens must end "
+                             "the sequence")
+
+    async def create(self, body: CompletionRequest, request: Request):
+        self.check_model(body)
+        llm, ctx = self.llm, self.ctx
+        affix_ids, name = None, None
+        if body.affix is not None:
+            try:
+                affix_ids, _, name = ctx.registry.get(body.affix)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        score_only = body.max_tokens == 0
+        self.check(body)
+        params = (body.model_copy(update={"max_tokens": None}) if score_only else body).to_sampling_params(
+            reuse=affix_ids is not None, default_selector=llm.default_selector)
+        if body.selector not in (None, "off") and affix_ids is None:
+            raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
+        for field in ("probe_step", "anchor_query", "anchor_pass"):
+            if getattr(body, field) and affix_ids is None:
+                raise BadRequest(f"{field} applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
+        raw = body.prompt
+        texts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
+        if not texts or any(t == "" or t == [] for t in texts):
+            raise BadRequest("prompt must not be empty")
+        if body.stream and len(texts) > 1:
+            raise BadRequest("stream=true takes a single prompt")
+
+        def build() -> list[AffixPrompt]:
+            built = [ctx.affixer.completion_prompt(t, affix_ids, name, body.affix_layout) for t in texts]
+            if body.suffix:  # infilling: the suffix's tokens follow the generation region
+                tail = tuple(llm.inputs.encode_text(body.suffix))
+                built = [AffixPrompt(p.token_ids + tail, p.gen_at, p.affixes) for p in built]
+            return built
+
+        try:
+            prompts = await asyncio.to_thread(build)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        for p in prompts:
+            if body.logprobs is not None and p.gen_at != len(p.token_ids):
+                raise BadRequest("logprobs need the generation region at the end of the prompt; affix_layout "
+                                 "'suffix' puts the affix after it")
+            if score_only:
+                try:
+                    p.check_fits(llm.config.vocab_size, llm.max_model_len, 0)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+            else:
+                self.prompt_fits(p, params)
+        ctx.counters["requests_total"] += len(prompts)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if body.stream:
+            return StreamingResponse(self.stream_events(prompts[0], params, body, rid, created, chat=False),
+                                     media_type="text/event-stream")
+        decoded = []
+        for p in prompts:
+            if score_only:
+                decoded.append((None, Cut("", [], False), "length"))
+            else:
+                out = await until_disconnect(request, self.final_output(p, params))
+                cut = self.final_text(out, body)
+                decoded.append((out, cut, finish_reason(out, params, cut, body.max_tokens)))
+        logprobs_list: list = [None] * len(prompts)
+        if body.logprobs is not None:  # every prompt of the request in one scoring pass
+            logprobs_list = await self.scoring(request, ctx.scorer.completions,
+                                               [(p.token_ids, scored_tokens(out, cut, body.max_tokens))
+                                                for p, (out, cut, _) in zip(prompts, decoded, strict=True)],
+                                               bool(body.echo), body.logprobs, body.seed, body.mc_samples)
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, (p, (_, cut, finish), logprobs) in enumerate(zip(prompts, decoded, logprobs_list, strict=True)):
+            echoed = ""
+            if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
+                echoed = llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(texts[i], str) \
+                    else texts[i]
+            choices.append({"index": i, "text": echoed + cut.text, "logprobs": logprobs, "token_ids": cut.token_ids,
+                            "finish_reason": finish})
+            usage["prompt_tokens"] += len(p.token_ids)
+            usage["completion_tokens"] += len(cut.token_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "choices": choices, "usage": usage}
+
+
+def scored_tokens(out, cut: Cut, max_tokens: int | None) -> list[int]:
+    """The generated tokens logprobs cover: the text's, plus the stop token that ended it (as OpenAI-style
+    servers report it, and as lm-eval expects: one entry per generated token, even when it is the EOS)."""
+    ids = list(cut.token_ids)
+    if out is not None and out.stopped and not cut.stopped and len(ids) < (max_tokens or len(ids) + 1):
+        ids.append(out.stop_token_id)
+    return ids

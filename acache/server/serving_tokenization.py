@@ -1,0 +1,46 @@
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: what a client needs to count and cut
+tokens as the server does (lm-eval's ``tokenizer_backend=remote`` among them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from acache.models.tokenizer import token_text
+from acache.server.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
+from acache.server.serving import OpenAIServing
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    """The tokenizer's endpoints; encoding runs on a thread so a long text never holds the event loop."""
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt or messages")
+        llm = self.llm
+
+        def encode() -> list[int]:
+            try:
+                if body.prompt is not None:
+                    return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                text = llm.inputs.render_chat([m.as_dict() for m in body.messages], body.add_generation_prompt)
+                return llm.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+
+        ids = await asyncio.to_thread(encode)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body)
+        vocab = self.llm.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return {"prompt": await asyncio.to_thread(self.llm.tokenizer.decode, body.tokens)}
+
+    def info(self) -> dict:
+        tok = self.llm.tokenizer
+        return {"tokenizer_class": "acache.Tokenizer", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": token_text(tok.config.get("pad_token")), "chat_template": tok.chat_template,
+                "model_max_length": self.llm.max_model_len, "vocab_size": self.llm.config.vocab_size}
