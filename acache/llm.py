@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from acache.affix.bicache import BiCacheProfile
-from acache.affix.cache import LoadReport
+from acache.affix.persistence import LoadReport
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from acache.affix.cache import model_fingerprint
+from acache.affix.persistence import model_fingerprint
 from acache.affix.prompt import AffixPrompt
 from acache.affix.staleness import measure_staleness
 from acache.affix.store import AffixStore

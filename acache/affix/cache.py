@@ -5,71 +5,22 @@ requests that hold one are counted, and only an entry no request holds is evicte
 first, when a new one needs room. A storage decides where K/V live and what room means: dense tensors
 under a byte budget (the reference path, BiCache's hidden states) or pages of the engine's pool. When
 room cannot be made, a dense cache hands the affix out uncached (``transient``) and a paged one answers
-None, so the engine's request waits. Either saves to and loads from the same on-disk format, refusing
-a cache made with another model.
-
-What the store on disk guarantees, and against whom: it is built against accidents, not against an
-adversary who can write its directory. A save is atomic (a reader sees the old store or the new one), and
-a load detects a truncated or bit-flipped file, swapped or deleted files, a manifest that is not one, an
-entry whose K/V do not hash to its checksum or whose first layer does not follow from its own token ids
-(another affix's, or another model's, K/V), wrong shapes and non-finite values. It does not authenticate:
-the checksums are plain SHA-256 and only layer 0 is recomputed, so someone who can write the directory can
-alter a deeper layer, recompute the checksums, and have it served. Keep the directory writable by the
-server's user only. :meth:`AffixCache.load` refuses a store with any fault (library use, tests);
-:meth:`AffixCache.recover` (the server) moves each fault aside into ``quarantine/`` and loads the rest.
+None, so the engine's request waits. Either saves to and loads from the same directory
+(:mod:`acache.affix.persistence`), refusing a cache made with another model.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import logging
-import os
-import re
-import tempfile
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
-import torch
-from safetensors.torch import load_file
-from safetensors.torch import save as save_bytes
-
+from acache.affix.entry import AffixEntry, compute_affix
+from acache.affix.persistence import AffixDirectory, LoadReport, model_fingerprint
 from acache.affix.prompt import affix_key
 from acache.models.base import DiffusionLM
-
-MANIFEST = "manifest.json"
-LOCK = ".lock"
-QUARANTINE = "quarantine"
-FORMAT_VERSION = 2
-log = logging.getLogger("acache.affix")
-
-
-@dataclass
-class AffixEntry:
-    """An affix's per-layer K/V as dense tensors, computed alone at positions ``0..n-1``."""
-
-    key: str
-    token_ids: tuple[int, ...]
-    keys: list[torch.Tensor]  # per layer [n, Hkv, D], pre-RoPE
-    values: list[torch.Tensor]
-    hidden: list[torch.Tensor] | None = None  # input states of each layer and the last output [n, hidden]
-    name: str | None = None
-    refcount: int = 0
-    transient: bool = False  # handed out without being stored
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
-
-    def nbytes(self) -> int:
-        tensors = [*self.keys, *self.values, *(self.hidden or [])]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Handle(Protocol):
@@ -119,60 +70,6 @@ class CacheStats:
     @property
     def queries(self) -> int:
         return self.hits + self.misses
-
-
-@dataclass(frozen=True)
-class Quarantined:
-    """A part of a store on disk that could not be trusted: ``what`` it was, ``why``, and the folder it was
-    moved to (None where the directory is read-only: it was skipped, not moved)."""
-
-    what: str
-    reason: str
-    moved_to: Path | None
-
-
-@dataclass
-class LoadReport:
-    """What :meth:`AffixCache.recover` did: how many entries it loaded and what it set aside."""
-
-    loaded: int = 0
-    quarantined: list[Quarantined] = field(default_factory=list)
-
-
-@torch.inference_mode()
-def compute_affix(model: DiffusionLM, token_ids: Sequence[int], name: str | None = None, keep_hidden: bool = False,
-                  key_fn: Callable[[Sequence[int]], str] = affix_key) -> AffixEntry:
-    """An affix's per-layer pre-RoPE K/V from running it alone at positions ``0..n-1``."""
-    ids = tuple(int(t) for t in token_ids)
-    label = f"affix {name!r}" if name else "affix"
-    limit = model.config.max_position_embeddings
-    if not ids:
-        raise ValueError(f"{label} is empty")
-    if len(ids) > limit:
-        raise ValueError(f"{label} has {len(ids)} tokens, more than the model's context of {limit}")
-    vocab = model.config.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise ValueError(f"{label} holds a token id outside the vocabulary of {vocab}")
-    device = model.device
-    x = torch.tensor([ids], device=device)
-    out = model.run_layers(model.embed(x), torch.arange(len(ids), device=device)[None], None, None,
-                           range(len(model.layers)), return_kv=True, capture_inputs=keep_hidden)
-    hidden = [h[0] for h in out.layer_inputs] if keep_hidden else None
-    return AffixEntry(key_fn(ids), ids, [k[0] for k in out.kv.keys], [v[0] for v in out.kv.values], hidden, name)
-
-
-def model_fingerprint(model: DiffusionLM) -> str:
-    """Identifies the weights an affix cache was computed with: the config, and every parameter's name,
-    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model)."""
-    h = hashlib.sha256()
-    cfg = {k: v for k, v in vars(model.config).items() if k != "raw"}
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 4096)][:4096]
-        h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(sample.float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 class AffixCache(Generic[H]):
@@ -285,199 +182,27 @@ class AffixCache(Generic[H]):
         entry.transient = True
         return entry
 
-    # -- persistence ------------------------------------------------------------------------------
+    # -- persistence: the directory reads and writes, the cache decides what it keeps ----------------
+    def directory(self, path: str | Path) -> AffixDirectory:
+        return AffixDirectory(Path(path), self.model, self.fingerprint, self.key_fn)
+
     def save(self, path: str | Path) -> Path:
-        """Writes every entry to ``path``: a content-named tensor file, then the manifest naming it, each
-        through a temporary file, fsync and rename, under the directory's lock; a reader sees the old
-        cache or the new one, never a mix, and a crash mid-save leaves the old one loadable. Entries
-        already there (another process's, of this model) are kept, so that two savers lose nothing."""
-        root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        tensors: dict[str, torch.Tensor] = {}
-        entries = []
-        for handle in self.entries.values():
-            e = self.storage.read(handle)
-            mine = {f"{e.key}.k.{layer}": k for layer, k in enumerate(e.keys)}
-            mine |= {f"{e.key}.v.{layer}": v for layer, v in enumerate(e.values)}
-            mine |= {f"{e.key}.h.{layer}": h for layer, h in enumerate(e.hidden or [])}
-            mine = {name: t.detach().contiguous().cpu() for name, t in mine.items()}
-            tensors |= mine
-            entries.append({"key": e.key, "name": e.name, "token_ids": list(e.token_ids),
-                            "hidden": e.hidden is not None, "sha256": _checksum(mine)})
-        with store_lock(root, exclusive=True):
-            _remove_stale(root)
-            mine = {e["key"] for e in entries}
-            for item, theirs in self._saved_entries(root):
-                if item["key"] not in mine:
-                    entries.append(item)
-                    tensors |= theirs
-            self._write_store(root, entries, tensors)
-        return root
-
-    def _write_store(self, root: Path, entries: list[dict], tensors: dict[str, torch.Tensor]) -> None:
-        """The tensor file, then the manifest naming it, then the old tensor files removed (under the lock)."""
-        blob = save_bytes(tensors) if tensors else b""
-        tensor_file = f"affixes-{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
-        write_atomic(root / tensor_file, blob)
-        manifest = {"format": FORMAT_VERSION, "model_fingerprint": self.fingerprint,
-                    "family": self.model.family, "num_layers": len(self.model.layers),
-                    "dtype": str(self.model.dtype).removeprefix("torch."), "tensors": tensor_file,
-                    "entries": entries}
-        write_atomic(root / MANIFEST, (json.dumps(manifest) + "\n").encode())
-        for old in root.glob("affixes-*.safetensors"):
-            if old.name != tensor_file:
-                old.unlink(missing_ok=True)
-
-    def _saved_entries(self, root: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
-        """The entries already saved at ``root`` whose checksums hold, with their tensors (none if the
-        directory holds no readable cache of this model)."""
-        try:
-            manifest = json.loads((root / MANIFEST).read_text())
-            if manifest.get("format") != FORMAT_VERSION or manifest.get("model_fingerprint") != self.fingerprint:
-                return []
-            tensors = load_file(root / manifest["tensors"], device="cpu")
-        except Exception:  # nothing trustworthy there to keep: it is replaced
-            return []
-        kept = []
-        for item in manifest.get("entries", []):
-            try:
-                theirs = {n: t for n, t in tensors.items() if n.startswith(f"{item['key']}.")}
-                if theirs and _checksum(theirs) == item["sha256"]:
-                    kept.append((item, theirs))
-            except (TypeError, KeyError):
-                continue
-        return kept
+        """Writes every entry to ``path`` atomically, keeping what another process of this model saved there."""
+        return self.directory(path).save([self.storage.read(h) for h in self.entries.values()])
 
     def load(self, path: str | Path) -> int:
-        """Adds the entries saved at ``path`` that fit; returns how many. Every entry is checked before any
-        room is taken for it (its checksum, shapes, dtype and finiteness, and its first layer's K/V
-        recomputed from its token ids, which no other model or affix reproduces); any refusal is one
-        :class:`AffixStoreError` naming the file and the problem, and nothing is loaded (the strict mode:
-        :meth:`recover` is the one that loads around a fault)."""
-        root = Path(path)
-        if not (root / MANIFEST).is_file():
-            raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
-        with store_lock(root, exclusive=False):
-            _remove_stale(root)
-            manifest, tensors, tensor_file, _ = self._read_store(root, salvage=False)
-        return self._admit([self._checked_entry(item, tensors, tensor_file) for item in manifest["entries"]])
+        """Adds the entries saved at ``path`` that fit; returns how many. Any fault is one AffixStoreError
+        naming the file and the problem, and nothing is loaded."""
+        return self._admit(self.directory(path).load())
 
     def recover(self, path: str | Path) -> LoadReport:
-        """Loads what can be trusted of the store at ``path`` and moves the rest aside, so that one fault
-        never keeps a server down. An entry that fails any check of :meth:`load` is written into a folder
-        of ``path/quarantine`` (its manifest item, its tensors, the reason) and dropped from the store: it
-        is simply absent, and the next request that uses the affix computes it again. A manifest that
-        cannot be read, or that another model wrote, or whose tensor file is gone or unreadable, is moved
-        there with every tensor file (the server starts cold); so are tensor files no manifest names. Each
-        is logged by name and reason. A directory this process cannot write is only read: the faults are
-        skipped and reported, not moved. Never raises for what it finds on disk."""
-        root = Path(path)
-        report = LoadReport()
-        if not root.is_dir():
-            return report
-        writable = os.access(root, os.W_OK)
-        checked: list[AffixEntry] = []
-        with store_lock(root, exclusive=writable):
-            if writable:
-                _remove_stale(root)
-            tensor_files = sorted(root.glob("affixes-*.safetensors"))
-            if not (root / MANIFEST).exists():
-                if tensor_files:
-                    self._set_aside(root, report, "store", f"no {MANIFEST} names them (it was deleted?)",
-                                    tensor_files, writable)
-                self._log(root, report)
-                return report
-            try:
-                manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
-            except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
-                self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
-                self._log(root, report)
-                return report
-            if damage is not None:  # a copy of the damaged file aside; the entries it still holds whole stay
-                self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept",
-                                [], writable, {tensor_file.name: tensor_file.read_bytes()})
-            kept_items, kept_tensors = [], {}
-            for i, item in enumerate(manifest["entries"]):
-                key = item.get("key") if isinstance(item, dict) else None
-                theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
-                try:
-                    checked.append(self._checked_entry(item, tensors, tensor_file))
-                except Exception as exc:
-                    label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
-                    kept = {"entry.json": json.dumps(item).encode()}
-                    if theirs:
-                        kept["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
-                    self._set_aside(root, report, f"entry-{label or i}", _reason(exc), [], writable, kept)
-                    continue
-                kept_items.append(item)
-                kept_tensors |= theirs
-            if report.quarantined and writable:
-                try:
-                    self._write_store(root, kept_items, kept_tensors)
-                except OSError as exc:  # the faults stay on disk, and are set aside again next time
-                    log.warning("affix cache %s: could not rewrite the store without its faults: %s", root, exc)
+        """Loads what can be trusted of the store at ``path`` and moves the rest aside (the server's way:
+        one fault never keeps it down); never raises for what it finds on disk."""
+        directory = self.directory(path)
+        report, checked = directory.recover()
         report.loaded = self._admit(checked)
-        self._log(root, report)
+        directory.log(report)
         return report
-
-    @staticmethod
-    def _set_aside(root: Path, report: LoadReport, label: str, reason: str, files: Sequence[Path],
-                   writable: bool, written: dict[str, bytes] | None = None) -> None:
-        if label.startswith("entry-"):
-            what = label.replace("-", " ", 1)
-        elif written:
-            what = "the damaged tensor file " + ", ".join(written)
-        else:
-            what = "the whole store (" + ", ".join(f.name for f in files) + ")"
-        moved = None
-        if writable:
-            try:
-                moved = quarantine(root, label, reason, files, written)
-            except OSError as exc:  # a full disk, say: skipped as in a read-only directory, the server still starts
-                reason = f"{reason} (could not be moved aside: {exc})"
-        report.quarantined.append(Quarantined(what, reason, moved))
-
-    @staticmethod
-    def _log(root: Path, report: LoadReport) -> None:
-        for q in report.quarantined:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
-            log.warning("affix cache %s: %s set aside, %s: %s", root, q.what, where, q.reason)
-        if report.quarantined:
-            log.warning("affix cache %s: loaded %d entries; %d set aside, recomputed when a request next uses "
-                        "them", root, report.loaded, len(report.quarantined))
-
-    def _read_store(self, root: Path, salvage: bool) -> tuple[dict, dict[str, torch.Tensor], Path, str | None]:
-        """The manifest, the tensors and the tensor file of the store at ``root`` (called under its lock), and
-        what is wrong with that file where ``salvage`` read what it still holds whole (None: nothing); an
-        :class:`AffixStoreError` where the store as a whole cannot be trusted."""
-        manifest_file = root / MANIFEST
-        try:
-            manifest = json.loads(manifest_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AffixStoreError(f"{manifest_file}: not a manifest ({exc})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-            found = manifest.get("format") if isinstance(manifest, dict) else None
-            raise AffixStoreError(f"{manifest_file}: format {found!r}, this version reads {FORMAT_VERSION}")
-        if manifest.get("model_fingerprint") != self.fingerprint:
-            raise AffixStoreError(
-                f"{manifest_file} was made with another model ({manifest.get('family')}, "
-                f"{manifest.get('num_layers')} layers, fingerprint {str(manifest.get('model_fingerprint'))[:12]}) "
-                f"than this one ({self.model.family}, {len(self.model.layers)} layers, fingerprint "
-                f"{self.fingerprint[:12]}); refusing to load it")
-        tensor_file = root / str(manifest.get("tensors", ""))
-        if not isinstance(manifest.get("entries"), list) or tensor_file.parent != root or not tensor_file.is_file():
-            raise AffixStoreError(f"{manifest_file}: names no readable tensor file ({tensor_file.name!r})")
-        try:
-            tensors = load_file(tensor_file, device="cpu") if tensor_file.stat().st_size else {}
-            return manifest, tensors, tensor_file, None
-        except Exception as exc:  # safetensors raises its own error types on corrupt files
-            damage = f"{tensor_file}: not a safetensors file ({exc})"
-        if salvage:
-            try:
-                return manifest, _salvage(tensor_file), tensor_file, damage
-            except Exception:  # its header is gone too
-                pass
-        raise AffixStoreError(damage)
 
     def _admit(self, checked: list[AffixEntry]) -> int:
         """Stores the checked entries that are new and fit; how many."""
@@ -489,168 +214,3 @@ class AffixCache(Generic[H]):
             self._emit("stored", entry)
             loaded += 1
         return loaded
-
-    def _checked_entry(self, item: object, tensors: dict[str, torch.Tensor], file: Path) -> AffixEntry:
-        cfg, dtype = self.model.config, self.model.dtype
-        try:
-            key, ids, name, has_hidden, digest = (item["key"], tuple(int(t) for t in item["token_ids"]),
-                                                  item.get("name"), bool(item["hidden"]), item["sha256"])
-        except (TypeError, KeyError, ValueError) as exc:
-            raise AffixStoreError(f"{file.parent / MANIFEST}: an entry is malformed ({exc!r})") from None
-        label = f"{file}: entry {str(key)[:12]}"
-        if not ids or key != self.key_fn(ids):
-            raise AffixStoreError(f"{label} does not hash its token ids")
-        if any(not 0 <= t < cfg.vocab_size for t in ids):
-            raise AffixStoreError(f"{label} holds a token id outside the vocabulary of {cfg.vocab_size}")
-        names = [f"{key}.{kind}.{layer}" for kind in "kv" for layer in range(cfg.num_layers)]
-        if has_hidden:
-            names += [f"{key}.h.{layer}" for layer in range(cfg.num_layers + 1)]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise AffixStoreError(f"{label}: tensor {missing[0]} is missing")
-        mine = {n: tensors[n] for n in names}
-        if _checksum(mine) != digest:
-            raise AffixStoreError(f"{label}: its tensors do not match their checksum (corrupt or altered)")
-        n = len(ids)
-        for tname, t in mine.items():
-            want = (n, cfg.hidden_size) if ".h." in tname else (n, cfg.num_kv_heads, cfg.head_dim)
-            if tuple(t.shape) != want:
-                raise AffixStoreError(f"{label}: tensor {tname} has shape {tuple(t.shape)}, expected {want}")
-            if t.dtype != dtype and not (t.is_floating_point() and dtype.is_floating_point):
-                raise AffixStoreError(f"{label}: tensor {tname} has dtype {t.dtype}, expected {dtype}")
-            if not bool(torch.isfinite(t).all()):
-                raise AffixStoreError(f"{label}: tensor {tname} holds NaN or infinite values")
-        dev = self.model.device
-        entry = AffixEntry(key, ids, [mine[f"{key}.k.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
-                           [mine[f"{key}.v.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
-                           [mine[f"{key}.h.{i}"].to(dev, dtype) for i in range(cfg.num_layers + 1)] if has_hidden
-                           else None, name)
-        k0, v0 = first_layer_kv(self.model, ids)
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        if not (torch.allclose(entry.keys[0].float(), k0.float(), atol=tol, rtol=tol)
-                and torch.allclose(entry.values[0].float(), v0.float(), atol=tol, rtol=tol)):
-            raise AffixStoreError(f"{label}: its K/V were not computed from its tokens by this model")
-        return entry
-
-
-class AffixStoreError(ValueError):
-    """An affix cache on disk that cannot be trusted: the message names the file and the problem."""
-
-
-@torch.inference_mode()
-def first_layer_kv(model: DiffusionLM, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first layer's pre-RoPE K/V of ``token_ids``: they depend on each token alone (no attention yet),
-    so a stored entry can be checked against its own ids at the cost of one embedding and two projections."""
-    layer = model.layers[0]
-    x = model.embed(torch.tensor(list(token_ids), device=model.device))
-    h = layer.attn_norm(x)
-    shape = (len(token_ids), layer.num_kv_heads, layer.head_dim)
-    return layer.k_proj(h).view(shape), layer.v_proj(h).view(shape)
-
-
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def quarantine(root: Path, label: str, reason: str, files: Sequence[Path] = (),
-               written: dict[str, bytes] | None = None) -> Path:
-    """Moves ``files`` of the store at ``root`` (and writes ``written``) into a new folder of
-    ``root/quarantine`` beside a ``reason.txt``: what could not be trusted is kept for a person to look at,
-    never deleted, and never read again. Called under the store's lock."""
-    (root / QUARANTINE).mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    folder = Path(tempfile.mkdtemp(prefix=f"{stamp}-{label}-", dir=root / QUARANTINE))
-    (folder / "reason.txt").write_text(reason + "\n")
-    for name, data in (written or {}).items():
-        (folder / name).write_bytes(data)
-    for f in files:  # the manifest first: a crash halfway leaves tensor files no manifest names, set aside next time
-        if f.exists():
-            os.replace(f, folder / f.name)
-    return folder
-
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
-
-
-def _salvage(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a damaged safetensors file that still lie whole in it, found through its header (a file
-    cut short keeps those before the cut; their checksums then say whether they are intact). Raises where
-    the header itself cannot be read."""
-    data = file.read_bytes()
-    size = int.from_bytes(data[:8], "little")
-    if len(data) < 8 or 8 + size > len(data):
-        raise ValueError("the header is cut")
-    header = json.loads(data[8:8 + size])
-    body = memoryview(data)[8 + size:]
-    tensors = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = meta["data_offsets"]
-            if not 0 <= begin <= end <= len(body):
-                continue  # past the cut
-            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-            raw = bytearray(body[begin:end])
-            flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-            tensors[name] = flat.reshape(meta["shape"])
-        except (KeyError, TypeError, ValueError, RuntimeError):
-            continue
-    return tensors
-
-
-def _reason(exc: Exception) -> str:
-    return str(exc) if isinstance(exc, AffixStoreError) else f"unreadable ({type(exc).__name__}: {exc})"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale(root: Path) -> None:
-    """Temporary files left by a save that died (held under the lock, none can be in progress)."""
-    for tmp in root.glob(".*.tmp-*"):
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # a read-only directory: they do no harm there
-            break
-
-
-@contextmanager
-def store_lock(root: Path, exclusive: bool) -> Iterator[None]:
-    """The directory's lock: one writer, or any number of readers. A reader of a directory it cannot write
-    (a cache shipped read-only) reads without it: nobody can be writing there."""
-    try:
-        f = open(root / LOCK, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
-    except OSError as exc:
-        if exclusive:
-            raise AffixStoreError(f"{root}: cannot write the affix cache there ({exc.strerror})") from None
-        yield
-        return
-    with f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

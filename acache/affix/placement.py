@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from acache.affix.cache import AffixEntry
 from acache.affix.context import CanvasKV
+from acache.affix.entry import AffixEntry
 from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from acache.affix.cache import AffixCache, AffixEntry, compute_affix
+from acache.affix.cache import AffixCache
+from acache.affix.entry import AffixEntry, compute_affix
 from acache.affix.prompt import affix_key
 from acache.models.base import DiffusionLM
 

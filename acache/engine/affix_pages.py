@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from acache.affix.cache import AffixCache, AffixEntry
+from acache.affix.cache import AffixCache
+from acache.affix.entry import AffixEntry
 from acache.engine.page_pool import PagePool
 from acache.models.base import DiffusionLM
 

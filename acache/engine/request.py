@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from acache.affix.cache import AffixEntry
+from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import anchor_count
 from acache.decoding.request_state import RequestState

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from acache.affix.cache import Quarantined, quarantine, store_lock, write_atomic
 from acache.affix.chat import chat_segments
+from acache.affix.persistence import Quarantined, quarantine, store_lock, write_atomic
 from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, affix_key, resolve_segments
 from acache.inputs import InputProcessor
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from acache.affix.cache import model_fingerprint
+from acache.affix.persistence import model_fingerprint
 from acache.inputs import InputProcessor
 from acache.server.protocol import AffixRegistration, BadRequest
 from acache.server.serving import OpenAIServing, ServerContext
