@@ -99,7 +99,7 @@ study-affix: install
 	  $(VENV)/bin/acache eval accuracy --model models/acache-tiny-$$m --tasks qa1,twohop --sentences 34 \
 	    --selectors attention --ratios 0,0.2,1.0 --examples 300 --seed 0 --out $(STUDY)/affix_training/$$m/long \
 	    --overwrite || exit 1; done
-	$(PY) scripts/affix_training_table.py $(STUDY)/affix_training/plus $(STUDY)/affix_training/affix \
+	$(PY) -m acache_lab.eval.affix_training_table $(STUDY)/affix_training/plus $(STUDY)/affix_training/affix \
 	  --md $(STUDY)/affix_training/before_after.md --plot $(STUDY)/affix_training/accuracy_compute.png
 
 # the block-diffusion model (docs/model.md, "acache-tiny-blockdiff"): the R2LM model's weights (below) in the

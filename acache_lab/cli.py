@@ -18,10 +18,10 @@ def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
 
 
 def _cmd_bicache_profile(args: argparse.Namespace) -> int:
-    from acache.affix.bicache import profile_bicache
     from acache.affix.store import AffixStore
     from acache.models.loader import load_model
     from acache.models.tokenizer import Tokenizer
+    from acache_lab.eval.staleness import profile_bicache
     from acache_lab.tasks.calibration import calibration_prompts
 
     args = _with_default_model(args)

@@ -5,7 +5,7 @@ refresh the request's own tokens run the shallow ``L - D`` layers alone against 
 then the affix's hidden state captured at layer ``L - D`` of its affix-only pass is spliced in and the
 deep layers run on the whole sequence. ``D = L`` is full recomputation, ``D = 0`` direct reuse.
 
-*Profiled*: ``D`` comes from a table built by :func:`profile_bicache` on a calibration set: for each
+*Profiled*: ``D`` comes from a table built on a calibration set (``acache bicache-profile``, in the lab): for each
 share of affix tokens in the request, the leading layers whose affix K/V stay above ``tau`` cosine
 similarity (alone vs in context) are safe to reuse; the rest are recomputed.
 """
@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from acache.affix.persistence import model_fingerprint
-from acache.affix.prompt import AffixPrompt
-from acache.affix.staleness import measure_staleness
-from acache.affix.store import AffixStore
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.kv import KVCache
 
@@ -66,33 +62,6 @@ class BiCacheProfile:
             raise ValueError(f"BiCache profile {path} was made with another model; profile this one with "
                              "`acache bicache-profile`")
         return profile
-
-
-def profile_bicache(store: AffixStore, prompts: Sequence[AffixPrompt], gen_length: int, tau: float = DEFAULT_TAU,
-                    bins: int = 10) -> BiCacheProfile:
-    """Builds the depth table from calibration prompts. Each share bin keeps its most cautious (smallest)
-    safe depth; a bin without samples borrows from the nearest bin that has some."""
-    if not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be a positive integer, got {bins!r}")
-    layers = len(store.model.layers)
-    found: list[list[int]] = [[] for _ in range(bins)]
-    for prompt in prompts:
-        s = measure_staleness(store, prompt, gen_length)
-        # bin k holds shares in (k/bins, (k+1)/bins], as depth() reads them
-        found[min(bins - 1, max(0, math.ceil(s.affix_share * bins - 1e-12) - 1))].append(s.safe_layers(tau))
-    if not any(found):
-        raise ValueError("BiCache profiling needs at least one calibration prompt with an affix")
-    safe = [min(v) if v else None for v in found]
-    filled = []
-    for i in range(bins):
-        if safe[i] is not None:
-            filled.append(safe[i])
-            continue
-        near = min((j for j in range(bins) if safe[j] is not None), key=lambda j: (abs(j - i), j))
-        filled.append(safe[near])
-
-    return BiCacheProfile(layers, tau, [(i + 1) / bins for i in range(bins)], filled, [len(v) for v in found],
-                          model_fingerprint(store.model))
 
 
 @torch.inference_mode()

@@ -1,11 +1,13 @@
-"""Calibration requests from the task suite, for profiling BiCache on the project's own models."""
+"""Calibration requests for BiCache profiling: the task suite's, a JSONL file's, or random tokens'."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from acache.affix import calibration
-from acache.affix.prompt import AffixPrompt
+import torch
+
+from acache.affix.prompt import Affix, AffixPrompt, layout_segments, resolve_segments
 from acache.models.config import ModelConfig
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
@@ -30,8 +32,45 @@ def task_calibration_prompts(tokenizer: Tokenizer, samples: int, seed: int = 0) 
 
 def calibration_prompts(tokenizer: Tokenizer, config: ModelConfig, path: str | Path | None, samples: int,
                         seed: int = 0) -> list[AffixPrompt]:
-    """As :func:`acache.affix.calibration.calibration_prompts`; ``path="tasks"`` (and no such file) takes
-    ``samples`` requests from the task suite's calibration stream, disjoint from the held-out one."""
+    """Requests to profile BiCache on. ``path="tasks"`` (and no such file) takes ``samples`` requests from the
+    task suite's calibration stream, disjoint from the held-out one; a JSONL file holds one
+    ``{"affix": str, "prompt": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}`` a line;
+    no path gives ``samples`` random-token requests with affixes of varied share."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
     if path == TASK_CALIBRATION and not Path(path).exists():
         return task_calibration_prompts(tokenizer, samples, seed)
-    return calibration.calibration_prompts(tokenizer, config, path, samples, seed)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file not found: {path}")
+        prompts = []
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                segs = layout_segments(item.get("layout", "prefix"), Affix(item["affix"]), item["prompt"],
+                                       item.get("answer_prompt", ""))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a calibration record ({exc})") from None
+            prompts.append(resolve_segments(segs, encode))
+        if not prompts:
+            raise ValueError(f"{path} holds no calibration records")
+        return prompts
+    gen = torch.Generator().manual_seed(seed)
+    specials = {config.mask_token_id, config.eos_token_id, config.pad_token_id}
+    vocab = min(config.vocab_size, tokenizer.vocab_size)
+
+    def tokens(n: int) -> list[int]:
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        return [t if t not in specials else 0 for t in ids]
+
+    prompts = []
+    for i in range(samples):
+        affix_len = int(torch.randint(8, 160, (1,), generator=gen))
+        question_len = int(torch.randint(4, 96, (1,), generator=gen))
+        segs = layout_segments(LAYOUTS[i % 3], Affix(token_ids=tokens(affix_len)), tokens(question_len))
+        prompts.append(resolve_segments(segs, encode))
+    return prompts

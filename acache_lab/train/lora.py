@@ -6,7 +6,7 @@ adapters (``peft``, the optional ``lora`` extra) on a checkpoint directory read 
 with the same objective: LLaDA's masked-diffusion loss on the answer, a share of the rows computed under the
 affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them.
 
-Data is JSONL, the calibration format (:mod:`acache.affix.calibration`) with an answer: one record a line,
+Data is JSONL, the calibration format (:mod:`acache_lab.tasks.calibration`) with an answer: one record a line,
 ``{"affix": str, "prompt": str, "answer": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}``
 (``layout`` defaults to prefix, ``answer_prompt`` to ""), tokenized with the checkpoint's own tokenizer; the
 answer ends with the tokenizer's stop token. The run writes ``OUT/adapter`` (peft's ``save_pretrained``),

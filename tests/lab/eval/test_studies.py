@@ -95,8 +95,8 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
 
 
 def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_model_dir, tmp_path):
-    from acache.affix.bicache import profile_bicache
     from acache.affix.store import AffixStore
+    from acache_lab.eval.staleness import profile_bicache
     from acache_lab.tasks.calibration import calibration_prompts
     from acache_lab.tasks.render import build_word_tokenizer
 
@@ -151,8 +151,8 @@ def test_eval_tasks_takes_a_subset_of_layouts(task_model_dir, capsys):
     assert "unknown layout 'diagonal'" in capsys.readouterr().err
 
 
-def test_eval_tasks_runs_a_scan_family_on_the_engine(tmp_path, capsys):
-    """acache eval tasks serves a scan family through the engine like any other, and says why a block-causal
+def test_eval_tasks_runs_a_state_cache_family_on_the_engine(tmp_path, capsys):
+    """acache eval tasks serves a state-cache family through the engine like any other, and says why a block-causal
     model's suffix layout is not scored."""
     from acache import LLM
     from acache.cli import main

@@ -8,7 +8,7 @@ anchors fixed). Every engine is fresh, so each first refresh writes into pages t
 Selection's own cost is then, over the dual refresh: one pass, its refresh minus the two-pass refresh; two pass,
 its selection. Medians of ``--repeats``, interleaved.
 
-    python scripts/one_pass_cost.py --batch 16
+    python -m acache_lab.probes.one_pass_cost --batch 16
 """
 
 from __future__ import annotations

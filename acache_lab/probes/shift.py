@@ -8,8 +8,8 @@ not. Under a block-causal mask the story's tokens never see the question, so a m
 its answer column makes the lookup itself; with the shift the column before the answer (``:``) must make
 it. An R2LM checkpoint is also asked in its own family, with and without its reverse scan.
 
-    python scripts/probe_shift.py --model models/acache-tiny
-    python scripts/probe_shift.py --model models/acache-tiny-r2lm
+    python -m acache_lab.probes.shift --model models/acache-tiny
+    python -m acache_lab.probes.shift --model models/acache-tiny-r2lm
 """
 
 from __future__ import annotations

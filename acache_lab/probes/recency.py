@@ -6,7 +6,7 @@ at some point. A model that answers the last place whatever the question scores 
 scores (the share of questions whose person moved last), and its answers are rarely the asked person's
 earlier places.
 
-    python scripts/probe_recency.py --model models/acache-tiny
+    python -m acache_lab.probes.recency --model models/acache-tiny
 """
 
 from __future__ import annotations

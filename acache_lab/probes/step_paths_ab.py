@@ -17,7 +17,7 @@
 
 The figures in BENCHMARKS.md ("How close to the machine") come from:
 
-    python scripts/step_paths_ab.py
+    python -m acache_lab.probes.step_paths_ab
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Before/after table and plot of affix-aware training, from two sets of `acache eval accuracy` runs.
 
-    python scripts/affix_training_table.py BEFORE_DIR AFTER_DIR --md OUT.md --plot OUT.png
+    python -m acache_lab.eval.affix_training_table BEFORE_DIR AFTER_DIR --md OUT.md --plot OUT.png
 
 Each DIR holds sub-directories (base, demonstrations, long) with an accuracy.json each, run with
 ``--selectors attention --ratios 0,0.2,1.0``: ratio 0 is direct reuse, 1 full recomputation.

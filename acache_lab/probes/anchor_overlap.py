@@ -5,7 +5,7 @@ selector chooses its anchors at one ratio on the request's all-mask canvas (its 
 at admission); the score is the share of the `kv-deviation` oracle's anchors among them, averaged over the
 requests (a random pick's share is about the ratio).
 
-    python scripts/anchor_overlap.py --model models/acache-tiny --layout prefix
+    python -m acache_lab.probes.anchor_overlap --model models/acache-tiny --layout prefix
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ runs its first step, which selects every request's anchors in one batch. The pro
 median of the repeats is printed. Run it from another checkout's root with ``PYTHONPATH=.`` to time that code
 (the names it wraps are the same since the score landed):
 
-    python scripts/selection_time.py --batch 16
+    python -m acache_lab.probes.selection_time --batch 16
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ question asks where one of them is. Trains the acache LLaDA model (or, with ``--
 ``torch.nn.TransformerEncoder`` with learned positions, to rule out a bug in acache's model code) on the
 answer only and prints held-out exact match every ``--eval-every`` steps.
 
-    python scripts/probe_binding.py --steps 20000 --batch-size 16
+    python -m acache_lab.probes.binding --steps 20000 --batch-size 16
 """
 
 from __future__ import annotations

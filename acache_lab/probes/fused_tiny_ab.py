@@ -4,7 +4,7 @@ Two copies of the model, one kept unfused, each run in both modes (dual cache, A
 driver (a fresh engine, the shared affix already cached); the four runs take turns, round after round, and the
 median time a batch is printed. Run from the repository root:
 
-    python scripts/fused_tiny_ab.py --batch 1
+    python -m acache_lab.probes.fused_tiny_ab --batch 1
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ It asks whether the slow part of a refresh, attention at a quarter of the linear
 through the faster matmul kernels instead. Median of 5 after one untimed call, GFLOP/s counted as
 ``4 x batch x heads x queries x keys x head_dim``:
 
-    python scripts/attention_paths.py
+    python -m acache_lab.probes.attention_paths
 """
 
 from __future__ import annotations

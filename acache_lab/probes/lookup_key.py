@@ -6,7 +6,7 @@ every sentence (the name becomes the second word), and with every person replace
 ("apple went to the hallway", "where is milk ?"). A model whose lookup reads any key word in any place
 answers all three alike.
 
-    python scripts/probe_lookup_key.py --model models/acache-tiny
+    python -m acache_lab.probes.lookup_key --model models/acache-tiny
 """
 
 from __future__ import annotations

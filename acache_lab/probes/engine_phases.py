@@ -4,7 +4,7 @@ The same driver as ``acache bench`` (``run_mode``: a fresh engine, the shared af
 dual cache beside it, so one checkout against another can be timed in short alternating runs. Run it from
 another checkout's root with ``PYTHONPATH=.`` to time that code:
 
-    python scripts/engine_phases.py --batch 16 --gen-length 256
+    python -m acache_lab.probes.engine_phases --batch 16 --gen-length 256
 """
 
 from __future__ import annotations

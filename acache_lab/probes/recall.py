@@ -7,8 +7,8 @@ held-out rows. Guessing among the row's values scores 1/pairs. ``--family fast_d
 attention) or ``llada`` (bidirectional) trains an attention model of the same width instead, as a control.
 Weights start as the trainer starts them (token embeddings at N(0, 1)).
 
-    python scripts/probe_recall.py --steps 5000
-    python scripts/probe_recall.py --steps 5000 --family fast_dllm_v2
+    python -m acache_lab.probes.recall --steps 5000
+    python -m acache_lab.probes.recall --steps 5000 --family fast_dllm_v2
 """
 
 from __future__ import annotations
