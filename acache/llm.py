@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,7 +14,6 @@ from acache.affix.persistence import LoadReport
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
-from acache.engine.llm_engine import DEFAULT_CPU_KV_BYTES
 from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
 from acache.models.config import affix_training
@@ -60,17 +60,18 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         self.device = parse_device(device)
         self.model_path = Path(model)
+        engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
+                                     gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
+                                     max_model_len=max_model_len, max_affix_tokens=max_affix_tokens, compile=compile)
         family = read_config(model)[0]
-        state_cache = getattr(family, "state_cache", False)  # the scan families: a cache of their own, no affix K/V
+        engine_config.check_family(family)  # before the weights load
+        state_cache = getattr(family, "state_cache", False)  # a cache of the family's own, no affix K/V
         if state_cache:
             for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
                                 ("affix_cache_dir", affix_cache_dir), ("bicache_profile", bicache_profile)):
                 if value:
                     raise ValueError(f"{name} is not supported for a {family.family} model (it shares no affix "
                                      "K/V and runs on one device)")
-            if compile:
-                raise ValueError(f"compile applies to the attention families' decoder layers; a {family.family} "
-                                 "model runs eagerly")
         self.tensor_parallel_size = tensor_parallel_size
         self._tp_workers: list = []
         self._channel = None
@@ -92,20 +93,15 @@ class LLM:
             self.model = load_model(model, dtype=dtype, device=self.device)
             if tp is not None:
                 shard_model(self.model, tp)
-                kv_cache_memory = self._channel.agree_min(kv_cache_memory or self._default_kv_budget(
-                    gpu_memory_utilization))
+                engine_config = replace(engine_config, kv_cache_memory=self._channel.agree_min(
+                    engine_config.kv_budget(self.device)))
         except BaseException:
             self._stop_workers()  # a rank-0 failure at start leaves no worker and no group behind
             raise
         self.dtype = self.model.dtype
         self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
-        context = self.config.max_position_embeddings
-        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-                                          or not 0 < max_model_len <= context):
-            raise ValueError(f"max_model_len must be an integer in 1..{context} (the model's context), "
-                             f"got {max_model_len!r}")
-        self.max_model_len = max_model_len or context
+        self.max_model_len = engine_config.model_len(self.config.max_position_embeddings)
         self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
         self.affix_store = None if state_cache else AffixStore(
@@ -113,10 +109,7 @@ class LLM:
         self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
-        self.engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
-                                          gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
-                                          max_model_len=self.max_model_len, max_affix_tokens=max_affix_tokens,
-                                          compile=compile)
+        self.engine_config = engine_config
         self._engine: LLMEngine | MirroredEngine | None = None
         self.affix_cache_report: LoadReport | None = None
         if affix_cache_dir is not None and affix_cache_quarantine:
@@ -134,12 +127,6 @@ class LLM:
                                                            (str(self.model_path), kwargs))
             return tp, channel
         return parallel.join(*rank)
-
-    def _default_kv_budget(self, fraction: float) -> int:
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_BYTES
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * fraction)
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (a no-op without tensor parallelism). Call it when no other thread

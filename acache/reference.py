@@ -3,7 +3,9 @@
 It exists as the oracle the engine is tested against: it drives the same per-request state machine
 (:class:`~acache.decoding.request_state.RequestState`) and the same selectors, but keeps the request's
 K/V in one dense ``[T, Hkv, D]`` tensor a layer and runs every forward on a batch of one. Any
-difference between the engine and this path is a batching, padding or paging bug.
+difference between the engine and this path is a batching, padding or paging bug. The state-cache families
+have theirs beside it, :func:`reference_generate_state_cache`: one request, its own cache, the runner's
+:func:`~acache.engine.state_runner.run_plans` on a batch of one.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from acache.affix.selectors import make_selector
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
+from acache.engine.state_cache_manager import BlockCache, check_state_request
+from acache.engine.state_runner import new_state, run_plans
 from acache.models.base import DiffusionLM
 from acache.models.kv import KVCache
-from acache.policies import BICACHE_POLICIES
+from acache.models.r2lm import R2LM
+from acache.models.ssm import SSMBlockDiffusionLM
 from acache.sampling_params import SamplingParams
 
 
@@ -48,8 +53,11 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     if not isinstance(prompt, AffixPrompt):
         prompt = AffixPrompt(tuple(int(t) for t in prompt), len(prompt))
     prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
-    if params.temperature > 0 and generator is None:
-        generator = torch.Generator(device=model.device).manual_seed(params.seed or 0)
+    if params.focus_layers is not None:
+        raise ValueError("focus_layers is not run by the reference path (FOCUS prunes the engine's batched "
+                         "steps); compare a focused engine run with the engine's own unfocused one")
+    if generator is None:
+        generator = params.generator(model.device, default_seed=0)
     stops = {cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids}
     state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
                          model.device, stops, cfg.block_size)
@@ -57,8 +65,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     shape = (t, cfg.num_kv_heads, cfg.head_dim)
     keys = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]
     values = [torch.zeros(shape, dtype=model.dtype, device=dev) for _ in model.layers]
-    reuse = params.affix_policy is not None and bool(prompt.affixes)
-    bicache = reuse and params.affix_policy in BICACHE_POLICIES
+    reuse, bicache = params.affix_reuse(bool(prompt.affixes))
     store = store if store is not None else AffixStore(model)
     shared = torch.zeros(t, dtype=torch.bool, device=dev)
     held, spans = [], []
@@ -80,9 +87,9 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             split = len(model.layers) - depth
             for entry in held:
                 store.ensure_hidden(entry)
-            state.set_recompute(shared & False, shared & False)
+            state.admit()
         elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
-            state.set_recompute(shared, None)
+            state.admit(shared, select=True)
         elif reuse:
             placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
             # masks beyond a far window are out of selection's forwards, as out of every other
@@ -91,13 +98,13 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             ctx = SelectionContext(model, canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
                                    state.base_recompute(shared)[None])
             anchors = make_selector(params.affix_policy, params.anchor_query).select(ctx, params.anchor_ratio)[0]
-            state.set_recompute(shared, anchors)
+            state.admit(shared, anchors)
             if params.probe_step:
                 x0, conf = propose(ctx.probe_logits(params.block_length), params.temperature,
                                    [generator] if params.temperature > 0 else None, mask_token_id=cfg.mask_token_id)
                 done = state.commit(x0[0], conf[0], probe=True)
         else:
-            state.set_recompute(shared, shared)
+            state.admit()
         while not done:
             plan = state.plan()
             fed, past = plan.fed, plan.past
@@ -169,3 +176,35 @@ def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split
         keys[layer][fed] = deep.keys[j][0].to(keys[layer].dtype)
         values[layer][fed] = deep.values[j][0].to(values[layer].dtype)
     return out.hidden
+
+
+@dataclass
+class StateCacheResult:
+    token_ids: list[int]  # cut at the first stop token
+    nfe: int  # forwards that decoded a step
+    cache_bytes: int  # the cache's size once decoding ended
+
+
+@torch.inference_mode()
+def reference_generate_state_cache(model: SSMBlockDiffusionLM | R2LM, prompt: Sequence[int], params: SamplingParams,
+                       generator: torch.Generator | None = None) -> StateCacheResult:
+    """Decodes one request on its own, the reference the engine is tested against."""
+    cfg = model.config
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if not prompt or bad:
+        raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
+                         + (f" (got {bad[0]})" if bad else ""))
+    ids = tuple(int(t) for t in prompt)
+    plain = AffixPrompt(ids, len(ids))
+    check_state_request(model.family, plain, params)
+    if generator is None:
+        generator = params.generator(model.device, default_seed=0)
+    state = new_state(model, plain, params, {cfg.eos_token_id, *params.stop_token_ids})
+    cache = BlockCache(model.empty_cache())
+    while True:
+        logits = run_plans(model, [(state.tokens, state.plan(), cache)])[0]
+        gens = [generator] if params.temperature > 0 and generator is not None else None
+        x0, conf = propose(logits[None], params.temperature, gens, mask_token_id=cfg.mask_token_id)
+        if state.commit(x0[0], conf[0]):
+            break
+    return StateCacheResult(state.output()[0], state.nfe, model.cache_bytes(cache.value))

@@ -187,6 +187,13 @@ class SamplingParams:
             return "two"
         return "one" if self.affix_policy in ONE_PASS_SELECTORS and not separate else "two"
 
+    def affix_reuse(self, has_affixes: bool) -> tuple[bool, bool]:
+        """``(reuse, bicache)`` of a request whose prompt has affixes or not: whether it reuses their cached K/V
+        (a policy and something to apply it to), and whether by BiCache's layers rather than by anchors. The
+        one rule the engine and the reference path both read."""
+        reuse = self.affix_policy is not None and has_affixes
+        return reuse, reuse and self.affix_policy in BICACHE_POLICIES
+
     def generator(self, device: object = "cpu", default_seed: int | None = None) -> torch.Generator | None:
         """The request's sampling noise: None at temperature 0; otherwise seeded with ``seed``, else with
         ``default_seed`` (a caller's reproducible stream), else at random. The one place requests are seeded."""

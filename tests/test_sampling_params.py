@@ -76,3 +76,11 @@ def test_anchor_pass_resolves_once(kwargs, resolved):
     """Where anchors are chosen is resolved at construction: inside the refresh where the selector has that
     form and nothing asks for the separate pass."""
     assert SamplingParams(**kwargs).anchor_pass == resolved
+
+
+@pytest.mark.parametrize("policy, has_affixes, want", [
+    (None, True, (False, False)), ("attention", False, (False, False)), ("attention", True, (True, False)),
+    ("none", True, (True, False)), ("bicache-matched", True, (True, True)), ("bicache-profiled", False, (False, False)),
+])
+def test_affix_reuse_needs_a_policy_and_an_affix(policy, has_affixes, want):
+    assert SamplingParams(affix_policy=policy).affix_reuse(has_affixes) == want

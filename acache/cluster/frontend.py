@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from acache.affix.prompt import Affix, affix_key
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart
+from acache.engine.llm_engine import EngineConfig
 from acache.inputs import InputProcessor
 from acache.models.loader import read_config
 from acache.models.tokenizer import Tokenizer
@@ -52,8 +53,8 @@ class SpanExtractor:
 
     def __init__(self, settings: FrontendSettings) -> None:
         _, config = read_config(settings.model)
-        context = config.max_position_embeddings
-        self.inputs = InputProcessor(Tokenizer.from_dir(settings.model), config, settings.max_model_len or context)
+        limit = EngineConfig(max_model_len=settings.max_model_len).model_len(config.max_position_embeddings)
+        self.inputs = InputProcessor(Tokenizer.from_dir(settings.model), config, limit)  # as the replicas'
         self.affixer = AutoAffixer(self.inputs, min_document_tokens=settings.min_document_tokens)
         self.registry = AffixRegistry(settings.affix_registry_bytes)
 

@@ -120,18 +120,28 @@ class RequestState:
             recompute = recompute | own.repeat_interleave(size)[:self.length]
         return recompute
 
-    def set_recompute(self, shared: torch.Tensor, anchors: torch.Tensor | None) -> None:
-        """Fixes the columns every refresh recomputes: the base set plus the ``anchors`` among the
-        ``shared`` columns. Called once, before the first block. ``anchors`` None: they are chosen inside
-        the first refresh (``anchor_pass="one"``), whose plan then feeds every near column, affixes included
+    def admit(self, shared: torch.Tensor | None = None, anchors: torch.Tensor | None = None,
+              select: bool = False) -> None:
+        """Fixes, once before the first block, the columns every refresh recomputes; the one way a request
+        leaves :attr:`Phase.SELECT`. Without ``shared`` every column is the request's own (no affix reused,
+        BiCache, a state-cache family). With ``shared`` (``[T]``, the reused affix columns): the base set plus
+        the ``anchors`` among them, or with ``select`` the anchors chosen inside the first refresh
+        (``anchor_pass="one"``), whose plan then feeds every near column, affixes included
         (:attr:`StepPlan.select`), and :meth:`fix_anchors` takes them back before that forward is committed."""
         if self.phase is not Phase.SELECT:
             raise RuntimeError("a request's recompute set is fixed once, before its first block")
+        if shared is None:
+            if anchors is not None or select:
+                raise ValueError("anchors need the shared columns they are chosen from")
+            shared = torch.zeros(self.length, dtype=torch.bool, device=self.tokens.device)
+            anchors = shared
+        elif select == (anchors is not None):
+            raise ValueError("the anchors are either given or chosen inside the first refresh (select=True)")
         self._shared = shared
-        self.selecting = anchors is None
+        self.selecting = select
         # while the first refresh selects, it feeds every shared column too and no anchor is fixed yet
-        chosen = torch.zeros_like(shared) if anchors is None else anchors & shared
-        self._fix(self.base_recompute(shared) | (shared if anchors is None else chosen), chosen)
+        chosen = torch.zeros_like(shared) if select else anchors & shared
+        self._fix(self.base_recompute(shared) | (shared if select else chosen), chosen)
         self._begin_block()
 
     def fix_anchors(self, anchors: torch.Tensor) -> None:

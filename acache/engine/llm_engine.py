@@ -5,7 +5,7 @@ in-block steps), ``ModelRunner.execute()`` runs it and returns tokens, confidenc
 timings without touching a request, and ``Scheduler.update_from_output()`` applies them. Every
 ``SamplingParams`` field is per request; any mix of requests decodes each exactly as it would alone.
 
-The attention families keep their K/V in a page pool (``KVCacheManager`` + ``ModelRunner``); the scan families
+The attention families keep their K/V in a page pool (``KVCacheManager`` + ``ModelRunner``); the state-cache families
 (the state-space variant, R2LM) keep a cache of the model's own per request (``StateCacheManager`` +
 ``StateRunner``). Both run through the same scheduler and request lifecycle.
 """
@@ -21,7 +21,6 @@ import torch
 from acache.affix.bicache import BiCacheProfile
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
-from acache.decoding.blockwise import check_blockwise_request
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
 from acache.engine.model_runner import ModelRunner
@@ -29,7 +28,7 @@ from acache.engine.outputs import EngineOutput
 from acache.engine.page_pool import PagePool
 from acache.engine.request import Request
 from acache.engine.scheduler import Scheduler, SchedulerConfig
-from acache.engine.state_cache_manager import StateCacheManager
+from acache.engine.state_cache_manager import StateCacheManager, check_state_request
 from acache.engine.state_runner import StateRunner
 from acache.models.base import DiffusionLM
 from acache.models.r2lm import R2LM
@@ -41,7 +40,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 @dataclass
 class EngineConfig:
-    """``kv_cache_memory`` bytes for the page pool, or for the scan families' per-request caches (default: 1 GiB
+    """``kv_cache_memory`` bytes for the page pool, or for the state-cache families' per-request caches (default: 1 GiB
     on CPU; on CUDA ``gpu_memory_utilization`` of the free memory)."""
 
     page_size: int = 16
@@ -59,6 +58,39 @@ class EngineConfig:
     # (tens of seconds), later ones run the fused kernels; the attention families only
     compile: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def model_len(self, context: int) -> int:
+        """Tokens a request may hold, prompt and generation: ``max_model_len``, within the model's context. The
+        one place the limit is resolved (the engine, LLM and the server's checks all read it)."""
+        if self.max_model_len is not None and self.max_model_len > context:
+            raise ValueError(f"max_model_len must be an integer in 1..{context} (the model's context), "
+                             f"got {self.max_model_len!r}")
+        return self.max_model_len or context
+
+    def kv_budget(self, device: torch.device) -> int:
+        """Bytes for the KV pages (or the state-cache families' caches): ``kv_cache_memory``; else 1 GiB off
+        CUDA, and on CUDA ``gpu_memory_utilization`` of the memory free now. The one place the budget is set."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * self.gpu_memory_utilization)
+
+    def check_family(self, family: type | DiffusionLM | SSMBlockDiffusionLM | R2LM) -> None:
+        """What this configuration asks of a family that it cannot give (a class, before its weights load, or a
+        model): torch.compile of a state-cache family, whose layers are not the attention decoder's."""
+        if self.compile and getattr(family, "state_cache", False):
+            raise ValueError(f"compile applies to the attention families' decoder layers; a {family.family} "
+                             "model runs eagerly (a state-cache family)")
+
 
 class LLMEngine:
     def __init__(self, model: DiffusionLM | SSMBlockDiffusionLM | R2LM, config: EngineConfig | None = None,
@@ -68,27 +100,20 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.served = False  # a server's loop steps it: nothing else may (the engine is not thread-safe)
         c = self.config
-        memory = c.kv_cache_memory
-        if memory is None and model.device.type != "cuda":
-            memory = DEFAULT_CPU_KV_BYTES
+        c.check_family(model)
+        self.max_model_len = c.model_len(model.config.max_position_embeddings)
+        memory = c.kv_budget(model.device)
         self.state_cache = getattr(model, "state_cache", False)
         self.pool: PagePool | None = None
-        if c.compile and self.state_cache:
-            raise ValueError(f"compile applies to the attention families' decoder layers; {model.family} "
-                             "(a scan family) runs eagerly")
         if not self.state_cache and hasattr(model, "fuse_projections"):
             model.fuse_projections()  # the same values, fewer matmuls; a no-op when an earlier engine fused them
         if c.compile:
             model.compile_layers()
-        if self.state_cache:  # a cache of the model's own per request (the scan families)
-            if memory is None:
-                free, _ = torch.cuda.mem_get_info(model.device)
-                memory = int(free * c.gpu_memory_utilization)
+        if self.state_cache:  # a cache of the model's own per request (the state-cache families)
             self.kv: KVCacheManager | StateCacheManager = StateCacheManager(model, memory)
             self.runner: ModelRunner | StateRunner = StateRunner(model, self.kv)
         else:
-            self.pool = PagePool.from_budget(model.config, c.page_size, model.dtype, model.device, memory,
-                                             c.gpu_memory_utilization)
+            self.pool = PagePool.from_budget(model.config, c.page_size, model.dtype, model.device, memory)
             self.kv = KVCacheManager(model, self.pool, affix_source, c.max_affix_tokens)
             reuse = c.reuse_step_keys if c.reuse_step_keys is not None else model.device.type == "cpu"
             self.runner = ModelRunner(model, self.pool, reuse_step_keys=reuse)
@@ -97,10 +122,6 @@ class LLMEngine:
                                    len(model.layers), self.metrics, bicache_profile)
         self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
-        context = model.config.max_position_embeddings
-        if c.max_model_len is not None and not 0 < c.max_model_len <= context:
-            raise ValueError(f"max_model_len must be in 1..{context} (the model's context), got {c.max_model_len}")
-        self.max_model_len = c.max_model_len or context
 
     @property
     def affixes(self):
@@ -138,7 +159,7 @@ class LLMEngine:
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
-            check_blockwise_request(self.model.family, prompt, params)
+            check_state_request(self.model.family, prompt, params)
         if params.focus_layers is not None and self.model.shifted_logits:
             raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
                              "predicts a token from the column before it, which FOCUS may have left out")
@@ -181,7 +202,7 @@ class LLMEngine:
         self.kv.reset_peak()
 
     def summary(self) -> dict:
-        """Run metrics; the cache peak is in pages of the pool (for the scan families, whose caches are not
+        """Run metrics; the cache peak is in pages of the pool (for the state-cache families, whose caches are not
         paged: in bytes)."""
         return self.metrics.summary(*self.kv.memory_usage(), self.affixes.stats.hits, self.affixes.stats.queries)
 

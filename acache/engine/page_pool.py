@@ -41,16 +41,8 @@ class PagePool:
 
     @classmethod
     def from_budget(cls, config: ModelConfig, page_size: int, dtype: torch.dtype, device: torch.device,
-                    memory_bytes: int | None = None, memory_fraction: float | None = None) -> PagePool:
-        """A pool of ``memory_bytes``, or of ``memory_fraction`` of the free GPU memory on CUDA."""
-        if memory_bytes is None:
-            if device.type != "cuda" or memory_fraction is None:
-                raise ValueError("give the KV pool a size: kv_cache_memory in bytes (or, on CUDA, a fraction "
-                                 "of free GPU memory)")
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
-            free, _ = torch.cuda.mem_get_info(device)
-            memory_bytes = int(free * memory_fraction)
+                    memory_bytes: int) -> PagePool:
+        """As many pages as ``memory_bytes`` holds (:meth:`EngineConfig.kv_budget` resolves the budget)."""
         pages = memory_bytes // page_bytes(config, page_size, dtype)
         if pages <= 0:
             raise ValueError(f"kv_cache_memory of {memory_bytes} bytes holds no page of "

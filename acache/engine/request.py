@@ -17,7 +17,6 @@ from acache.affix.selectors import anchor_count
 from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
-from acache.policies import BICACHE_POLICIES
 from acache.sampling_params import SamplingParams
 
 
@@ -56,8 +55,7 @@ class Request:
         self.stream = stream
         self.state = RequestState(prompt.layout, params, config.mask_token_id, config.pad_token_id, shifted, device,
                                   {*stop_token_ids, *params.stop_token_ids}, config.block_size, state_cache)
-        self.reuse = params.affix_policy is not None and bool(prompt.affixes)
-        self.bicache = self.reuse and params.affix_policy in BICACHE_POLICIES
+        self.reuse, self.bicache = params.affix_reuse(bool(prompt.affixes))
         self.status = Status.WAITING
         self.shared: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared pool affix)
         self.entries: list[tuple[int, AffixEntry]] = []  # BiCache: (index, dense entry with hidden states)

@@ -121,12 +121,12 @@ class Scheduler:
             self.running.append(req)
             req.status = Status.RUNNING
             if not req.reuse:  # nothing to select: every column is the request's own
-                shared = req.shared_mask([])
-                req.state.set_recompute(shared, shared)
+                req.state.admit()
             elif req.params.anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
-                shared = req.shared_columns
-                req.state.set_recompute(shared, None if req.shared else shared)
-                if not req.shared:  # every affix computed with the request: nothing to choose
+                if req.shared:
+                    req.state.admit(req.shared_columns, select=True)
+                else:  # every affix computed with the request: nothing to choose
+                    req.state.admit()
                     self.kv.map_slots(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -174,10 +174,9 @@ class Scheduler:
                 req.stats.first_scheduled = time.perf_counter()
             anchors = result.anchors[req.request_id]
             if req.bicache:
-                none = req.shared_mask([])
-                req.state.set_recompute(none, none)
+                req.state.admit()
             else:
-                req.state.set_recompute(req.shared_columns, anchors)
+                req.state.admit(req.shared_columns, anchors)
                 self.kv.map_slots(req)
             self._count_anchors(req)
             if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step

@@ -1,23 +1,50 @@
 """The cache manager of the families whose cache is the model's own object (the state-space variant, R2LM).
 
 A request's cache is its model's ``empty_cache()`` at admission, advanced by the runner as blocks finish
-(:class:`~acache.decoding.blockwise.BlockCache`). Admission reserves the most the cache will ever hold
+(:class:`BlockCache`). Admission reserves the most the cache will ever hold
 (``cache_bytes_for`` the whole canvas: one fixed-size state for the state-space variant, every position's K/V
 for R2LM) against a byte budget, all or nothing, so a running request never runs out; a request that does
 not fit waits, one that could never fit is refused. These families share no affix K/V: the affix table is
-:class:`NoSharedAffixes`.
+:class:`NoSharedAffixes`. What such a family cannot do at all is refused by :func:`check_state_request`, which
+the engine and the reference loop (:func:`acache.reference.reference_generate_state_cache`) both ask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from acache.affix.cache import CacheStats
-from acache.decoding.blockwise import BlockCache
+from acache.affix.prompt import AffixPrompt
 from acache.decoding.request_state import StepPlan
 from acache.engine.request import Request
 from acache.models.r2lm import R2LM
 from acache.models.ssm import SSMBlockDiffusionLM
+from acache.sampling_params import SamplingParams
+
+
+@dataclass
+class BlockCache:
+    """One request's cache: what ``extend`` left after canvas columns ``[0, covered)``."""
+
+    value: Any
+    covered: int = 0
+
+
+def check_state_request(family: str, prompt: AffixPrompt, params: SamplingParams) -> None:
+    """What a state-cache family cannot do, refused by name; the engine and the reference loop both ask here,
+    so the two accept the same requests."""
+    if params.affix_policy is not None and prompt.affixes:
+        raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
+                         f"{family} family: its cache is built block by block, per request")
+    for name in ("focus_layers", "far_mask_window"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name} is not supported for the {family} family")
+    if prompt.gen_at != len(prompt.token_ids):
+        raise ValueError(f"the prompt has {len(prompt.token_ids) - prompt.gen_at} tokens after its generation "
+                         f"region, which a {family} model cannot read (it sees no later block): "
+                         "put all of the prompt before the answer")
 
 
 class NoSharedAffixes:

@@ -154,12 +154,12 @@ def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id:
                  max_seq_len: int = 4096, rope_theta: float | None = None, block_size: int | None = None,
                  **scan: int) -> nn.Module:
     """An uninitialised model of any family at a shape: a transformer family through :func:`random_config`, a
-    scan family (our own layout) through its ``random_config``, which also takes the ``scan`` options it
+    state-cache family (our own layout) through its ``random_config``, which also takes the ``scan`` options it
     names (``state_size``; ``conv_kernel`` and ``n_groups`` for the state-space variant)."""
     cls = family_class(family)
     if issubclass(cls, DiffusionLM):
         if scan:
-            raise ValueError(f"{', '.join(sorted(scan))} belong to the scan families, not to {cls.family}")
+            raise ValueError(f"{', '.join(sorted(scan))} belong to the state-cache families, not to {cls.family}")
         return cls(random_config(cls.family, vocab_size, mask_token_id, eos_token_id, layers=layers,
                                  hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
                                  intermediate_size=intermediate_size, max_seq_len=max_seq_len, rope_theta=rope_theta,

@@ -81,6 +81,6 @@ def require(raw: dict[str, Any], key: str, family: str) -> Any:
 
 def affix_training(config: object) -> dict | None:
     """The record affix-aware training left in a model's config.json (its affixes were trained to be reused as
-    computed alone), or None; for any family's config (the scan families' have a ``raw`` of their own)."""
+    computed alone), or None; for any family's config (the state-cache families' have a ``raw`` of their own)."""
     record = (getattr(config, "raw", None) or {}).get(AFFIX_TRAINING_KEY)
     return record if isinstance(record, dict) else None

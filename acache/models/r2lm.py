@@ -6,7 +6,7 @@ before it, with RoPE and grouped K/V heads), then a small reverse state-space si
 (:class:`~acache.models.ssm.SSMMixer` without its forward scan: right to left inside each block of
 ``block_size`` positions, from a zero state), then a SwiGLU MLP. A token thus sees every earlier token
 exactly and the rest of its own block compressed, never a later block: a finished block's K/V are final,
-so the attention cache is exact, and the blocks are decoded in parallel steps (``decoding/blockwise.py``).
+so the attention cache is exact, and the blocks are decoded in parallel steps (``engine/state_runner.py``).
 Logits are not shifted. The family has no public upstream checkpoint; its layers use Qwen2's names for
 attention, norms and MLP and Mamba-2's for the sidecar (``sidecar.in_proj``, ``A_log``, ...).
 """

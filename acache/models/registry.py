@@ -14,9 +14,9 @@ from acache.models.ssm import SSMBlockDiffusionLM
 
 #: the families the engine serves
 MODEL_CLASSES: tuple[type[DiffusionLM], ...] = (LLaDAModel, DreamModel, FastDLLMv2Model)
-#: the families decoded block by block with their own cache (``decoding/blockwise.py``), not yet by the engine
-BLOCKWISE_CLASSES: tuple[type, ...] = (SSMBlockDiffusionLM, R2LM)
-ALL_CLASSES = MODEL_CLASSES + BLOCKWISE_CLASSES
+#: the families with a cache of their own, decoded block by block (``engine/state_runner.py``)
+STATE_CACHE_CLASSES: tuple[type, ...] = (SSMBlockDiffusionLM, R2LM)
+ALL_CLASSES = MODEL_CLASSES + STATE_CACHE_CLASSES
 
 
 def family_class(name: str) -> type:

@@ -73,7 +73,7 @@ class SSMConfig:
 
 def check_sizes(config: object, label: str, names: tuple[str, ...]) -> None:
     """Every one of ``names`` a positive integer, and the mask and end-of-text ids inside the vocabulary: the
-    checks a config of the scan families makes once, at construction, naming the field."""
+    checks a config of the state-cache families makes once, at construction, naming the field."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -90,7 +90,7 @@ class OwnLayout:
     ``model.`` (``lm_head`` at the top, as Qwen2's). Loaded and written by the same loader and writer as the
     upstream families. The engine serves them with a cache of the model's own per request
     (``engine/state_runner.py``), through the same ``extend_many`` as the reference loop
-    (``decoding/blockwise.py``)."""
+    (``engine/state_runner.py``)."""
 
     family: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
@@ -337,7 +337,7 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
     def state_bytes(state: list[MixerCache]) -> int:
         return sum(t.numel() * t.element_size() for layer in state for t in layer)
 
-    # the block-cache interface of decoding/blockwise.py: the cache is the state (and the convolution's window)
+    # the block-cache interface of engine/state_runner.py: the cache is the state (and the convolution's window)
     def empty_cache(self) -> list[MixerCache]:
         return self.empty_state()
 

@@ -26,7 +26,7 @@ class EngineCollector:
                    in_use * unit),
                   ("cache_bytes_total", "Bytes the cache may hold (kv_cache_memory).", e.kv.capacity_bytes),
                   ("cache_bytes_peak", "Most cache bytes in use at once.", peak * unit)]
-        if e.pool is not None:  # a paged family (a scan family's caches are the model's own, not pages)
+        if e.pool is not None:  # a paged family (a state-cache family's caches are the model's own, not pages)
             gauges += [("kv_pages_in_use", "KV pool pages in use (shared affix pages counted once).", e.pool.num_used),
                        ("kv_pages_total", "KV pool pages.", e.pool.num_pages),
                        ("kv_pages_peak", "Most KV pool pages in use at once.", e.pool.peak_pages_used)]

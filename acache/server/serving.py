@@ -108,7 +108,7 @@ class OpenAIServing:
 
     def scoring_allowed(self, wanted: bool) -> None:
         """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror; it masks and
-        scores whole sequences bidirectionally, which a scan family's cache interface does not offer."""
+        scores whole sequences bidirectionally, which a state-cache family's cache interface does not offer."""
         if wanted and self.llm.tensor_parallel_size > 1:
             raise BadRequest("logprobs are not supported with --tensor-parallel-size > 1 yet")
         if wanted and self.llm.engine.state_cache:

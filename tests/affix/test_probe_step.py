@@ -88,7 +88,7 @@ def test_the_state_refreshes_after_the_probe_whatever_the_interval():
                             probe_step=True)
     state = RequestState(Layout((1, 2, 3), 3), params, 9, 0, False, torch.device("cpu"))
     shared = torch.tensor([True, True, False] + [False] * 8)
-    state.set_recompute(shared, shared & False)
+    state.admit(shared, shared & False)
     proposal = torch.arange(10, 18), torch.linspace(0.1, 0.9, 8)
     assert state.phase is Phase.REFRESH and not state.commit(*proposal, probe=True)
     assert state.step == 1 and state.phase is Phase.REFRESH and int(state.masked.sum()) == 6

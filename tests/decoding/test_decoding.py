@@ -40,8 +40,7 @@ def test_cached_step_equals_full_forward_on_same_canvas(family_model, cache):
     state = RequestState(Layout(tuple(random_prompts([9], seed=2)[0]), 9),
                          SamplingParams(gen_length=24, block_length=8, cache=cache), model.config.mask_token_id,
                          model.config.pad_token_id, model.shifted_logits, model.device)
-    none = torch.zeros(state.length, dtype=torch.bool)
-    state.set_recompute(none, none)
+    state.admit()
     state.block = 1
     state.tokens[9:14] = torch.tensor([5, 6, 7, 8, 9])  # some committed tokens before the block
     full = state.plan()
@@ -206,3 +205,32 @@ def test_a_block_holding_a_stop_token_ends_the_request(family_model):
     ref = reference_generate(family_model, prompt, stopping)
     assert cut.token_ids == ref.token_ids == full.token_ids[:first] and cut.stopped
     assert cut.refreshes == ref.refreshes == 1 and cut.nfe == ref.nfe < full.nfe
+
+
+def test_admission_fixes_the_recompute_set_once_and_refuses_a_mixed_call():
+    """RequestState.admit is the one way out of SELECT: no shared columns (every column own), given anchors,
+    or anchors chosen inside the first refresh; a second call, or anchors without their shared columns, is
+    refused by name."""
+    def fresh():
+        return RequestState(Layout((1, 2, 3, 4), 4), SamplingParams(gen_length=4, block_length=4), 9, 0, False,
+                            torch.device("cpu"))
+
+    shared = torch.tensor([True, True, False, False] + [False] * 4)
+    own = fresh()
+    own.admit()
+    assert own.recompute.all() and not own.anchors.any() and own.phase is Phase.REFRESH
+    with pytest.raises(RuntimeError, match="fixed once"):
+        own.admit()
+    given = fresh()
+    given.admit(shared, torch.tensor([True] + [False] * 7))
+    assert given.recompute.tolist() == [True, False] + [True] * 6 and given.anchors.tolist()[:2] == [True, False]
+    chosen = fresh()
+    chosen.admit(shared, select=True)
+    assert chosen.selecting and chosen.recompute.all() and not chosen.anchors.any()
+    chosen.fix_anchors(torch.tensor([False, True] + [False] * 6))
+    assert not chosen.selecting and chosen.recompute.tolist() == [False, True] + [True] * 6
+    for bad, message in [(dict(anchors=shared), "need the shared columns"), (dict(select=True), "need the shared"),
+                         (dict(shared=shared), "either given or chosen"),
+                         (dict(shared=shared, anchors=shared, select=True), "either given or chosen")]:
+        with pytest.raises(ValueError, match=message):
+            fresh().admit(**bad)

@@ -19,8 +19,7 @@ def state(window, cache="dual", suffix=()):
     prompt = tuple(range(10, 16)) + tuple(suffix)
     s = RequestState(Layout(prompt, 6), SamplingParams(gen_length=32, block_length=8, cache=cache,
                                                        far_mask_window=window), 99, 98, False, torch.device("cpu"))
-    none = torch.zeros(s.length, dtype=torch.bool)
-    s.set_recompute(none, none)
+    s.admit()
     return s
 
 

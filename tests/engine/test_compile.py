@@ -33,7 +33,7 @@ def test_compiled_layers_decode_the_same_tokens(llada_dir):
     assert model.layers[0].forward is first and hasattr(first, "_torchdynamo_orig_callable")
 
 
-def test_compile_is_refused_for_a_scan_family():
+def test_compile_is_refused_for_a_state_cache_family():
     from acache.models.ssm import SSMBlockDiffusionLM
     from tests.engine.test_state_runner import SSM_CONFIG
 
@@ -43,7 +43,7 @@ def test_compile_is_refused_for_a_scan_family():
     assert not any(hasattr(getattr(m, "forward", None), "_torchdynamo_orig_callable") for m in model.modules())
 
 
-def test_llm_refuses_compile_for_a_scan_family_by_name():
+def test_llm_refuses_compile_for_a_state_cache_family_by_name():
     from acache import LLM
 
     with pytest.raises(ValueError, match="compile applies to the attention families' decoder layers; a "

@@ -305,3 +305,28 @@ def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_mod
     for prompt, p, out in zip(prompts, params, outs, strict=True):
         ref = reference_generate(family_model, prompt, p, store)
         assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_cache_memory=0), "kv_cache_memory must be a positive integer or None, got 0"),
+    (dict(kv_cache_memory=1.5), "kv_cache_memory must be a positive integer"),
+    (dict(max_model_len=True), "max_model_len must be a positive integer or None, got True"),
+    (dict(max_model_len=-3), "max_model_len must be a positive integer"),
+    (dict(gpu_memory_utilization=0.0), r"gpu_memory_utilization must be in \(0, 1\], got 0.0"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+])
+def test_engine_config_refuses_bad_values_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_resolves_the_limit_and_the_budget_once(llada_model):
+    assert EngineConfig().model_len(512) == 512 and EngineConfig(max_model_len=40).model_len(512) == 40
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in 1..512 \(the model's context\)"):
+        EngineConfig(max_model_len=600).model_len(512)
+    cpu = torch.device("cpu")
+    assert EngineConfig().kv_budget(cpu) == 1 << 30 and EngineConfig(kv_cache_memory=1 << 20).kv_budget(cpu) == 1 << 20
+    engine = LLMEngine(llada_model, EngineConfig(kv_cache_memory=1 << 22, max_model_len=64))
+    assert engine.max_model_len == 64 and engine.pool.num_pages * engine.pool.page_size > 0
+    with pytest.raises(ValueError, match="exceed the model's context of 64"):
+        engine.add_request(list(range(1, 60)), SamplingParams(gen_length=16, block_length=8))

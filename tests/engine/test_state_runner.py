@@ -1,4 +1,4 @@
-"""The engine serving the scan families (the state-space variant, R2LM) with a cache of the model's own per
+"""The engine serving the state-cache families (the state-space variant, R2LM) with a cache of the model's own per
 request: any mix of requests, arriving at any step, decodes each exactly as the reference loop does alone;
 the cache budget admits, queues and refuses; an aborted or failed request leaves no cache behind."""
 
@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from acache.affix.prompt import Affix, AffixPrompt, resolve_segments
-from acache.decoding.blockwise import BlockCache, generate_blockwise, run_plans
 from acache.engine import EngineConfig, LLMEngine
+from acache.engine.state_cache_manager import BlockCache
+from acache.engine.state_runner import run_plans
 from acache.models.r2lm import R2LM, R2LMConfig
 from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
+from acache.reference import reference_generate_state_cache
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.helpers import run_engine, tokens
@@ -40,7 +42,7 @@ MIXED = [dict(gen_length=8, block_length=4, threshold=0.3), dict(gen_length=12, 
 
 
 def reference(model, prompts, params):
-    return [generate_blockwise(model, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    return [reference_generate_state_cache(model, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
 
 
 @pytest.mark.parametrize("arrivals", [[0] * 7, [0, 3, 1, 7, 2, 0, 12]])
@@ -124,7 +126,7 @@ def test_rows_of_any_length_run_together_as_alone(model):
 
 
 def test_a_plan_that_reads_past_its_cache_is_refused(model):
-    from acache.decoding.blockwise import new_state
+    from acache.engine.state_runner import new_state
 
     state = new_state(model, AffixPrompt((1, 2, 3, 4, 5), 5), SamplingParams(gen_length=4, block_length=4),
                       {model.config.eos_token_id})
@@ -141,7 +143,8 @@ def test_the_budget_admits_queues_and_refuses(model):
         assert need[0] == need[1] == model.cache_bytes(model.empty_cache())
     else:  # every position's K/V
         assert need[1] > need[0]
-        done = generate_blockwise(model, prompts[1], SamplingParams(gen_length=8, block_length=4, stop_token_ids=()))
+        params = SamplingParams(gen_length=8, block_length=4, stop_token_ids=())
+        done = reference_generate_state_cache(model, prompts[1], params)
         assert done.cache_bytes <= need[1]
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=max(need)))  # room for one request at a time
     outs = run_engine(model, prompts, params, engine=engine)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acache.decoding.blockwise import generate_blockwise
 from acache.models.r2lm import R2LM, R2LMConfig
 from acache.models.ssm import init_scan_model_
+from acache.reference import reference_generate_state_cache
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.helpers import right_padded
@@ -68,8 +68,8 @@ CASES = [dict(threshold=0.3), dict(remasking="low_confidence", steps=8), dict(re
 def test_cached_decoding_equals_uncached(model, case):
     for prompt, block in zip(random_prompts([3, 4, 6, 9], vocab=290, seed=case + 10), (4, 2, 8, 4), strict=True):
         base = dict(gen_length=8, block_length=block, **CASES[case])  # within, at, and across model blocks
-        cached = generate_blockwise(model, prompt, SamplingParams(**base))
-        uncached = generate_blockwise(model, prompt, SamplingParams(**base, cache="none"))
+        cached = reference_generate_state_cache(model, prompt, SamplingParams(**base))
+        uncached = reference_generate_state_cache(model, prompt, SamplingParams(**base, cache="none"))
         assert cached.token_ids == uncached.token_ids and cached.nfe == uncached.nfe
 
 
@@ -82,7 +82,7 @@ def test_config_is_validated():
 
 @pytest.mark.parametrize("family", ["r2lm", "blockdiff_ssm"])
 def test_own_layout_checkpoints_round_trip(tmp_path, family):
-    """The scan families write and load through the same checkpoint code as the upstream ones (every tensor
+    """The state-cache families write and load through the same checkpoint code as the upstream ones (every tensor
     accounted for), decode the same after the round trip and on the engine, which refuses by name what they
     cannot do."""
     import json
@@ -101,10 +101,10 @@ def test_own_layout_checkpoints_round_trip(tmp_path, family):
     assert set(load_file(root / "model.safetensors")) == set(model.hf_tensor_names(model.config))
     again = load_model(root)
     params = SamplingParams(gen_length=8, block_length=4, threshold=0.4)
-    assert generate_blockwise(model, [5, 6, 7], params).token_ids == generate_blockwise(again, [5, 6, 7],
-                                                                                          params).token_ids
+    want = reference_generate_state_cache(model, [5, 6, 7], params).token_ids
+    assert reference_generate_state_cache(again, [5, 6, 7], params).token_ids == want
     llm = LLM(root)  # the engine serves it, as the reference loop decodes it
-    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids == generate_blockwise(
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids == reference_generate_state_cache(
         model, [5, 6, 7], params).token_ids
     for kwargs, name in [(dict(tensor_parallel_size=2), "tensor_parallel_size"),
                          (dict(affix_cache_dir=tmp_path), "affix_cache_dir")]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from acache.decoding.blockwise import generate_blockwise
 from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, chunked_scan, init_scan_model_
+from acache.reference import reference_generate_state_cache
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.helpers import right_padded
@@ -103,22 +103,22 @@ CASES = [dict(threshold=0.3), dict(remasking="low_confidence", steps=8), dict(re
 def test_cached_decoding_equals_uncached(model, case):
     for prompt, block in zip(random_prompts([3, 4, 6, 9], vocab=290, seed=case), (4, 2, 8, 4), strict=True):
         base = dict(gen_length=8, block_length=block, **CASES[case])  # within, at, and across model blocks
-        cached = generate_blockwise(model, prompt, SamplingParams(**base))
-        uncached = generate_blockwise(model, prompt, SamplingParams(**base, cache="none"))
+        cached = reference_generate_state_cache(model, prompt, SamplingParams(**base))
+        uncached = reference_generate_state_cache(model, prompt, SamplingParams(**base, cache="none"))
         assert cached.token_ids == uncached.token_ids and cached.nfe == uncached.nfe
         assert cached.cache_bytes == model.state_bytes(model.empty_state())
 
 
 @pytest.mark.parametrize("option", [dict(focus_layers=1), dict(far_mask_window=1)])
 def test_the_reference_loop_refuses_what_the_engine_refuses(model, option):
-    """Both ask :func:`check_blockwise_request`: an option the family cannot honour is refused by name, not
+    """Both ask :func:`check_state_request`: an option the family cannot honour is refused by name, not
     silently ignored by one of the two paths."""
     from acache.engine import EngineConfig, LLMEngine
 
     params = SamplingParams(block_length=4, gen_length=8, **option)
     name = next(iter(option))
     with pytest.raises(ValueError, match=f"{name} is not supported for the blockdiff_ssm family"):
-        generate_blockwise(model, [1, 2, 3], params)
+        reference_generate_state_cache(model, [1, 2, 3], params)
     with pytest.raises(ValueError, match=f"{name} is not supported for the blockdiff_ssm family"):
         LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24)).add_request([1, 2, 3], params)
 
@@ -126,10 +126,11 @@ def test_the_reference_loop_refuses_what_the_engine_refuses(model, option):
 def test_bad_requests(model):
     # a plain token list has no affix, so a policy has nothing to do: decoded as without one, as the engine does
     plain = SamplingParams(block_length=4, gen_length=8)
-    assert generate_blockwise(model, [1, 2, 3], SamplingParams(block_length=4, gen_length=8, affix_policy="attention")
-                              ).token_ids == generate_blockwise(model, [1, 2, 3], plain).token_ids
+    with_policy = SamplingParams(block_length=4, gen_length=8, affix_policy="attention")
+    assert reference_generate_state_cache(model, [1, 2, 3], with_policy).token_ids == reference_generate_state_cache(
+        model, [1, 2, 3], plain).token_ids
     with pytest.raises(ValueError, match="in the vocabulary"):
-        generate_blockwise(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
+        reference_generate_state_cache(model, [1, 400], SamplingParams(gen_length=4, block_length=4))
 
 
 @pytest.mark.parametrize("scan_init, a_range, dt_range", [("short", (0.5, 8.0), (0.1, 0.1)),
@@ -164,7 +165,7 @@ def test_convolution_taps_start_uniform():
 
 
 def test_scan_options_shape_the_model():
-    """A training shape's state size and convolution reach the model (and only a scan family takes them)."""
+    """A training shape's state size and convolution reach the model (and only a state-cache family takes them)."""
     from acache.models.checkpoint import family_model
 
     m = family_model("blockdiff_ssm", 300, 299, 298, layers=1, hidden_size=32, heads=2, block_size=4,
@@ -173,7 +174,7 @@ def test_scan_options_shape_the_model():
     assert m.layers[0].mixer.in_proj.weight.shape[0] == 2 * 64 + 2 * 2 * 24 + 4  # x, z, B and C per group, dt
     assert m.layers[0].mixer.conv1d.weight.shape[-1] == 6 and m.empty_cache()[0][1].shape[1] == 5
     assert m.cache_bytes_for(10) == m.cache_bytes(m.empty_cache())
-    with pytest.raises(ValueError, match="conv_kernel belong to the scan families, not to llada"):
+    with pytest.raises(ValueError, match="conv_kernel belong to the state-cache families, not to llada"):
         family_model("llada", 300, 299, 298, layers=1, hidden_size=32, heads=2, conv_kernel=6)
 
 

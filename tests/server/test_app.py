@@ -90,8 +90,8 @@ def test_a_request_cancelled_while_waiting_to_be_added_is_never_added(llada_dir)
 
 
 @pytest.mark.parametrize("family", ["r2lm", "blockdiff_ssm"])
-def test_a_scan_family_is_served(tmp_path, family):
-    """The OpenAI endpoints serve a scan family through the engine; a chat's system prompt is computed with
+def test_a_state_cache_family_is_served(tmp_path, family):
+    """The OpenAI endpoints serve a state-cache family through the engine; a chat's system prompt is computed with
     the request (nothing to reuse), and what the family cannot do is a 400 that names it."""
     from acache import SamplingParams
     from acache.cli import main
@@ -120,7 +120,7 @@ def test_a_scan_family_is_served(tmp_path, family):
                                  "far_mask_window is not supported")]:
             resp = c.post(path, json=body)
             assert resp.status_code == 400 and why in resp.json()["error"]["message"], resp.text
-        scraped = c.get("/metrics")  # bytes, not pages: a scan family's caches are its own
+        scraped = c.get("/metrics")  # bytes, not pages: a state-cache family's caches are its own
         assert scraped.status_code == 200, scraped.text
         gauges = dict(line.rsplit(" ", 1) for line in scraped.text.splitlines()
                       if line.startswith("acache_cache_bytes"))

@@ -348,7 +348,7 @@ def test_a_block_diffusion_model_trains_from_a_llada_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("family, new", [("r2lm", "sidecar"), ("blockdiff_ssm", "mixer")])
-def test_a_scan_family_trains_from_a_llada_checkpoint(tmp_path, family, new):
+def test_a_state_cache_family_trains_from_a_llada_checkpoint(tmp_path, family, new):
     """The parent's tensors of the same name carry over; the scan it lacks starts silent (its output
     projection at zero); the model is written in the family's own layout and loads."""
     from acache.models.loader import load_model
