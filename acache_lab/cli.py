@@ -58,7 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
         configs[-1].out = args.out
-    from acache_lab.outputs import refuse_tracked
+    from acache_lab.tracked import refuse_tracked
 
     refuse_tracked([c.out for c in configs], args.overwrite)
     total_s = 0.0
@@ -236,7 +236,7 @@ OUTPUT_ARGS = ("out", "json", "plot")
 def _guarded(func):
     """Runs a command after checking that its outputs overwrite no file git tracks (unless --overwrite)."""
     def run(args: argparse.Namespace) -> int:
-        from acache_lab.outputs import refuse_tracked
+        from acache_lab.tracked import refuse_tracked
 
         refuse_tracked([getattr(args, name, None) for name in OUTPUT_ARGS], args.overwrite)
         return func(args)

@@ -11,11 +11,11 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from acache.cluster.affinity import Balance
 from acache.cluster.directory import AffixDirectory
 from acache.cluster.frontend import FrontendSettings, build_frontend
 from acache.cluster.replica import EngineReplica, ReplicaSettings
 from acache.cluster.router import SpanAwareRouter
-from acache.cluster.routing import Balance
 
 NAMESPACE = "acache"
 ROUTERS = ("span", "default")

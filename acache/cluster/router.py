@@ -1,6 +1,6 @@
 """The span-aware request router, on Ray Serve's ``RequestRouter`` API: each request carries the content
 hashes of its affixes (the frontend extracts them as the single server does), the router asks the affix
-directory which replica holds them and ranks the replicas by :func:`acache.cluster.routing.rank_replicas`.
+directory which replica holds them and ranks the replicas by :func:`acache.cluster.affinity.rank_replicas`.
 Requests routed but not finished count as held by their replica, so that a burst of requests for a new
 document lands on one replica before its first one has been admitted."""
 
@@ -17,7 +17,7 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import RequestRouter
 
-from acache.cluster.routing import Balance, rank_replicas
+from acache.cluster.affinity import Balance, rank_replicas
 
 log = logging.getLogger("acache.cluster")
 DIRECTORY_TIMEOUT_S = 1.0  # a slow directory costs a request its affinity, not its latency

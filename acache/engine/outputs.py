@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from acache.decoding.request_state import StepPlan
-from acache.engine.request import Request, RequestStats, Status
+from acache.engine.request import Request, RequestMetrics, Status
 
 #: one request's proposed tokens and their confidences ``[L]`` for its current block
 Sample = tuple[torch.Tensor, torch.Tensor]
@@ -63,7 +63,7 @@ class EngineOutput:
     anchors: list[int]  # absolute positions of the recomputed affix tokens
     affix_tokens: int  # affix tokens the request reused
     recomputed_per_refresh: int
-    stats: RequestStats
+    stats: RequestMetrics
     nfe: int = 0
     refreshes: int = 0
     bicache_depth: int | None = None

@@ -29,7 +29,10 @@ class Status(enum.Enum):
 
 
 @dataclass
-class RequestStats:
+class RequestMetrics:
+    """What the engine records of a request while it runs (vLLM's word); the user gets
+    :class:`acache.outputs.RequestStats`, made from it when the request finishes."""
+
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     finished: float | None = None
@@ -63,7 +66,7 @@ class Request:
         self.private_pages: list[int] = []
         self.private_slots: torch.Tensor | None = None
         self.slot_map: torch.Tensor | None = None  # canvas column -> physical pool slot
-        self.stats = RequestStats()
+        self.stats = RequestMetrics()
         self.error: str | None = None
 
     @property

@@ -56,12 +56,12 @@ class ModelShape:
     max_seq_len: int = 256
     rope_theta: float | None = None  # None: the family's upstream default
     block_size: int | None = None  # block-causal families: the attention block (None: the family's default)
-    state_size: int | None = None  # the scan families: each scan's state N (None: the family's default)
+    state_size: int | None = None  # the state-cache families: each scan's state N (None: the family's default)
     conv_kernel: int | None = None  # the state-space variant: taps of its short convolution (None: its default)
     n_groups: int | None = None  # the state-space variant: groups of heads with their own B and C (None: one)
 
     def scan_options(self) -> dict[str, int]:
-        """The scan families' options this shape sets, as ``family_model`` takes them."""
+        """The state-cache families' options this shape sets, as ``family_model`` takes them."""
         return {k: v for k, v in (("state_size", self.state_size), ("conv_kernel", self.conv_kernel),
                                   ("n_groups", self.n_groups)) if v is not None}
 
@@ -129,7 +129,7 @@ class TrainConfig:
     #: a task's own context-length range ``[min, max]`` sentences, instead of the stage's: long documents for
     #: qa1 in the same batches as short stories for the demonstration tasks
     task_sentences: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: how a new scan's decays start (a scan family's mixers, R2LM's sidecar): ``short`` or ``long``
+    #: how a new scan's decays start (a state-cache family's mixers, R2LM's sidecar): ``short`` or ``long``
     #: (Mamba's ranges; ``acache.models.ssm.SCAN_INITS``)
     scan_init: str = "short"
     #: the share of rows trained as direct reuse serves them: each affix attends only within itself, every
@@ -363,10 +363,10 @@ class Batch(NamedTuple):
 
 def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
                     valid: torch.Tensor) -> torch.Tensor:
-    """``[B, T, V]`` predictions of a right-padded batch, for a transformer family or a scan family (the
+    """``[B, T, V]`` predictions of a right-padded batch, for a transformer family or a state-cache family (the
     state-space variant, R2LM), whose rows start at position 0. ``valid`` may be a per-query ``[B, T, T]``
     mask (affix-isolated rows)."""
-    if hasattr(model, "train_logits"):  # a scan family
+    if hasattr(model, "train_logits"):  # a state-cache family
         return model.train_logits(ids, valid)
     return model.logits(model(ids, positions, valid).hidden)
 
@@ -461,7 +461,7 @@ class Probe:
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,
                        embed_generator: torch.Generator | None = None, scan_init: str = "short") -> None:
-    """Weights at N(0, std) (a scan family's decays and steps as :func:`init_weights_` sets them), norms
+    """Weights at N(0, std) (a state-cache family's decays and steps as :func:`init_weights_` sets them), norms
     at one, token embeddings at N(0, embed_std) (docs/model.md, run 3)."""
     init_weights_(model, seed, std=std, scan_init=scan_init)
     with torch.no_grad():

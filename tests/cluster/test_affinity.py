@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from acache.cluster.affinity import Balance, rank_replicas
 from acache.cluster.directory import AffixDirectory, Holding
-from acache.cluster.routing import Balance, rank_replicas
 
 R = ["a", "b", "c"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from acache.cli import main
-from acache_lab.outputs import refuse_tracked, tracked_files
+from acache_lab.tracked import refuse_tracked, tracked_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
