@@ -105,7 +105,9 @@ def main(args: argparse.Namespace) -> int:
           "gets right here.\n"
           "tokens a refresh: the columns each block-boundary refresh computes (the request's own tokens, plus the "
           "affix's anchors under ACache; full recompute computes the affix too). forward ms/request: the fastest "
-          f"of {TIMED_RUNS} runs after a warm-up. This 2-layer model's forwards cost about the same whatever their "
-          "width, so fewer tokens need not mean less time here; BENCHMARKS.md measures larger shapes.")
+          f"of {TIMED_RUNS} runs after a warm-up. On this {llm.config.num_layers}-layer, {llm.config.hidden_size}-wide "
+          "model a forward costs about the same whatever its width, so fewer tokens need not mean less time, and "
+          "ACache's first refresh, which runs the layers in several calls with the selection between them, can "
+          "cost more than full recompute's single call; BENCHMARKS.md measures larger shapes.")
     print("\n".join(run(llm)))
     return 0

@@ -29,5 +29,9 @@ def test_the_header_explains_the_rows_and_the_token_counts_hold(capsys):
     assert "tokens a refresh: the columns each block-boundary refresh computes" in head
     assert "forward ms/request: the fastest of 3 runs after a warm-up" in head
     assert "win" not in head  # no claim the table does not show
+    from acache.models.loader import read_config
+
+    layers = read_config(default_model())[1].num_layers
+    assert f"On this {layers}-layer," in head  # the model's own depth, not a stale number
     tokens = [[float(x) for x in line.split()[3:]] for line in out.splitlines() if line.startswith("tokens a refresh ")]
     assert len(tokens) == 3 and all(row == sorted(row) and len(set(row)) == 4 for row in tokens)
