@@ -1,7 +1,8 @@
-"""Every code block of the README runs as written, on the shipped model, and prints what its ``# ->``
-comments say.
+"""Every code block of the README and of the guide's pages (docs/guide/) runs as written, on the shipped model,
+and prints what its ``# ->`` comments say.
 
-Python blocks run in order in one namespace (as a reader pastes them into one session); shell blocks run
+Each page is a session of its own: its Python blocks run in order in one namespace (as a reader pastes them into
+one session); shell blocks run
 in bash, in a scratch directory that holds ``models/`` and nothing else. The server a shell block starts in
 the background serves the Python blocks after it, on a free port in place of 8000, and is stopped at the
 end. ``make`` lines run as ``make -n`` (a dry run): ``make test`` cannot run inside the test suite. The
@@ -25,11 +26,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-def blocks() -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer(README.read_text())]
+def blocks(page: Path = README) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(page.read_text())]
+
+
+def all_text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
 
 
 def expected(code: str) -> list[str]:
@@ -55,7 +62,8 @@ def run_shell(code: str, cwd: Path, log: Path) -> tuple[int, str, int]:
     return code_, log.read_text(), proc.pid
 
 
-def test_the_readme_runs_as_written(tmp_path):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_readme_runs_as_written(tmp_path, page):
     port = str(free_port())
     work = tmp_path / "work"
     work.mkdir()
@@ -65,21 +73,21 @@ def test_the_readme_runs_as_written(tmp_path):
     previous = Path.cwd()
     os.chdir(work)  # the Python blocks name models/acache-tiny as a reader in the repository does
     try:
-        for i, (lang, code) in enumerate(blocks()):
+        for i, (lang, code) in enumerate(blocks(page)):
             code = code.replace("8000", port)
             if lang == "python":
                 buf = io.StringIO()
                 with contextlib.redirect_stdout(buf):
-                    exec(compile(code, f"README block {i}", "exec"), namespace)
+                    exec(compile(code, f"{page.name} block {i}", "exec"), namespace)
                 output = buf.getvalue()
             elif lang == "bash":
                 status, output, group = run_shell(code, work, tmp_path / f"block{i}.log")
                 groups.append(group)
-                assert status == 0, f"README block {i} failed:\n{code}\n{output}"
+                assert status == 0, f"{page.name} block {i} failed:\n{code}\n{output}"
             else:
                 continue
             missing = [want for want in expected(code) if want not in output]
-            assert not missing, f"README block {i} did not print {missing}:\n{output}"
+            assert not missing, f"{page.name} block {i} did not print {missing}:\n{output}"
     finally:
         os.chdir(previous)
         for group in groups:
@@ -91,7 +99,7 @@ def test_every_command_the_readme_names_parses():
     from acache.cli import build_parser
 
     parser = build_parser()
-    text = README.read_text()
+    text = all_text()
     commands = re.findall(r"`(acache [^`]+)`", text)
     assert len(commands) >= 10
     for command in commands:
@@ -111,7 +119,16 @@ def test_every_command_the_readme_names_parses():
 
 
 def test_every_make_target_the_readme_names_exists():
-    targets = set(re.findall(r"`make ([\w-]+)`", README.read_text()))
+    targets = set(re.findall(r"`make ([\w-]+)`", all_text()))
     assert {"run", "test", "study", "eval-lm"} <= targets
     rules = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     assert targets <= rules, sorted(targets - rules)
+
+
+def test_the_guide_pages_and_their_links_exist():
+    """The README links every guide page, and every relative link of the README and the guide resolves."""
+    text = README.read_text()
+    assert len(PAGES) >= 8 and all(f"docs/guide/{p.name}" in text for p in PAGES[1:])
+    broken = [(page.name, target) for page in PAGES for target in LINK.findall(page.read_text())
+              if "://" not in target and not (page.parent / target).exists()]
+    assert broken == []

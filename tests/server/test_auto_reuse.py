@@ -1,5 +1,6 @@
-"""Automatic reuse never changes an answer unchecked: the README's chat sent again answers the same, a span is
-reused only after it gave the same answers, and the usage says what was reused and why."""
+"""Automatic reuse never changes an answer unchecked: the server guide's chat (docs/guide/server.md) sent again
+answers the same, a span is reused only after it gave the same answers, and the usage says what was reused and
+why."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ STORY = "mary moved to the kitchen . john went to the garden ."
 
 
 def story(*extra: str) -> str:
-    """The README's story with more sentences: each test a span no other test's engine holds yet."""
+    """The guide's story with more sentences: each test a span no other test's engine holds yet."""
     return " ".join([STORY, *(f"{who} went to the {where} ." for who, where in extra)])
 
 
