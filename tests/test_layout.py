@@ -45,3 +45,23 @@ def test_policy_names_are_defined_once():
                         if isinstance(target, ast.Name) and target.id in lists and isinstance(node.value, ast.Tuple):
                             defined.setdefault(target.id, []).append(path.name)
     assert defined == {name: ["policies.py"] for name in lists}
+
+
+def test_decoding_depends_on_sampling_params_alone():
+    """decoding/ is the per-request rules: it reads SamplingParams and its own modules, nothing of the affixes,
+    the engine or the models (which all build on it)."""
+    outside = {str(p.relative_to(RUNTIME.parent)): sorted(m for m in imported_modules(p) if m.startswith("acache")
+                                                          and not m.startswith("acache.decoding")
+                                                          and m != "acache.sampling_params")
+               for p in (RUNTIME / "decoding").rglob("*.py")}
+    assert {k: v for k, v in outside.items() if v} == {}
+
+
+def test_the_runtime_holds_no_research_module():
+    """What only the lab uses lives in the lab: the staleness study, BiCache's profiler, calibration sets and
+    one-off probes are not in the runtime (its BiCache reads a profile; it does not build one)."""
+    from acache.affix import bicache
+
+    assert not (RUNTIME / "affix" / "staleness.py").exists() and not (RUNTIME / "affix" / "calibration.py").exists()
+    assert not hasattr(bicache, "profile_bicache")
+    assert not (RUNTIME.parent / "scripts").exists() or not list((RUNTIME.parent / "scripts").glob("*.py"))
