@@ -12,13 +12,13 @@ from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
 from acache.models.registry import ALL_CLASSES
 from acache.policies import (
-    AFFIX_POLICIES,
     ANCHOR_PASSES,
     ANCHOR_QUERIES,
     CACHE_POLICIES,
     COMMIT_RULES,
     DEFAULT_SELECTOR,
     LAYOUTS,
+    SELECTOR_CHOICES,
 )
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
@@ -47,8 +47,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--layout", default="prefix", choices=LAYOUTS,
                    help="prefix [affix][prompt][GEN], infix [prompt][affix][answer][GEN], suffix [prompt][GEN][affix]")
     a.add_argument("--answer-prompt", default="", help="text between the affix and the generation region")
-    a.add_argument("--affix-policy", default=None, choices=AFFIX_POLICIES,
-                   help=f"reuse the affix's shared K/V with this policy (default with --affix, as the server's: "
+    a.add_argument("--selector", "--affix-policy", dest="selector", default=None, choices=SELECTOR_CHOICES,
+                   help=f"reuse the affix's shared K/V with this selector (default with --affix, as the server's: "
                         f"{DEFAULT_SELECTOR}, or none for a model trained to be reused): attention is ACache, none "
                         "direct reuse, all full recompute; the rest are baselines")
     a.add_argument("--anchor-ratio", type=float, default=d.anchor_ratio,
@@ -62,7 +62,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--probe-step", action="store_true",
                    help="let the anchor-selection probe decode the first step (one forward fewer a request)")
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
-    a.add_argument("--bicache-profile", default=None, help="depth table for --affix-policy bicache-profiled")
+    a.add_argument("--bicache-profile", default=None, help="depth table for --selector bicache-profiled")
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -133,7 +133,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from acache import LLM, Affix, SamplingParams
     from acache.affix.prompt import layout_segments
 
-    policy = args.affix_policy
+    policy = args.selector
     if policy is None and (args.affix or args.affix_file):  # the server's default for this model
         from acache.models.config import affix_training
         from acache.models.loader import read_config
@@ -143,7 +143,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,
                             refresh_interval=args.refresh_interval, seed=args.seed,
-                            affix_policy=policy, anchor_ratio=args.anchor_ratio,
+                            selector=policy, anchor_ratio=args.anchor_ratio,
                             anchor_query=args.anchor_query, probe_step=args.probe_step, anchor_pass=args.anchor_pass)
     affix_text = args.affix
     if args.affix_file:
@@ -178,7 +178,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                       "finish_reason": out.finish_reason, "nfe": s.nfe,
                       "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
             if affix is not None:
-                record["affix"] = {"anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
+                record["affix"] = {"selector": affix.selector, "anchor_ratio": affix.anchor_ratio,
+                                   "anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
                                    "hits": affix.affix_hits, "misses": affix.affix_misses,
                                    "selection_time_s": affix.selection_time_s}
             print(json.dumps(record))

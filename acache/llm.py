@@ -28,7 +28,7 @@ from acache.sampling_params import SamplingParams
 class LLM:
     """A diffusion LM loaded from a local checkpoint directory, ready to generate.
 
-    Every request runs on the paged engine, whatever its cache policy or affix policy, at most
+    Every request runs on the paged engine, whatever its cache policy or selector, at most
     ``max_batch_size`` at a time, in a KV pool of ``kv_cache_memory`` bytes (default 1 GiB on CPU,
     ``gpu_memory_utilization`` of free memory on CUDA) with pages of ``page_size`` tokens. ``seed`` seeds the
     sampling noise of requests whose :class:`SamplingParams` carry no seed of their own.
@@ -38,7 +38,7 @@ class LLM:
     is moved into the directory's ``quarantine/`` and the rest loads (``affix_cache_report`` says what was
     set aside; a set-aside affix is recomputed when next used). ``affix_cache_bytes`` bounds the dense
     store that keeps BiCache's affix K/V and hidden states (default 1 GiB; None: unbounded);
-    ``bicache_profile`` is the depth table for ``affix_policy='bicache-profiled'``. ``max_affix_tokens`` bounds
+    ``bicache_profile`` is the depth table for ``selector='bicache-profiled'``. ``max_affix_tokens`` bounds
     the tokens the shared affixes hold in the pool (None: as much as the pool has free).
     ``tensor_parallel_size`` K > 1 splits every layer over K processes (gloo on CPU, nccl on CUDA, one GPU
     each), spawned here and stopped by :meth:`close`; ``tensor_parallel_rank`` is set only in those processes.
@@ -196,7 +196,7 @@ class LLM:
 
         A prompt is text, token ids, an :class:`AffixPrompt`, or a list of segments (text, token ids,
         :class:`Affix`, ``GEN``). ``sampling_params`` is one :class:`SamplingParams` for every prompt or a
-        list of them, one per prompt. With ``affix_policy`` set, affixes are taken from the shared store
+        list of them, one per prompt. With ``selector`` set, affixes are taken from the shared store
         and only anchors are recomputed; otherwise affix tokens are computed like the rest. A request
         that fails alone (its output's ``error`` says why) does not stop the others.
         """
@@ -245,8 +245,8 @@ class LLM:
     def _stats(out: EngineOutput, params: SamplingParams) -> RequestStats:
         s = out.stats
         affix = None
-        if params.affix_policy is not None:
-            affix = AffixRequestStats(params.affix_policy, params.anchor_ratio, out.affix_tokens, out.anchors,
+        if params.selector is not None:
+            affix = AffixRequestStats(params.selector, params.anchor_ratio, out.affix_tokens, out.anchors,
                                       out.recomputed_per_refresh, list(s.refresh_times_s), s.selection_time_s,
                                       s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth)
         wall = (s.finished or s.arrival) - s.arrival

@@ -27,7 +27,7 @@ class RequestStats:
     forward_time_s: float  # time inside the batched forwards it ran in
     wall_time_s: float  # from arrival to finish
     batch_size: int  # the most requests it shared a forward with (itself included)
-    affix: AffixRequestStats | None = None  # with SamplingParams.affix_policy
+    affix: AffixRequestStats | None = None  # with SamplingParams.selector
 
 
 @dataclass

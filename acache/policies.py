@@ -11,7 +11,9 @@ CACHE_POLICIES = ("none", "prefix", "dual")
 SELECTORS = ("attention", "attention-deviation", "kv-deviation", "cacheblend", "influence", "query-attention",
              "first-k", "random", "none", "all")
 BICACHE_POLICIES = ("bicache-matched", "bicache-profiled")
-AFFIX_POLICIES = (*SELECTORS, *BICACHE_POLICIES)
+#: every value ``selector`` takes (SamplingParams, the CLI's ``--selector``, the HTTP field): how a reused affix
+#: is refreshed, by the anchors of a selector or by BiCache's depth
+SELECTOR_CHOICES = (*SELECTORS, *BICACHE_POLICIES)
 # where ACache's queries come from: the probe, a no-cache forward, or the probe's first layers only
 ANCHOR_QUERIES = ("probe", "full", "shallow")
 #: the selectors that read ``anchor_query`` (the others score without ACache's queries)

@@ -82,7 +82,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
         depth = split = None
         done = False
         if bicache:
-            depth = bicache_depth(params.affix_policy, params.anchor_ratio, len(model.layers),
+            depth = bicache_depth(params.selector, params.anchor_ratio, len(model.layers),
                                   int(shared.sum()) / t, bicache_profile)
             split = len(model.layers) - depth
             for entry in held:
@@ -97,7 +97,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             kv, slot = place_affixes(model, canvas, placements)
             ctx = SelectionContext(model, canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
                                    state.base_recompute(shared)[None])
-            anchors = make_selector(params.affix_policy, params.anchor_query).select(ctx, params.anchor_ratio)[0]
+            anchors = make_selector(params.selector, params.anchor_query).select(ctx, params.anchor_ratio)[0]
             state.admit(shared, anchors)
             if params.probe_step:
                 x0, conf = propose(ctx.probe_logits(params.block_length), params.temperature,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from acache.policies import (
-    AFFIX_POLICIES,
     ANCHOR_PASSES,
     ANCHOR_QUERIES,
     BICACHE_POLICIES,
@@ -16,6 +15,7 @@ from acache.policies import (
     COMMIT_RULES,
     ONE_PASS_SELECTORS,
     QUERY_SELECTORS,
+    SELECTOR_CHOICES,
 )
 
 
@@ -30,7 +30,7 @@ class SamplingParams:
     fixed quota a step). ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
     ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts.
 
-    ``affix_policy`` turns on cross-request affix reuse for prompts that mark affixes: the anchor
+    ``selector`` turns on cross-request affix reuse for prompts that mark affixes: the anchor
     selector (``attention`` is ACache; ``none`` is direct reuse, ``all`` full recompute; baselines
     ``kv-deviation``, ``query-attention``, ``first-k``, ``random``), recomputing ``anchor_ratio`` of each
     affix's tokens; ``anchor_query`` is where ACache's queries come from: ``probe``, ``full`` (a no-cache
@@ -73,7 +73,7 @@ class SamplingParams:
     refresh_interval: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    affix_policy: str | None = None
+    selector: str | None = None
     anchor_ratio: float = 0.2
     anchor_query: str = "probe"
     probe_step: bool = False
@@ -130,10 +130,10 @@ class SamplingParams:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.affix_policy is not None:
-            if self.affix_policy not in AFFIX_POLICIES:
-                raise ValueError(f"affix_policy must be one of {', '.join(AFFIX_POLICIES)} or None, "
-                                 f"got {self.affix_policy!r}")
+        if self.selector is not None:
+            if self.selector not in SELECTOR_CHOICES:
+                raise ValueError(f"selector must be one of {', '.join(SELECTOR_CHOICES)} or None, "
+                                 f"got {self.selector!r}")
             if self.cache != "dual":
                 raise ValueError(f"affix reuse runs on the dual cache: set cache='dual' (got {self.cache!r})")
         if not 0.0 <= self.anchor_ratio <= 1.0:
@@ -156,28 +156,28 @@ class SamplingParams:
             raise ValueError(f"focus_ratio must be in (0, 1], got {self.focus_ratio!r}")
         if not isinstance(self.probe_step, bool):
             raise ValueError(f"probe_step must be true or false, got {self.probe_step!r}")
-        if self.probe_step and (self.affix_policy is None or self.affix_policy in BICACHE_POLICIES):
+        if self.probe_step and (self.selector is None or self.selector in BICACHE_POLICIES):
             raise ValueError("probe_step decodes the first step from the anchor-selection probe: it needs an "
-                             f"anchor affix_policy (not None or BiCache), got {self.affix_policy!r}")
+                             f"anchor selector (not None or BiCache), got {self.selector!r}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
         object.__setattr__(self, "anchor_pass", self._resolve_anchor_pass())
 
     def _resolve_anchor_pass(self) -> str | None:
-        """``anchor_pass`` checked and resolved: None without anchor selection (no affix policy, BiCache)."""
+        """``anchor_pass`` checked and resolved: None without anchor selection (no selector, BiCache)."""
         if self.anchor_pass is not None and self.anchor_pass not in ANCHOR_PASSES:
             raise ValueError(f"anchor_pass must be one of {', '.join(ANCHOR_PASSES)} or None, got {self.anchor_pass!r}")
-        if self.affix_policy is None or self.affix_policy in BICACHE_POLICIES:
+        if self.selector is None or self.selector in BICACHE_POLICIES:
             if self.anchor_pass is not None:
-                raise ValueError(f"anchor_pass chooses where anchors are selected: it needs an anchor affix_policy "
-                                 f"(not None or BiCache), got {self.affix_policy!r}")
+                raise ValueError(f"anchor_pass chooses where anchors are selected: it needs an anchor selector "
+                                 f"(not None or BiCache), got {self.selector!r}")
             return None
-        query = self.affix_policy in QUERY_SELECTORS and self.anchor_query != "probe"  # the others ignore it
+        query = self.selector in QUERY_SELECTORS and self.anchor_query != "probe"  # the others ignore it
         separate = [why for why, asked in (("probe_step", self.probe_step),
                                            (f"anchor_query={self.anchor_query!r}", query)) if asked]
         if self.anchor_pass == "one":
-            if self.affix_policy not in ONE_PASS_SELECTORS:
-                raise ValueError(f"anchor selector {self.affix_policy!r} has no one-pass form (it needs a forward the "
+            if self.selector not in ONE_PASS_SELECTORS:
+                raise ValueError(f"anchor selector {self.selector!r} has no one-pass form (it needs a forward the "
                                  f"refresh does not run); one-pass selectors: {', '.join(ONE_PASS_SELECTORS)}")
             if separate:
                 raise ValueError(f"anchor_pass='one' chooses anchors inside the refresh, with no probe: "
@@ -185,14 +185,14 @@ class SamplingParams:
             return "one"
         if self.anchor_pass == "two":
             return "two"
-        return "one" if self.affix_policy in ONE_PASS_SELECTORS and not separate else "two"
+        return "one" if self.selector in ONE_PASS_SELECTORS and not separate else "two"
 
     def affix_reuse(self, has_affixes: bool) -> tuple[bool, bool]:
         """``(reuse, bicache)`` of a request whose prompt has affixes or not: whether it reuses their cached K/V
         (a policy and something to apply it to), and whether by BiCache's layers rather than by anchors. The
         one rule the engine and the reference path both read."""
-        reuse = self.affix_policy is not None and has_affixes
-        return reuse, reuse and self.affix_policy in BICACHE_POLICIES
+        reuse = self.selector is not None and has_affixes
+        return reuse, reuse and self.selector in BICACHE_POLICIES
 
     def generator(self, device: object = "cpu", default_seed: int | None = None) -> torch.Generator | None:
         """The request's sampling noise: None at temperature 0; otherwise seeded with ``seed``, else with

@@ -66,7 +66,7 @@ def run(llm: LLM) -> list[str]:
         answers, costs = {}, {}
         for name, policy, ratio in POLICIES:
             params = SamplingParams(gen_length=demo.gen_length, block_length=demo.gen_length,
-                                    affix_policy=policy, anchor_ratio=ratio)
+                                    selector=policy, anchor_ratio=ratio)
             prompts = [segments(demo, q) for q, _ in demo.questions]
             runs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(TIMED_RUNS + 1)][1:]  # warmed up
             outs = runs[0]

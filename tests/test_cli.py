@@ -38,7 +38,7 @@ def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_d
     cache = tmp_path / "affixes"
     args = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--prompt", "Where is John?",
             "--affix", "Mary moved to the kitchen. John went to the garden.", "--layout", "infix",
-            "--answer-prompt", " Answer:", "--affix-policy", "attention", "--anchor-ratio", "0.25",
+            "--answer-prompt", " Answer:", "--selector", "attention", "--anchor-ratio", "0.25",
             "--gen-length", "16", "--block-length", "8", "--affix-cache", str(cache), "--json"]
     assert main(args) == 0
     first = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
@@ -53,7 +53,7 @@ def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_d
 
 
 def test_generate_reuses_an_affix_with_the_default_selector(capsys, llada_dir):
-    """With --affix and no --affix-policy the command reuses it with the server's default selector, chosen inside
+    """With --affix and no --selector the command reuses it with the server's default selector, chosen inside
     the refresh; --anchor-pass two chooses by a pass of its own, and a pass a selector lacks is refused by name."""
     from acache.policies import DEFAULT_SELECTOR
 
@@ -61,14 +61,17 @@ def test_generate_reuses_an_affix_with_the_default_selector(capsys, llada_dir):
             "Mary moved to the kitchen. John went to the garden.", "--gen-length", "8", "--block-length", "8",
             "--json"]
     runs = {}
-    for extra in ([], ["--affix-policy", DEFAULT_SELECTOR], ["--anchor-pass", "two"]):
+    for extra in ([], ["--selector", DEFAULT_SELECTOR], ["--anchor-pass", "two"], ["--affix-policy", "none"],
+                  ["--selector", "none"]):
         assert main(base + extra) == 0
         runs[tuple(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    plain, named, two = runs.values()
+    plain, named, two, old_flag, direct = runs.values()
     assert len(plain["affix"]["anchors"]) == -(-51 // 5)  # ceil(0.2 * 51): reused, with anchors
     assert plain["token_ids"] == named["token_ids"] and plain["affix"]["anchors"] == named["affix"]["anchors"]
+    assert old_flag["affix"]["anchors"] == direct["affix"]["anchors"] == []  # --selector's former name still works
+    assert old_flag["token_ids"] == direct["token_ids"] and old_flag["affix"]["selector"] == "none"
     assert len(two["affix"]["anchors"]) == len(plain["affix"]["anchors"])
-    assert main(base + ["--affix-policy", "kv-deviation", "--anchor-pass", "one"]) == 2
+    assert main(base + ["--selector", "kv-deviation", "--anchor-pass", "one"]) == 2
     assert "'kv-deviation' has no one-pass form" in capsys.readouterr().err
 
 
@@ -79,7 +82,7 @@ def test_bicache_profile_command(tmp_path, capsys, llada_dir):
     profile = json.loads(out.read_text())
     assert profile["num_layers"] == 2 and len(profile["safe_layers"]) == 2 and sum(profile["samples"]) == 4
     assert "layers reusable" in capsys.readouterr().out
-    assert main(["generate", "--model", str(llada_dir), "--prompt", "q", "--affix", "shared", "--affix-policy",
+    assert main(["generate", "--model", str(llada_dir), "--prompt", "q", "--affix", "shared", "--selector",
                  "bicache-profiled", "--gen-length", "8", "--block-length", "8"]) == 2
     assert "needs a BiCache profile" in capsys.readouterr().err
 

@@ -31,10 +31,10 @@ def test_the_runtime_imports_nothing_from_the_research_side():
 
 def test_policy_names_are_defined_once():
     from acache.affix.selectors import SELECTORS
-    from acache.policies import AFFIX_POLICIES
+    from acache.policies import SELECTOR_CHOICES
     from acache.policies import SELECTORS as NAMES
 
-    assert tuple(SELECTORS) == NAMES and set(NAMES) < set(AFFIX_POLICIES)
+    assert tuple(SELECTORS) == NAMES and set(NAMES) < set(SELECTOR_CHOICES)
     lists = ("COMMIT_RULES", "CACHE_POLICIES", "SELECTORS", "BICACHE_POLICIES", "LAYOUTS", "ANCHOR_QUERIES")
     defined = {}
     for root in (RUNTIME, RUNTIME.parent / "acache_lab"):

@@ -21,17 +21,17 @@ from acache import SamplingParams
     (dict(factor=0), "factor must be positive"),
     (dict(refresh_interval=0), "refresh_interval must be a positive integer"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
-    (dict(probe_step=True), "probe_step decodes the first step .* needs an anchor affix_policy"),
-    (dict(probe_step=True, affix_policy="bicache-matched"), "probe_step .* got 'bicache-matched'"),
-    (dict(probe_step=1, affix_policy="attention"), "probe_step must be true or false"),
+    (dict(probe_step=True), "probe_step decodes the first step .* needs an anchor selector"),
+    (dict(probe_step=True, selector="bicache-matched"), "probe_step .* got 'bicache-matched'"),
+    (dict(probe_step=1, selector="attention"), "probe_step must be true or false"),
     (dict(anchor_query="deep"), "anchor_query must be one of probe, full, shallow, got 'deep'"),
-    (dict(affix_policy="attention", anchor_pass="three"), "anchor_pass must be one of one, two or None, got 'three'"),
-    (dict(anchor_pass="one"), "anchor_pass .* needs an anchor affix_policy .* got None"),
-    (dict(affix_policy="bicache-matched", anchor_pass="two"), "anchor_pass .* got 'bicache-matched'"),
-    (dict(affix_policy="kv-deviation", anchor_pass="one"), "'kv-deviation' has no one-pass form"),
-    (dict(affix_policy="influence", anchor_pass="one"), "'influence' has no one-pass form"),
-    (dict(affix_policy="attention", anchor_pass="one", probe_step=True), "probe_step need.* anchor_pass='two'"),
-    (dict(affix_policy="attention", anchor_pass="one", anchor_query="full"),
+    (dict(selector="attention", anchor_pass="three"), "anchor_pass must be one of one, two or None, got 'three'"),
+    (dict(anchor_pass="one"), "anchor_pass .* needs an anchor selector .* got None"),
+    (dict(selector="bicache-matched", anchor_pass="two"), "anchor_pass .* got 'bicache-matched'"),
+    (dict(selector="kv-deviation", anchor_pass="one"), "'kv-deviation' has no one-pass form"),
+    (dict(selector="influence", anchor_pass="one"), "'influence' has no one-pass form"),
+    (dict(selector="attention", anchor_pass="one", probe_step=True), "probe_step need.* anchor_pass='two'"),
+    (dict(selector="attention", anchor_pass="one", anchor_query="full"),
      "anchor_query='full' need.* anchor_pass='two'"),
 ])
 def test_invalid_params_raise(kwargs, message):
@@ -62,15 +62,15 @@ def test_wrong_types_raise(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, resolved", [
     (dict(), None),
-    (dict(affix_policy="bicache-profiled"), None),
-    (dict(affix_policy="attention"), "one"),
-    (dict(affix_policy="cacheblend"), "one"),
-    (dict(affix_policy="cacheblend", anchor_query="full"), "one"),  # cacheblend reads no anchor_query
-    (dict(affix_policy="attention", anchor_query="shallow"), "two"),
-    (dict(affix_policy="query-attention", probe_step=True), "two"),
-    (dict(affix_policy="kv-deviation"), "two"),
-    (dict(affix_policy="random"), "two"),
-    (dict(affix_policy="attention-deviation", anchor_pass="two"), "two"),
+    (dict(selector="bicache-profiled"), None),
+    (dict(selector="attention"), "one"),
+    (dict(selector="cacheblend"), "one"),
+    (dict(selector="cacheblend", anchor_query="full"), "one"),  # cacheblend reads no anchor_query
+    (dict(selector="attention", anchor_query="shallow"), "two"),
+    (dict(selector="query-attention", probe_step=True), "two"),
+    (dict(selector="kv-deviation"), "two"),
+    (dict(selector="random"), "two"),
+    (dict(selector="attention-deviation", anchor_pass="two"), "two"),
 ])
 def test_anchor_pass_resolves_once(kwargs, resolved):
     """Where anchors are chosen is resolved at construction: inside the refresh where the selector has that
@@ -83,4 +83,4 @@ def test_anchor_pass_resolves_once(kwargs, resolved):
     ("none", True, (True, False)), ("bicache-matched", True, (True, True)), ("bicache-profiled", False, (False, False)),
 ])
 def test_affix_reuse_needs_a_policy_and_an_affix(policy, has_affixes, want):
-    assert SamplingParams(affix_policy=policy).affix_reuse(has_affixes) == want
+    assert SamplingParams(selector=policy).affix_reuse(has_affixes) == want

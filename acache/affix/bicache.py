@@ -94,7 +94,7 @@ def bicache_depth(policy: str, ratio: float, num_layers: int, affix_share: float
     if policy == "bicache-matched":
         return matched_depth(ratio, num_layers)
     if profile is None:
-        raise ValueError("affix_policy 'bicache-profiled' needs a BiCache profile: build one with "
+        raise ValueError("selector 'bicache-profiled' needs a BiCache profile: build one with "
                          "`acache bicache-profile` and pass it to LLM(bicache_profile=...)")
     return profile.depth(affix_share)
 

@@ -103,8 +103,8 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
             shared[c0:c1] = True
         own[i, :state.length] = state.base_recompute(shared)
         gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
-    rules = [SELECTORS[state.params.affix_policy].one_pass for state, _ in rows]
-    counts = [[anchor_count(state.params.anchor_ratio, c1 - c0, state.params.affix_policy) for c0, c1 in spans]
+    rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
+    counts = [[anchor_count(state.params.anchor_ratio, c1 - c0, state.params.selector) for c0, c1 in spans]
               for state, spans in rows]
     return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts)
 

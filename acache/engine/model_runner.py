@@ -133,8 +133,8 @@ class ModelRunner:
                 anchors[req.request_id] = (None, None)
                 continue
             p = req.params
-            query = p.anchor_query if p.affix_policy in QUERY_SELECTORS else None  # the others ignore it
-            groups.setdefault((p.affix_policy, query, p.gen_length), []).append(req)
+            query = p.anchor_query if p.selector in QUERY_SELECTORS else None  # the others ignore it
+            groups.setdefault((p.selector, query, p.gen_length), []).append(req)
         cfg = self.model.config
         for (name, query, gen_length), group in groups.items():
             canvas = build_canvas([r.prompt.layout for r in group], gen_length, cfg.mask_token_id,

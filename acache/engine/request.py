@@ -98,7 +98,7 @@ class Request:
             return self.length
         base = int(self.state.base_recompute(self.shared_mask(shared_indices)).sum())
         p = self.params
-        return base + sum(anchor_count(p.anchor_ratio, self.prompt.affixes[i].length, p.affix_policy)
+        return base + sum(anchor_count(p.anchor_ratio, self.prompt.affixes[i].length, p.selector)
                           for i in shared_indices)
 
     @property

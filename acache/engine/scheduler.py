@@ -88,7 +88,7 @@ class Scheduler:
         or more cache than the whole budget."""
         if req.bicache:
             share = sum(a.length for a in req.prompt.affixes) / req.length
-            req.bicache_depth = bicache_depth(req.params.affix_policy, req.params.anchor_ratio, self.num_layers,
+            req.bicache_depth = bicache_depth(req.params.selector, req.params.anchor_ratio, self.num_layers,
                                               share, self.bicache_profile)
         self.kv.check(req)
 

@@ -35,8 +35,8 @@ class BlockCache:
 def check_state_request(family: str, prompt: AffixPrompt, params: SamplingParams) -> None:
     """What a state-cache family cannot do, refused by name; the engine and the reference loop both ask here,
     so the two accept the same requests."""
-    if params.affix_policy is not None and prompt.affixes:
-        raise ValueError(f"affix reuse (affix_policy={params.affix_policy!r}) is not supported for the "
+    if params.selector is not None and prompt.affixes:
+        raise ValueError(f"affix reuse (selector={params.selector!r}) is not supported for the "
                          f"{family} family: its cache is built block by block, per request")
     for name in ("focus_layers", "far_mask_window"):
         if getattr(params, name) is not None:

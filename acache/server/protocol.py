@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from acache.policies import AFFIX_POLICIES, ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT_SELECTOR
+from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT_SELECTOR, SELECTOR_CHOICES
 from acache.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -97,8 +97,8 @@ class DiffusionFields(BaseModel):
         limit = getattr(self, "max_completion_tokens", None)
         if limit is not None and self.max_tokens is not None and self.max_tokens != limit:
             raise BadRequest(f"max_tokens ({self.max_tokens}) and max_completion_tokens ({limit}) disagree")
-        if self.selector is not None and self.selector != "off" and self.selector not in AFFIX_POLICIES:
-            raise BadRequest(f"selector must be one of {', '.join(AFFIX_POLICIES)} or 'off', got {self.selector!r}")
+        if self.selector is not None and self.selector != "off" and self.selector not in SELECTOR_CHOICES:
+            raise BadRequest(f"selector must be one of {', '.join(SELECTOR_CHOICES)} or 'off', got {self.selector!r}")
         max_tokens = self.token_limit
         block = self.block_length if self.block_length is not None else DEFAULTS.block_length
         gen = self.gen_length
@@ -115,17 +115,16 @@ class DiffusionFields(BaseModel):
         selector = self.selector or default_selector
         kwargs = {"gen_length": gen, "block_length": block, "steps": self.steps, "seed": self.seed,
                   "temperature": self.temperature if self.temperature is not None else DEFAULTS.temperature,
-                  "affix_policy": selector if reuse and selector != "off" else None}
+                  "selector": selector if reuse and selector != "off" else None}
         kwargs.update({name: getattr(self, name) for name in PASSED_THROUGH if getattr(self, name) is not None})
         if self.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
             kwargs["probe_step"] = True
-        if self.anchor_pass is not None and reuse and kwargs["affix_policy"] is not None:
+        if self.anchor_pass is not None and reuse and kwargs["selector"] is not None:
             kwargs["anchor_pass"] = self.anchor_pass
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:  # name the request's fields, not SamplingParams'
-            raise BadRequest(str(exc).replace("affix_policy", "selector").replace(
-                "gen_length", "gen_length (or max_tokens)")) from None
+            raise BadRequest(str(exc).replace("gen_length", "gen_length (or max_tokens)")) from None
 
 
 #: field -> (the values a diffusion model honours, why it cannot honour others)

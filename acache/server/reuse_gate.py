@@ -56,7 +56,7 @@ class Plan:
 
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
     """What a check vouches for: these spans, reused by this selector at this ratio and pass."""
-    return (span_keys, params.affix_policy, params.anchor_ratio, params.anchor_pass, params.anchor_query)
+    return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_query)
 
 
 class ReuseGate:

@@ -120,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
                   "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
                                                                   "no span of this prompt was seen before"),
                   "reused_tokens": reused, "anchor_tokens": anchors,
-                  "selector": params.affix_policy if prompt.affixes else None,
+                  "selector": params.selector if prompt.affixes else None,
                   "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
                   "spans": [{"tokens": a.length, "kind": "registered" if a.key == registered_key else "automatic"}
                             for a in prompt.affixes]}

@@ -65,7 +65,7 @@ class Workload:
         in_block = (self.steps - self.blocks) * self.block_length
         if not reuse:
             return self.blocks * (self.affix_len + self.question_len + self.gen_length) + in_block
-        one = layers is not None and SamplingParams(affix_policy=self.selector, anchor_pass=self.anchor_pass,
+        one = layers is not None and SamplingParams(selector=self.selector, anchor_pass=self.anchor_pass,
                                                     probe_step=False).anchor_pass == "one"
         if one:
             canvas = self.affix_len + self.question_len + self.gen_length
@@ -156,7 +156,7 @@ def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> Samp
     (``focus_layers``, ...)."""
     extra = {"anchor_pass": w.anchor_pass} if reuse and w.anchor_pass and "probe_step" not in (prune or {}) else {}
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
-                          remasking="low_confidence", affix_policy=w.selector if reuse else None, anchor_ratio=w.ratio,
+                          remasking="low_confidence", selector=w.selector if reuse else None, anchor_ratio=w.ratio,
                           **extra, **(prune or {}))
 
 
@@ -169,7 +169,7 @@ def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
         blocks = gen // w.block_length
         steps = max(blocks, gen // 4 // blocks * blocks)
         out.append(SamplingParams(gen_length=gen, block_length=w.block_length, steps=steps,
-                                  remasking="low_confidence", affix_policy=w.selector, anchor_pass=w.anchor_pass,
+                                  remasking="low_confidence", selector=w.selector, anchor_pass=w.anchor_pass,
                                   anchor_ratio=[0.1, 0.2, 0.5][(i // 3) % 3]))
     return out
 
@@ -435,7 +435,7 @@ def main(args) -> int:
     header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {model.dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
               f"(low-confidence), ratio {w.ratio}, selector {w.selector} "
-              f"({SamplingParams(affix_policy=w.selector, anchor_pass=w.anchor_pass).anchor_pass} pass), "
+              f"({SamplingParams(selector=w.selector, anchor_pass=w.anchor_pass).anchor_pass} pass), "
               f"page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
               f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")

@@ -22,7 +22,7 @@ def fastdllm_generate(model: DiffusionLM, prompts: list[list[int]], params: Samp
     seconds spent in block-start forwards and in in-block forwards. Greedy; an unshifted, bidirectional model."""
     if model.shifted_logits or model.config.block_size is not None:
         raise ValueError("the Fast-dLLM-style loop is written for LLaDA-style models (unshifted, bidirectional)")
-    if params.temperature > 0 or params.affix_policy is not None or params.cache != "dual":
+    if params.temperature > 0 or params.selector is not None or params.cache != "dual":
         raise ValueError("the Fast-dLLM-style loop decodes greedily on the dual cache, with no affix reuse")
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("the Fast-dLLM-style loop batches prompts of one length, as upstream does")

@@ -30,10 +30,10 @@ STUDY_SELECTORS = ("attention", "attention-full", "attention-shallow", "attentio
 OURS = ("attention-deviation", "influence")
 #: study labels that are a policy with other settings: ACache with queries from a no-cache forward or from the
 #: probe's first layers, and ACache whose selection probe also decodes the first step (``probe_step``)
-VARIANTS = {"attention-full": {"affix_policy": "attention", "anchor_query": "full"},
-            "attention-shallow": {"affix_policy": "attention", "anchor_query": "shallow"},
-            "attention-probe-step": {"affix_policy": "attention", "probe_step": True},
-            **{f"{s}-2p": {"affix_policy": s, "anchor_pass": "two"} for s in ONE_PASS_SELECTORS}}
+VARIANTS = {"attention-full": {"selector": "attention", "anchor_query": "full"},
+            "attention-shallow": {"selector": "attention", "anchor_query": "shallow"},
+            "attention-probe-step": {"selector": "attention", "probe_step": True},
+            **{f"{s}-2p": {"selector": s, "anchor_pass": "two"} for s in ONE_PASS_SELECTORS}}
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -44,7 +44,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
-    runs += [(s, r, VARIANTS.get(s, {"affix_policy": s})["affix_policy"]) for s in selectors for r in ratios if r > 0]
+    runs += [(s, r, VARIANTS.get(s, {"selector": s})["selector"]) for s in selectors for r in ratios if r > 0]
     cells: list[Cell] = []
     total = sum(len(runs) + (t in DEMO_TASKS) for t in tasks) * len(layouts)
     bar = tqdm(total=total, desc="accuracy sweep", unit="cell", disable=not progress)
@@ -54,14 +54,14 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
             prompts = task_prompts(llm, exs, layout)
             if task in DEMO_TASKS:  # the same requests with the demonstrations left out, fully recomputed
                 bare = render_prompts(llm.tokenizer, exs, layout, drop_affix=True)
-                correct = exact_matches(llm, bare, exs, task_params(task, affix_policy=None, seed=seed))
+                correct = exact_matches(llm, bare, exs, task_params(task, selector=None, seed=seed))
                 cells.append(Cell(task, layout, "without", 0.0, correct, len(exs),
                                   compute_cost(llm, bare, task, None, "probe", 0.0)))
                 bar.update(1)
             for label, ratio, policy in runs:
-                extra = {k: v for k, v in VARIANTS.get(label, {}).items() if k != "affix_policy"}
+                extra = {k: v for k, v in VARIANTS.get(label, {}).items() if k != "selector"}
                 query = extra.get("anchor_query", "probe")
-                params = task_params(task, affix_policy=policy, anchor_ratio=ratio, seed=seed, **extra)
+                params = task_params(task, selector=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
                                     params.anchor_pass)

@@ -27,7 +27,7 @@ from acache_lab.bench.engine import SMOL_SHAPE, Workload, make_requests, workloa
 def first_steps(model, prompts, params, steps: int) -> list[float]:
     """Seconds of each of a fresh engine's first ``steps`` steps, the affix already cached."""
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 30, max_num_seqs=len(prompts)))
-    if params.affix_policy is not None:
+    if params.selector is not None:
         shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
         engine.affixes.release(shared)
     for p in prompts:

@@ -25,11 +25,11 @@ def test_matched_depth_ends(family_model, position):
     prompt = layouts()[position]
     store = AffixStore(family_model)
     full = tokens(affix_run(family_model, prompt, SamplingParams(**BASE)))
-    direct = tokens(affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"), store))
-    deep = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=1.0),
+    direct = tokens(affix_run(family_model, prompt, SamplingParams(**BASE, selector="none"), store))
+    deep = affix_run(family_model, prompt, SamplingParams(**BASE, selector="bicache-matched", anchor_ratio=1.0),
                      store)
     shallow = affix_run(family_model, prompt,
-                        SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=0.0), store)
+                        SamplingParams(**BASE, selector="bicache-matched", anchor_ratio=0.0), store)
     assert tokens(deep) == full and deep[0].bicache_depth == family_model.config.num_layers
     assert tokens(shallow) == direct and shallow[0].bicache_depth == 0
 
@@ -38,7 +38,7 @@ def test_matched_depth_ends(family_model, position):
 def test_engine_bicache_batch_matches_each_alone(family_model, ratio):
     """Requests of different depths in one engine batch: each as the reference path decodes it alone."""
     prompts = list(layouts().values())
-    params = [SamplingParams(**BASE, affix_policy="bicache-matched", anchor_ratio=r) for r in (ratio, 0.5, 1.0, 0.0)]
+    params = [SamplingParams(**BASE, selector="bicache-matched", anchor_ratio=r) for r in (ratio, 0.5, 1.0, 0.0)]
     store = AffixStore(family_model)
     outs = affix_run(family_model, prompts, params, store, arrivals=[0, 1, 0, 2])
     for out, p, sp in zip(outs, prompts, params, strict=True):

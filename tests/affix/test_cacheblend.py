@@ -114,9 +114,9 @@ def test_ratio_one_is_full_recomputation_and_generation_matches_the_reference(de
     prompt = layouts()[position]
     base = dict(gen_length=16, block_length=8, threshold=0.5)
     want = affix_run(deep_model, prompt, SamplingParams(cache="dual", **base))
-    (got,) = affix_run(deep_model, prompt, SamplingParams(**base, affix_policy="cacheblend", anchor_ratio=1.0))
+    (got,) = affix_run(deep_model, prompt, SamplingParams(**base, selector="cacheblend", anchor_ratio=1.0))
     assert got.token_ids == want[0].token_ids
-    params = SamplingParams(**base, affix_policy="cacheblend", anchor_ratio=0.25)
+    params = SamplingParams(**base, selector="cacheblend", anchor_ratio=0.25)
     store = AffixStore(deep_model)
     (engine,) = affix_run(deep_model, prompt, params, store)
     alone = reference_generate(deep_model, prompt, params, store)

@@ -18,11 +18,11 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
 
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
-@pytest.mark.parametrize("how", [dict(affix_policy="all"), *(dict(affix_policy=s, anchor_ratio=1.0) for s in (
+@pytest.mark.parametrize("how", [dict(selector="all"), *(dict(selector=s, anchor_ratio=1.0) for s in (
     "attention", "attention-deviation", "cacheblend", "influence", "kv-deviation", "query-attention", "first-k",
-    "random")), *(dict(affix_policy=s, anchor_ratio=1.0, anchor_pass="two") for s in ONE_PASS_SELECTORS),
-    dict(affix_policy="attention", anchor_ratio=1.0, anchor_query="shallow")],
-    ids=lambda h: "-".join(filter(None, (h["affix_policy"], h.get("anchor_query"), h.get("anchor_pass")))))
+    "random")), *(dict(selector=s, anchor_ratio=1.0, anchor_pass="two") for s in ONE_PASS_SELECTORS),
+    dict(selector="attention", anchor_ratio=1.0, anchor_query="shallow")],
+    ids=lambda h: "-".join(filter(None, (h["selector"], h.get("anchor_query"), h.get("anchor_pass")))))
 def test_full_recompute_matches_dual_cache(family_model, position, how):
     prompt = layouts()[position]
     want = affix_run(family_model, prompt, SamplingParams(cache="dual", **BASE))
@@ -36,7 +36,7 @@ def test_full_recompute_matches_dual_cache(family_model, position, how):
                                       "kv-deviation", "query-attention"])
 def test_mixed_batch_matches_each_alone(family_model, selector):
     prompts = list(layouts().values())
-    params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)
+    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.3)
     store = AffixStore(family_model)
     batched = affix_run(family_model, prompts, params, store)
     staggered = affix_run(family_model, prompts, params, store, arrivals=[3, 0, 1, 5])
@@ -52,7 +52,7 @@ def test_mixed_anchor_queries_and_ratios_match_each_alone(family_model):
     """ACache's three query sources and different ratios in one batch, arriving apart: each request decodes,
     anchors included, as it would alone; the shallow probe picks its own anchors, not the probe's."""
     prompts = list(layouts().values())
-    params = [SamplingParams(**BASE, affix_policy="attention", anchor_query=q, anchor_ratio=r)
+    params = [SamplingParams(**BASE, selector="attention", anchor_query=q, anchor_ratio=r)
               for q, r in (("shallow", 0.3), ("probe", 0.2), ("shallow", 0.5), ("full", 0.3))]
     store = AffixStore(family_model)
     batched = affix_run(family_model, prompts, params, store)
@@ -61,7 +61,7 @@ def test_mixed_anchor_queries_and_ratios_match_each_alone(family_model):
         alone = reference_generate(family_model, prompt, p, store)
         assert alone.token_ids == b.token_ids == s.token_ids
         assert alone.anchors == b.anchors == s.anchors
-    probe = [reference_generate(family_model, prompt, SamplingParams(**BASE, affix_policy="attention",
+    probe = [reference_generate(family_model, prompt, SamplingParams(**BASE, selector="attention",
                                                                      anchor_ratio=0.3), store).anchors
              for prompt in prompts]
     shallow = [reference_generate(family_model, prompt, params[0], store).anchors for prompt in prompts]
@@ -136,7 +136,7 @@ def test_no_anchors_is_direct_reuse(family_model, position):
                     "tests/models/test_block_diffusion.py")
     prompt = layouts()[position]
     want = direct_reuse_reference(family_model, prompt, **BASE)
-    (got,) = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"))
+    (got,) = affix_run(family_model, prompt, SamplingParams(**BASE, selector="none"))
     assert got.token_ids == want
     assert got.anchors == []
     full = affix_run(family_model, prompt, SamplingParams(**BASE))
@@ -146,8 +146,8 @@ def test_no_anchors_is_direct_reuse(family_model, position):
 def test_zero_ratio_attention_equals_none(family_model):
     prompt = layouts()["infix"]
     store = AffixStore(family_model)
-    a = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="none"), store)
-    b = affix_run(family_model, prompt, SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.0), store)
+    a = affix_run(family_model, prompt, SamplingParams(**BASE, selector="none"), store)
+    b = affix_run(family_model, prompt, SamplingParams(**BASE, selector="attention", anchor_ratio=0.0), store)
     assert tokens(a) == tokens(b) and b[0].anchors == []
 
 
@@ -160,7 +160,7 @@ def test_stats_and_store_hits(llada_dir, anchor_pass):
     model = load_model(llada_dir)
     prompt = layouts()["two-affix"]
     engine = affix_engine(model)
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.25, anchor_pass=anchor_pass)
+    params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.25, anchor_pass=anchor_pass)
     (first,) = affix_run(model, prompt, params, engine=engine)
     (second,) = affix_run(model, prompt, params, engine=engine)
     assert (first.stats.affix_queries, first.stats.affix_hits) == (2, 0)

@@ -21,10 +21,10 @@ def test_zero_ratio_is_direct_reuse(family_model, selector):
     batched beside a request that does take anchors."""
     prompts = list(layouts().values())
     store = AffixStore(family_model)
-    want = affix_run(family_model, prompts, SamplingParams(**BASE, affix_policy="none"), store)
-    zero = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.0, anchor_pass="one")
+    want = affix_run(family_model, prompts, SamplingParams(**BASE, selector="none"), store)
+    zero = SamplingParams(**BASE, selector=selector, anchor_ratio=0.0, anchor_pass="one")
     got = affix_run(family_model, prompts, zero, store)
-    mixed = affix_run(family_model, prompts, [zero, SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.4),
+    mixed = affix_run(family_model, prompts, [zero, SamplingParams(**BASE, selector=selector, anchor_ratio=0.4),
                                               zero, zero], store, arrivals=[1, 0, 0, 2])
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         assert g.token_ids == w.token_ids and g.anchors == []
@@ -40,9 +40,9 @@ def test_cacheblend_picks_its_own_pass_anchors(llada_model, position, ratio):
     chooses."""
     prompt = layouts(affix_len=24)[position]
     store = AffixStore(llada_model)
-    one = reference_generate(llada_model, prompt, SamplingParams(**BASE, affix_policy="cacheblend",
+    one = reference_generate(llada_model, prompt, SamplingParams(**BASE, selector="cacheblend",
                                                                  anchor_ratio=ratio), store)
-    two = reference_generate(llada_model, prompt, SamplingParams(**BASE, affix_policy="cacheblend",
+    two = reference_generate(llada_model, prompt, SamplingParams(**BASE, selector="cacheblend",
                                                                  anchor_ratio=ratio, anchor_pass="two"), store)
     assert one.anchors == two.anchors and len(one.anchors) > 0
 
@@ -55,7 +55,7 @@ def test_one_pass_first_refresh_differs_from_the_two_pass_refresh(llada_model):
     for prompt in layouts(affix_len=24).values():
         for ratio in (0.2, 0.5):
             runs = [reference_generate(llada_model, prompt, SamplingParams(
-                **BASE, affix_policy="cacheblend", anchor_ratio=ratio, anchor_pass=p), store) for p in ("one", "two")]
+                **BASE, selector="cacheblend", anchor_ratio=ratio, anchor_pass=p), store) for p in ("one", "two")]
             differ += runs[0].token_ids != runs[1].token_ids
     assert differ > 0
 
@@ -64,7 +64,7 @@ def test_mixed_staggered_batch_matches_each_alone(family_model):
     """Every one-pass selector and two separate-pass ones, at different ratios and lengths, arriving apart:
     each request decodes, anchors included, as it would alone."""
     prompts = [*layouts().values(), *layouts(affix_len=14, question_len=9, seed=3).values()]
-    params = [SamplingParams(**{**BASE, "gen_length": g}, affix_policy=s, anchor_ratio=r, anchor_pass=p)
+    params = [SamplingParams(**{**BASE, "gen_length": g}, selector=s, anchor_ratio=r, anchor_pass=p)
               for s, r, g, p in (("attention", 0.3, 16, None), ("cacheblend", 0.2, 8, None),
                                  ("query-attention", 0.5, 16, None), ("attention-deviation", 0.25, 24, None),
                                  ("cacheblend", 0.6, 16, "two"), ("kv-deviation", 0.3, 8, None),
@@ -92,7 +92,7 @@ def test_no_forward_besides_the_decoding_ones(llada_model, selector):
             shared, _ = engine.affixes.acquire(prompt.affix_ids(prompt.affixes[0]))  # the affix's own forward
             engine.affixes.release(shared)
             calls.clear()
-            params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3, anchor_pass=anchor_pass)
+            params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.3, anchor_pass=anchor_pass)
             (out,) = affix_run(llada_model, prompt, params, engine=engine)
             counts[anchor_pass] = (len(calls), out.nfe)
     finally:

@@ -24,7 +24,7 @@ def model(llada_dir):
 def test_save_load_round_trip_gives_identical_generations(tmp_path, llada_dir):
     story = Affix("Mary moved to the kitchen. John went to the garden. Mary took the apple. ", name="story")
     prompts = [[story, "Where is Mary?", GEN], ["Where is John? ", story, "Answer:", GEN]]
-    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, affix_policy="attention")
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, selector="attention")
     first = LLM(llada_dir)
     want = first.generate(prompts, params, use_tqdm=False)
     saved = first.save_affix_cache(tmp_path / "cache")
@@ -404,7 +404,7 @@ def test_a_set_aside_affix_is_recomputed_and_answers_as_without_a_store(tmp_path
     story = Affix("Mary moved to the kitchen. John went to the garden. ", name="story")
     notes = Affix("Sandra took the milk. Daniel left the office. ", name="notes")
     prompts = [[story, "Where is Mary?", GEN], [notes, "Who took the milk?", GEN]]
-    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, affix_policy="attention")
+    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5, selector="attention")
     first = LLM(llada_dir)
     first.generate(prompts, params, use_tqdm=False)
     manifest = json.loads((first.save_affix_cache(tmp_path) / "manifest.json").read_text())

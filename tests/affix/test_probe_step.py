@@ -49,9 +49,9 @@ def first_commit(monkeypatch, model, prompt, params, store) -> torch.Tensor:
 def test_the_first_step_is_what_direct_reuse_commits(family_model, monkeypatch, layout):
     prompt, store = prompts()[layout], AffixStore(family_model)
     base = dict(gen_length=8, block_length=4, remasking="low_confidence", steps=4)
-    reuse = first_commit(monkeypatch, family_model, prompt, SamplingParams(**base, affix_policy="none"), store)
+    reuse = first_commit(monkeypatch, family_model, prompt, SamplingParams(**base, selector="none"), store)
     for policy, ratio in (("attention", 0.3), ("all", 1.0), ("first-k", 0.5)):
-        params = SamplingParams(**base, affix_policy=policy, anchor_ratio=ratio, probe_step=True)
+        params = SamplingParams(**base, selector=policy, anchor_ratio=ratio, probe_step=True)
         assert torch.equal(first_commit(monkeypatch, family_model, prompt, params, store), reuse), policy
 
 
@@ -63,8 +63,8 @@ def test_one_step_decoded_by_the_probe_is_direct_reuse(llada_dir):
     store = AffixStore(model)
     base = dict(gen_length=4, block_length=4, remasking="low_confidence", steps=1)
     for prompt in prompts().values():
-        reuse = reference_generate(model, prompt, SamplingParams(**base, affix_policy="none"), store)
-        probed = reference_generate(model, prompt, SamplingParams(**base, affix_policy="attention", anchor_ratio=0.5,
+        reuse = reference_generate(model, prompt, SamplingParams(**base, selector="none"), store)
+        probed = reference_generate(model, prompt, SamplingParams(**base, selector="attention", anchor_ratio=0.5,
                                                                   probe_step=True), store)
         assert probed.token_ids == reuse.token_ids
         assert (probed.nfe, probed.refreshes) == (1, 0) and (reuse.nfe, reuse.refreshes) == (1, 1)
@@ -73,7 +73,7 @@ def test_one_step_decoded_by_the_probe_is_direct_reuse(llada_dir):
 def test_the_probe_takes_a_step_and_the_anchors_refresh_next(family_model):
     """Same steps as without it (the probe's forward is one of them), one refresh of the anchors after it."""
     store = AffixStore(family_model)
-    base = dict(gen_length=8, block_length=4, remasking="low_confidence", steps=8, affix_policy="attention")
+    base = dict(gen_length=8, block_length=4, remasking="low_confidence", steps=8, selector="attention")
     for prompt in prompts().values():
         plain = reference_generate(family_model, prompt, SamplingParams(**base), store)
         probed = reference_generate(family_model, prompt, SamplingParams(**base, probe_step=True), store)
@@ -84,7 +84,7 @@ def test_the_probe_takes_a_step_and_the_anchors_refresh_next(family_model):
 def test_the_state_refreshes_after_the_probe_whatever_the_interval():
     from acache.decoding.canvas import Layout
 
-    params = SamplingParams(gen_length=8, block_length=8, remasking="low_confidence", steps=4, affix_policy="attention",
+    params = SamplingParams(gen_length=8, block_length=8, remasking="low_confidence", steps=4, selector="attention",
                             probe_step=True)
     state = RequestState(Layout((1, 2, 3), 3), params, 9, 0, False, torch.device("cpu"))
     shared = torch.tensor([True, True, False] + [False] * 8)
@@ -106,12 +106,12 @@ def test_engine_with_mixed_requests_decodes_each_as_alone(family_model):
     mix = [dict(gen_length=8, block_length=4, probe_step=True),
            dict(gen_length=8, block_length=8, remasking="low_confidence", steps=4, probe_step=True, anchor_ratio=0.5),
            dict(gen_length=8, block_length=4),
-           dict(gen_length=4, block_length=2, threshold=0.3, probe_step=True, affix_policy="random", seed=2),
+           dict(gen_length=4, block_length=2, threshold=0.3, probe_step=True, selector="random", seed=2),
            dict(gen_length=8, block_length=4, temperature=0.8, seed=7, probe_step=True, anchor_query="full"),
-           dict(gen_length=8, block_length=4, probe_step=True, affix_policy="cacheblend", refresh_interval=2)]
+           dict(gen_length=8, block_length=4, probe_step=True, selector="cacheblend", refresh_interval=2)]
     requests, params = [], []
     for i in range(12):
-        kw = {"affix_policy": "attention", "anchor_ratio": 0.2, "threshold": 0.6, **mix[i % len(mix)]}
+        kw = {"selector": "attention", "anchor_ratio": 0.2, "threshold": 0.6, **mix[i % len(mix)]}
         requests.append(ps[i % len(ps)])
         params.append(SamplingParams(**kw))
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, max_num_seqs=5))

@@ -41,7 +41,7 @@ def test_bad_layouts(build, message):
 
 def test_llm_rejects_affix_longer_than_context(llada_dir):
     llm = LLM(llada_dir)
-    params = SamplingParams(gen_length=8, block_length=8, affix_policy="attention")
+    params = SamplingParams(gen_length=8, block_length=8, selector="attention")
     with pytest.raises(ValueError, match="more than the model's context"):
         llm.generate([[Affix(token_ids=[5] * 600), "q", GEN]], params, use_tqdm=False)
     with pytest.raises(ValueError, match="too long"):
@@ -50,12 +50,12 @@ def test_llm_rejects_affix_longer_than_context(llada_dir):
 
 
 def test_affix_params_validation():
-    with pytest.raises(ValueError, match="affix_policy must be one of"):
-        SamplingParams(affix_policy="magic")
+    with pytest.raises(ValueError, match="selector must be one of"):
+        SamplingParams(selector="magic")
     with pytest.raises(ValueError, match="runs on the dual cache"):
-        SamplingParams(affix_policy="attention", cache="prefix")
+        SamplingParams(selector="attention", cache="prefix")
     with pytest.raises(ValueError, match=r"anchor_ratio must be in \[0, 1\]"):
-        SamplingParams(affix_policy="attention", anchor_ratio=1.5)
+        SamplingParams(selector="attention", anchor_ratio=1.5)
 
 
 def _render(msgs, add_generation_prompt):

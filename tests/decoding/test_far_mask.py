@@ -68,7 +68,7 @@ def test_the_engine_equals_the_reference_with_mixed_windows(family_model):
     for i in range(len(prompts)):
         reuse = i % 2 == 1
         params.append(SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=0.5,
-                                     far_mask_window=(None, 0, 1)[i % 3], affix_policy="attention" if reuse else None,
+                                     far_mask_window=(None, 0, 1)[i % 3], selector="attention" if reuse else None,
                                      cache="prefix" if not reuse and i % 3 == 2 else "dual"))
     outs = run_engine(family_model, prompts, params, arrivals=[0, 0, 1, 3, 4, 4])
     for prompt, p, out in zip(prompts, params, outs, strict=True):
@@ -96,7 +96,7 @@ def test_selection_reads_only_the_columns_inside_the_window(family_model, policy
     the region sit at the same positions either way), and differ from the unwindowed ones on some prompt
     wherever the masks' queries vote or the affix attends to masks. Questions of three lengths pad the batch."""
     prompts = [layouts(question_len=q, seed=s)["prefix"] for s, q in enumerate((4, 6, 9))]
-    base = dict(block_length=8, threshold=0.5, affix_policy=policy, anchor_ratio=0.2)
+    base = dict(block_length=8, threshold=0.5, selector=policy, anchor_ratio=0.2)
     windowed_params = SamplingParams(gen_length=32, far_mask_window=1, **base)
     windowed = run_engine(family_model, prompts, windowed_params)
     short = run_engine(family_model, prompts, SamplingParams(gen_length=16, **base))
@@ -116,7 +116,7 @@ def test_windows_block_lengths_probe_steps_and_bicache_mixed_in_one_batch(family
         [(4, "prefix"), (9, "infix"), (6, "suffix"), (5, "prefix"), (7, "two-affix"), (3, "infix")])]
     params = [SamplingParams(gen_length=32, block_length=(4, 16)[i % 2], threshold=0.5,
                              far_mask_window=(0, None, 1)[i % 3], anchor_ratio=0.2,
-                             affix_policy="bicache-matched" if i == 5 else "attention", probe_step=i < 4)
+                             selector="bicache-matched" if i == 5 else "attention", probe_step=i < 4)
               for i in range(len(prompts))]
     outs = run_engine(family_model, prompts, params, arrivals=[0, 0, 0, 1, 2, 2])
     for prompt, p, out in zip(prompts, params, outs, strict=True):

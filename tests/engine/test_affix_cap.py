@@ -20,7 +20,7 @@ def workload():
     for i in range(12):
         prompts.append(layouts(seed=i % 4)[kinds[i % 3]])
         params.append(SamplingParams(gen_length=8 if i % 2 else 4, block_length=4, threshold=0.5,
-                                     affix_policy="attention", anchor_ratio=(0.1, 0.3, 0.5)[i % 3]))
+                                     selector="attention", anchor_ratio=(0.1, 0.3, 0.5)[i % 3]))
     return prompts, params, [i // 2 for i in range(12)]
 
 
@@ -58,7 +58,7 @@ def test_capped_affixes_keep_every_answer_and_stay_under_the_cap(llada_model):
 
 def test_an_affix_longer_than_the_cap_is_computed_with_its_request(llada_model):
     prompt = layouts(affix_len=40)["prefix"]
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.2)
+    params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.2)
     capped = engine(llada_model, max_affix_tokens=16)
     out = run_engine(llada_model, [prompt, prompt], [params, params], [0, 1], engine=capped)
     assert len(capped.affixes) == 0 and capped.affixes.stats.queries == 0
@@ -76,7 +76,7 @@ def test_two_affixes_that_fit_the_cap_only_apart_never_stall(llada_model):
     """An 8- and a 20-token affix under a 20-token cap: the first is shared, the second computed with its
     request (it could only fit by evicting what the same request holds), and nothing waits for ever."""
     prompt = layouts(affix_len=20)["two-affix"]  # an 8-token system affix, then the 20-token document
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.2)
+    params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.2)
     capped = engine(llada_model, max_affix_tokens=20)
     outs = run_engine(llada_model, [prompt, prompt], [params, params], [0, 2], engine=capped)
     assert len(outs) == 2 and outs[0].token_ids == outs[1].token_ids

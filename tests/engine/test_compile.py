@@ -20,7 +20,7 @@ def test_compiled_layers_decode_the_same_tokens(llada_dir):
     model = load_model(llada_dir)  # its own copy: compiling changes the model object
     prompts = [layouts(seed=s)[k] for s in range(2) for k in ("prefix", "infix", "suffix")]
     params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=(0.5, 0.9)[i % 2],
-                             affix_policy="attention" if i % 3 != 2 else None, far_mask_window=(None, 1)[i % 2])
+                             selector="attention" if i % 3 != 2 else None, far_mask_window=(None, 1)[i % 2])
               for i in range(6)]
     outs = {}
     for compiled in (False, True):

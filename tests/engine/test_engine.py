@@ -30,7 +30,7 @@ def mixed_requests(n, params, seed=0):
 @pytest.mark.parametrize("selector", ["attention", "none", "all", "random"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_engine_matches_single_request_path(family_model, selector, batch):
-    params = SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3)
+    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.3)
     requests = mixed_requests(16, params)
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, max_num_seqs=batch))
     outs = run_all(engine, requests)
@@ -61,7 +61,7 @@ def test_sampling_with_per_request_generators(llada_dir):
     from acache.models.loader import load_model
 
     model = load_model(llada_dir)
-    params = SamplingParams(**BASE, temperature=1.0, affix_policy="attention")
+    params = SamplingParams(**BASE, temperature=1.0, selector="attention")
     prompts = [layouts()["prefix"], layouts()["suffix"]]
     engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 22))
     outs = run_all(engine, [(p, params, torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)])
@@ -77,7 +77,7 @@ def test_memory_grows_by_private_tokens_not_by_the_affix(llada_dir):
     model = load_model(llada_dir)
     page = 4
     prompt = layouts(affix_len=40, question_len=6)["prefix"]  # 40-token affix, 6 own tokens, 16 generated
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.2)
+    params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.2)
     shared_pages = -(-40 // page)
     private_pages = -(-(8 + 6 + 16) // page)  # ceil(0.2 * 40) anchors + question + generation region
     for n in (1, 3, 6):
@@ -90,7 +90,7 @@ def test_memory_grows_by_private_tokens_not_by_the_affix(llada_dir):
 
 
 def test_too_few_pages_still_completes_every_request(family_model):
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_ratio=0.3)
+    params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.3)
     requests = mixed_requests(10, params)
     roomy = run_all(LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24)), requests)
     page_bytes = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 20)).pool.page_bytes
@@ -117,7 +117,7 @@ def test_abort_frees_pages_and_shared_pages_are_never_written(llada_dir):
 
     model = load_model(llada_dir)
     engine = LLMEngine(model, EngineConfig(page_size=4, kv_cache_memory=1 << 22, max_num_seqs=1))
-    params = SamplingParams(**BASE, affix_policy="attention")
+    params = SamplingParams(**BASE, selector="attention")
     a = engine.add_request(layouts()["prefix"], params)
     b = engine.add_request(layouts()["suffix"], params)
     engine.step()
@@ -141,7 +141,7 @@ def test_bad_requests(llada_dir):
 
     engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
     with pytest.raises(ValueError, match="needs a BiCache profile"):
-        engine.add_request(layouts()["prefix"], SamplingParams(**BASE, affix_policy="bicache-profiled"))
+        engine.add_request(layouts()["prefix"], SamplingParams(**BASE, selector="bicache-profiled"))
     with pytest.raises(TypeError, match="must be a SamplingParams"):
         engine.add_request([1, 2], {"gen_length": 8})
     with pytest.raises(ValueError, match="too long"):
@@ -184,10 +184,10 @@ def test_a_fault_in_one_request_fails_it_alone(family_model, monkeypatch, select
     from acache.affix.prompt import AffixPrompt
 
     prompts[2] = AffixPrompt(tuple(bad_ids), bad.gen_at, bad.affixes)
-    params = [SamplingParams(**BASE, affix_policy=selector, anchor_ratio=0.3),
-              SamplingParams(gen_length=8, block_length=4, affix_policy=selector, anchor_ratio=0.6),
-              SamplingParams(**BASE, affix_policy=selector),
-              SamplingParams(gen_length=24, block_length=8, threshold=0.7, affix_policy=selector)]
+    params = [SamplingParams(**BASE, selector=selector, anchor_ratio=0.3),
+              SamplingParams(gen_length=8, block_length=4, selector=selector, anchor_ratio=0.6),
+              SamplingParams(**BASE, selector=selector),
+              SamplingParams(gen_length=24, block_length=8, threshold=0.7, selector=selector)]
     store = AffixStore(family_model)
     want = [reference_generate(family_model, p, sp, store).token_ids for p, sp in zip(prompts, params, strict=True)
             if p is not prompts[2]]
@@ -235,7 +235,7 @@ def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch, anchor
     from acache.affix.prompt import AffixPrompt
 
     bad = AffixPrompt(good.token_ids[:-1] + (POISON,), good.gen_at, good.affixes)
-    params = SamplingParams(**BASE, affix_policy="attention", anchor_pass=anchor_pass)
+    params = SamplingParams(**BASE, selector="attention", anchor_pass=anchor_pass)
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
     outs = run_all(engine, [(good, params, None), (bad, params, None)])
     assert outs[0].status is Status.FINISHED
@@ -275,7 +275,7 @@ def test_a_fault_while_computing_an_affix_at_admission_leaks_nothing(llada_dir, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cache, "compute_affix", flaky)
-    rid = engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, affix_policy=policy))
+    rid = engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, selector=policy))
     with pytest.raises(MemoryError):
         engine.step()
     assert engine.pool.num_used == engine.affixes.pages_in_use  # only unreferenced cached affixes hold pages
@@ -295,7 +295,7 @@ def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_mod
     monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append((name, query)) or
                         real(name, query))
     prompts = list(layouts().values())
-    params = [SamplingParams(**BASE, affix_policy=s, anchor_query=q, anchor_ratio=r, anchor_pass="two")
+    params = [SamplingParams(**BASE, selector=s, anchor_query=q, anchor_ratio=r, anchor_pass="two")
               for s, q, r in (("cacheblend", "probe", 0.3), ("cacheblend", "full", 0.2),
                               ("attention", "probe", 0.3), ("attention", "shallow", 0.3))]
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))

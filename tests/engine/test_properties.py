@@ -34,7 +34,7 @@ PROFILE = os.environ.get("ACACHE_HYPOTHESIS_PROFILE", "ci")
 # a few shared affixes, so requests of one batch hit each other's pages
 AFFIXES = [tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()) for n in (5, 12, 23)]
 LAYOUT_KINDS = ("none", "prefix", "infix", "suffix", "two")
-AFFIX_POLICIES = (*SELECTORS, "bicache-matched", "bicache-profiled")
+SELECTOR_CHOICES = (*SELECTORS, "bicache-matched", "bicache-profiled")
 
 
 @st.composite
@@ -69,13 +69,13 @@ def requests(draw):
     kw["cache"] = draw(st.sampled_from(["none", "prefix", "dual", "dual"]))
     kw["refresh_interval"] = draw(st.sampled_from([None, None, 1, 2, 3]))
     if kw["cache"] == "dual" and draw(st.integers(0, 3)):
-        kw["affix_policy"] = draw(st.sampled_from(AFFIX_POLICIES))
+        kw["selector"] = draw(st.sampled_from(SELECTOR_CHOICES))
         kw["anchor_ratio"] = draw(st.floats(0.0, 1.0))
         kw["anchor_query"] = draw(st.sampled_from(ANCHOR_QUERIES))
-        kw["probe_step"] = kw["affix_policy"] not in ("bicache-matched", "bicache-profiled") and draw(st.booleans())
-        if kw["affix_policy"] not in ("bicache-matched", "bicache-profiled"):  # where the anchors are chosen
-            one = kw["affix_policy"] in ONE_PASS_SELECTORS and not kw["probe_step"] and (
-                kw["anchor_query"] == "probe" or kw["affix_policy"] not in QUERY_SELECTORS)
+        kw["probe_step"] = kw["selector"] not in ("bicache-matched", "bicache-profiled") and draw(st.booleans())
+        if kw["selector"] not in ("bicache-matched", "bicache-profiled"):  # where the anchors are chosen
+            one = kw["selector"] in ONE_PASS_SELECTORS and not kw["probe_step"] and (
+                kw["anchor_query"] == "probe" or kw["selector"] not in QUERY_SELECTORS)
             kw["anchor_pass"] = draw(st.sampled_from([None, "one", "two"] if one else [None, "two"]))
     arrival = draw(st.integers(0, 6))
     return prompt, SamplingParams(**kw), arrival

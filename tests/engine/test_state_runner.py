@@ -169,7 +169,7 @@ def test_abort_frees_the_cache(model):
 
 
 @pytest.mark.parametrize("kwargs, why", [
-    (dict(affix_policy="attention"), "affix reuse .* is not supported for the"),
+    (dict(selector="attention"), "affix reuse .* is not supported for the"),
     (dict(focus_layers=1), "focus_layers is not supported for the"),
 ])
 def test_what_the_family_cannot_do_is_refused_by_name(model, kwargs, why):

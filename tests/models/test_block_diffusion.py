@@ -97,7 +97,7 @@ def test_prefix_affix_reuse_is_exact(model, affix_len):
     reference path and on the engine (an affix ending inside an attention block has that block recomputed)."""
     store = AffixStore(model)
     prompts = [prefix_prompt(affix_len, s) for s in range(4)]
-    params = SamplingParams(gen_length=8, block_length=4, threshold=0.6, affix_policy="none")
+    params = SamplingParams(gen_length=8, block_length=4, threshold=0.6, selector="none")
     plain = SamplingParams(gen_length=8, block_length=4, threshold=0.6)
     outs = run_engine(model, prompts, params, arrivals=[0, 1, 1, 3])
     for prompt, out in zip(prompts, outs, strict=True):
@@ -110,11 +110,11 @@ def test_engine_matches_reference_with_mixed_requests(model):
     prompts = [prefix_prompt(10, 7)] + [AffixPrompt.from_spans(p) for p in random_prompts([3, 6, 9], seed=2)]
     prompts.append(AffixPrompt.from_spans(random_prompts([3], seed=5)[0] + random_prompts([8], seed=6)[0] + [1, 2],
                                           None, [(3, 11)]))  # an infix affix: approximate, anchors as for LLaDA
-    params = [SamplingParams(gen_length=8, block_length=4, affix_policy="attention", anchor_ratio=0.5),
+    params = [SamplingParams(gen_length=8, block_length=4, selector="attention", anchor_ratio=0.5),
               SamplingParams(gen_length=8, block_length=2, remasking="low_confidence", steps=8),
               SamplingParams(gen_length=16, block_length=8, cache="prefix", threshold=0.4),
               SamplingParams(gen_length=8, block_length=4, temperature=0.7, seed=1),
-              SamplingParams(gen_length=8, block_length=4, affix_policy="attention", probe_step=True)]
+              SamplingParams(gen_length=8, block_length=4, selector="attention", probe_step=True)]
     outs = run_engine(model, prompts, params, arrivals=[0, 2, 0, 1, 3])
     store = AffixStore(model)
     for prompt, sp, out in zip(prompts, params, outs, strict=True):

@@ -126,7 +126,7 @@ def test_the_reference_loop_refuses_what_the_engine_refuses(model, option):
 def test_bad_requests(model):
     # a plain token list has no affix, so a policy has nothing to do: decoded as without one, as the engine does
     plain = SamplingParams(block_length=4, gen_length=8)
-    with_policy = SamplingParams(block_length=4, gen_length=8, affix_policy="attention")
+    with_policy = SamplingParams(block_length=4, gen_length=8, selector="attention")
     assert reference_generate_state_cache(model, [1, 2, 3], with_policy).token_ids == reference_generate_state_cache(
         model, [1, 2, 3], plain).token_ids
     with pytest.raises(ValueError, match="in the vocabulary"):

@@ -17,7 +17,7 @@ from tests.affix.helpers import layouts
 def mixed():
     prompts = [layouts(seed=s)[k] for s in range(2) for k in ["prefix", "infix", "suffix", "two-affix"]]
     params = [SamplingParams(gen_length=(8, 16)[i % 2], block_length=8, threshold=0.5,
-                             affix_policy=(None, "attention", "cacheblend", "kv-deviation", "influence",
+                             selector=(None, "attention", "cacheblend", "kv-deviation", "influence",
                                            "query-attention")[i % 6],
                              anchor_ratio=(0.2, 0.5)[i % 2], temperature=1.0 if i % 3 == 0 else 0.0, seed=i)
               for i in range(len(prompts))]
@@ -38,7 +38,7 @@ def test_two_ranks_give_the_tokens_of_one(family_dir):
         # pass of their own (the deviation ones are left out: on a block-causal model a prefix affix deviates by
         # rounding noise alone, ties in any order)
         anchors = [[o.stats.affix.anchors for o, p in zip(run, params, strict=True)
-                    if p.affix_policy in ("attention", "influence", "query-attention")] for run in (first, outs)]
+                    if p.selector in ("attention", "influence", "query-attention")] for run in (first, outs)]
         assert anchors[0] == anchors[1]
         # unseeded sampling added without a generator (as the server adds requests): every rank draws the same
         # noise, so the ranks stay in step; then a second call on the same ranks gives the first's tokens

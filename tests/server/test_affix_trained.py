@@ -55,8 +55,8 @@ def test_a_trained_model_is_served_by_direct_reuse_by_default(trained_dir):
 
     prompt = [[Affix(segments[0], name="a"), segments[1], GEN]]
     params = {"gen_length": 2, "block_length": 2}
-    direct = llm.generate(prompt, SamplingParams(**params, affix_policy="none"), use_tqdm=False)[0]
-    with_anchors = llm.generate(prompt, SamplingParams(**params, affix_policy="attention"), use_tqdm=False)[0]
+    direct = llm.generate(prompt, SamplingParams(**params, selector="none"), use_tqdm=False)[0]
+    with_anchors = llm.generate(prompt, SamplingParams(**params, selector="attention"), use_tqdm=False)[0]
     assert default["choices"][0]["token_ids"] == direct.token_ids
     assert anchored["choices"][0]["token_ids"] == with_anchors.token_ids  # anchors still on request
     assert chat["usage"]["affix_reuse"]["selector"] == "none" and chat["usage"]["affix_reuse"]["anchor_tokens"] == 0

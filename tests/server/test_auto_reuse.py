@@ -69,7 +69,7 @@ def test_the_readme_chat_sent_again_answers_the_same(llm):
     assert "acache_auto_reuse_mismatches_total 1.0" in metrics and "acache_auto_reuse_refused_spans 1.0" in metrics
     # what reuse would have said, so the check had something to catch
     reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=2, block_length=2,
-                                                                    affix_policy="attention"), use_tqdm=False)[0]
+                                                                    selector="attention"), use_tqdm=False)[0]
     assert reused.text != "kitchen"
 
 
@@ -158,7 +158,7 @@ def test_the_per_request_switch(llm):
     assert forced["usage"]["affix_reuse"]["decision"] == "reused"
     assert forced["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=2, block_length=2,
-                                                                    affix_policy="attention"), use_tqdm=False)[0]
+                                                                    selector="attention"), use_tqdm=False)[0]
     assert forced["choices"][0]["token_ids"] == reused.token_ids
     assert off["usage"]["affix_reuse"]["decision"] == "none" and off["usage"]["affix_reuse"]["spans"] == []
     assert off["choices"][0]["token_ids"] == plain_answer(llm, messages)

@@ -127,7 +127,7 @@ def test_an_affix_placed_inside_the_prompt(setup):
     affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
     body = {"prompt": f"question : {Q} <|affix|> answer :", "affix": affix, "affix_layout": "infix", "max_tokens": 2}
     status, out = post(client, "/v1/completions", body)
-    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention")
+    params = SamplingParams(gen_length=2, block_length=2, selector="attention")
     segments = [f"question : {Q} ", Affix(token_ids=tuple(llm.tokenizer.encode(story))), " answer :", GEN]
     want = llm.generate([segments], params, use_tqdm=False)[0]
     assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
@@ -155,7 +155,7 @@ def test_anchor_query(setup, monkeypatch):
     body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "anchor_query": "shallow"}
     status, out = post(client, "/v1/completions", body)
     assert status == 200 and asked == [("attention", "shallow")]
-    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention", anchor_query="shallow")
+    params = SamplingParams(gen_length=2, block_length=2, selector="attention", anchor_query="shallow")
     segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
                 GEN]
     want = llm.generate([segments], params, use_tqdm=False)[0]
@@ -186,7 +186,7 @@ def test_anchor_pass(setup, monkeypatch):
         asked.clear()
         status, out = post(client, "/v1/completions", {**body, "anchor_pass": anchor_pass})
         assert asked == ([] if anchor_pass == "one" else ["attention"])
-        want = llm.generate([segments], SamplingParams(gen_length=2, block_length=2, affix_policy="attention",
+        want = llm.generate([segments], SamplingParams(gen_length=2, block_length=2, selector="attention",
                                                         anchor_pass=anchor_pass), use_tqdm=False)[0]
         assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
     for change, why in [({"affix": None, "prompt": f"{story} question : {Q} answer :"},
@@ -208,7 +208,7 @@ def test_probe_step(setup):
     affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
     body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "probe_step": True}
     status, out = post(client, "/v1/completions", body)
-    params = SamplingParams(gen_length=2, block_length=2, affix_policy="attention", probe_step=True)
+    params = SamplingParams(gen_length=2, block_length=2, selector="attention", probe_step=True)
     segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
                 GEN]
     want = llm.generate([segments], params, use_tqdm=False)[0]

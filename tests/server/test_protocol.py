@@ -23,12 +23,12 @@ def test_max_tokens_and_max_completion_tokens_that_disagree_are_refused():
 
 def test_the_selector_applies_only_to_a_reused_affix():
     body = CompletionRequest(prompt="x", max_tokens=4)
-    assert body.to_sampling_params(reuse=True, default_selector="cacheblend").affix_policy == "cacheblend"
-    assert body.to_sampling_params(reuse=False, default_selector="cacheblend").affix_policy is None
+    assert body.to_sampling_params(reuse=True, default_selector="cacheblend").selector == "cacheblend"
+    assert body.to_sampling_params(reuse=False, default_selector="cacheblend").selector is None
     chosen = CompletionRequest(prompt="x", max_tokens=4, selector="random")
-    assert chosen.to_sampling_params(reuse=True, default_selector="cacheblend").affix_policy == "random"
+    assert chosen.to_sampling_params(reuse=True, default_selector="cacheblend").selector == "random"
     off = CompletionRequest(prompt="x", max_tokens=4, selector="off")
-    assert off.to_sampling_params(reuse=True).affix_policy is None
+    assert off.to_sampling_params(reuse=True).selector is None
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -7,7 +7,7 @@ import pytest
 from acache import SamplingParams
 from acache.server.reuse_gate import Decision, ReuseGate
 
-PARAMS = SamplingParams(gen_length=8, block_length=8, affix_policy="attention")
+PARAMS = SamplingParams(gen_length=8, block_length=8, selector="attention")
 SPANS = ("span-a",)
 
 
@@ -47,7 +47,7 @@ def test_one_mismatch_refuses_the_span_for_good():
 def test_trust_is_per_policy():
     gate = ReuseGate("verified", checks=1)
     gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
-    other = SamplingParams(gen_length=8, block_length=8, affix_policy="attention", anchor_ratio=0.5)
+    other = SamplingParams(gen_length=8, block_length=8, selector="attention", anchor_ratio=0.5)
     assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE
     assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
     assert gate.plan(("span-b",), PARAMS, True, False).decision is Decision.CHECK

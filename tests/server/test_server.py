@@ -81,7 +81,7 @@ def test_chat_matches_llm_generate_and_reuses_the_system_prompt(client, llm, ser
     forced = client.chat.completions.create(model="llada0", messages=messages, max_tokens=16,
                                             extra_body={**body, "affix_reuse": "always"})
     reused = llm.generate(llm.chat_prompt(messages), SamplingParams(gen_length=16, block_length=8, threshold=0.5,
-                                                                     affix_policy="attention"), use_tqdm=False)[0]
+                                                                     selector="attention"), use_tqdm=False)[0]
     assert extra(forced.choices[0], "token_ids") == reused.token_ids
     assert forced.choices[0].message.content == reused.text
     assert forced.usage.prompt_tokens_details.cached_tokens > 0
@@ -119,7 +119,7 @@ def test_load_64_requests_concurrency_16(client, llm, server):
     prompts = [llm.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
     want = llm.generate(prompts, SamplingParams(gen_length=16, block_length=8, threshold=0.5,
-                                                affix_policy="attention"), use_tqdm=False)
+                                                selector="attention"), use_tqdm=False)
     assert got == [w.token_ids for w in want]
     # the warm-up saw the system prompt once; the first of the 64 computes its shared copy, 63 reuse it
     assert metric(server, "affix_queries_total") - queries_before == 64

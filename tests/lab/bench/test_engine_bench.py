@@ -176,7 +176,7 @@ def test_fastdllm_loop_refuses_what_it_cannot_run(llada_model):
     with pytest.raises(ValueError, match="prompts of one length"):
         fastdllm_generate(llada_model, [[1, 2, 3], [1, 2]], SamplingParams(gen_length=8, block_length=8))
     with pytest.raises(ValueError, match="no affix reuse"):
-        fastdllm_generate(llada_model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, affix_policy="none"))
+        fastdllm_generate(llada_model, [[1, 2, 3]], SamplingParams(gen_length=8, block_length=8, selector="none"))
 
 
 def test_selection_share_reads_the_selecting_refresh_against_a_later_one():

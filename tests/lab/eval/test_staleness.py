@@ -49,12 +49,12 @@ def test_profile_table_and_its_use(tmp_path, llada_dir):
     with pytest.raises(ValueError, match="made for 5 layers"):
         BiCacheProfile.load(tmp_path / "bad.json", model)
     prompt = layouts()["prefix"]
-    direct = affix_run(model, prompt, SamplingParams(**BASE, affix_policy="none"), store)
-    profiled_params = SamplingParams(**BASE, affix_policy="bicache-profiled")
+    direct = affix_run(model, prompt, SamplingParams(**BASE, selector="none"), store)
+    profiled_params = SamplingParams(**BASE, selector="bicache-profiled")
     profiled = affix_run(model, prompt, profiled_params, store, bicache_profile=lenient)
     assert tokens(profiled) == tokens(direct) and profiled[0].bicache_depth == 0
     with pytest.raises(ValueError, match="needs a BiCache profile"):
-        affix_run(model, prompt, SamplingParams(**BASE, affix_policy="bicache-profiled"), store)
+        affix_run(model, prompt, SamplingParams(**BASE, selector="bicache-profiled"), store)
 
 
 def test_profile_bins_match_depth_lookup_at_the_edges(llada_dir, monkeypatch):

@@ -82,9 +82,9 @@ def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
 def test_task_params_decode_the_task_answer_region_in_one_block():
     from acache_lab.eval.tasks import task_params
 
-    qa1, arith = task_params("qa1"), task_params("arith", affix_policy="none", seed=3)
+    qa1, arith = task_params("qa1"), task_params("arith", selector="none", seed=3)
     assert (qa1.gen_length, qa1.block_length, qa1.threshold, qa1.cache) == (2, 2, 0.9, "dual")
-    assert (arith.gen_length, arith.block_length, arith.affix_policy) == (6, 6, "none")
+    assert (arith.gen_length, arith.block_length, arith.selector) == (6, 6, "none")
     # the study's defaults are defaults: the reference path without a cache, or another threshold
     assert (task_params("qa1", cache="none").cache, task_params("qa1", threshold=0.5).threshold) == ("none", 0.5)
     with pytest.raises(ValueError, match="gen_length is set by the task's answer region"):
@@ -124,7 +124,7 @@ def test_study_variants_and_the_selector_and_ratio_options(task_llm):
     got = {c.selector: c.correct for c in cells if c.ratio == 0.5}
     exs = held_out("qa1", 5, 6, 0)
     want = exact_matches(task_llm, task_prompts(task_llm, exs, "infix"), exs,
-                         task_params("qa1", affix_policy="attention", anchor_ratio=0.5, seed=0, probe_step=True))
+                         task_params("qa1", selector="attention", anchor_ratio=0.5, seed=0, probe_step=True))
     assert got == {"attention-probe-step": want}
     assert parse_selectors("attention, random", False) == ("attention", "random")
     assert parse_selectors("attention-probe-step", False) == ("attention-probe-step",)

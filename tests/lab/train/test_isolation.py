@@ -1,6 +1,6 @@
 """Affix-isolated training forwards compute what direct reuse serves: logit for logit against the reference
 path's direct reuse (the affixes' K/V computed alone, attended from every other token), for every layout and
-two affixes a prompt, and token for token against ``reference_generate`` with ``affix_policy="none"``."""
+two affixes a prompt, and token for token against ``reference_generate`` with ``selector="none"``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_one_shot_decoding_under_the_mask_is_reference_direct_reuse(llada_dir, l
     forward's argmax."""
     model = load_model(llada_dir)
     prompt = layouts(seed=5)[layout]
-    params = SamplingParams(gen_length=GEN, block_length=GEN, steps=1, cache="dual", affix_policy="none",
+    params = SamplingParams(gen_length=GEN, block_length=GEN, steps=1, cache="dual", selector="none",
                             remasking="low_confidence")
     ref = reference_generate(model, prompt, params, stop_token_ids=())
     tokens, spans = canvas(model, prompt)

@@ -526,7 +526,7 @@ def test_affix_model_answers_its_demonstrations_and_documents_under_direct_reuse
     for task, sentences in (("codes", 6), ("qa1", 34)):
         exs = held_out(task, 20, sentences, seed=7)
         prompts = render_prompts(affix.tokenizer, exs, "infix")
-        reused = {name: exact_matches(llm, prompts, exs, task_params(task, affix_policy="none"))
+        reused = {name: exact_matches(llm, prompts, exs, task_params(task, selector="none"))
                   for name, llm in (("affix", affix), ("plus", plus))}
         assert reused["affix"] >= 18 and reused["plus"] <= 6, (task, reused)
         assert exact_matches(affix, prompts, exs, task_params(task)) >= 19  # full recomputation
