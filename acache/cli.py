@@ -59,6 +59,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--anchor-pass", default=None, choices=ANCHOR_PASSES,
                    help="where anchors are chosen: one (inside the first refresh) or two (a selection of its own "
                         "first); default: one where the selector has that form")
+    a.add_argument("--anchor-depth", type=float, default=None,
+                   help="share of the layers a one-pass selection scores through, in (0, 1]: lower is cheaper on a "
+                        "deep model, the layers after it run with the anchors alone; default: 1, every layer")
     a.add_argument("--probe-step", action="store_true",
                    help="let the anchor-selection probe decode the first step (one forward fewer a request)")
     a.add_argument("--affix-cache", default=None, help="directory to load the affix cache from and save it to")
@@ -144,7 +147,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             temperature=args.temperature, cache=args.cache,
                             refresh_interval=args.refresh_interval, seed=args.seed,
                             selector=policy, anchor_ratio=args.anchor_ratio,
-                            anchor_query=args.anchor_query, probe_step=args.probe_step, anchor_pass=args.anchor_pass)
+                            anchor_query=args.anchor_query, probe_step=args.probe_step, anchor_pass=args.anchor_pass,
+                            anchor_depth=args.anchor_depth)
     affix_text = args.affix
     if args.affix_file:
         path = Path(args.affix_file)
@@ -179,6 +183,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                       "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
             if affix is not None:
                 record["affix"] = {"selector": affix.selector, "anchor_ratio": affix.anchor_ratio,
+                                   "anchor_depth": params.anchor_depth,
                                    "anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
                                    "hits": affix.affix_hits, "misses": affix.affix_misses,
                                    "selection_time_s": affix.selection_time_s}

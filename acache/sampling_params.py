@@ -52,7 +52,11 @@ class SamplingParams:
     selection of its own). ``"two"``: a selection of its own before the first refresh (the probe, a full
     forward, CacheBlend's layer-by-layer pass), as the selectors were first defined. ``None`` resolves at
     construction to ``"one"`` where the selector has that form and neither ``probe_step`` nor an
-    ``anchor_query`` other than ``probe`` asks for the separate pass, otherwise to ``"two"``.
+    ``anchor_query`` other than ``probe`` asks for the separate pass, otherwise to ``"two"``. ``anchor_depth``
+    d in (0, 1] is how far into the layers the one pass scores: it filters its candidates down to the anchor
+    count over the first ``ceil(d * (layers - 1))`` layers after layer 0 and runs the rest with the
+    anchors alone; ``None`` resolves to 1.0, every layer (CacheBlend's schedule; docs/accuracy.md measures
+    why it stays the default). A depth below 1 needs ``anchor_pass`` ``"one"``.
 
     Two approximations past the token-count ideal (both off by default): ``far_mask_window`` W leaves the
     mask columns of blocks more than W blocks after the current one out of every forward, fed or
@@ -81,6 +85,7 @@ class SamplingParams:
     focus_layers: int | None = None
     focus_ratio: float = 0.25
     anchor_pass: str | None = None
+    anchor_depth: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("threshold", "factor", "temperature", "anchor_ratio"):
@@ -162,6 +167,7 @@ class SamplingParams:
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
         object.__setattr__(self, "anchor_pass", self._resolve_anchor_pass())
+        object.__setattr__(self, "anchor_depth", self._resolve_anchor_depth())
 
     def _resolve_anchor_pass(self) -> str | None:
         """``anchor_pass`` checked and resolved: None without anchor selection (no selector, BiCache)."""
@@ -186,6 +192,21 @@ class SamplingParams:
         if self.anchor_pass == "two":
             return "two"
         return "one" if self.selector in ONE_PASS_SELECTORS and not separate else "two"
+
+    def _resolve_anchor_depth(self) -> float:
+        """``anchor_depth`` checked and resolved: 1.0 where None; below 1 only in one pass."""
+        depth = self.anchor_depth
+        if depth is None:
+            return 1.0
+        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 < depth <= 1.0:
+            raise ValueError(f"anchor_depth must be a number in (0, 1], got {depth!r}")
+        if depth < 1.0 and self.anchor_pass is None:
+            raise ValueError(f"anchor_depth {depth} is how deep a one-pass selection scores: it needs an anchor "
+                             f"selector (not None or BiCache), got {self.selector!r}")
+        if depth < 1.0 and self.anchor_pass != "one":
+            raise ValueError(f"anchor_depth {depth} scores inside the first refresh: it needs anchor_pass 'one' (the "
+                             f"selector {self.selector!r} resolves to {self.anchor_pass!r})")
+        return float(depth)
 
     def affix_reuse(self, has_affixes: bool) -> tuple[bool, bool]:
         """``(reuse, bicache)`` of a request whose prompt has affixes or not: whether it reuses their cached K/V

@@ -177,6 +177,9 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor-pass", default=None, choices=ANCHOR_PASSES,
                    help="where the anchors are chosen: one (inside the first refresh) or two (a selection of its "
                         "own); default: one where the selector has that form")
+    p.add_argument("--anchor-depth", type=float, default=None,
+                   help="also time ACache whose one-pass selection scores through this share of the layers, as a "
+                        "mode beside plain ACache")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=parse_size, default="4GiB", help="size of the KV page pool")
     p.add_argument("--seed", type=int, default=0)

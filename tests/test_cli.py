@@ -73,6 +73,18 @@ def test_generate_reuses_an_affix_with_the_default_selector(capsys, llada_dir):
     assert len(two["affix"]["anchors"]) == len(plain["affix"]["anchors"])
     assert main(base + ["--selector", "kv-deviation", "--anchor-pass", "one"]) == 2
     assert "'kv-deviation' has no one-pass form" in capsys.readouterr().err
+    assert main(base + ["--anchor-depth", "0.5"]) == 0  # a 2-layer model scores its one layer at any depth
+    shallow = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shallow["token_ids"] == plain["token_ids"] and shallow["affix"]["anchors"] == plain["affix"]["anchors"]
+    assert shallow["affix"]["anchor_depth"] == 0.5 and plain["affix"]["anchor_depth"] == 1.0
+    for bad, why in ((["--anchor-depth", "0"], "anchor_depth must be a number in (0, 1], got 0.0"),
+                     (["--anchor-depth", "2"], "anchor_depth must be a number in (0, 1], got 2.0"),
+                     (["--anchor-depth", "0.5", "--anchor-pass", "two"], "needs anchor_pass 'one'")):
+        assert main(base + bad) == 2
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--anchor-depth", "half"])
+    assert "--anchor-depth: invalid float value: 'half'" in capsys.readouterr().err
 
 
 def test_bicache_profile_command(tmp_path, capsys, llada_dir):

@@ -33,6 +33,18 @@ from acache import SamplingParams
     (dict(selector="attention", anchor_pass="one", probe_step=True), "probe_step need.* anchor_pass='two'"),
     (dict(selector="attention", anchor_pass="one", anchor_query="full"),
      "anchor_query='full' need.* anchor_pass='two'"),
+    (dict(selector="attention", anchor_depth=0), r"anchor_depth must be a number in \(0, 1\], got 0"),
+    (dict(selector="attention", anchor_depth=-0.5), r"anchor_depth must be a number in \(0, 1\], got -0.5"),
+    (dict(selector="attention", anchor_depth=1.5), r"anchor_depth must be a number in \(0, 1\], got 1.5"),
+    (dict(selector="attention", anchor_depth=float("nan")), r"anchor_depth must be a number in \(0, 1\], got nan"),
+    (dict(selector="attention", anchor_depth=True), r"anchor_depth must be a number .* got True"),
+    (dict(selector="attention", anchor_depth="0.5"), r"anchor_depth must be a number .* got '0.5'"),
+    (dict(anchor_depth=0.5), "anchor_depth 0.5 .* needs an anchor selector .* got None"),
+    (dict(selector="bicache-matched", anchor_depth=0.5), "anchor_depth 0.5 .* got 'bicache-matched'"),
+    (dict(selector="kv-deviation", anchor_depth=0.5), "anchor_depth 0.5 .* needs anchor_pass 'one'.*'kv-deviation' "
+     "resolves to 'two'"),
+    (dict(selector="attention", anchor_pass="two", anchor_depth=0.5), "anchor_depth 0.5 .* needs anchor_pass 'one'"),
+    (dict(selector="attention", probe_step=True, anchor_depth=0.25), "anchor_depth 0.25 .* resolves to 'two'"),
 ])
 def test_invalid_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -76,6 +88,21 @@ def test_anchor_pass_resolves_once(kwargs, resolved):
     """Where anchors are chosen is resolved at construction: inside the refresh where the selector has that
     form and nothing asks for the separate pass."""
     assert SamplingParams(**kwargs).anchor_pass == resolved
+
+
+@pytest.mark.parametrize("kwargs, resolved", [
+    (dict(), 1.0),
+    (dict(selector="attention"), 1.0),
+    (dict(selector="kv-deviation"), 1.0),
+    (dict(selector="attention", anchor_pass="two", anchor_depth=1), 1.0),
+    (dict(selector="attention", anchor_depth=0.25), 0.25),
+    (dict(selector="cacheblend", anchor_depth=0.5), 0.5),
+])
+def test_anchor_depth_resolves_once(kwargs, resolved):
+    """How deep a one-pass selection scores is resolved at construction to a float: 1.0 (every
+    layer) unless named."""
+    depth = SamplingParams(**kwargs).anchor_depth
+    assert depth == resolved and isinstance(depth, float)
 
 
 @pytest.mark.parametrize("policy, has_affixes, want", [

@@ -7,7 +7,9 @@ The first refresh of a request with shared affixes runs layer by layer:
 * from layer 2 on, only the request's own columns (the ones every refresh recomputes) and the carried
   candidates, against the cached K/V of the other affix tokens; after each layer from 1 on, the candidates
   of each affix are filtered by the selector's score, from ``min(n, 2k)`` after layer 1 down linearly to
-  ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors.
+  ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors;
+* at ``anchor_depth`` d < 1 the filtering reaches ``k`` after the first ``ceil(d * (L - 1))`` of those layers
+  instead, and the layers after it run the own columns and the anchors alone, in one call, with no score.
 
 Every K/V the forward computes for the own columns and the anchors is kept (the executor writes them where a
 refresh writes them: the request's private slots), its final states decode the block's first step, and the
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 from acache.affix.context import AffixMass, compact_index, kv_deviation
 from acache.affix.selectors import SELECTORS, anchor_count
-from acache.affix.selectors.base import OnePass, carried_counts, keep_per_affix
+from acache.affix.selectors.base import OnePass, carried_counts, filter_steps, keep_per_affix
 from acache.decoding.request_state import RequestState
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView, LayerwiseKV
@@ -82,6 +84,7 @@ class SelectingInputs(NamedTuple):
     gen: torch.Tensor
     rules: list[OnePass]
     counts: list[list[int]]
+    depths: list[float]
 
 
 def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], device: torch.device,
@@ -106,18 +109,20 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
     rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
     counts = [[anchor_count(state.params.anchor_ratio, c1 - c0, state.params.selector) for c0, c1 in spans]
               for state, spans in rows]
-    return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts)
+    depths = [state.params.anchor_depth for state, _ in rows]
+    return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts, depths)
 
 
 def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                       own: torch.Tensor, affix_slot: torch.Tensor, gen: torch.Tensor, rules: list[OnePass],
-                      counts: list[list[int]], cached: CachedKV) -> OnePassResult:
+                      counts: list[list[int]], depths: list[float], cached: CachedKV) -> OnePassResult:
     """The first refresh with its anchors chosen inside it (module docstring).
 
     ``tokens``/``positions``/``valid`` ``[B, T]``: the canvas and the columns this forward covers (far masks
     out); ``own``: the columns every refresh recomputes; ``affix_slot``: each shared affix column's affix in
     its row (-1 elsewhere); ``gen``: the masked generation columns; ``rules[r]`` and ``counts[r][s]`` (the
-    anchor count of affix ``s``) per row; ``cached`` reads the shared affixes' cached K/V."""
+    anchor count of affix ``s``) and ``depths[r]`` (its ``anchor_depth``) per row; ``cached`` reads the shared
+    affixes' cached K/V."""
     b, t = tokens.shape
     cfg = model.config
     layers, width, dev = cfg.num_layers, cfg.hidden_size, tokens.device
@@ -125,8 +130,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     num_slots = int(affix_slot.max()) + 1 if affix_slot.numel() else 0
     sizes = [[int((row == s).sum()) for s in range(num_slots)] for row in affix_slot]
     steps = max(layers - FIRST_STALE, 1)
-    plans = [[carried_counts(k, n, steps) for k, n in zip(row_k, row_n, strict=True)]
-             for row_k, row_n in zip(counts, sizes, strict=True)]
+    plans = [[carried_counts(k, n, steps, depth) for k, n in zip(row_k, row_n, strict=True)]
+             for row_k, row_n, depth in zip(counts, sizes, depths, strict=True)]
     takes = torch.zeros(b, t, dtype=torch.bool, device=dev)  # affix columns whose affix takes anchors
     for r, row_k in enumerate(counts):
         for s, k in enumerate(row_k):
@@ -135,8 +140,9 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     # an affix column every refresh recomputes anyway (a block-causal model's mixed attention block) competes for
     # the anchors as in the selection of its own
     cand = affix & takes
-    filtering = any(0 < k < n for row_k, row_n in zip(counts, sizes, strict=True)
-                    for k, n in zip(row_k, row_n, strict=True))
+    row_filters = [any(0 < k < n for k, n in zip(row_k, row_n, strict=True))
+                   for row_k, row_n in zip(counts, sizes, strict=True)]
+    filtering = any(row_filters)
 
     # the score's terms, decided once: whether any row reads the deviation, which queries count for the mass
     by_dev = any(rule.deviation for rule in rules)
@@ -155,10 +161,17 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
 
     hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    # the layers run together until the candidates are next filtered: all of them when nothing is filtered
+    # the layers run together until the candidates are next filtered (all of them when nothing is filtered), and
+    # those after the last filtering step of the deepest row that filters (layer ``stop - 1``) in one call, with no
+    # score: a batch scores as deep as its deepest row
     first = min(FIRST_STALE + 1, layers) if filtering else layers
-    spans = [range(0, first), *(range(layer, layer + 1) for layer in range(first, layers))]
+    stop = min(FIRST_STALE + max(filter_steps(steps, d) for d, f in zip(depths, row_filters, strict=True) if f),
+               layers) if filtering else layers
+    spans = [range(0, first), *(range(layer, layer + 1) for layer in range(first, stop))]
+    if max(stop, first) < layers:
+        spans.append(range(max(stop, first), layers))
     for span in spans:
+        scoring = filtering and span.start < stop
         fed, fed_valid = compact_index(valid & (own | cand), fill=t)
         past, past_valid = compact_index(affix & ~own & ~cand, fill=t)
         at = fed.clamp_max(t - 1)
@@ -167,10 +180,11 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
             at_past = past.clamp_max(t - 1)
             kv = LayerwiseKV(*_layer_views(cached, at_past, layers), positions.gather(1, at_past), past_valid)
         out = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),
-                               fed_valid, kv, span, return_kv=True, capture_queries=mass is not None)
+                               fed_valid, kv, span, return_kv=True,
+                               capture_queries=scoring and mass is not None)
         hidden.scatter_(1, fed[..., None].expand(-1, -1, width), out.hidden)
         saved += [(fed, keys, values) for keys, values in zip(out.kv.keys, out.kv.values, strict=True)]
-        if not filtering:
+        if not scoring:
             continue
         if mass is not None:
             q_at, k_at = _index_in(fed, q_cols), _index_in(fed, k_cols)

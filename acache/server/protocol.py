@@ -57,6 +57,8 @@ class DiffusionFields(BaseModel):
     anchor_pass: Literal[ANCHOR_PASSES] | None = Field(default=None, description="where anchors are chosen: one "
                                                        "(inside the first refresh; the default where the selector "
                                                        "has that form) or two (a selection of its own first)")
+    anchor_depth: float | None = Field(default=None, gt=0, le=1, description="share of the layers a one-pass "
+                                       "selection scores through (default 1.0: every layer)")
     probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "
                                     "step (one forward fewer); only where an affix is reused")
     affix: str | None = Field(default=None, description="id of an affix registered with POST /v1/affixes")
@@ -121,6 +123,8 @@ class DiffusionFields(BaseModel):
             kwargs["probe_step"] = True
         if self.anchor_pass is not None and reuse and kwargs["selector"] is not None:
             kwargs["anchor_pass"] = self.anchor_pass
+        if self.anchor_depth is not None and reuse and kwargs["selector"] is not None:
+            kwargs["anchor_depth"] = self.anchor_depth
         try:
             return SamplingParams(**kwargs)
         except ValueError as exc:  # name the request's fields, not SamplingParams'

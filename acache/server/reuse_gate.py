@@ -55,8 +55,9 @@ class Plan:
 
 
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
-    """What a check vouches for: these spans, reused by this selector at this ratio and pass."""
-    return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_query)
+    """What a check vouches for: these spans, reused by this selector at this ratio, pass and depth."""
+    return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_depth,
+            params.anchor_query)
 
 
 class ReuseGate:

@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
             reuse=affix_ids is not None, default_selector=llm.default_selector)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
-        for field in ("probe_step", "anchor_query", "anchor_pass"):
+        for field in ("probe_step", "anchor_query", "anchor_pass", "anchor_depth"):
             if getattr(body, field) and affix_ids is None:
                 raise BadRequest(f"{field} applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         raw = body.prompt

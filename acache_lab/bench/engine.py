@@ -378,10 +378,12 @@ def main(args) -> int:
     prune = {k: v for k, v in (("focus_layers", args.focus_layers), ("focus_ratio", args.focus_ratio),
                                ("far_mask_window", args.far_mask_window),
                                ("probe_step", True if args.probe_step else None),
-                               ("anchor_query", args.anchor_query)) if v is not None}
+                               ("anchor_query", args.anchor_query), ("anchor_depth", args.anchor_depth))
+             if v is not None}
     if prune.keys() == {"focus_ratio"}:
         raise ValueError("--focus-ratio needs --focus-layers")
     pruned_name = "acache+" + "+".join(f"{k}={v}" for k, v in prune.items())
+    workload_params(w, True, prune)  # a setting SamplingParams refuses is named before any mode runs
     # every timed mode: (name, model, ACache or not, pruning); compiled modes run on a compiled copy of the model,
     # so the eager and compiled engines are timed side by side in one run
     specs: list[tuple[str, DiffusionLM, bool, dict | None]] = [("dual", model, False, None),

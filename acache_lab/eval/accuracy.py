@@ -10,6 +10,7 @@ affix is demonstrations also runs without them (``without``), which shows what t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -28,12 +29,16 @@ STUDY_SELECTORS = ("attention", "attention-full", "attention-shallow", "attentio
                    "attention-2p", "attention-deviation-2p", "cacheblend-2p", "query-attention-2p")
 #: the project's own selectors, each held against the issue's target in the report
 OURS = ("attention-deviation", "influence")
+#: the one-pass depths the study can run beside every layer (``<selector>-d50``: ``anchor_depth`` 0.5)
+DEPTHS = (0.25, 0.5)
 #: study labels that are a policy with other settings: ACache with queries from a no-cache forward or from the
 #: probe's first layers, and ACache whose selection probe also decodes the first step (``probe_step``)
 VARIANTS = {"attention-full": {"selector": "attention", "anchor_query": "full"},
             "attention-shallow": {"selector": "attention", "anchor_query": "shallow"},
             "attention-probe-step": {"selector": "attention", "probe_step": True},
-            **{f"{s}-2p": {"selector": s, "anchor_pass": "two"} for s in ONE_PASS_SELECTORS}}
+            **{f"{s}-2p": {"selector": s, "anchor_pass": "two"} for s in ONE_PASS_SELECTORS},
+            **{f"{s}-d{round(100 * d)}": {"selector": s, "anchor_pass": "one", "anchor_depth": d}
+               for s in ONE_PASS_SELECTORS for d in DEPTHS}}
 
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
@@ -64,7 +69,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 params = task_params(task, selector=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
-                                    params.anchor_pass)
+                                    params.anchor_pass, params.anchor_depth)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost) for s in selectors
@@ -75,7 +80,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
 
 
 def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, ratio: float,
-                 anchor_pass: str | None = None) -> float | None:
+                 anchor_pass: str | None = None, anchor_depth: float = 1.0) -> float | None:
     """Mean selection + refresh passes of the requests, in full forwards of each request's canvas (None for
     BiCache, which recomputes layers rather than tokens)."""
     if policy is not None and policy.startswith("bicache"):
@@ -84,7 +89,8 @@ def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, r
     shares = []
     for p in prompts:
         canvas = len(p.token_ids) + gen
-        spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio, anchor_pass)
+        spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio, anchor_pass,
+                               anchor_depth)
         shares.append(spent / (canvas * layers))
     return sum(shares) / len(shares)
 
@@ -134,9 +140,11 @@ def plot_compute(cells: list[Cell], path: str | Path) -> bool:
         for sel in dict.fromkeys(c.selector for c in mine if c.selector not in REFERENCES):
             pts = sorted((c for c in mine if c.selector == sel and c.ratio > 0), key=lambda c: c.ratio)
             if pts:  # BiCache has no token count to cost
-                base = sel.removesuffix("-2p")  # a selection of its own: dashed, in its one-pass form's colour
+                # a selection of its own dashed, a shallower one pass dotted, in the one-pass form's colour
+                base = re.sub(r"-(2p|d\d+)$", "", sel)
+                style = "-" if sel == base else "--" if sel.endswith("-2p") else ":"
                 line = ax.plot([c.compute for c in pts], [100 * c.accuracy for c in pts], marker="o", ms=3,
-                               linestyle="--" if sel != base else "-", color=colors.get(base),
+                               linestyle=style, color=colors.get(base),
                                linewidth=2.2 if base in ("attention", "attention-deviation") else 1.0, label=sel)
                 colors.setdefault(base, line[0].get_color())
 

@@ -57,11 +57,13 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     raise ValueError(f"no cost model for policy {policy!r}")
 
 
-def filtering_passes(policy: str, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+def filtering_passes(policy: str, canvas: int, affixes: list[int], layers: int, ratio: float,
+                     depth: float = 1.0) -> int:
     """Layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens through each later
-    layer: CacheBlend's selection, and a one-pass selector's whole first refresh."""
+    layer: CacheBlend's selection, and a one-pass selector's whole first refresh (at ``depth``: carried down to
+    the anchors sooner)."""
     other = canvas - sum(affixes)
-    plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1)) for n in affixes]
+    plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1), depth) for n in affixes]
     later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
     return canvas * min(2, layers) + later
 
@@ -76,10 +78,10 @@ def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: 
 
 
 def request_passes(policy: str | None, query: str, canvas: int, affixes: list[int], layers: int,
-                   ratio: float, anchor_pass: str | None = None) -> int:
+                   ratio: float, anchor_pass: str | None = None, anchor_depth: float = 1.0) -> int:
     """Selection plus the block-boundary refresh (one pass: the refresh that selects)."""
     if anchor_pass == "one":  # at ratio 0 and 1 the one pass is the refresh of direct reuse or full recomputation
-        return filtering_passes(policy, canvas, affixes, layers, ratio) if 0 < ratio < 1 and layers > 1 \
+        return filtering_passes(policy, canvas, affixes, layers, ratio, anchor_depth) if 0 < ratio < 1 and layers > 1 \
             else refresh_passes(policy, canvas, affixes, layers, ratio)
     select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio)
     return select + refresh_passes(policy, canvas, affixes, layers, ratio)

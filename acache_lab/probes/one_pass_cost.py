@@ -8,7 +8,9 @@ anchors fixed). Every engine is fresh, so each first refresh writes into pages t
 Selection's own cost is then, over the dual refresh: one pass, its refresh minus the two-pass refresh; two pass,
 its selection. Medians of ``--repeats``, interleaved.
 
-    python -m acache_lab.probes.one_pass_cost --batch 16
+    python -m acache_lab.probes.one_pass_cost --batch 16 --anchor-depth 0.25
+
+``--anchor-depth`` d times a third engine beside them: one pass scoring through the first ``d`` of the layers.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--selector", default="attention")
+    parser.add_argument("--anchor-depth", type=float, default=None, help="also time one pass at this depth")
     args = parser.parse_args()
     model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"), 0)
     model.fuse_projections()
@@ -52,20 +56,28 @@ def main() -> None:
     prompts = make_requests(model, w, args.batch, 1)
     one, two = workload_params(w, True), workload_params(Workload(selector=args.selector, anchor_pass="two"), True)
     first_steps(model, prompts[:1], one, 2)  # warm-up
-    runs: dict[str, list[float]] = {"dual": [], "one": [], "two select": [], "two refresh": []}
+    shallow = replace(one, anchor_depth=args.anchor_depth) if args.anchor_depth is not None else None
+    runs: dict[str, list[float]] = {"dual": [], "one": [], "two select": [], "two refresh": [], "depth": []}
     for _ in range(args.repeats):
         runs["dual"].append(first_steps(model, prompts, workload_params(w, False), 1)[0])
         runs["one"].append(first_steps(model, prompts, one, 1)[0])
+        if shallow is not None:
+            runs["depth"].append(first_steps(model, prompts, shallow, 1)[0])
         select, refresh = first_steps(model, prompts, two, 2)
         runs["two select"].append(select)
         runs["two refresh"].append(refresh)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
     print(f"batch {args.batch}, selector {args.selector}, median of {args.repeats}: dual refresh {med['dual']:.3f} s; "
           f"one-pass refresh {med['one']:.3f} s; two-pass selection {med['two select']:.3f} s + refresh "
-          f"{med['two refresh']:.3f} s")
+          f"{med['two refresh']:.3f} s" + (f"; one pass at depth {shallow.anchor_depth} {med['depth']:.3f} s"
+                                            if shallow is not None else ""))
     print(f"selection's own cost in forwards: one pass {(med['one'] - med['two refresh']) / med['dual']:.3f}, "
           f"two pass {med['two select'] / med['dual']:.3f}; first refresh, selection included: one pass "
           f"{med['one'] / med['dual']:.3f}, two pass {(med['two select'] + med['two refresh']) / med['dual']:.3f}")
+    if shallow is not None:
+        print(f"at depth {shallow.anchor_depth}: selection's own cost "
+              f"{(med['depth'] - med['two refresh']) / med['dual']:.3f} of a forward, its first refresh "
+              f"{med['depth'] / med['dual']:.3f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,19 @@ def affix_run(model, prompts, params, store=None, engine=None, bicache_profile=N
     return run_engine(model, prompts, params, arrivals=arrivals, engine=engine)
 
 
+def assert_each_as_alone(model, prompts, params, store, arrivals) -> None:
+    """``prompts`` under ``params`` (one each) decode on the engine, batched at once and arriving at the steps
+    ``arrivals``, as each does alone on the reference path: tokens and anchors."""
+    from acache.reference import reference_generate
+
+    batched = affix_run(model, prompts, params, store)
+    staggered = affix_run(model, prompts, params, store, arrivals=arrivals)
+    for prompt, p, b, s in zip(prompts, params, batched, staggered, strict=True):
+        alone = reference_generate(model, prompt, p, store)
+        assert alone.token_ids == b.token_ids == s.token_ids
+        assert alone.anchors == b.anchors == s.anchors
+
+
 def selection_context(model, prompts, gen_length: int, store=None):
     """The all-mask canvas of ``prompts`` (one AffixPrompt or a list) with their affixes' cached K/V placed:
     what a selector sees at admission."""

@@ -107,6 +107,11 @@ def test_the_schedule_shrinks_to_the_anchor_count():
     assert carried_counts(2, 20, 1) == [2]
     assert carried_counts(5, 5, 4) == [5, 5, 5, 5]
     assert carried_counts(0, 9, 3) == [0, 0, 0]
+    # at a depth below 1 the same descent over the first ceil(depth * steps) steps, then the anchors alone
+    assert carried_counts(3, 10, 3, depth=1.0) == [6, 4, 3]
+    assert carried_counts(3, 10, 6, depth=0.5) == [6, 4, 3, 3, 3, 3]
+    assert carried_counts(4, 20, 9, depth=0.25) == [8, 6, 4, 4, 4, 4, 4, 4, 4]
+    assert carried_counts(3, 10, 5, depth=0.01) == [3, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("position", ["prefix", "suffix", "two-affix"])

@@ -10,7 +10,7 @@ from acache.affix.store import AffixStore
 from acache.policies import ONE_PASS_SELECTORS
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from tests.affix.helpers import affix_engine, affix_run, layouts
+from tests.affix.helpers import affix_engine, affix_run, assert_each_as_alone, layouts
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
@@ -69,13 +69,7 @@ def test_mixed_staggered_batch_matches_each_alone(family_model):
                                  ("query-attention", 0.5, 16, None), ("attention-deviation", 0.25, 24, None),
                                  ("cacheblend", 0.6, 16, "two"), ("kv-deviation", 0.3, 8, None),
                                  ("attention", 0.1, 24, "one"), ("cacheblend", 1.0, 16, None))]
-    store = AffixStore(family_model)
-    batched = affix_run(family_model, prompts, params, store)
-    staggered = affix_run(family_model, prompts, params, store, arrivals=[3, 0, 1, 5, 0, 2, 4, 1])
-    for prompt, p, b, s in zip(prompts, params, batched, staggered, strict=True):
-        alone = reference_generate(family_model, prompt, p, store)
-        assert alone.token_ids == b.token_ids == s.token_ids
-        assert alone.anchors == b.anchors == s.anchors
+    assert_each_as_alone(family_model, prompts, params, AffixStore(family_model), [3, 0, 1, 5, 0, 2, 4, 1])
 
 
 @pytest.mark.parametrize("selector", ONE_PASS_SELECTORS)

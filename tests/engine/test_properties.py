@@ -77,6 +77,8 @@ def requests(draw):
             one = kw["selector"] in ONE_PASS_SELECTORS and not kw["probe_step"] and (
                 kw["anchor_query"] == "probe" or kw["selector"] not in QUERY_SELECTORS)
             kw["anchor_pass"] = draw(st.sampled_from([None, "one", "two"] if one else [None, "two"]))
+            if one and kw["anchor_pass"] != "two":  # how deep the one pass scores
+                kw["anchor_depth"] = draw(st.sampled_from([None, 1.0, 0.5, 0.1]))
     arrival = draw(st.integers(0, 6))
     return prompt, SamplingParams(**kw), arrival
 

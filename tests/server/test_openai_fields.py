@@ -234,3 +234,40 @@ def test_one_model_by_id(setup):
         resp = client.get(f"/v1/models/{missing}")
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
         assert f"model '{missing}' is not served here; this server serves 'tiny'" in resp.json()["error"]["message"]
+
+
+def test_anchor_depth(setup, monkeypatch):
+    """anchor_depth reaches the selecting refresh (the offline path's answer at each depth); without an affix, out of
+    (0, 1], not a number, or with a selection of its own pass, it is a 400 that names it."""
+    from acache import Affix
+    from acache.engine import model_runner
+
+    client, llm = setup
+    depths = []
+    real = model_runner.refresh_selecting
+
+    def refresh(model, *args):
+        depths.extend(args[-2])  # SelectingInputs.depths, just before ``cached``
+        return real(model, *args)
+
+    monkeypatch.setattr(model_runner, "refresh_selecting", refresh)
+    story = f"story : {STORY}"
+    affix = post(client, "/v1/affixes", {"text": story})[1]["id"]
+    segments = [Affix(token_ids=tuple(llm.tokenizer.encode(story))), llm.tokenizer.encode(f"question : {Q} answer :"),
+                GEN]
+    body = {"prompt": f"question : {Q} answer :", "affix": affix, "max_tokens": 2, "anchor_ratio": 0.3}
+    for depth in (0.25, 1.0):
+        depths.clear()
+        status, out = post(client, "/v1/completions", {**body, "anchor_depth": depth})
+        assert depths == [depth]
+        want = llm.generate([segments], SamplingParams(gen_length=2, block_length=2, selector="attention",
+                                                        anchor_ratio=0.3, anchor_depth=depth), use_tqdm=False)[0]
+        assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    for change, why in [({"affix": None, "prompt": f"{story} question : {Q} answer :"},
+                         "anchor_depth applies to a reused affix"),
+                        ({"anchor_depth": 0}, "anchor_depth"), ({"anchor_depth": 1.5}, "anchor_depth"),
+                        ({"anchor_depth": "half"}, "anchor_depth"), ({"anchor_depth": True}, "anchor_depth"),
+                        ({"selector": "kv-deviation"}, "needs anchor_pass 'one'"),
+                        ({"anchor_pass": "two"}, "needs anchor_pass 'one'")]:
+        status, out = post(client, "/v1/completions", {**body, "anchor_depth": 0.5, **change})
+        assert status == 400 and why in str(out), (change, out)

@@ -51,6 +51,8 @@ def test_trust_is_per_policy():
     assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE
     assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
     assert gate.plan(("span-b",), PARAMS, True, False).decision is Decision.CHECK
+    shallower = SamplingParams(gen_length=8, block_length=8, selector="attention", anchor_depth=0.5)
+    assert gate.plan(SPANS, shallower, True, False).decision is Decision.CHECK  # other anchors: not vouched for
 
 
 def test_every_nth_trusted_use_is_audited_and_a_failed_audit_revokes_trust():

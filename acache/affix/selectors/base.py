@@ -56,13 +56,22 @@ def keep_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: t
     return kept
 
 
-def carried_counts(k: int, n: int, steps: int) -> list[int]:
+def filter_steps(steps: int, depth: float) -> int:
+    """How many of the ``steps`` filtering steps (one after each layer from the first stale one) a one-pass
+    selection at ``depth`` takes: the first ``ceil(depth * steps)``, at least one."""
+    return min(steps, max(1, math.ceil(depth * steps - 1e-9))) if steps > 0 else 0
+
+
+def carried_counts(k: int, n: int, steps: int, depth: float = 1.0) -> list[int]:
     """How many tokens of an ``n``-token affix are kept after each filtering step (layers 1..L-1), ending at
-    ``k``: from ``min(n, 2k)`` down linearly (CacheBlend's gradual filtering)."""
+    ``k``: from ``min(n, 2k)`` down linearly (CacheBlend's gradual filtering), over all ``steps`` at ``depth``
+    1, over the first :func:`filter_steps` of them at a lower one (``k`` after those)."""
+    active = filter_steps(steps, depth)
     start = min(n, 2 * k)
-    if steps <= 1:
+    if active <= 1:
         return [k] * max(steps, 0)
-    return [round(k + (start - k) * (steps - 1 - s) / (steps - 1)) for s in range(steps)]
+    head = [round(k + (start - k) * (active - 1 - s) / (active - 1)) for s in range(active)]
+    return head + [k] * (steps - active)
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,27 @@ def test_anchor_query_runs_as_a_third_mode_and_an_unknown_one_is_named(task_mode
     assert "invalid choice: 'deep'" in capsys.readouterr().err
 
 
+def test_anchor_depth_runs_as_a_third_mode_and_a_bad_one_is_named(tmp_path, capsys):
+    """A 6-layer random model, so that depth 0.2 leaves four layers unscored: the third mode runs beside plain
+    ACache and computes fewer token-layers in its selecting refresh; a depth out of (0, 1] is named."""
+    from acache.cli import main
+    from tests.conftest import tiny_checkpoint
+
+    out = tmp_path / "bench.json"
+    model = tiny_checkpoint(tmp_path / "deep", "llada", layers=6)
+    args = ["bench", "--model", str(model), "--affix-len", "48", "--question-len", "8", "--gen-length",
+            "16", "--block-length", "8", "--steps", "4", "--batch-sizes", "2", "--no-warmup", "--no-mixed",
+            "--json", str(out)]
+    assert main([*args, "--anchor-depth", "0.2"]) == 0
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["results"]] == ["dual", "acache", "acache+anchor_depth=0.2"]
+    plain, shallow = written["results"][1:]
+    assert 0 < shallow["model_flops"] < plain["model_flops"]  # the same refreshes after, a shorter selection
+    capsys.readouterr()
+    assert main([*args, "--anchor-depth", "2"]) == 2
+    assert "anchor_depth must be a number in (0, 1], got 2.0" in capsys.readouterr().err
+
+
 def test_compile_times_a_compiled_copy_beside_the_eager_model(task_model_dir, tmp_path, capsys):
     from acache.cli import main
 

@@ -37,6 +37,17 @@ def test_refresh_and_request_passes():
         48 * 2 + (10 + 20 + 18) + (10 + 15 + 14) + (10 + 10 + 9) * 4)
 
 
+def test_one_pass_request_passes_by_depth():
+    """One pass: layers 0-1 of the canvas, then the 10 own columns and the carried candidates of the 38-token affix
+    (k = 8) through layers 2 and 3; at a lower depth they reach k sooner (16, 12 -> 16, 8 -> 8, 8)."""
+    def one(depth):
+        return request_passes("attention", "probe", CANVAS, AFFIX, LAYERS, RATIO, "one", depth)
+
+    assert one(1.0) == 48 * 2 + (10 + 16) + (10 + 12)
+    assert one(0.5) == 48 * 2 + (10 + 16) + (10 + 8)
+    assert one(0.25) == 48 * 2 + (10 + 8) * 2
+
+
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="no cost model for policy 'bicache-matched'"):
         selection_passes("bicache-matched", "probe", CANVAS, AFFIX, LAYERS, RATIO)
