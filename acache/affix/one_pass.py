@@ -127,8 +127,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     cfg = model.config
     layers, width, dev = cfg.num_layers, cfg.hidden_size, tokens.device
     affix = (affix_slot >= 0) & valid
-    num_slots = int(affix_slot.max()) + 1 if affix_slot.numel() else 0
-    sizes = [[int((row == s).sum()) for s in range(num_slots)] for row in affix_slot]
+    # each row's own affixes: a row with one affix batches beside a row with two
+    sizes = [[int((row == s).sum()) for s in range(len(row_k))] for row, row_k in zip(affix_slot, counts, strict=True)]
     steps = max(layers - FIRST_STALE, 1)
     plans = [[carried_counts(k, n, steps, depth) for k, n in zip(row_k, row_n, strict=True)]
              for row_k, row_n, depth in zip(counts, sizes, depths, strict=True)]

@@ -12,6 +12,7 @@ itself (out of memory, a device error) is raised.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ from acache.engine.request import Request
 from acache.engine.step_keys import StepKeyCache
 from acache.models.base import DiffusionLM
 from acache.policies import QUERY_SELECTORS
+
+logger = logging.getLogger(__name__)
 
 
 def is_engine_fault(exc: BaseException) -> bool:
@@ -108,6 +111,9 @@ class ModelRunner:
             if len(reqs) == 1:
                 errors[reqs[0].request_id] = f"{type(exc).__name__}: {exc}"
                 return {}
+            # said, so that a batch that fails on every step (a bug, not a bad request) does not pass unseen
+            logger.warning("a forward of %d requests failed (%s: %s); running each alone", len(reqs),
+                           type(exc).__name__, exc)
         results: dict = {}
         for req in reqs:
             try:

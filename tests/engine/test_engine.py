@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -209,7 +211,7 @@ def test_a_fault_in_one_request_fails_it_alone(family_model, monkeypatch, select
 
 
 @pytest.mark.parametrize("anchor_pass", ["one", "two"])
-def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch, anchor_pass):
+def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch, caplog, anchor_pass):
     """A selection that raises for one request, in a pass of its own or inside the refresh, fails that request
     alone; the other decodes as it would alone, and none of the pool's pages is lost."""
     from acache.affix.selectors.attention import AttentionAnchors
@@ -237,7 +239,10 @@ def test_a_selector_fault_fails_its_request_alone(llada_dir, monkeypatch, anchor
     bad = AffixPrompt(good.token_ids[:-1] + (POISON,), good.gen_at, good.affixes)
     params = SamplingParams(**BASE, selector="attention", anchor_pass=anchor_pass)
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
-    outs = run_all(engine, [(good, params, None), (bad, params, None)])
+    with caplog.at_level(logging.WARNING, logger="acache.engine.model_runner"):
+        outs = run_all(engine, [(good, params, None), (bad, params, None)])
+    assert "a forward of 2 requests failed (RuntimeError: selector broke on this request); running each alone" \
+        in caplog.text  # said once a step, not swallowed
     assert outs[0].status is Status.FINISHED
     assert outs[0].token_ids == reference_generate(model, good, params).token_ids
     assert outs[1].status is Status.FAILED and outs[1].error == "RuntimeError: selector broke on this request"
