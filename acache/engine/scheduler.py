@@ -144,7 +144,8 @@ class Scheduler:
                 plan = req.state.plan()
                 split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
                 focus = None if plan.refresh else req.params.focus_layers  # one early depth a forward
-                key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus, plan.select)
+                depth = req.params.anchor_depth if plan.select else None  # a selecting forward scores to one depth
+                key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus, plan.select, depth)
                 cost = self.kv.step_cost(req, plan)
             if used.get(key, 0) and used[key] + cost > budget:
                 continue

@@ -121,3 +121,24 @@ def test_mixed_depths_arriving_apart_decode_as_each_alone(deep_model):
                                  ("attention", 0.1, 24, 1.0), ("cacheblend", 0.6, 16, 0.2),
                                  ("attention", 0.0, 16, 0.2), ("query-attention", 1.0, 8, 0.5))]
     assert_each_as_alone(deep_model, prompts, params, AffixStore(deep_model), [2, 0, 1, 4, 0, 3, 1, 5, 2, 0])
+
+
+def test_a_selecting_forward_scores_to_one_depth(deep_model, monkeypatch):
+    """Requests that choose their anchors at the same time share a selecting forward only with those of their depth,
+    so a shallow one never scores as deep as its neighbour; a request with two affixes shares it with one of one
+    (each forward runs once: none is rerun apart after a failure)."""
+    from acache.engine import model_runner
+
+    batches = []
+    real = model_runner.refresh_selecting
+
+    def refresh(model, *args):
+        batches.append(sorted(args[-2]))  # SelectingInputs.depths
+        return real(model, *args)
+
+    monkeypatch.setattr(model_runner, "refresh_selecting", refresh)
+    prompts = list(layouts().values())
+    params = [SamplingParams(**BASE, selector="attention", anchor_ratio=0.3, anchor_depth=d) for d in (0.2, 1.0, 0.2,
+                                                                                                      None)]
+    affix_run(deep_model, prompts, params, AffixStore(deep_model))
+    assert sorted(batches) == [[0.2, 0.2], [1.0, 1.0]]
