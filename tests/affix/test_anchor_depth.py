@@ -43,21 +43,21 @@ def cut(model, layers: int):
 @pytest.mark.parametrize("depth", [0.2, 0.5])
 def test_anchors_are_those_of_the_model_cut_after_the_last_scoring_layer(deep_model, selector, depth):
     """At depth d the candidates are filtered after layers 1 .. s (s = ceil(d * (L - 1))) exactly as a model of s + 1
-    layers filters them at every layer, so both choose the same anchors; the deeper layers change none."""
+    layers filters them at every layer, so both choose the same anchors; the deeper layers change none (each layout
+    at a ratio of its own)."""
     steps = filter_steps(LAYERS - 1, depth)
     short = cut(deep_model, steps + 1)
     store, short_store = AffixStore(deep_model), AffixStore(short)
     differ = 0
-    for prompt in layouts(affix_len=24).values():
-        for ratio in (0.2, 0.5):
-            params = SamplingParams(**BASE, selector=selector, anchor_ratio=ratio, anchor_depth=depth)
-            got = reference_generate(deep_model, prompt, params, store)
-            want = reference_generate(short, prompt, SamplingParams(**BASE, selector=selector, anchor_ratio=ratio),
-                                      short_store)
-            assert got.anchors == want.anchors and len(got.anchors) > 0
-            every = reference_generate(deep_model, prompt, SamplingParams(**BASE, selector=selector,
-                                                                          anchor_ratio=ratio), store)
-            differ += every.anchors != got.anchors
+    for prompt, ratio in zip(layouts(affix_len=24).values(), (0.2, 0.5, 0.3, 0.4), strict=True):
+        params = SamplingParams(**BASE, selector=selector, anchor_ratio=ratio, anchor_depth=depth)
+        got = reference_generate(deep_model, prompt, params, store)
+        want = reference_generate(short, prompt, SamplingParams(**BASE, selector=selector, anchor_ratio=ratio),
+                                  short_store)
+        assert got.anchors == want.anchors and len(got.anchors) > 0
+        every = reference_generate(deep_model, prompt, SamplingParams(**BASE, selector=selector, anchor_ratio=ratio),
+                                   store)
+        differ += every.anchors != got.anchors
     if selector != "cacheblend":  # the deviation of one layer can pick what the deeper ones pick
         assert differ > 0  # scoring every layer is not the same selection: the equality above has teeth
 
