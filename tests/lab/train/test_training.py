@@ -301,16 +301,23 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
-def test_affix_recipe_is_the_affix_models_config_from_the_plus_model():
+def test_affix_recipe_chains_two_configs_from_the_plus_model_into_the_affix_model():
+    """configs/affix.json from the plus model, then configs/affix-v5.json from its output into the shipped affix
+    model, whose log and config.json record the second (make model-affix runs both)."""
     from acache.models.loader import read_config
     from acache.paths import REPO_ROOT
 
-    config = TrainConfig.from_file(REPO_ROOT / "configs" / "affix.json")
-    assert (REPO_ROOT / config.init_from).resolve() == PLUS_MODEL.resolve() and config.affix_isolation == 0.5
-    log = json.loads((REPO_ROOT / config.out / "training_log.json").read_text())
-    assert_logged(config, log["config"])
-    assert log["steps_done"] == config.steps
-    assert read_config(REPO_ROOT / config.out)[1].affix_training["steps"] == config.steps
+    first, second = (TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in ("affix", "affix-v5"))
+    assert (REPO_ROOT / first.init_from).resolve() == PLUS_MODEL.resolve()
+    assert second.init_from == first.out and second.model == first.model
+    assert first.affix_isolation == second.affix_isolation == 0.5
+    shipped = REPO_ROOT / second.out
+    assert shipped.resolve() == (SHIPPED_MODEL.parent / "acache-tiny-affix").resolve()
+    log = json.loads((shipped / "training_log.json").read_text())
+    assert_logged(second, log["config"])
+    assert log["steps_done"] == second.steps
+    record = read_config(shipped)[1].affix_training
+    assert record["steps"] == second.steps and record["affix_isolation"] == 0.5
 
 
 def test_plus_recipe_is_the_plus_models_config_from_the_shipped_model():
