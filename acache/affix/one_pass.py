@@ -168,8 +168,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     stop = min(FIRST_STALE + max(filter_steps(steps, d) for d, f in zip(depths, row_filters, strict=True) if f),
                layers) if filtering else layers
     spans = [range(0, first), *(range(layer, layer + 1) for layer in range(first, stop))]
-    if max(stop, first) < layers:
-        spans.append(range(max(stop, first), layers))
+    if stop < layers:  # stop >= first: filtering starts after layer 1, and nothing filtered runs them all at once
+        spans.append(range(stop, layers))
     for span in spans:
         scoring = filtering and span.start < stop
         fed, fed_valid = compact_index(valid & (own | cand), fill=t)

@@ -41,7 +41,7 @@ class Cell:
 
     task: str
     layout: str
-    selector: str  # an selector; ``full`` is full recomputation without the affix cache
+    selector: str  # a selector (or a study variant); ``full`` is full recomputation without the affix cache
     ratio: float
     correct: int
     total: int
