@@ -100,9 +100,9 @@ def main(args: argparse.Namespace) -> int:
             f"not trained to be reused: the server reuses its affixes with ACache ({DEFAULT_SELECTOR}) by default")
     print(f"{args.model}: {mode}.")
     print(f"Each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "
-          "first refresh) at two anchor ratios and full recompute (ok: the expected answer). The model gets 100% of "
-          "held-out questions right under full recompute (docs/model.md); the last line counts what each policy "
-          "gets right here.\n"
+          "first refresh) at two anchor ratios and full recompute (ok: the expected answer). Full recompute reads "
+          "the whole prompt in context, the ceiling the other columns are held to (each shipped model's held-out "
+          "exact match under it is in docs/model.md); the last line counts what each policy gets right here.\n"
           "tokens a refresh: the columns each block-boundary refresh computes (the request's own tokens, plus the "
           "affix's anchors under ACache; full recompute computes the affix too). forward ms/request: the fastest "
           f"of {TIMED_RUNS} runs after a warm-up. On this {llm.config.num_layers}-layer, {llm.config.hidden_size}-wide "

@@ -1,0 +1,85 @@
+"""Probe: what direct reuse gets wrong on two-hop, sorted by whether the other object's answer was given instead.
+
+A two-hop story has two objects, each picked up once ("apple went to mary"). Where both objects' answers are the
+same (one holder, or two holders in one place) a model that knows the holders but not which object each took
+cannot be wrong; where they differ it is right half the time. So a model that has lost the object-holder binding
+scores ``same + differ / 2``, about 70% of the held-out stories, and every error it makes is the other object's
+answer. ``holder`` asks the first hop alone ("apple went to ?"). docs/accuracy.md, "Why two-hop stays at 70%".
+
+    python -m acache_lab.probes.reuse_binding --model models/acache-tiny-affix --sentences 6
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Sequence
+
+from acache.policies import LAYOUTS
+from acache_lab.tasks.generators import Example, held_out
+
+#: the outcomes, in the order printed
+OUTCOMES = ("right, both answers equal", "right, answers differ", "the other object's answer", "something else")
+
+
+def story_facts(story: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Who took each object, and where each person last went, read back from a two-hop story's words."""
+    held_by: dict[str, str] = {}
+    where: dict[str, str] = {}
+    sentence: list[str] = []
+    for word in story:
+        if word != ".":
+            sentence.append(word)
+            continue
+        if len(sentence) == 4 and sentence[1:3] == ["went", "to"]:
+            held_by[sentence[0]] = sentence[3]
+        elif len(sentence) == 5 and sentence[2:4] == ["to", "the"]:
+            where[sentence[0]] = sentence[4]
+        else:
+            raise ValueError(f"not a two-hop sentence: {' '.join(sentence)!r}")
+        sentence = []
+    return held_by, where
+
+
+def outcome(example: Example, answer: Sequence[str]) -> str:
+    """Which of :data:`OUTCOMES` a generated ``answer`` is, for a ``holder`` or ``twohop`` example."""
+    if example.task not in ("holder", "twohop"):
+        raise ValueError(f"the probe reads holder and twohop examples, not {example.task!r}")
+    held_by, where = story_facts(example.affix)
+    obj = example.question[0] if example.task == "holder" else example.question[3]
+    others = [o for o in held_by if o != obj]
+    if obj not in held_by or len(others) != 1:
+        raise ValueError(f"a two-hop story takes two objects once each, not {sorted(held_by)}")
+
+    def answer_for(o: str) -> str:
+        return held_by[o] if example.task == "holder" else where[held_by[o]]
+
+    same = answer_for(others[0]) == answer_for(obj)
+    if list(answer) == list(example.answer):
+        return OUTCOMES[0] if same else OUTCOMES[1]
+    return OUTCOMES[2] if list(answer) == [answer_for(others[0])] else OUTCOMES[3]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/acache-tiny-affix")
+    parser.add_argument("--sentences", type=int, default=6)
+    parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--selector", default="none", help="none: direct reuse (the default); all: full recompute")
+    args = parser.parse_args()
+    from acache.llm import LLM
+    from acache_lab.eval.tasks import task_params, task_prompts
+
+    llm = LLM(args.model)
+    for task in ("holder", "twohop"):
+        examples = held_out(task, args.examples, args.sentences, args.seed)
+        for layout in LAYOUTS:
+            outs = llm.generate(task_prompts(llm, examples, layout),
+                                task_params(task, selector=args.selector, seed=args.seed), use_tqdm=False)
+            counts = Counter(outcome(e, o.text.split()) for e, o in zip(examples, outs, strict=True))
+            print(f"{task} {layout}: " + ", ".join(f"{name} {counts[name]}" for name in OUTCOMES), flush=True)
+
+
+if __name__ == "__main__":
+    main()
