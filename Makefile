@@ -82,7 +82,7 @@ model-plus: install
 
 # the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with half of its rows
 # attending as direct reuse serves them, then with long two-hop stories and more arithmetic in the mix, then with
-# four rows in five attending so; three configs, about 26 + 15 + 10 minutes on 2 CPU cores
+# four rows in five attending so; three configs, about 26 + 15 + 11 minutes on 2 CPU cores
 AFFIX := models/acache-tiny-affix
 model-affix: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix.json --config configs/affix-v5.json \

@@ -38,6 +38,8 @@ def story_facts(story: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
         else:
             raise ValueError(f"not a two-hop sentence: {' '.join(sentence)!r}")
         sentence = []
+    if sentence:
+        raise ValueError(f"a story ends with a full stop, not {' '.join(sentence)!r}")
     return held_by, where
 
 
@@ -50,6 +52,9 @@ def outcome(example: Example, answer: Sequence[str]) -> str:
     others = [o for o in held_by if o != obj]
     if obj not in held_by or len(others) != 1:
         raise ValueError(f"a two-hop story takes two objects once each, not {sorted(held_by)}")
+
+    if example.task == "twohop" and not set(held_by.values()) <= set(where):
+        raise ValueError(f"a two-hop story places every holder, not {sorted(set(held_by.values()) - set(where))}")
 
     def answer_for(o: str) -> str:
         return held_by[o] if example.task == "holder" else where[held_by[o]]
@@ -66,7 +71,10 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=6)
     parser.add_argument("--examples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--selector", default="none", help="none: direct reuse (the default); all: full recompute")
+    parser.add_argument("--selector", default="none",
+                        help="how the affix is served: none (direct reuse, the default), all (every affix token an "
+                             "anchor) or a selector at --ratio")
+    parser.add_argument("--ratio", type=float, default=0.2, help="the anchor ratio of a selector")
     args = parser.parse_args()
     from acache.llm import LLM
     from acache_lab.eval.tasks import task_params, task_prompts
@@ -75,8 +83,8 @@ def main() -> None:
     for task in ("holder", "twohop"):
         examples = held_out(task, args.examples, args.sentences, args.seed)
         for layout in LAYOUTS:
-            outs = llm.generate(task_prompts(llm, examples, layout),
-                                task_params(task, selector=args.selector, seed=args.seed), use_tqdm=False)
+            params = task_params(task, selector=args.selector, anchor_ratio=args.ratio, seed=args.seed)
+            outs = llm.generate(task_prompts(llm, examples, layout), params, use_tqdm=False)
             counts = Counter(outcome(e, o.text.split()) for e, o in zip(examples, outs, strict=True))
             print(f"{task} {layout}: " + ", ".join(f"{name} {counts[name]}" for name in OUTCOMES), flush=True)
 

@@ -21,10 +21,17 @@ Spans = Sequence[tuple[int, int]]
 def isolation_mask(valid: torch.Tensor, spans: Sequence[Spans]) -> torch.Tensor:
     """``[B, T, T]``: query ``q`` of row ``b`` may attend key ``k`` when ``k`` is valid and, if ``q`` lies in one
     of the row's ``[start, end)`` spans, ``k`` lies in the same span. A row with no spans attends as usual."""
+    owner = span_owners(valid, spans)
+    same = owner[:, :, None] == owner[:, None, :]
+    return valid[:, None, :] & ((owner[:, :, None] == 0) | same)
+
+
+def span_owners(valid: torch.Tensor, spans: Sequence[Spans]) -> torch.Tensor:
+    """``[B, T]``: 0 on a column outside the row's spans, ``n`` on its ``n``-th span's columns."""
     if len(spans) != valid.shape[0]:
         raise ValueError(f"spans are given for {len(spans)} rows of a batch of {valid.shape[0]}")
     b, t = valid.shape
-    owner = torch.zeros(b, t, dtype=torch.long, device=valid.device)  # 0: no span, n: the row's n-th span
+    owner = torch.zeros(b, t, dtype=torch.long, device=valid.device)
     for row, row_spans in enumerate(spans):
         for n, (start, end) in enumerate(row_spans, start=1):
             if not 0 <= start < end <= t:
@@ -32,5 +39,44 @@ def isolation_mask(valid: torch.Tensor, spans: Sequence[Spans]) -> torch.Tensor:
             if bool((owner[row, start:end] != 0).any()):
                 raise ValueError(f"span [{start}, {end}) of row {row} overlaps another")
             owner[row, start:end] = n
-    same = owner[:, :, None] == owner[:, None, :]
-    return valid[:, None, :] & ((owner[:, :, None] == 0) | same)
+    return owner
+
+
+def with_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, spans: Sequence[Spans],
+                 anchors: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose forward is ACache's refresh with fixed anchors (the two-pass form): ``ids``, ``positions``,
+    ``valid`` ``[B, T + A]`` and the per-query mask ``[B, T + A, T + A]``.
+
+    Each affix token keeps the K/V it has computed alone, as the cache holds it, and every anchor is recomputed in
+    context, so an anchor has two K/V: the alone one, which the other tokens of its affix read, and the refreshed
+    one, which the request's own tokens and the other anchors read. One column cannot hold both, so each row's
+    anchors (``anchors[b]``: columns inside its ``spans``) get a second column after the ``T`` original ones, at
+    their own positions, attending as the request's own tokens do; the originals stay in the isolated mask and no
+    other column reads them. A row with no anchors is :func:`isolation_mask`'s row, padded."""
+    b, t = valid.shape
+    if len(anchors) != b:
+        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {b}")
+    width = max((len(a) for a in anchors), default=0)
+    cols = torch.full((b, width), t, dtype=torch.long, device=valid.device)  # t: padding
+    for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
+        inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
+        if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
+            raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
+                             f"not {sorted(row_anchors)}")
+        cols[row, :len(row_anchors)] = torch.tensor(sorted(row_anchors), dtype=torch.long)
+    copied = cols < t
+    at = cols.clamp_max(t - 1)
+    ext_ids = torch.cat((ids, torch.where(copied, ids.gather(1, at), 0)), 1)
+    ext_positions = torch.cat((positions, torch.where(copied, positions.gather(1, at), 0)), 1)
+    ext_valid = torch.cat((valid, copied), 1)
+    owner = span_owners(valid, spans)
+    is_anchor = torch.zeros(b, t + 1, dtype=torch.bool, device=valid.device).scatter_(1, cols, True)[:, :t]
+    unread = valid & ~is_anchor  # what the request's own columns read of the originals: all but the anchors
+    outside = owner == 0  # the request's own columns (and padding, which attends as they do)
+    mask = torch.zeros(b, t + width, t + width, dtype=torch.bool, device=valid.device)
+    mask[:, :t, :t] = torch.where(outside[:, :, None], unread[:, None, :],
+                                  valid[:, None, :] & (owner[:, :, None] == owner[:, None, :]))
+    mask[:, :t, t:] = outside[:, :, None] & copied[:, None, :]
+    mask[:, t:, :t] = unread[:, None, :].expand(-1, width, -1)  # an unused copy slot too: no row is empty
+    mask[:, t:, t:] = copied[:, None, :].expand(-1, width, -1)
+    return ext_ids, ext_positions, ext_valid, mask

@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import anchor_count
 from acache.models.base import DiffusionLM
 from acache.models.checkpoint import SPECIAL_TOKENS, family_model, init_weights_, save_checkpoint, tokenizer_config
 from acache.models.config import AFFIX_TRAINING_KEY
@@ -38,7 +39,7 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
-from acache_lab.train.isolation import isolation_mask
+from acache_lab.train.isolation import isolation_mask, with_anchors
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -135,6 +136,11 @@ class TrainConfig:
     #: the share of rows trained as direct reuse serves them: each affix attends only within itself, every
     #: other token to everything (affix-aware training, :mod:`acache_lab.train.isolation`); 0 trains none
     affix_isolation: float = 0.0
+    #: the share of the isolated rows that also recompute anchors, ``ceil(affix_anchor_ratio * n)`` random tokens of
+    #: each affix, as ACache's refresh with its anchors fixed serves them (the two-pass form: the anchors read the
+    #: question, the rest of the affix keeps its alone K/V; :func:`acache_lab.train.isolation.with_anchors`)
+    affix_anchored: float = 0.0
+    affix_anchor_ratio: float = 0.2
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -219,6 +225,13 @@ class TrainConfig:
                 raise ValueError(f"model.{name} is an option of {' and '.join(takes)} only, not of {cls.family}")
         if not 0.0 <= self.affix_isolation <= 1.0:
             raise ValueError(f"affix_isolation is a share of rows in [0, 1], not {self.affix_isolation}")
+        if not 0.0 <= self.affix_anchored <= 1.0:
+            raise ValueError(f"affix_anchored is a share of the isolated rows in [0, 1], not {self.affix_anchored}")
+        if not 0.0 < self.affix_anchor_ratio <= 1.0:
+            raise ValueError(f"affix_anchor_ratio must be in (0, 1], not {self.affix_anchor_ratio}")
+        if self.affix_anchored > 0 and (self.affix_isolation == 0 or self.context_mask_rate > 0):
+            raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0), and its "
+                             "anchors' two copies must agree, so context_mask_rate must be 0")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
@@ -352,6 +365,19 @@ class Batch(NamedTuple):
         """The batch's tensors on ``device`` (the spans are plain indices)."""
         return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans)
 
+    def with_anchors(self, isolated: torch.Tensor, anchored: torch.Tensor, ratio: float,
+                     gen: torch.Generator) -> tuple[Batch, torch.Tensor]:
+        """The batch with the ``anchored [B]`` rows' anchors (``ceil(ratio * n)`` random tokens of each affix)
+        copied after its columns, and the mask under which those rows compute ACache's refresh with the anchors
+        fixed, the other ``isolated [B]`` rows direct reuse and the rest full attention
+        (:func:`acache_lab.train.isolation.with_anchors`)."""
+        spans = [s if keep else () for s, keep in zip(self.spans, isolated.tolist(), strict=True)]
+        anchors = [[c0 + int(i) for c0, c1 in row for i in torch.randperm(c1 - c0, generator=gen)[
+            :anchor_count(ratio, c1 - c0)]] if take else [] for row, take in zip(spans, anchored.tolist(), strict=True)]
+        ids, positions, valid, mask = with_anchors(self.ids, self.positions, self.valid, spans, anchors)
+        answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
+        return Batch(ids, answer, positions, valid, self.spans), mask
+
     def attention(self, isolated: torch.Tensor | None) -> torch.Tensor:
         """What the forward attends with: ``valid``, or where ``isolated [B]`` says so the affix-isolated mask
         (:mod:`acache_lab.train.isolation`), under which a row's forward is direct reuse of its affixes."""
@@ -434,6 +460,7 @@ class Probe:
     def __init__(self, config: TrainConfig, batcher: Batcher) -> None:
         self.batcher = batcher
         self.reuse = config.affix_isolation > 0
+        self.anchor_ratio = config.affix_anchor_ratio if config.affix_anchored > 0 else None
         self.batches = {}
         for task in config.eval_tasks:
             exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
@@ -446,14 +473,18 @@ class Probe:
         model.eval()
         out = {}
         for task, batch in self.batches.items():
-            ids, answer = batch.ids, batch.answer
-            noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
-            views = {task: batch.valid}
+            views = {task: (batch, batch.valid)}
+            every = torch.ones(len(batch.ids), dtype=torch.bool)
             if self.reuse:  # the same questions with every affix computed alone: what direct reuse answers
-                views[f"{task}@reuse"] = batch.attention(torch.ones(len(ids), dtype=torch.bool))
-            for name, attention in views.items():
+                views[f"{task}@reuse"] = (batch, batch.attention(every))
+            if self.anchor_ratio is not None:  # and with random anchors refreshed: what ACache's refresh answers
+                gen = torch.Generator().manual_seed(PROBE_SEED)
+                views[f"{task}@anchors"] = batch.with_anchors(every, every, self.anchor_ratio, gen)
+            for name, (view, attention) in views.items():
+                ids, answer = view.ids, view.answer
+                noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    pred = training_logits(model, noisy, batch.positions, attention).argmax(-1)
+                    pred = training_logits(model, noisy, view.positions, attention).argmax(-1)
                 out[name] = ((pred == ids) | ~answer).all(-1).float().mean().item()
         model.train(was_training)
         return out
@@ -601,8 +632,10 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
 def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     """Notes in the checkpoint's config.json that its affixes were trained to be reused as computed alone, so
     that the engine's front ends serve them by direct reuse by default (``ModelConfig.affix_training``)."""
+    anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio} \
+        if config.affix_anchored > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
-                               "init_from": config.init_from, "layouts": list(config.layouts)})
+                               "init_from": config.init_from, "layouts": list(config.layouts), **anchored})
 
 
 def write_affix_training(out: str | Path, record: dict) -> None:
@@ -627,15 +660,22 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
         batch = batcher.batch(step)
         ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         isolated = None
+        attention = batch.valid
         if config.affix_isolation > 0:  # these rows train as direct reuse serves them
             isolated = torch.rand(len(ids), generator=gen) < config.affix_isolation
+            attention = batch.attention(isolated)
+        if config.affix_anchored > 0:  # and of those, these as ACache's refresh with random anchors serves them
+            anchored = isolated & (torch.rand(len(ids), generator=gen) < config.affix_anchored)
+            if bool(anchored.any()):
+                batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen)
+                ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, batch.attention(isolated))
+                                         config.eos_weight, attention)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from acache.affix.selectors import anchor_count
 from acache.affix.store import AffixStore
 from acache.models.kv import KVCache
 from acache.models.loader import load_model
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from acache_lab.train.isolation import isolation_mask
+from acache_lab.train.isolation import isolation_mask, with_anchors
 from tests.affix.helpers import layouts
 
 GEN = 4
@@ -32,8 +33,10 @@ def canvas(model, prompt):
     return torch.tensor(tokens), spans
 
 
-def direct_reuse_states(model, prompt, tokens, spans):
-    """What direct reuse computes: every other column fed, each affix's K/V computed alone sitting in ``past``."""
+def direct_reuse_states(model, prompt, tokens, spans, anchors=()):
+    """What direct reuse computes: every other column fed, each affix's K/V computed alone sitting in ``past``;
+    with ``anchors`` (canvas columns), what a refresh with those anchors fixed computes: they are fed too, and
+    their alone K/V left out of ``past``."""
     store = AffixStore(model)
     t = len(tokens)
     shared = torch.zeros(t, dtype=torch.bool)
@@ -46,6 +49,7 @@ def direct_reuse_states(model, prompt, tokens, spans):
         for layer in range(len(keys)):
             keys[layer][c0:c1], values[layer][c0:c1] = entry.keys[layer], entry.values[layer]
     pos = torch.arange(t)
+    shared[list(anchors)] = False
     past = KVCache([k[shared][None] for k in keys], [v[shared][None] for v in values], pos[shared][None],
                    torch.ones(1, int(shared.sum()), dtype=torch.bool))
     fed = ~shared
@@ -113,3 +117,78 @@ def test_a_per_query_mask_is_refused_with_a_past_or_block_causal_attention(block
     past = llada(torch.tensor([[4, 5]]), torch.arange(2)[None], return_kv=True).kv
     with pytest.raises(ValueError, match="per-query attention_mask"):
         llada(torch.tensor([[1, 2, 3]]), torch.arange(2, 5)[None], mask, past=past)
+
+
+def first_anchors(spans, ratio):
+    """EPIC's anchors (``first-k``): the first ``anchor_count`` columns of each affix span."""
+    return [c for c0, c1 in spans for c in range(c0, c0 + anchor_count(ratio, c1 - c0))]
+
+
+@pytest.mark.parametrize("layout", ["prefix", "infix", "suffix", "two-affix"])
+@torch.inference_mode()
+def test_an_anchored_forward_is_the_refresh_with_those_anchors_logit_for_logit(model, layout):
+    """The own columns' final states, and each anchor's at its copy, are those of a refresh that feeds the own
+    columns and the anchors against the other affix tokens' alone-computed K/V."""
+    prompt = layouts(seed=3)[layout]
+    tokens, spans = canvas(model, prompt)
+    anchors = first_anchors(spans, 0.3)
+    want, fed = direct_reuse_states(model, prompt, tokens, spans, anchors)
+    t = len(tokens)
+    ids, positions, valid, mask = with_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool),
+                                               [spans], [anchors])
+    assert ids.shape == (1, t + len(anchors)) and ids[0, t:].tolist() == tokens[anchors].tolist()
+    assert positions[0, t:].tolist() == anchors and bool(valid.all())
+    hidden = model(ids, positions, mask).hidden[0]
+    order = fed.nonzero()[:, 0].tolist()  # the refresh's fed columns, in canvas order
+    got = torch.stack([hidden[t + anchors.index(c)] if c in anchors else hidden[c] for c in order])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    isolated = model(tokens[None], torch.arange(t)[None], isolation_mask(valid[:, :t], [spans])).hidden[0]
+    own = [i for i, c in enumerate(order) if c not in anchors]
+    assert (isolated[[order[i] for i in own]] - want[own]).abs().max() > 1e-3  # the anchors change the answer's states
+
+
+@pytest.mark.parametrize("layout", ["prefix", "suffix", "two-affix"])
+def test_one_shot_decoding_of_an_anchored_row_is_reference_first_k(llada_dir, layout):
+    """With ``first-k``'s anchors, one forward of the anchored row commits what ``reference_generate`` decodes
+    with ``selector="first-k"`` in one step, token for token."""
+    model = load_model(llada_dir)
+    prompt = layouts(seed=5)[layout]
+    params = SamplingParams(gen_length=GEN, block_length=GEN, steps=1, cache="dual", selector="first-k",
+                            anchor_ratio=0.3, remasking="low_confidence")
+    ref = reference_generate(model, prompt, params, stop_token_ids=())
+    tokens, spans = canvas(model, prompt)
+    anchors = first_anchors(spans, 0.3)
+    assert sorted(ref.anchors) == anchors
+    t = len(tokens)
+    ext = with_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool), [spans], [anchors])
+    with torch.inference_mode():
+        logits = model.logits(model(ext[0], ext[1], ext[3]).hidden)[0]
+    answer = logits[prompt.gen_at:prompt.gen_at + GEN].argmax(-1).tolist()
+    eos = model.config.eos_token_id
+    assert ref.token_ids == (answer[:answer.index(eos)] if eos in answer else answer)
+
+
+def test_the_anchored_mask_row_by_row():
+    """Two rows of different lengths and anchor counts: the originals of the anchors are read by their own span
+    only, the copies by the request's own columns and each other; padding is read by nothing."""
+    valid = torch.tensor([[True] * 6, [True] * 5 + [False]])
+    ids = torch.arange(12).view(2, 6)
+    ext_ids, positions, ext_valid, mask = with_anchors(ids, torch.arange(6).expand(2, -1), valid,
+                                                       [[(0, 3)], [(1, 4)]], [[2, 0], [3]])
+    assert ext_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 2], [6, 7, 8, 9, 10, 11, 9, 0]]
+    assert positions[:, 6:].tolist() == [[0, 2], [3, 0]] and ext_valid[:, 6:].tolist() == [[True, True], [True, False]]
+    assert mask[0, 1].tolist() == [True, True, True] + [False] * 5  # an affix token: its span, anchors' alone K/V
+    assert mask[0, 4].tolist() == [False, True, False, True, True, True, True, True]  # own: no anchor original
+    assert mask[0, 6].tolist() == mask[0, 4].tolist()  # a copy reads what the own columns read
+    assert mask[1, 0].tolist() == [True, True, True, False, True, False, True, False]
+    assert not mask[:, :, 7][1].any() and not mask[1, :, 5].any()  # an unused copy slot, padding: never read
+    assert mask.any(-1).all()  # every query attends something
+
+
+@pytest.mark.parametrize("anchors, message", [([[0], [1]], "anchors are given for 2 rows of a batch of 1"),
+                                              ([[4]], "distinct columns of its affix spans"),
+                                              ([[1, 1]], "distinct columns")])
+def test_bad_anchors_are_named(anchors, message):
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=message):
+        with_anchors(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from itertools import pairwise
 from types import SimpleNamespace
@@ -87,6 +88,36 @@ def test_affix_isolated_rows_train_and_are_probed_under_direct_reuse(tmp_path):
 
     record = read_config(tmp_path / "m")[1].affix_training  # what the front ends read to serve by direct reuse
     assert record == {"affix_isolation": 0.5, "steps": 40, "init_from": None, "layouts": list(config.layouts)}
+    losses = [r["loss"] for r in summary["log"]]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+
+
+def test_anchored_rows_train_and_are_probed_with_anchors(tmp_path):
+    """Among the isolated rows a share also refreshes random anchors (a copy of each after the row's columns,
+    ``ceil(ratio * n)`` of its affix); the probe scores the questions three ways, and config.json records it."""
+    config = TrainConfig(out=str(tmp_path / "m"), steps=30, batch_size=8, lr=3e-3, warmup=5, log_every=10,
+                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("qa1",), min_sentences=2, max_sentences=3, bf16=False, eval_every=15,
+                         eval_examples=6, affix_isolation=0.5, affix_anchored=0.5, affix_anchor_ratio=0.3)
+    batch = Batcher(config, build_word_tokenizer()).batch(0)
+    isolated, anchored = torch.tensor([True, True, False, True] * 2), torch.tensor([True, False, False, False] * 2)
+    ext, mask = batch.with_anchors(isolated, anchored, 0.3, torch.Generator().manual_seed(0))
+    t = batch.ids.shape[1]
+    counts = [math.ceil(0.3 * (e - s) - 1e-9) for (s, e), in batch.spans]
+    assert ext.ids.shape[1] == t + max(counts[0], counts[4]) and not ext.answer[:, t:].any()
+    assert ext.valid[:, t:].sum(-1).tolist() == [counts[0], 0, 0, 0, counts[4], 0, 0, 0]
+    (start, end), = batch.spans[0]
+    copies = ext.positions[0, t:t + counts[0]]
+    assert bool(((copies >= start) & (copies < end)).all()) and torch.equal(ext.ids[0, t:t + counts[0]],
+                                                                           batch.ids[0, copies])
+    assert torch.equal(mask[3, :t, :t], batch.attention(isolated)[3])  # isolated, no anchors: direct reuse
+    assert torch.equal(mask[2, :t, :t], batch.valid[2].expand(t, -1))  # neither: full attention
+    summary = train(config, progress=False)
+    assert all(set(p["accuracy"]) == {"qa1", "qa1@reuse", "qa1@anchors"} for p in summary["probes"])
+    from acache.models.loader import read_config
+
+    record = read_config(tmp_path / "m")[1].affix_training
+    assert record["affix_anchored"] == 0.5 and record["affix_anchor_ratio"] == 0.3
     losses = [r["loss"] for r in summary["log"]]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
@@ -401,6 +432,16 @@ def test_bad_training_configs(tmp_path):
     for share in (-0.1, 1.5):
         with pytest.raises(ValueError, match="affix_isolation is a share of rows in"):
             TrainConfig(affix_isolation=share)
+    for share in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="affix_anchored is a share of the isolated rows"):
+            TrainConfig(affix_isolation=0.5, affix_anchored=share)
+    for ratio in (0.0, -0.2, 1.2):
+        with pytest.raises(ValueError, match="affix_anchor_ratio must be in"):
+            TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_ratio=ratio)
+    with pytest.raises(ValueError, match="affix_anchored takes its rows among the isolated ones"):
+        TrainConfig(affix_anchored=0.5)
+    with pytest.raises(ValueError, match="context_mask_rate must be 0"):
+        TrainConfig(affix_isolation=0.5, affix_anchored=0.5, context_mask_rate=0.1)
     with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
         TrainConfig(family="fast_dllm_v2", layouts=("prefix", "infix"), affix_isolation=0.5,
                     model=ModelShape(block_size=8))
