@@ -372,8 +372,8 @@ class Batch(NamedTuple):
         fixed, the other ``isolated [B]`` rows direct reuse and the rest full attention
         (:func:`acache_lab.train.isolation.with_anchors`)."""
         spans = [s if keep else () for s, keep in zip(self.spans, isolated.tolist(), strict=True)]
-        anchors = [[c0 + int(i) for c0, c1 in row for i in torch.randperm(c1 - c0, generator=gen)[
-            :anchor_count(ratio, c1 - c0)]] if take else [] for row, take in zip(spans, anchored.tolist(), strict=True)]
+        anchors = [random_anchors(row, ratio, gen) if take else []
+                   for row, take in zip(spans, anchored.tolist(), strict=True)]
         ids, positions, valid, mask = with_anchors(self.ids, self.positions, self.valid, spans, anchors)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
         return Batch(ids, answer, positions, valid, self.spans), mask
@@ -385,6 +385,14 @@ class Batch(NamedTuple):
             return self.valid
         return isolation_mask(self.valid, [s if keep else () for s, keep in zip(self.spans, isolated.tolist(),
                                                                                 strict=True)])
+
+
+def random_anchors(spans: Sequence[tuple[int, int]], ratio: float, gen: torch.Generator) -> list[int]:
+    """``anchor_count(ratio, n)`` columns of each ``[start, end)`` span, drawn uniformly from ``gen``."""
+    out = []
+    for start, end in spans:
+        out += [start + int(i) for i in torch.randperm(end - start, generator=gen)[:anchor_count(ratio, end - start)]]
+    return out
 
 
 def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
@@ -460,12 +468,16 @@ class Probe:
     def __init__(self, config: TrainConfig, batcher: Batcher) -> None:
         self.batcher = batcher
         self.reuse = config.affix_isolation > 0
-        self.anchor_ratio = config.affix_anchor_ratio if config.affix_anchored > 0 else None
         self.batches = {}
+        self.anchored = {}  # with random anchors refreshed, drawn once: what ACache's refresh answers
         for task in config.eval_tasks:
             exs = held_out(task, config.eval_examples, config.eval_sentences, seed=PROBE_SEED)
             rows = [batcher.row(e, config.layouts[i % len(config.layouts)]) for i, e in enumerate(exs)]
-            self.batches[task] = batcher.collate(rows)
+            self.batches[task] = batch = batcher.collate(rows)
+            if config.affix_anchored > 0:
+                every = torch.ones(len(rows), dtype=torch.bool)
+                gen = torch.Generator().manual_seed(PROBE_SEED)
+                self.anchored[task] = batch.with_anchors(every, every, config.affix_anchor_ratio, gen)
 
     @torch.no_grad()
     def __call__(self, model: DiffusionLM, bf16: bool) -> dict[str, float]:
@@ -474,12 +486,10 @@ class Probe:
         out = {}
         for task, batch in self.batches.items():
             views = {task: (batch, batch.valid)}
-            every = torch.ones(len(batch.ids), dtype=torch.bool)
             if self.reuse:  # the same questions with every affix computed alone: what direct reuse answers
-                views[f"{task}@reuse"] = (batch, batch.attention(every))
-            if self.anchor_ratio is not None:  # and with random anchors refreshed: what ACache's refresh answers
-                gen = torch.Generator().manual_seed(PROBE_SEED)
-                views[f"{task}@anchors"] = batch.with_anchors(every, every, self.anchor_ratio, gen)
+                views[f"{task}@reuse"] = (batch, batch.attention(torch.ones(len(batch.ids), dtype=torch.bool)))
+            if task in self.anchored:
+                views[f"{task}@anchors"] = self.anchored[task]
             for name, (view, attention) in views.items():
                 ids, answer = view.ids, view.answer
                 noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
