@@ -7,15 +7,25 @@ reuse gives it: the same affix K/V at every layer and the same logits elsewhere 
 a span depend on relative positions only, so the span computed at its place in the prompt is the span
 computed alone). Training on such forwards teaches a model to be reused (Block-Attention's idea, for a
 diffusion LM's bidirectional attention).
+
+ACache's refreshes are trained the same way: :func:`with_anchors` gives the refresh with its anchors fixed (the
+two-pass form), :func:`with_one_pass_anchors` the first refresh that chooses them inside it (the one-pass form,
+whose mask changes at a layer). Each row equals the engine's forward state for state (tests/lab/train).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from acache.affix.one_pass import FIRST_STALE
+
 Spans = Sequence[tuple[int, int]]
+
+#: the first layer a one-pass refresh runs as a refresh, the one after the first stale layer
+ONE_PASS_SPLIT = FIRST_STALE + 1
 
 
 def isolation_mask(valid: torch.Tensor, spans: Sequence[Spans]) -> torch.Tensor:
@@ -80,3 +90,64 @@ def with_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     mask[:, t:, :t] = unread[:, None, :].expand(-1, width, -1)  # an unused copy slot too: no row is empty
     mask[:, t:, t:] = copied[:, None, :].expand(-1, width, -1)
     return ext_ids, ext_positions, ext_valid, mask
+
+
+class LayeredMask(NamedTuple):
+    """Per-query masks ``[B, T, T]`` that change at a layer: ``early`` for the layers before ``split``, ``late``
+    for the rest. A one-pass refresh attends in context at its first layers and as a refresh after them."""
+
+    early: torch.Tensor
+    late: torch.Tensor
+    split: int
+
+
+def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, spans: Sequence[Spans],
+                          anchors: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     LayeredMask]:
+    """Rows whose forward is ACache's first refresh with its anchors chosen inside it (the one-pass form,
+    :mod:`acache.affix.one_pass`), the anchors fixed after the first stale layer: ``ids``, ``positions``, ``valid``
+    ``[B, T + N]`` and a :class:`LayeredMask`.
+
+    Up to the first stale layer the one-pass refresh runs every column in context; after it, the request's own
+    columns and the anchors attend to each other and to the other affix tokens' K/V as the cache holds them,
+    computed alone. So a row with anchors (``anchors[b]``, columns inside its ``spans``) keeps its ``T`` columns
+    for the in-context forward and gets a copy of every affix token after them, at its own position, computing
+    its affix alone at every layer; from ``split`` on its own columns and anchors read the copies of the affix
+    tokens that are not anchors instead of the originals. A row with no anchors attends as
+    :func:`isolation_mask`'s row at every layer (its spans computed alone; none given: full attention)."""
+    b, t = valid.shape
+    if len(anchors) != b:
+        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {b}")
+    owner = span_owners(valid, spans)
+    is_anchor = torch.zeros(b, t, dtype=torch.bool, device=valid.device)
+    for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
+        inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
+        if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
+            raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
+                             f"not {sorted(row_anchors)}")
+        is_anchor[row, list(row_anchors)] = True
+    anchored = is_anchor.any(1)
+    copy_of = (owner > 0) & anchored[:, None]  # the columns each anchored row copies: all its affix tokens
+    width = int(copy_of.sum(1).max()) if b else 0
+    cols = torch.full((b, width), t, dtype=torch.long, device=valid.device)  # t: padding
+    for row in range(b):
+        taken = copy_of[row].nonzero()[:, 0]
+        cols[row, :len(taken)] = taken
+    copied = cols < t
+    at = cols.clamp_max(t - 1)
+    ext_ids = torch.cat((ids, torch.where(copied, ids.gather(1, at), 0)), 1)
+    ext_positions = torch.cat((positions, torch.where(copied, positions.gather(1, at), 0)), 1)
+    ext_valid = torch.cat((valid, copied), 1)
+    copy_owner = torch.where(copied, owner.gather(1, at), -1)
+    copy_read = copied & ~is_anchor.gather(1, at)  # from split on, the alone K/V of the affix tokens not anchors
+
+    plain = isolation_mask(valid, [() if a else s for s, a in zip(spans, anchored.tolist(), strict=True)])
+    early = torch.zeros(b, t + width, t + width, dtype=torch.bool, device=valid.device)
+    early[:, :t, :t] = plain  # an anchored row's originals: every valid column in context
+    early[:, t:, t:] = copied[:, :, None] & (copy_owner[:, :, None] == copy_owner[:, None, :])
+    early[:, t:, :t] = ~copied[:, :, None] & valid[:, None, :]  # an unused copy slot: no row is empty
+    late = early.clone()
+    refresh = valid & ((owner == 0) | is_anchor)  # the own columns and the anchors, fresh
+    late_row = torch.cat((refresh, copy_read), 1)[:, None, :].expand(-1, t, -1)
+    late[:, :t] = torch.where(anchored[:, None, None], late_row, early[:, :t])
+    return ext_ids, ext_positions, ext_valid, LayeredMask(early, late, ONE_PASS_SPLIT)

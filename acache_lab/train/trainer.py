@@ -39,12 +39,13 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
-from acache_lab.train.isolation import isolation_mask, with_anchors
+from acache_lab.train.isolation import LayeredMask, isolation_mask, with_anchors, with_one_pass_anchors
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
 REDUCTIONS = ("mean", "sum")
 MASKINGS = ("rate_t", "all")
+ANCHOR_PASSES = ("one", "two")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
 
@@ -141,6 +142,10 @@ class TrainConfig:
     #: question, the rest of the affix keeps its alone K/V; :func:`acache_lab.train.isolation.with_anchors`)
     affix_anchored: float = 0.0
     affix_anchor_ratio: float = 0.2
+    #: which refresh the anchored rows train: ``"two"`` the refresh with its anchors fixed, as above; ``"one"`` the
+    #: first refresh that chooses them inside it, every column in context up to the first stale layer
+    #: (:func:`acache_lab.train.isolation.with_one_pass_anchors`)
+    affix_anchor_pass: str = "two"
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -229,6 +234,9 @@ class TrainConfig:
             raise ValueError(f"affix_anchored is a share of the isolated rows in [0, 1], not {self.affix_anchored}")
         if not 0.0 < self.affix_anchor_ratio <= 1.0:
             raise ValueError(f"affix_anchor_ratio must be in (0, 1], not {self.affix_anchor_ratio}")
+        if self.affix_anchor_pass not in ANCHOR_PASSES:
+            raise ValueError(f"affix_anchor_pass must be one of {', '.join(ANCHOR_PASSES)}, not "
+                             f"{self.affix_anchor_pass!r}")
         if self.affix_anchored > 0 and (self.affix_isolation == 0 or self.context_mask_rate > 0):
             raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0), and its "
                              "anchors' two copies must agree, so context_mask_rate must be 0")
@@ -365,16 +373,19 @@ class Batch(NamedTuple):
         """The batch's tensors on ``device`` (the spans are plain indices)."""
         return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans)
 
-    def with_anchors(self, isolated: torch.Tensor, anchored: torch.Tensor, ratio: float,
-                     gen: torch.Generator) -> tuple[Batch, torch.Tensor]:
+    def with_anchors(self, isolated: torch.Tensor, anchored: torch.Tensor, ratio: float, gen: torch.Generator,
+                     anchor_pass: str = "two") -> tuple[Batch, torch.Tensor | LayeredMask]:
         """The batch with the ``anchored [B]`` rows' anchors (``ceil(ratio * n)`` random tokens of each affix)
         copied after its columns, and the mask under which those rows compute ACache's refresh with the anchors
         fixed, the other ``isolated [B]`` rows direct reuse and the rest full attention
-        (:func:`acache_lab.train.isolation.with_anchors`)."""
+        (:func:`acache_lab.train.isolation.with_anchors`); with ``anchor_pass="one"`` the anchored rows compute
+        the first refresh that chooses them inside it (:func:`~acache_lab.train.isolation.with_one_pass_anchors`:
+        every affix token copied, the mask changing at a layer)."""
         spans = [s if keep else () for s, keep in zip(self.spans, isolated.tolist(), strict=True)]
         anchors = [random_anchors(row, ratio, gen) if take else []
                    for row, take in zip(spans, anchored.tolist(), strict=True)]
-        ids, positions, valid, mask = with_anchors(self.ids, self.positions, self.valid, spans, anchors)
+        build = with_one_pass_anchors if anchor_pass == "one" else with_anchors
+        ids, positions, valid, mask = build(self.ids, self.positions, self.valid, spans, anchors)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
         return Batch(ids, answer, positions, valid, self.spans), mask
 
@@ -396,12 +407,17 @@ def random_anchors(spans: Sequence[tuple[int, int]], ratio: float, gen: torch.Ge
 
 
 def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
-                    valid: torch.Tensor) -> torch.Tensor:
+                    valid: torch.Tensor | LayeredMask) -> torch.Tensor:
     """``[B, T, V]`` predictions of a right-padded batch, for a transformer family or a state-cache family (the
     state-space variant, R2LM), whose rows start at position 0. ``valid`` may be a per-query ``[B, T, T]``
-    mask (affix-isolated rows)."""
+    mask (affix-isolated rows), or a :class:`LayeredMask` that changes at a layer (one-pass anchored rows)."""
     if hasattr(model, "train_logits"):  # a state-cache family
         return model.train_logits(ids, valid)
+    if isinstance(valid, LayeredMask):
+        layers = len(model.layers)
+        early = model.run_layers(model.embed(ids), positions, valid.early, None, range(min(valid.split, layers)))
+        late = model.run_layers(early.hidden, positions, valid.late, None, range(min(valid.split, layers), layers))
+        return model.logits(model.norm(late.hidden))
     return model.logits(model(ids, positions, valid).hidden)
 
 
@@ -416,7 +432,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
-                          eos_weight: float = 1.0, attention: torch.Tensor | None = None) -> torch.Tensor:
+                          eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
+                          ) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -477,7 +494,8 @@ class Probe:
             if config.affix_anchored > 0:
                 every = torch.ones(len(rows), dtype=torch.bool)
                 gen = torch.Generator().manual_seed(PROBE_SEED)
-                self.anchored[task] = batch.with_anchors(every, every, config.affix_anchor_ratio, gen)
+                self.anchored[task] = batch.with_anchors(every, every, config.affix_anchor_ratio, gen,
+                                                         config.affix_anchor_pass)
 
     @torch.no_grad()
     def __call__(self, model: DiffusionLM, bf16: bool) -> dict[str, float]:
@@ -642,8 +660,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
 def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     """Notes in the checkpoint's config.json that its affixes were trained to be reused as computed alone, so
     that the engine's front ends serve them by direct reuse by default (``ModelConfig.affix_training``)."""
-    anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio} \
-        if config.affix_anchored > 0 else {}
+    anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio,
+                "affix_anchor_pass": config.affix_anchor_pass} if config.affix_anchored > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
                                "init_from": config.init_from, "layouts": list(config.layouts), **anchored})
 
@@ -677,7 +695,8 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
         if config.affix_anchored > 0:  # and of those, these as ACache's refresh with random anchors serves them
             anchored = isolated & (torch.rand(len(ids), generator=gen) < config.affix_anchored)
             if bool(anchored.any()):
-                batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen)
+                batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen,
+                                                      config.affix_anchor_pass)
                 ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):

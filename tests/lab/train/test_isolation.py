@@ -1,20 +1,25 @@
 """Affix-isolated training forwards compute what direct reuse serves: logit for logit against the reference
 path's direct reuse (the affixes' K/V computed alone, attended from every other token), for every layout and
-two affixes a prompt, and token for token against ``reference_generate`` with ``selector="none"``."""
+two affixes a prompt, and token for token against ``reference_generate`` with ``selector="none"``; the anchored
+rows against the refreshes they train, the two-pass one (anchors fixed) and the one-pass one (anchors chosen inside
+the first refresh)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import acache.reference
 from acache.affix.selectors import anchor_count
 from acache.affix.store import AffixStore
 from acache.models.kv import KVCache
 from acache.models.loader import load_model
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from acache_lab.train.isolation import isolation_mask, with_anchors
+from acache_lab.train.isolation import ONE_PASS_SPLIT, LayeredMask, isolation_mask, with_anchors, with_one_pass_anchors
+from acache_lab.train.trainer import training_logits
 from tests.affix.helpers import layouts
+from tests.conftest import tiny_checkpoint
 
 GEN = 4
 
@@ -192,3 +197,115 @@ def test_bad_anchors_are_named(anchors, message):
     valid = torch.ones(1, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match=message):
         with_anchors(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def deep_model(request, tmp_path_factory):
+    """Four layers: a one-pass refresh runs layers 0-1 in context and the others as a refresh."""
+    return load_model(tiny_checkpoint(tmp_path_factory.mktemp(f"deep-{request.param}"), request.param, layers=4))
+
+
+def one_pass_reference(model, prompt, monkeypatch, steps=1):
+    """``reference_generate`` with ``attention`` choosing its anchors inside the first refresh at a depth that
+    filters once (after layer 1, the anchors alone from layer 2 on); returns its result, the anchors' canvas
+    columns and that refresh's final states ``[T, hidden]``."""
+    seen = {}
+    select_refresh = acache.reference._select_refresh
+
+    def spy(model, state, spans, keys, values):
+        seen["hidden"] = select_refresh(model, state, spans, keys, values)[0]
+        seen["anchors"] = state.anchors.nonzero()[:, 0].tolist()
+        return seen["hidden"][None]
+
+    monkeypatch.setattr(acache.reference, "_select_refresh", spy)
+    params = SamplingParams(gen_length=GEN, block_length=GEN, steps=steps, cache="dual", selector="attention",
+                            anchor_ratio=0.3, anchor_depth=0.3, remasking="low_confidence")
+    assert params.anchor_pass == "one"
+    ref = reference_generate(model, prompt, params, stop_token_ids=())
+    return ref, seen["anchors"], seen["hidden"]
+
+
+@pytest.mark.parametrize("layout", ["prefix", "infix", "suffix", "two-affix"])
+def test_a_one_pass_anchored_forward_is_the_selecting_refresh_state_for_state(deep_model, layout, monkeypatch):
+    """With the anchors the first refresh chose inside it, the training row's own columns and anchors end in
+    that refresh's final states: layers 0-1 in context, then the anchors fresh against the rest's alone K/V."""
+    model = deep_model
+    prompt = layouts(seed=3)[layout]
+    tokens, spans = canvas(model, prompt)
+    _, anchors, want = one_pass_reference(model, prompt, monkeypatch)
+    assert anchors and all(any(c0 <= c < c1 for c0, c1 in spans) for c in anchors)
+    t = len(tokens)
+    ids, positions, valid, mask = with_one_pass_anchors(tokens[None], torch.arange(t)[None],
+                                                        torch.ones(1, t, dtype=torch.bool), [spans], [anchors])
+    n = sum(c1 - c0 for c0, c1 in spans)
+    assert ids.shape == (1, t + n) and positions[0, t:].tolist() == [c for c0, c1 in spans for c in range(c0, c1)]
+    assert bool(valid.all()) and mask.split == ONE_PASS_SPLIT == 2
+    with torch.inference_mode():
+        early = model.run_layers(model.embed(ids), positions, mask.early, None, range(mask.split))
+        hidden = model.norm(model.run_layers(early.hidden, positions, mask.late, None,
+                                             range(mask.split, len(model.layers))).hidden)[0]
+        logits = training_logits(model, ids, positions, mask)[0]
+        two_pass = with_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool), [spans],
+                                [anchors])
+        refresh = model(two_pass[0], two_pass[1], two_pass[3]).hidden[0]
+    fresh = torch.ones(t, dtype=torch.bool)
+    for c0, c1 in spans:
+        fresh[c0:c1] = False
+    own = fresh.clone()
+    fresh[anchors] = True
+    torch.testing.assert_close(hidden[:t][fresh], want[fresh], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, model.logits(hidden[None])[0])
+    # the layers in context matter: the same anchors fixed from the start (the two-pass refresh) end elsewhere
+    assert (refresh[:t][own] - want[own]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["prefix", "suffix", "two-affix"])
+def test_one_shot_decoding_of_a_one_pass_row_is_reference_one_pass(tmp_path, layout, monkeypatch):
+    """One forward of the one-pass row, with the anchors the reference's first refresh chose, commits what
+    ``reference_generate`` decodes in one step, token for token."""
+    model = load_model(tiny_checkpoint(tmp_path, "llada", layers=4))
+    prompt = layouts(seed=5)[layout]
+    ref, anchors, _ = one_pass_reference(model, prompt, monkeypatch)
+    tokens, spans = canvas(model, prompt)
+    t = len(tokens)
+    ext = with_one_pass_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool), [spans],
+                                [anchors])
+    with torch.inference_mode():
+        answer = training_logits(model, ext[0], ext[1], ext[3])[0, prompt.gen_at:prompt.gen_at + GEN].argmax(-1)
+    answer = answer.tolist()
+    eos = model.config.eos_token_id
+    assert ref.token_ids == (answer[:answer.index(eos)] if eos in answer else answer)
+
+
+def test_the_one_pass_mask_row_by_row():
+    """Three rows: one-pass anchored (two affixes), isolated with no anchors, neither (shorter, padded). The
+    anchored row attends in context before the split and as a refresh after it; its copies compute each affix
+    alone throughout; the other rows keep one mask; padding and unused copy slots are read by nothing."""
+    valid = torch.tensor([[True] * 7, [True] * 7, [True] * 5 + [False] * 2])
+    ids = torch.arange(21).view(3, 7)
+    ext_ids, positions, ext_valid, mask = with_one_pass_anchors(
+        ids, torch.arange(7).expand(3, -1), valid, [[(0, 2), (4, 6)], [(1, 4)], []], [[1, 4], [], []])
+    assert isinstance(mask, LayeredMask) and mask.early.shape == mask.late.shape == (3, 11, 11)
+    assert ext_ids[0, 7:].tolist() == [0, 1, 4, 5] and positions[0, 7:].tolist() == [0, 1, 4, 5]
+    assert not ext_valid[1:, 7:].any() and ext_valid[0, 7:].all()
+    every = [True] * 7 + [False] * 4
+    assert mask.early[0, :7].tolist() == [every] * 7  # in context: the originals, no copies
+    assert mask.early[0, 7].tolist() == [False] * 7 + [True, True, False, False]  # a copy: its affix's copies
+    assert mask.early[0, 9].tolist() == [False] * 9 + [True, True]
+    refresh = [False, True, True, True, True, False, True, True, False, False, True]  # own, anchors, copies not
+    assert mask.late[0, :7].tolist() == [refresh] * 7
+    assert torch.equal(mask.late[0, 7:], mask.early[0, 7:])
+    isolated = isolation_mask(valid[1:2], [[(1, 4)]])[0]
+    assert torch.equal(mask.early[1, :7, :7], isolated) and torch.equal(mask.late[1], mask.early[1])
+    assert torch.equal(mask.early[2, :7, :7], valid[2].expand(7, -1)) and torch.equal(mask.late[2], mask.early[2])
+    assert not mask.early[1:, :7, 7:].any() and not mask.early[2, :, 5:].any()
+    assert mask.early.any(-1).all() and mask.late.any(-1).all()  # every query attends something
+
+
+@pytest.mark.parametrize("anchors, message", [([[0], [1]], "anchors are given for 2 rows of a batch of 1"),
+                                              ([[4]], "distinct columns of its affix spans"),
+                                              ([[1, 1]], "distinct columns")])
+def test_bad_one_pass_anchors_are_named(anchors, message):
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=message):
+        with_one_pass_anchors(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)

@@ -13,6 +13,7 @@ import torch
 
 from acache.paths import SHIPPED_MODEL
 from acache_lab.tasks.render import build_word_tokenizer
+from acache_lab.train.isolation import LayeredMask
 from acache_lab.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, loss_weights, train
 
 
@@ -118,6 +119,39 @@ def test_anchored_rows_train_and_are_probed_with_anchors(tmp_path):
 
     record = read_config(tmp_path / "m")[1].affix_training
     assert record["affix_anchored"] == 0.5 and record["affix_anchor_ratio"] == 0.3
+    assert record["affix_anchor_pass"] == "two"
+    losses = [r["loss"] for r in summary["log"]]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+
+
+def test_one_pass_anchored_rows_copy_their_affixes_and_train(tmp_path):
+    """``affix_anchor_pass="one"``: an anchored row copies every affix token after its columns (the affix computed
+    alone) and attends under a mask that changes after the first stale layer; the other rows keep theirs. A
+    4-layer model trains on it, the probe scores the questions that way, and config.json records the pass."""
+    config = TrainConfig(out=str(tmp_path / "m"), steps=30, batch_size=8, lr=3e-3, warmup=5, log_every=10,
+                         model=ModelShape(layers=4, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("qa1",), min_sentences=2, max_sentences=3, bf16=False, eval_every=15,
+                         eval_examples=6, affix_isolation=0.5, affix_anchored=0.5, affix_anchor_ratio=0.3,
+                         affix_anchor_pass="one")
+    batch = Batcher(config, build_word_tokenizer()).batch(0)
+    isolated, anchored = torch.tensor([True, True, False, True] * 2), torch.tensor([True, False, False, False] * 2)
+    ext, mask = batch.with_anchors(isolated, anchored, 0.3, torch.Generator().manual_seed(0), "one")
+    t = batch.ids.shape[1]
+    sizes = [e - s for (s, e), in batch.spans]
+    assert isinstance(mask, LayeredMask) and ext.ids.shape[1] == t + max(sizes[0], sizes[4])
+    assert ext.valid[:, t:].sum(-1).tolist() == [sizes[0], 0, 0, 0, sizes[4], 0, 0, 0] and not ext.answer[:, t:].any()
+    (start, end), = batch.spans[0]
+    assert ext.positions[0, t:t + sizes[0]].tolist() == list(range(start, end))
+    for row_mask in (mask.early, mask.late):
+        assert torch.equal(row_mask[3, :t, :t], batch.attention(isolated)[3])  # isolated, no anchors: direct reuse
+        assert torch.equal(row_mask[2, :t, :t], batch.valid[2].expand(t, -1))  # neither: full attention
+    assert torch.equal(mask.early[0, :t, :t], batch.valid[0].expand(t, -1))  # anchored: in context first
+    assert not mask.late[0, end - 1, start:end].all()  # then the affix's originals are read only where anchors
+    summary = train(config, progress=False)
+    assert all(set(p["accuracy"]) == {"qa1", "qa1@reuse", "qa1@anchors"} for p in summary["probes"])
+    from acache.models.loader import read_config
+
+    assert read_config(tmp_path / "m")[1].affix_training["affix_anchor_pass"] == "one"
     losses = [r["loss"] for r in summary["log"]]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
@@ -440,6 +474,8 @@ def test_bad_training_configs(tmp_path):
             TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_ratio=ratio)
     with pytest.raises(ValueError, match="affix_anchored takes its rows among the isolated ones"):
         TrainConfig(affix_anchored=0.5)
+    with pytest.raises(ValueError, match="affix_anchor_pass must be one of one, two, not 'three'"):
+        TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_pass="three")
     with pytest.raises(ValueError, match="context_mask_rate must be 0"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, context_mask_rate=0.1)
     with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
