@@ -1,0 +1,89 @@
+"""Deepens a trained checkpoint without changing what it computes, so a run can ask whether depth is what bounds it.
+
+After every ``every`` layers a new layer is inserted, a copy of the one before it whose two output projections
+(``o_proj``, ``down_proj``) are zero: its attention and MLP then add nothing to the residual stream, so the deeper
+model's logits equal the original's, and fine-tuning starts from the original's accuracy with the new layers free
+to learn (LLaMA Pro's block expansion, arXiv 2401.02415). Used by docs/accuracy.md's depth run:
+
+    python -m acache_lab.train.expand --model models/acache-tiny-affix --out build/affix-deep-init
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from acache.models.base import DiffusionLM
+from acache.models.checkpoint import save_checkpoint
+from acache.models.config import AFFIX_TRAINING_KEY
+from acache.models.loader import CONFIG_FILE, load_model
+
+#: the tokenizer files a checkpoint directory may hold, copied beside the deeper weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
+    """A copy of ``model`` with a silent layer after every ``every`` of its layers (module docstring)."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every must be a positive number of layers, got {every!r}")
+    if not hasattr(model, "layers") or hasattr(model, "train_logits") or model.config.block_size is not None:
+        raise ValueError(f"{model.family} cannot be deepened: only the bidirectional attention families "
+                         "(llada, dream) are")
+    layers = []
+    for i, layer in enumerate(model.layers):
+        layers.append(copy.deepcopy(layer))
+        if (i + 1) % every == 0:
+            silent = copy.deepcopy(layer)
+            with torch.no_grad():
+                silent.o_proj.weight.zero_()
+                silent.down_proj.weight.zero_()
+            layers.append(silent)
+    deeper = copy.deepcopy(model)
+    deeper.layers = nn.ModuleList(layers)
+    deeper.config = replace(model.config, num_layers=len(layers))
+    return deeper
+
+
+def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrite: bool = False) -> Path:
+    """Writes ``src`` deepened by :func:`expand_layers` to ``out`` with its tokenizer; the affix-training record of
+    ``src`` is dropped (the deeper model is a starting point, not a trained one)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+    model = load_model(src)
+    deeper = expand_layers(model, every)
+    save_checkpoint(deeper, out)
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy(Path(src) / name, out / name)
+    config = out / CONFIG_FILE
+    raw = json.loads(config.read_text())
+    if raw.pop(AFFIX_TRAINING_KEY, None) is not None:
+        config.write_text(json.dumps(raw, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory to deepen")
+    parser.add_argument("--out", required=True, help="where to write the deeper checkpoint")
+    parser.add_argument("--every", type=int, default=1, help="a silent layer after every this many (default 1)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        out = expand_checkpoint(args.model, args.out, args.every, args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        parser.exit(2, f"error: {e}\n")
+    print(f"wrote {out} ({load_model(out).config.num_layers} layers)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
