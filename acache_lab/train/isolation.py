@@ -64,15 +64,10 @@ def with_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     their own positions, attending as the request's own tokens do; the originals stay in the isolated mask and no
     other column reads them. A row with no anchors is :func:`isolation_mask`'s row, padded."""
     b, t = valid.shape
-    if len(anchors) != b:
-        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {b}")
+    _check_anchors(anchors, spans, b)
     width = max((len(a) for a in anchors), default=0)
     cols = torch.full((b, width), t, dtype=torch.long, device=valid.device)  # t: padding
-    for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
-        inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
-        if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
-            raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
-                             f"not {sorted(row_anchors)}")
+    for row, row_anchors in enumerate(anchors):
         cols[row, :len(row_anchors)] = torch.tensor(sorted(row_anchors), dtype=torch.long)
     copied = cols < t
     at = cols.clamp_max(t - 1)
@@ -116,15 +111,10 @@ def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: tor
     tokens that are not anchors instead of the originals. A row with no anchors attends as
     :func:`isolation_mask`'s row at every layer (its spans computed alone; none given: full attention)."""
     b, t = valid.shape
-    if len(anchors) != b:
-        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {b}")
+    _check_anchors(anchors, spans, b)
     owner = span_owners(valid, spans)
     is_anchor = torch.zeros(b, t, dtype=torch.bool, device=valid.device)
-    for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
-        inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
-        if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
-            raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
-                             f"not {sorted(row_anchors)}")
+    for row, row_anchors in enumerate(anchors):
         is_anchor[row, list(row_anchors)] = True
     anchored = is_anchor.any(1)
     copy_of = (owner > 0) & anchored[:, None]  # the columns each anchored row copies: all its affix tokens
@@ -151,3 +141,15 @@ def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: tor
     late_row = torch.cat((refresh, copy_read), 1)[:, None, :].expand(-1, t, -1)
     late[:, :t] = torch.where(anchored[:, None, None], late_row, early[:, :t])
     return ext_ids, ext_positions, ext_valid, LayeredMask(early, late, ONE_PASS_SPLIT)
+
+
+def _check_anchors(anchors: Sequence[Sequence[int]], spans: Sequence[Spans], rows: int) -> None:
+    """Names what is wrong with per-row ``anchors``: a row count other than the batch's, or an anchor repeated or
+    outside its row's affix spans."""
+    if len(anchors) != rows:
+        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {rows}")
+    for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
+        inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
+        if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
+            raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
+                             f"not {sorted(row_anchors)}")

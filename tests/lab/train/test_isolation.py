@@ -190,13 +190,14 @@ def test_the_anchored_mask_row_by_row():
     assert mask.any(-1).all()  # every query attends something
 
 
+@pytest.mark.parametrize("build", [with_anchors, with_one_pass_anchors])
 @pytest.mark.parametrize("anchors, message", [([[0], [1]], "anchors are given for 2 rows of a batch of 1"),
                                               ([[4]], "distinct columns of its affix spans"),
                                               ([[1, 1]], "distinct columns")])
-def test_bad_anchors_are_named(anchors, message):
+def test_bad_anchors_are_named(build, anchors, message):
     valid = torch.ones(1, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match=message):
-        with_anchors(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)
+        build(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)
 
 
 @pytest.fixture(scope="module", params=["llada", "dream"])
@@ -300,12 +301,3 @@ def test_the_one_pass_mask_row_by_row():
     assert torch.equal(mask.early[2, :7, :7], valid[2].expand(7, -1)) and torch.equal(mask.late[2], mask.early[2])
     assert not mask.early[1:, :7, 7:].any() and not mask.early[2, :, 5:].any()
     assert mask.early.any(-1).all() and mask.late.any(-1).all()  # every query attends something
-
-
-@pytest.mark.parametrize("anchors, message", [([[0], [1]], "anchors are given for 2 rows of a batch of 1"),
-                                              ([[4]], "distinct columns of its affix spans"),
-                                              ([[1, 1]], "distinct columns")])
-def test_bad_one_pass_anchors_are_named(anchors, message):
-    valid = torch.ones(1, 6, dtype=torch.bool)
-    with pytest.raises(ValueError, match=message):
-        with_one_pass_anchors(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)
