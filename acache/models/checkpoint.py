@@ -4,6 +4,7 @@ any model the project trains. What is written here goes back through the public 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -197,3 +198,15 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
     return save_checkpoint(model, out, tokenizer, tokenizer_config(cls.family, tokenizer), shards=shards,
                            dtype=dtype)
 
+
+#: the files besides the weights and config.json that a checkpoint written from another takes along: the
+#: tokenizer's, the generation defaults, and the modelling code (``*.py``) its config's ``auto_map`` names
+COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config")
+
+
+def copy_companion_files(source: str | Path, out: str | Path) -> None:
+    """Copies ``source``'s tokenizer, generation and modelling files (:data:`COPIED_PREFIXES`, ``*.py``) to
+    ``out``, so a checkpoint written from it loads like it."""
+    for file in sorted(Path(source).iterdir()):
+        if file.is_file() and (file.name.startswith(COPIED_PREFIXES) or file.suffix == ".py"):
+            shutil.copy2(file, Path(out) / file.name)

@@ -3,7 +3,7 @@
 After every ``every`` layers a new layer is inserted, a copy of the one before it whose two output projections
 (``o_proj``, ``down_proj``) are zero: its attention and MLP then add nothing to the residual stream, so the deeper
 model's logits equal the original's, and fine-tuning starts from the original's accuracy with the new layers free
-to learn (LLaMA Pro's block expansion, arXiv 2401.02415). Used by docs/accuracy.md's depth run:
+to learn (LLaMA Pro's block expansion, arXiv 2401.02415):
 
     python -m acache_lab.train.expand --model models/acache-tiny-affix --out build/affix-deep-init
 """
@@ -21,12 +21,9 @@ import torch
 from torch import nn
 
 from acache.models.base import DiffusionLM
-from acache.models.checkpoint import save_checkpoint
+from acache.models.checkpoint import copy_companion_files, save_checkpoint
 from acache.models.config import AFFIX_TRAINING_KEY
 from acache.models.loader import CONFIG_FILE, load_model
-
-#: the tokenizer files a checkpoint directory may hold, copied beside the deeper weights
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
@@ -45,24 +42,26 @@ def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
                 silent.o_proj.weight.zero_()
                 silent.down_proj.weight.zero_()
             layers.append(silent)
-    deeper = copy.deepcopy(model)
+    deeper = copy.deepcopy(model, {id(model.layers): nn.ModuleList()})  # the rest; the layers are copied above
     deeper.layers = nn.ModuleList(layers)
     deeper.config = replace(model.config, num_layers=len(layers))
     return deeper
 
 
 def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrite: bool = False) -> Path:
-    """Writes ``src`` deepened by :func:`expand_layers` to ``out`` with its tokenizer; the affix-training record of
-    ``src`` is dropped (the deeper model is a starting point, not a trained one)."""
+    """Writes ``src`` deepened by :func:`expand_layers` to ``out`` with its tokenizer and other companion files; the
+    affix-training record of ``src`` is dropped (the deeper model is a starting point, not a trained one).
+    ``overwrite`` replaces an ``out`` that holds files, all of them."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
-    model = load_model(src)
-    deeper = expand_layers(model, every)
+    if out.resolve() == Path(src).resolve():
+        raise ValueError(f"the deeper checkpoint needs a directory of its own, not {src}")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+        shutil.rmtree(out)
+    deeper = expand_layers(load_model(src), every)
     save_checkpoint(deeper, out)
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy(Path(src) / name, out / name)
+    copy_companion_files(src, out)
     config = out / CONFIG_FILE
     raw = json.loads(config.read_text())
     if raw.pop(AFFIX_TRAINING_KEY, None) is not None:
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         out = expand_checkpoint(args.model, args.out, args.every, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.exit(2, f"error: {e}\n")
-    print(f"wrote {out} ({load_model(out).config.num_layers} layers)")
+    print(f"wrote {out}")
     return 0
 
 

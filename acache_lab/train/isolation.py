@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from acache.affix.context import compact_index
 from acache.affix.one_pass import FIRST_STALE
 
 Spans = Sequence[tuple[int, int]]
@@ -64,18 +65,10 @@ def with_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     their own positions, attending as the request's own tokens do; the originals stay in the isolated mask and no
     other column reads them. A row with no anchors is :func:`isolation_mask`'s row, padded."""
     b, t = valid.shape
-    _check_anchors(anchors, spans, b)
-    width = max((len(a) for a in anchors), default=0)
-    cols = torch.full((b, width), t, dtype=torch.long, device=valid.device)  # t: padding
-    for row, row_anchors in enumerate(anchors):
-        cols[row, :len(row_anchors)] = torch.tensor(sorted(row_anchors), dtype=torch.long)
-    copied = cols < t
-    at = cols.clamp_max(t - 1)
-    ext_ids = torch.cat((ids, torch.where(copied, ids.gather(1, at), 0)), 1)
-    ext_positions = torch.cat((positions, torch.where(copied, positions.gather(1, at), 0)), 1)
-    ext_valid = torch.cat((valid, copied), 1)
     owner = span_owners(valid, spans)
-    is_anchor = torch.zeros(b, t + 1, dtype=torch.bool, device=valid.device).scatter_(1, cols, True)[:, :t]
+    is_anchor = _anchor_columns(anchors, spans, valid)
+    cols, copied, _, ext_ids, ext_positions, ext_valid = _copies_after(ids, positions, valid, is_anchor)
+    width = cols.shape[1]
     unread = valid & ~is_anchor  # what the request's own columns read of the originals: all but the anchors
     outside = owner == 0  # the request's own columns (and padding, which attends as they do)
     mask = torch.zeros(b, t + width, t + width, dtype=torch.bool, device=valid.device)
@@ -111,23 +104,18 @@ def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: tor
     tokens that are not anchors instead of the originals. A row with no anchors attends as
     :func:`isolation_mask`'s row at every layer (its spans computed alone; none given: full attention)."""
     b, t = valid.shape
-    _check_anchors(anchors, spans, b)
     owner = span_owners(valid, spans)
-    is_anchor = torch.zeros(b, t, dtype=torch.bool, device=valid.device)
-    for row, row_anchors in enumerate(anchors):
-        is_anchor[row, list(row_anchors)] = True
+    is_anchor = _anchor_columns(anchors, spans, valid)
     anchored = is_anchor.any(1)
-    copy_of = (owner > 0) & anchored[:, None]  # the columns each anchored row copies: all its affix tokens
-    width = int(copy_of.sum(1).max()) if b else 0
-    cols = torch.full((b, width), t, dtype=torch.long, device=valid.device)  # t: padding
-    for row in range(b):
-        taken = copy_of[row].nonzero()[:, 0]
-        cols[row, :len(taken)] = taken
-    copied = cols < t
-    at = cols.clamp_max(t - 1)
-    ext_ids = torch.cat((ids, torch.where(copied, ids.gather(1, at), 0)), 1)
-    ext_positions = torch.cat((positions, torch.where(copied, positions.gather(1, at), 0)), 1)
-    ext_valid = torch.cat((valid, copied), 1)
+    for row in anchored.nonzero()[:, 0].tolist():
+        bare = [(start, end) for start, end in spans[row] if not bool(is_anchor[row, start:end].any())]
+        if bare:  # the engine reads such an affix from the cache at every layer, in context at none
+            raise ValueError(f"row {row}'s affix spans {bare} take no anchor: a one-pass row anchors every affix "
+                             "of its row")
+    # the columns each anchored row copies: all its affix tokens
+    cols, copied, at, ext_ids, ext_positions, ext_valid = _copies_after(ids, positions, valid,
+                                                                       (owner > 0) & anchored[:, None])
+    width = cols.shape[1]
     copy_owner = torch.where(copied, owner.gather(1, at), -1)
     copy_read = copied & ~is_anchor.gather(1, at)  # from split on, the alone K/V of the affix tokens not anchors
 
@@ -143,13 +131,30 @@ def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: tor
     return ext_ids, ext_positions, ext_valid, LayeredMask(early, late, ONE_PASS_SPLIT)
 
 
-def _check_anchors(anchors: Sequence[Sequence[int]], spans: Sequence[Spans], rows: int) -> None:
-    """Names what is wrong with per-row ``anchors``: a row count other than the batch's, or an anchor repeated or
-    outside its row's affix spans."""
-    if len(anchors) != rows:
-        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {rows}")
+def _anchor_columns(anchors: Sequence[Sequence[int]], spans: Sequence[Spans], valid: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: each row's ``anchors``, or a ValueError that names what is wrong with them: a row count other
+    than the batch's, or an anchor repeated or outside its row's affix spans."""
+    b, t = valid.shape
+    if len(anchors) != b:
+        raise ValueError(f"anchors are given for {len(anchors)} rows of a batch of {b}")
+    is_anchor = torch.zeros(b, t, dtype=torch.bool, device=valid.device)
     for row, (row_anchors, row_spans) in enumerate(zip(anchors, spans, strict=True)):
         inside = [c for c in row_anchors if any(start <= c < end for start, end in row_spans)]
         if len(inside) != len(row_anchors) or len(set(row_anchors)) != len(row_anchors):
             raise ValueError(f"row {row}'s anchors must be distinct columns of its affix spans {list(row_spans)}, "
                              f"not {sorted(row_anchors)}")
+        is_anchor[row, list(row_anchors)] = True
+    return is_anchor
+
+
+def _copies_after(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, copy_of: torch.Tensor,
+                  ) -> tuple[torch.Tensor, ...]:
+    """The columns ``copy_of [B, T]`` marks, copied after each row's ``T`` at their own positions, in order:
+    ``cols [B, W]`` (padded with ``T``), ``copied [B, W]``, ``at`` (``cols`` clamped for gathers), and the
+    extended ``ids``, ``positions`` and ``valid`` ``[B, T + W]``."""
+    t = valid.shape[1]
+    cols, copied = compact_index(copy_of, fill=t)
+    at = cols.clamp_max(t - 1)
+    ext_ids = torch.cat((ids, torch.where(copied, ids.gather(1, at), 0)), 1)
+    ext_positions = torch.cat((positions, torch.where(copied, positions.gather(1, at), 0)), 1)
+    return cols, copied, at, ext_ids, ext_positions, torch.cat((valid, copied), 1)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from tqdm.auto import tqdm
 
 from acache.affix.prompt import Affix, layout_segments, resolve_segments
 from acache.models.base import DiffusionLM
-from acache.models.checkpoint import save_checkpoint
+from acache.models.checkpoint import copy_companion_files, save_checkpoint
 from acache.models.loader import CONFIG_FILE, checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
@@ -43,9 +42,6 @@ ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
 LOG_FILE = "finetune_log.json"
 SHARD_BYTES = 5 * 2**30  # a merged checkpoint's shard size, as upstream shards theirs
-#: the source's files a merged checkpoint takes along: the tokenizer's, the generation defaults, and the
-#: modelling code (``*.py``) its config's ``auto_map`` names for the upstream loader
-COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config")
 PEFT_MISSING = "LoRA fine-tuning needs peft: pip install 'acache[lora]'"
 
 
@@ -282,8 +278,6 @@ def write_merged(model: DiffusionLM, source: Path, out: Path, record: dict) -> P
     written = json.loads((out / CONFIG_FILE).read_text())
     original = json.loads((source / CONFIG_FILE).read_text())
     (out / CONFIG_FILE).write_text(json.dumps({**original, **written}, indent=2) + "\n")
-    for file in sorted(source.iterdir()):
-        if file.is_file() and (file.name.startswith(COPIED_PREFIXES) or file.suffix == ".py"):
-            shutil.copy2(file, out / file.name)
+    copy_companion_files(source, out)
     write_affix_training(out, record)
     return out

@@ -36,7 +36,7 @@ from acache.models.config import AFFIX_TRAINING_KEY
 from acache.models.loader import CONFIG_FILE
 from acache.models.registry import family_class
 from acache.models.ssm import SCAN_INITS
-from acache.policies import LAYOUTS
+from acache.policies import ANCHOR_PASSES, LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
 from acache_lab.train.isolation import LayeredMask, isolation_mask, with_anchors, with_one_pass_anchors
@@ -45,7 +45,6 @@ from acache_lab.train.isolation import LayeredMask, isolation_mask, with_anchors
 WEIGHTINGS = ("inverse_t", "masked_count")
 REDUCTIONS = ("mean", "sum")
 MASKINGS = ("rate_t", "all")
-ANCHOR_PASSES = ("one", "two")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
 
@@ -384,7 +383,7 @@ class Batch(NamedTuple):
         spans = [s if keep else () for s, keep in zip(self.spans, isolated.tolist(), strict=True)]
         anchors = [random_anchors(row, ratio, gen) if take else []
                    for row, take in zip(spans, anchored.tolist(), strict=True)]
-        build = with_one_pass_anchors if anchor_pass == "one" else with_anchors
+        build = {"one": with_one_pass_anchors, "two": with_anchors}[anchor_pass]
         ids, positions, valid, mask = build(self.ids, self.positions, self.valid, spans, anchors)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
         return Batch(ids, answer, positions, valid, self.spans), mask
@@ -412,6 +411,9 @@ def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tens
     state-space variant, R2LM), whose rows start at position 0. ``valid`` may be a per-query ``[B, T, T]``
     mask (affix-isolated rows), or a :class:`LayeredMask` that changes at a layer (one-pass anchored rows)."""
     if hasattr(model, "train_logits"):  # a state-cache family
+        if isinstance(valid, LayeredMask):
+            raise ValueError(f"{model.family} trains no one-pass refresh: a mask that changes at a layer is for the "
+                             "attention families")
         return model.train_logits(ids, valid)
     if isinstance(valid, LayeredMask):
         layers = len(model.layers)
@@ -443,7 +445,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
     (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``). ``attention``
-    (default ``valid``) is what the forward attends with: a ``[B, T, T]`` mask trains rows under direct reuse.
+    (default ``valid``) is what the forward attends with: a ``[B, T, T]`` mask trains rows under direct reuse, a
+    :class:`~acache_lab.train.isolation.LayeredMask` rows as ACache's one-pass refresh serves them.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")

@@ -3,7 +3,7 @@ learn, and bad requests are named."""
 
 from __future__ import annotations
 
-import json
+import shutil
 
 import pytest
 import torch
@@ -36,28 +36,36 @@ def test_a_deepened_model_computes_what_it_did(family, every, layers, llada_dir,
 
 
 def test_the_new_layers_learn(llada_dir):
-    """Their zero output projections get a gradient, so a step moves them and then the rest of the layer."""
+    """At first only their zero output projections get a gradient (nothing flows back through a zero matrix to the
+    rest of the layer); a step makes those nonzero, and from then on the whole layer learns."""
     deeper = expand_layers(load_model(llada_dir)).requires_grad_(True)
     ids = torch.randint(0, deeper.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
-    deeper.logits(deeper(ids, torch.arange(10)[None]).hidden).logsumexp(-1).sum().backward()
     silent = deeper.layers[1]
+
+    def backward() -> None:
+        deeper.zero_grad()
+        deeper.logits(deeper(ids, torch.arange(10)[None]).hidden).logsumexp(-1).sum().backward()
+
+    backward()
     assert silent.o_proj.weight.grad.abs().sum() > 0 and silent.down_proj.weight.grad.abs().sum() > 0
+    assert not silent.q_proj.weight.grad.any() and not silent.up_proj.weight.grad.any()
+    torch.optim.SGD(deeper.parameters(), lr=0.1).step()
+    backward()
+    assert silent.q_proj.weight.grad.abs().sum() > 0 and silent.up_proj.weight.grad.abs().sum() > 0
 
 
-def test_the_written_checkpoint_decodes_the_same_tokens(tmp_path, llada_dir):
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_the_written_checkpoint_decodes_the_same_tokens(tmp_path, family, llada_dir, dream_dir):
     """Written, loaded back with its tokenizer files, it decodes what the original does; a record of affix-aware
     training in the original's config.json is not carried over (the deeper model has not been trained so)."""
-    import shutil
-
     src = tmp_path / "src"
-    shutil.copytree(llada_dir, src)
+    shutil.copytree(llada_dir if family == "llada" else dream_dir, src)
     write_affix_training(src, {"affix_isolation": 0.5, "steps": 1, "init_from": None, "layouts": ["prefix"]})
     out = expand_checkpoint(src, tmp_path / "deep")
     deeper, original = load_model(out), load_model(src)
     assert deeper.config.num_layers == 4 and deeper.config.affix_training is None
     assert original.config.affix_training is not None
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
-    assert json.loads((out / "config.json").read_text())["n_layers"] == 4
     params = SamplingParams(gen_length=8, block_length=4, steps=8, cache="dual")
     prompt = list(range(3, 23))
     assert reference_generate(deeper, prompt, params).token_ids == reference_generate(original, prompt,
@@ -82,8 +90,14 @@ def test_an_existing_output_is_kept_unless_overwritten(tmp_path, llada_dir):
     with pytest.raises(FileExistsError, match="exists and is not empty"):
         expand_checkpoint(llada_dir, out)
     assert (out / "keep.txt").read_text() == "mine"
-    expand_checkpoint(llada_dir, out, overwrite=True)
-    assert load_model(out).config.num_layers == 4
+    expand_checkpoint(llada_dir, out, overwrite=True)  # replaced whole: no stale file left beside the new weights
+    assert load_model(out).config.num_layers == 4 and not (out / "keep.txt").exists()
+
+
+def test_the_source_directory_is_not_written_over(llada_dir):
+    with pytest.raises(ValueError, match="needs a directory of its own"):
+        expand_checkpoint(llada_dir, llada_dir, overwrite=True)
+    assert load_model(llada_dir).config.num_layers == 2
 
 
 def test_the_command_names_a_bad_model_path(tmp_path, capsys):

@@ -200,10 +200,34 @@ def test_bad_anchors_are_named(build, anchors, message):
         build(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], valid, [[(0, 3)]], anchors)
 
 
+def test_a_one_pass_row_anchors_every_affix():
+    """The engine reads an affix that takes no anchors from the cache at every layer, which a row that runs its
+    first layers in context cannot train: such a row is refused, by name."""
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"affix spans \[\(4, 7\)\] take no anchor"):
+        with_one_pass_anchors(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], valid,
+                              [[(0, 3), (4, 7)]], [[1]])
+
+
+@pytest.mark.parametrize("build", [with_anchors, with_one_pass_anchors])
+def test_spans_for_another_batch_are_named(build):
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="spans are given for 1 rows of a batch of 2"):
+        build(torch.zeros(2, 6, dtype=torch.long), torch.arange(6).expand(2, -1), valid, [[(0, 3)]], [[1], []])
+
+
 @pytest.fixture(scope="module", params=["llada", "dream"])
 def deep_model(request, tmp_path_factory):
     """Four layers: a one-pass refresh runs layers 0-1 in context and the others as a refresh."""
     return load_model(tiny_checkpoint(tmp_path_factory.mktemp(f"deep-{request.param}"), request.param, layers=4))
+
+
+def layered_states(model, ids, positions, mask):
+    """The final states of a forward under a :class:`LayeredMask`, the two spans of layers run as
+    ``training_logits`` runs them."""
+    early = model.run_layers(model.embed(ids), positions, mask.early, None, range(mask.split))
+    return model.norm(model.run_layers(early.hidden, positions, mask.late, None,
+                                       range(mask.split, len(model.layers))).hidden)
 
 
 def one_pass_reference(model, prompt, monkeypatch, steps=1):
@@ -242,9 +266,7 @@ def test_a_one_pass_anchored_forward_is_the_selecting_refresh_state_for_state(de
     assert ids.shape == (1, t + n) and positions[0, t:].tolist() == [c for c0, c1 in spans for c in range(c0, c1)]
     assert bool(valid.all()) and mask.split == ONE_PASS_SPLIT == 2
     with torch.inference_mode():
-        early = model.run_layers(model.embed(ids), positions, mask.early, None, range(mask.split))
-        hidden = model.norm(model.run_layers(early.hidden, positions, mask.late, None,
-                                             range(mask.split, len(model.layers))).hidden)[0]
+        hidden = layered_states(model, ids, positions, mask)[0]
         logits = training_logits(model, ids, positions, mask)[0]
         two_pass = with_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool), [spans],
                                 [anchors])
@@ -279,16 +301,18 @@ def test_one_shot_decoding_of_a_one_pass_row_is_reference_one_pass(tmp_path, lay
 
 
 def test_the_one_pass_mask_row_by_row():
-    """Three rows: one-pass anchored (two affixes), isolated with no anchors, neither (shorter, padded). The
-    anchored row attends in context before the split and as a refresh after it; its copies compute each affix
-    alone throughout; the other rows keep one mask; padding and unused copy slots are read by nothing."""
-    valid = torch.tensor([[True] * 7, [True] * 7, [True] * 5 + [False] * 2])
-    ids = torch.arange(21).view(3, 7)
+    """Four rows: one-pass anchored (two affixes), isolated with no anchors, neither (shorter, padded), and anchored
+    again but shorter, with fewer copies than the widest row. An anchored row attends in context before the split
+    and as a refresh after it; its copies compute each affix alone throughout; the other rows keep one mask;
+    padding and unused copy slots are read by nothing."""
+    valid = torch.tensor([[True] * 7, [True] * 7, [True] * 5 + [False] * 2, [True] * 5 + [False] * 2])
+    ids = torch.arange(28).view(4, 7)
     ext_ids, positions, ext_valid, mask = with_one_pass_anchors(
-        ids, torch.arange(7).expand(3, -1), valid, [[(0, 2), (4, 6)], [(1, 4)], []], [[1, 4], [], []])
-    assert isinstance(mask, LayeredMask) and mask.early.shape == mask.late.shape == (3, 11, 11)
+        ids, torch.arange(7).expand(4, -1), valid, [[(0, 2), (4, 6)], [(1, 4)], [], [(1, 3)]], [[1, 4], [], [], [2]])
+    assert isinstance(mask, LayeredMask) and mask.early.shape == mask.late.shape == (4, 11, 11)
     assert ext_ids[0, 7:].tolist() == [0, 1, 4, 5] and positions[0, 7:].tolist() == [0, 1, 4, 5]
-    assert not ext_valid[1:, 7:].any() and ext_valid[0, 7:].all()
+    assert ext_ids[3, 7:9].tolist() == [22, 23] and ext_valid[3, 7:].tolist() == [True, True, False, False]
+    assert not ext_valid[1:3, 7:].any() and ext_valid[0, 7:].all()
     every = [True] * 7 + [False] * 4
     assert mask.early[0, :7].tolist() == [every] * 7  # in context: the originals, no copies
     assert mask.early[0, 7].tolist() == [False] * 7 + [True, True, False, False]  # a copy: its affix's copies
@@ -299,5 +323,34 @@ def test_the_one_pass_mask_row_by_row():
     isolated = isolation_mask(valid[1:2], [[(1, 4)]])[0]
     assert torch.equal(mask.early[1, :7, :7], isolated) and torch.equal(mask.late[1], mask.early[1])
     assert torch.equal(mask.early[2, :7, :7], valid[2].expand(7, -1)) and torch.equal(mask.late[2], mask.early[2])
-    assert not mask.early[1:, :7, 7:].any() and not mask.early[2, :, 5:].any()
+    short = [True] * 5 + [False] * 6
+    assert mask.early[3, :7].tolist() == [short] * 7
+    assert mask.late[3, :7].tolist() == [[True, False, True, True, True, False, False, True, False, False, False]] * 7
+    assert not mask.early[1:3, :7, 7:].any() and not mask.early[2:, :, 5:7].any()
+    assert not mask.early[3, :, 9:].any() and not mask.late[3, :, 9:].any()  # the shorter row's unused copy slots
     assert mask.early.any(-1).all() and mask.late.any(-1).all()  # every query attends something
+
+
+@pytest.mark.parametrize("layout", ["prefix", "two-affix"])
+def test_a_mixed_one_pass_batch_is_each_row_alone(deep_model, layout):
+    """A one-pass anchored row (padded: shorter than the others), an isolated row and a full-attention row batched
+    give each row's states run alone, at every column it has."""
+    prompts = [layouts(affix_len=12, seed=5)[layout]] + [layouts(seed=s)[layout] for s in (3, 4)]
+    rows = [canvas(deep_model, p) for p in prompts]  # the anchored row first, and the shortest
+    spans = [rows[0][1], rows[1][1], []]
+    anchors = [first_anchors(rows[0][1], 0.3), [], []]
+    width = max(len(tokens) for tokens, _ in rows)
+    ids = torch.stack([torch.nn.functional.pad(tokens, (0, width - len(tokens))) for tokens, _ in rows])
+    valid = torch.stack([torch.arange(width) < len(tokens) for tokens, _ in rows])
+    batch = with_one_pass_anchors(ids, torch.arange(width).expand(3, -1), valid, spans, anchors)
+    with torch.inference_mode():
+        together = layered_states(deep_model, batch[0], batch[1], batch[3])
+        for r, (tokens, _) in enumerate(rows):
+            t = len(tokens)
+            alone = with_one_pass_anchors(tokens[None], torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool),
+                                          [spans[r]], [anchors[r]])
+            want = layered_states(deep_model, alone[0], alone[1], alone[3])[0]
+            torch.testing.assert_close(together[r, :t], want[:t], rtol=1e-4, atol=1e-4)
+            copies = alone[0].shape[1] - t
+            assert copies == (sum(c1 - c0 for c0, c1 in spans[r]) if anchors[r] else 0)
+            torch.testing.assert_close(together[r, width:width + copies], want[t:], rtol=1e-4, atol=1e-4)

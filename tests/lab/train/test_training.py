@@ -146,7 +146,9 @@ def test_one_pass_anchored_rows_copy_their_affixes_and_train(tmp_path):
         assert torch.equal(row_mask[3, :t, :t], batch.attention(isolated)[3])  # isolated, no anchors: direct reuse
         assert torch.equal(row_mask[2, :t, :t], batch.valid[2].expand(t, -1))  # neither: full attention
     assert torch.equal(mask.early[0, :t, :t], batch.valid[0].expand(t, -1))  # anchored: in context first
-    assert not mask.late[0, end - 1, start:end].all()  # then the affix's originals are read only where anchors
+    own = int(batch.answer[0].nonzero()[0])  # then an own column reads the anchors' originals and the others' copies
+    read, copies = mask.late[0, own, start:end], mask.late[0, own, t:t + sizes[0]]
+    assert int(read.sum()) == math.ceil(0.3 * sizes[0] - 1e-9) and torch.equal(copies, ~read)
     summary = train(config, progress=False)
     assert all(set(p["accuracy"]) == {"qa1", "qa1@reuse", "qa1@anchors"} for p in summary["probes"])
     from acache.models.loader import read_config
