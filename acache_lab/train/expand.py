@@ -33,6 +33,9 @@ def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
     if not hasattr(model, "layers") or hasattr(model, "train_logits") or model.config.block_size is not None:
         raise ValueError(f"{model.family} cannot be deepened: only the bidirectional attention families "
                          "(llada, dream) are")
+    if getattr(model, "_layers_compiled", False) or model.tp is not None:
+        raise ValueError("deepen the model as loaded: a compiled layer's forward and a tensor-parallel shard would "
+                         "be shared with the copies, not copied")
     layers = []
     for i, layer in enumerate(model.layers):
         layers.append(copy.deepcopy(layer))
@@ -44,28 +47,31 @@ def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
             layers.append(silent)
     deeper = copy.deepcopy(model, {id(model.layers): nn.ModuleList()})  # the rest; the layers are copied above
     deeper.layers = nn.ModuleList(layers)
-    deeper.config = replace(model.config, num_layers=len(layers))
+    raw = {k: v for k, v in model.config.raw.items() if k != AFFIX_TRAINING_KEY}  # not trained deeper yet
+    deeper.config = replace(model.config, num_layers=len(layers), raw=raw)
     return deeper
 
 
 def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrite: bool = False) -> Path:
-    """Writes ``src`` deepened by :func:`expand_layers` to ``out`` with its tokenizer and other companion files; the
-    affix-training record of ``src`` is dropped (the deeper model is a starting point, not a trained one).
-    ``overwrite`` replaces an ``out`` that holds files, all of them."""
-    out = Path(out)
-    if out.resolve() == Path(src).resolve():
-        raise ValueError(f"the deeper checkpoint needs a directory of its own, not {src}")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
-        shutil.rmtree(out)
+    """Writes ``src`` deepened by :func:`expand_layers` to ``out``: its weights, its config.json with the layer
+    count changed and the affix-training record dropped (the deeper model is a starting point, not a trained one),
+    and its tokenizer and other companion files. ``overwrite`` replaces an ``out`` that holds files, all of them,
+    once the deeper model is built."""
+    src, out = Path(src), Path(out)
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+        raise ValueError(f"the deeper checkpoint needs a directory of its own, not {out} (it holds {src})")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not a directory for the checkpoint")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
     deeper = expand_layers(load_model(src), every)
+    if out.exists():
+        shutil.rmtree(out)
     save_checkpoint(deeper, out)
     copy_companion_files(src, out)
     config = out / CONFIG_FILE
-    raw = json.loads(config.read_text())
-    if raw.pop(AFFIX_TRAINING_KEY, None) is not None:
-        config.write_text(json.dumps(raw, indent=2) + "\n")
+    original = {k: v for k, v in json.loads((src / CONFIG_FILE).read_text()).items() if k != AFFIX_TRAINING_KEY}
+    config.write_text(json.dumps({**original, **json.loads(config.read_text())}, indent=2) + "\n")
     return out
 
 
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = expand_checkpoint(args.model, args.out, args.every, args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
         parser.exit(2, f"error: {e}\n")
     print(f"wrote {out}")
     return 0

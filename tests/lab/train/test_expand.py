@@ -3,6 +3,7 @@ learn, and bad requests are named."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -61,10 +62,14 @@ def test_the_written_checkpoint_decodes_the_same_tokens(tmp_path, family, llada_
     src = tmp_path / "src"
     shutil.copytree(llada_dir if family == "llada" else dream_dir, src)
     write_affix_training(src, {"affix_isolation": 0.5, "steps": 1, "init_from": None, "layouts": ["prefix"]})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "modeling.Model"}}))
+    original = load_model(src)
+    assert original.config.affix_training is not None and expand_layers(original).config.affix_training is None
     out = expand_checkpoint(src, tmp_path / "deep")
-    deeper, original = load_model(out), load_model(src)
+    deeper = load_model(out)
     assert deeper.config.num_layers == 4 and deeper.config.affix_training is None
-    assert original.config.affix_training is not None
+    assert json.loads((out / "config.json").read_text())["auto_map"] == {"AutoModel": "modeling.Model"}  # kept
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
     params = SamplingParams(gen_length=8, block_length=4, steps=8, cache="dual")
     prompt = list(range(3, 23))
@@ -94,10 +99,32 @@ def test_an_existing_output_is_kept_unless_overwritten(tmp_path, llada_dir):
     assert load_model(out).config.num_layers == 4 and not (out / "keep.txt").exists()
 
 
-def test_the_source_directory_is_not_written_over(llada_dir):
-    with pytest.raises(ValueError, match="needs a directory of its own"):
-        expand_checkpoint(llada_dir, llada_dir, overwrite=True)
-    assert load_model(llada_dir).config.num_layers == 2
+def test_the_source_directory_is_not_written_over(tmp_path, llada_dir):
+    src = tmp_path / "runs" / "src"
+    shutil.copytree(llada_dir, src)
+    for out in (src, src.parent):  # the source itself, or a directory that holds it
+        with pytest.raises(ValueError, match="needs a directory of its own"):
+            expand_checkpoint(src, out, overwrite=True)
+    assert load_model(src).config.num_layers == 2
+
+
+def test_a_bad_source_leaves_the_output_alone(tmp_path):
+    out = tmp_path / "deep"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError):
+        expand_checkpoint(tmp_path / "missing", out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        expand_checkpoint(tmp_path / "missing", tmp_path / "file")
+
+
+def test_a_compiled_model_is_refused(llada_dir):
+    model = load_model(llada_dir)
+    model._layers_compiled = True  # what compile_layers marks; compiling itself is not needed to refuse
+    with pytest.raises(ValueError, match="deepen the model as loaded"):
+        expand_layers(model)
 
 
 def test_the_command_names_a_bad_model_path(tmp_path, capsys):
