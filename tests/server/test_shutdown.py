@@ -16,14 +16,23 @@ from acache import LLM
 from acache.cli import build_parser
 from acache.server.app import create_app
 from acache.server.shutdown import Drain, ShuttingDown
+from tests.conftest import tiny_checkpoint
 from tests.server.helpers import start_server, wait_until
 
-LONG = {"max_tokens": 480, "steps": 480}  # about 5 s on the random test model: still running at the deadline
+# about 8 s alone on a quiet 2-core machine (480 tokens took 1.2 s there, and once finished inside the 0.5 s grace):
+# still running at the deadline however fast the machine
+LONG = {"max_tokens": 1984, "steps": 1984}
 SCORED = {"prompt": list(range(1, 65)), "max_tokens": 0, "echo": True, "logprobs": 0, "mc_samples": 1024}
 
 
-def test_in_flight_requests_get_a_503_once_the_grace_period_ends(llada_dir):
-    llm = LLM(llada_dir, kv_cache_memory=1 << 24)
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    """The random test model with room for LONG's canvas."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("llada-long"), "llada", max_seq_len=4096)
+
+
+def test_in_flight_requests_get_a_503_once_the_grace_period_ends(long_dir):
+    llm = LLM(long_dir, kv_cache_memory=1 << 24)
     results: dict[str, object] = {}
     with TestClient(create_app(llm, "tiny")) as client:
         def post(name: str, delay: float, path: str, body: dict) -> None:
@@ -60,7 +69,7 @@ def test_in_flight_requests_get_a_503_once_the_grace_period_ends(llada_dir):
         assert resp.json()["error"]["code"] == "shutting_down" and "--shutdown-grace" in resp.json()["error"]["message"]
     events = results["stream"]
     assert events[-1] == "data: [DONE]" and "the server shut down" in json.loads(events[-2][6:])["error"]["message"]
-    assert elapsed < 5.0  # the grace period, not the requests' own length (about 5 s) or the scoring's (minutes)
+    assert elapsed < 5.0  # the grace period, not the requests' own length (about 8 s) or the scoring's (minutes)
     assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
     assert llm.engine.num_running == 0 and llm.engine.num_waiting == 0
 
