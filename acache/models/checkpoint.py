@@ -14,7 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from torch import nn
 
 from acache.models.base import DiffusionLM
-from acache.models.config import ModelConfig
+from acache.models.config import AFFIX_TRAINING_KEY, ModelConfig
 from acache.models.dream import DreamModel
 from acache.models.loader import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, parse_dtype
 from acache.models.registry import family_class
@@ -199,14 +199,20 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
                            dtype=dtype)
 
 
-#: the files besides the weights and config.json that a checkpoint written from another takes along: the
+#: the files besides the weights and config.json that a checkpoint derived from another takes along: the
 #: tokenizer's, the generation defaults, and the modelling code (``*.py``) its config's ``auto_map`` names
 COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config")
 
 
-def copy_companion_files(source: str | Path, out: str | Path) -> None:
-    """Copies ``source``'s tokenizer, generation and modelling files (:data:`COPIED_PREFIXES`, ``*.py``) to
-    ``out``, so a checkpoint written from it loads like it."""
-    for file in sorted(Path(source).iterdir()):
+def derive_from(source: str | Path, out: str | Path) -> None:
+    """Makes the checkpoint just written to ``out`` load like ``source``: the source's config.json keys the engine
+    does not write (``auto_map`` and the like) kept under the written ones, its affix-training record left out
+    (the written weights are not what was trained), and its tokenizer, generation and modelling files
+    (:data:`COPIED_PREFIXES`, ``*.py``) copied."""
+    source, out = Path(source), Path(out)
+    original = {k: v for k, v in json.loads((source / CONFIG_FILE).read_text()).items() if k != AFFIX_TRAINING_KEY}
+    written = json.loads((out / CONFIG_FILE).read_text())
+    (out / CONFIG_FILE).write_text(json.dumps({**original, **written}, indent=2) + "\n")
+    for file in sorted(source.iterdir()):
         if file.is_file() and (file.name.startswith(COPIED_PREFIXES) or file.suffix == ".py"):
-            shutil.copy2(file, Path(out) / file.name)
+            shutil.copy2(file, out / file.name)

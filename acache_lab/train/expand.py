@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -21,9 +20,9 @@ import torch
 from torch import nn
 
 from acache.models.base import DiffusionLM
-from acache.models.checkpoint import copy_companion_files, save_checkpoint
+from acache.models.checkpoint import derive_from, save_checkpoint
 from acache.models.config import AFFIX_TRAINING_KEY
-from acache.models.loader import CONFIG_FILE, load_model
+from acache.models.loader import load_model
 
 
 def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
@@ -68,10 +67,7 @@ def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrit
     if out.exists():
         shutil.rmtree(out)
     save_checkpoint(deeper, out)
-    copy_companion_files(src, out)
-    config = out / CONFIG_FILE
-    original = {k: v for k, v in json.loads((src / CONFIG_FILE).read_text()).items() if k != AFFIX_TRAINING_KEY}
-    config.write_text(json.dumps({**original, **json.loads(config.read_text())}, indent=2) + "\n")
+    derive_from(src, out)
     return out
 
 

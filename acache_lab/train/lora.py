@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 
 from acache.affix.prompt import Affix, layout_segments, resolve_segments
 from acache.models.base import DiffusionLM
-from acache.models.checkpoint import copy_companion_files, save_checkpoint
-from acache.models.loader import CONFIG_FILE, checkpoint_dir, load_model, parse_device
+from acache.models.checkpoint import derive_from, save_checkpoint
+from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.trainer import Row, answer_row, collate_rows, masked_diffusion_loss, write_affix_training
@@ -275,9 +275,6 @@ def write_merged(model: DiffusionLM, source: Path, out: Path, record: dict) -> P
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     save_checkpoint(model, out, shards=max(1, math.ceil(size / SHARD_BYTES)),
                     dtype=str(model.dtype).removeprefix("torch."))
-    written = json.loads((out / CONFIG_FILE).read_text())
-    original = json.loads((source / CONFIG_FILE).read_text())
-    (out / CONFIG_FILE).write_text(json.dumps({**original, **written}, indent=2) + "\n")
-    copy_companion_files(source, out)
+    derive_from(source, out)
     write_affix_training(out, record)
     return out

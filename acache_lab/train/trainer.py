@@ -690,17 +690,17 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             group["lr"] = lr_at(step)
         batch = batcher.batch(step)
         ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
-        isolated = None
-        attention = batch.valid
+        isolated = anchored = None
         if config.affix_isolation > 0:  # these rows train as direct reuse serves them
             isolated = torch.rand(len(ids), generator=gen) < config.affix_isolation
-            attention = batch.attention(isolated)
         if config.affix_anchored > 0:  # and of those, these as ACache's refresh with random anchors serves them
             anchored = isolated & (torch.rand(len(ids), generator=gen) < config.affix_anchored)
-            if bool(anchored.any()):
-                batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen,
-                                                      config.affix_anchor_pass)
-                ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
+        if anchored is not None and bool(anchored.any()):
+            batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen,
+                                                  config.affix_anchor_pass)
+            ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
+        else:
+            attention = batch.attention(isolated)
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
