@@ -1,30 +1,61 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in the repository with its .venv: the token-for-token equivalence tests on the GPU, then
-# the engine benchmark on a random LLaDA-8B-shaped model at batch 16 in bfloat16 (dual cache, ACache, ACache
-# with FOCUS), and the SmolLM2-135M shape at batch 1/4/16 for the FLOP/s table. Results as JSON under $OUT
-# (default build/gpu): tests.json, bench_llada8b.json, bench_smol.json. About 10 minutes on one H200.
-set -euo pipefail
+# On a CUDA machine, in the repository: the token-for-token equivalence tests on the GPU, how far a batch is from
+# each row alone there, and issue 41's benchmarks (the SmolLM2-135M shape at batch 1 and 16 with the
+# Fast-dLLM-style loop and a shallow one pass beside the dual cache and ACache; selection's own cost; a random
+# LLaDA-8B shape at batch 1 and 16), and where a step's time goes (profiles). Each part has its own time limit
+# and carries on past a failure. Results under $OUT (default build/gpu): log.txt, tests.xml, bench_smol.json,
+# bench_8b.json, profile_8b.txt, profile_smol.txt. Every part: about 9 minutes on one H100.
+#
+#   PY=.venv/bin/python bash scripts/gpu_check.sh        # a venv with a CUDA torch and acache installed
+#   PY=python3 BARE=1 bash scripts/gpu_check.sh          # a python with torch and acache's needs, acache
+#                                                        # not installed: its commands found from this tree
+#   PARTS="tests profile" bash scripts/gpu_check.sh      # some parts only (env always runs)
+set -uo pipefail
 OUT=${OUT:-build/gpu}
 PY=${PY:-.venv/bin/python}
+PARTS=${PARTS:-"smoke invariance tests bench cost bench8b profile"}
 mkdir -p "$OUT"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+LOG="$OUT/log.txt"
+if [ -n "${BARE:-}" ]; then
+    # `acache bench` comes from the lab's entry point: declare it without installing anything
+    site=$(mktemp -d)
+    mkdir -p "$site/acache-0.1.0.dist-info"
+    printf 'Metadata-Version: 2.1\nName: acache\nVersion: 0.1.0\n' >"$site/acache-0.1.0.dist-info/METADATA"
+    printf '[acache.commands]\nlab = acache_lab.cli:register\n' >"$site/acache-0.1.0.dist-info/entry_points.txt"
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+part() {  # part NAME SECONDS CMD...: one timed, logged step that may fail without stopping the rest
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$LOG"
+}
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 
-# equivalences on CUDA: engine vs reference, batched vs alone, cached vs uncached, pruning's own definitions
-ACACHE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider --junitxml "$OUT/tests.xml" \
-    tests/engine/test_engine.py tests/decoding/test_decoding.py tests/decoding/test_far_mask.py \
-    tests/engine/test_affix_cap.py tests/engine/test_focus.py -k "not definition" || true
-"$PY" - "$OUT" <<'PYEOF'
-import json, sys, xml.etree.ElementTree as ET
-out = sys.argv[1]
-suite = ET.parse(f"{out}/tests.xml").getroot().find("testsuite")
-failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
-summary = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")} | {"failed": failed}
-open(f"{out}/tests.json", "w").write(json.dumps(summary, indent=2) + "\n")
-print(summary)
-PYEOF
-
-"$PY" -m acache.cli bench --shape llada-8b --device cuda --dtype bfloat16 --batch-sizes 16 --no-mixed \
-    --affix-len 700 --question-len 60 --gen-length 256 --kv-cache-memory 40GiB --focus-layers 4 --focus-ratio 0.25 \
-    --json "$OUT/bench_llada8b.json" --overwrite
-"$PY" -m acache.cli bench --device cuda --dtype bfloat16 --batch-sizes 1,4,16 --no-mixed \
-    --json "$OUT/bench_smol.json" --overwrite
+part env 15 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
+print(torch.__version__, torch.cuda.get_device_name(), torch.version.cuda)"
+wanted smoke && part smoke 45 "$PY" -m acache.cli bench --device cuda --dtype bfloat16 --batch-sizes 1 --no-mixed \
+    --affix-len 40 --question-len 8 --gen-length 32 --block-length 16 --steps 8 --fastdllm-loop --anchor-depth 0.25
+wanted invariance && part invariance 30 "$PY" -m acache_lab.probes.batch_invariance --device cuda
+# equivalences on CUDA: engine vs reference, batched vs alone, cached vs uncached, one pass, pruning
+wanted tests && ACACHE_TEST_DEVICE=cuda part tests 100 "$PY" -m pytest -q -n 4 -p no:cacheprovider \
+    --junitxml "$OUT/tests.xml" tests/engine/test_engine.py tests/decoding/test_decoding.py \
+    tests/decoding/test_far_mask.py tests/engine/test_affix_cap.py tests/engine/test_focus.py \
+    tests/affix/test_one_pass.py tests/affix/test_generation.py -k "not definition"
+wanted bench && part bench-smol 120 "$PY" -m acache.cli bench --device cuda --dtype bfloat16 --batch-sizes 1,16 \
+    --no-mixed --fastdllm-loop --anchor-depth 0.25 --repeats 3 --json "$OUT/bench_smol.json" --overwrite
+wanted cost && part one-pass-cost-1 40 "$PY" -m acache_lab.probes.one_pass_cost --device cuda --batch 1 \
+    --repeats 7 --anchor-depth 0.25
+wanted cost && part one-pass-cost-16 40 "$PY" -m acache_lab.probes.one_pass_cost --device cuda --batch 16 \
+    --repeats 5 --anchor-depth 0.25
+wanted bench8b && part bench-8b 120 "$PY" -m acache.cli bench --shape llada-8b --device cuda --dtype bfloat16 \
+    --batch-sizes 1,16 --no-mixed --fastdllm-loop --kv-cache-memory 24GiB --json "$OUT/bench_8b.json" --overwrite
+wanted profile && part profile-8b 80 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
+    --shape llada-8b --batch 16 --repeats 2 --rows 15 >$OUT/profile_8b.txt 2>&1; s=\$?; grep '^===\|host reads\|total' \
+    $OUT/profile_8b.txt; exit \$s"
+wanted profile && part profile-smol 40 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
+    --batch 16 --repeats 3 --rows 15 >$OUT/profile_smol.txt 2>&1; s=\$?; grep '^===\|host reads\|total' \
+    $OUT/profile_smol.txt; exit \$s"

@@ -45,13 +45,15 @@ def shallow_layers(num_layers: int) -> int:
     return max(1, math.floor(SHALLOW_SHARE * num_layers + 1e-9))
 
 
-def compact_index(mask: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_index(mask: torch.Tensor, fill: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns where ``mask [B, T]`` holds, in order, per row: ``index [B, F]`` padded with ``fill``
-    and ``valid [B, F]``; ``F`` is the largest count of any row."""
+    and ``valid [B, F]``; ``F`` is the largest count of any row, read from the device unless the caller passes it
+    as ``width`` (having read several such counts at once: each read waits for the device)."""
     b, t = mask.shape
     cols = torch.arange(t, device=mask.device).expand(b, -1)
     keyed = torch.where(mask, cols, cols + t)
-    width = int(mask.sum(-1).max()) if b else 0
+    if width is None:
+        width = int(mask.sum(-1).max()) if b else 0
     index = keyed.sort(-1).values[:, :width]
     valid = index < t
     return torch.where(valid, index, torch.full_like(index, fill)), valid

@@ -45,7 +45,14 @@ import torch.nn.functional as F
 
 from acache.affix.context import AffixMass, compact_index, kv_deviation
 from acache.affix.selectors import SELECTORS, anchor_count
-from acache.affix.selectors.base import OnePass, carried_counts, filter_steps, keep_per_affix
+from acache.affix.selectors.base import (
+    OnePass,
+    carried_counts,
+    count_tensor,
+    filter_steps,
+    keep_per_affix,
+    ranks_per_affix,
+)
 from acache.decoding.request_state import RequestState
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView, LayerwiseKV
@@ -128,17 +135,18 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     layers, width, dev = cfg.num_layers, cfg.hidden_size, tokens.device
     affix = (affix_slot >= 0) & valid
     # each row's own affixes: a row with one affix batches beside a row with two
-    sizes = [[int((row == s).sum()) for s in range(len(row_k))] for row, row_k in zip(affix_slot, counts, strict=True)]
+    slots = max((len(row_k) for row_k in counts), default=0)
+    k0 = count_tensor(counts, dev)  # [B, S]
+    member = affix_slot[..., None] == torch.arange(slots, device=dev)
+    sizes = [row[:len(row_k)] for row, row_k in zip(member.sum(1).tolist(), counts, strict=True)]  # one read
     steps = max(layers - FIRST_STALE, 1)
     plans = [[carried_counts(k, n, steps, depth) for k, n in zip(row_k, row_n, strict=True)]
              for row_k, row_n, depth in zip(counts, sizes, depths, strict=True)]
-    takes = torch.zeros(b, t, dtype=torch.bool, device=dev)  # affix columns whose affix takes anchors
-    for r, row_k in enumerate(counts):
-        for s, k in enumerate(row_k):
-            if k:
-                takes[r] |= affix_slot[r] == s
-    # an affix column every refresh recomputes anyway (a block-causal model's mixed attention block) competes for
-    # the anchors as in the selection of its own
+    # the counts kept after each filtering step, [steps, B, S]: built once, read a step at a time
+    carried = torch.tensor([[[p[step] for p in row] + [0] * (slots - len(row)) for row in plans]
+                            for step in range(steps)], dtype=torch.long, device=dev).reshape(steps, b, slots)
+    # affix columns whose affix takes anchors
+    takes = (member & (k0[:, None, :] > 0)).any(-1)
     cand = affix & takes
     row_filters = [any(0 < k < n for k, n in zip(row_k, row_n, strict=True))
                    for row_k, row_n in zip(counts, sizes, strict=True)]
@@ -172,8 +180,11 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         spans.append(range(stop, layers))
     for span in spans:
         scoring = filtering and span.start < stop
-        fed, fed_valid = compact_index(valid & (own | cand), fill=t)
-        past, past_valid = compact_index(affix & ~own & ~cand, fill=t)
+        fed_mask, past_mask = valid & (own | cand), affix & ~own & ~cand
+        # the three widths this span needs, in one read of the device
+        fed_width, past_width, cand_width = torch.stack([m.sum(-1).max() for m in (fed_mask, past_mask, cand)]).tolist()
+        fed, fed_valid = compact_index(fed_mask, fill=t, width=fed_width)
+        past, past_valid = compact_index(past_mask, fill=t, width=past_width)
         at = fed.clamp_max(t - 1)
         kv = None
         if past.shape[1]:
@@ -199,15 +210,14 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         layer = span[-1]
         deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
         if by_dev and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
-            scored, _ = compact_index(cand, fill=t)  # only the candidates' deviation is read
+            scored, _ = compact_index(cand, fill=t, width=cand_width)  # only the candidates' deviation is read
             at_scored = scored.clamp_max(t - 1)
             index = _index_in(fed, scored)[..., None, None].expand(-1, -1, *out.kv.keys[-1].shape[2:])
             stale_keys, stale_values = cached(layer, at_scored, True)
             deviation.scatter_(1, scored, model.reduce_heads(kv_deviation(
                 out.kv.keys[-1].gather(1, index), out.kv.values[-1].gather(1, index), stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
-        cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t],
-                       [[p[step] for p in row] for row in plans], step)
+        cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t], carried[step], step)
 
     kept, kept_valid = compact_index(valid & (own | cand), fill=t)
     out_keys, out_values = [], []
@@ -219,12 +229,13 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
 
 
 def _filter(rules: list[OnePass], affix_slot: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor,
-            deviation: torch.Tensor, counts: list[list[int]], step: int) -> torch.Tensor:
-    """The candidates kept after filtering step ``step`` (0: after the first stale layer): ``counts[r][s]`` of each
+            deviation: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
+    """The candidates kept after filtering step ``step`` (0: after the first stale layer): ``counts [B, S]`` of each
     affix, each row by its rule's score."""
     kept = torch.zeros_like(cand)
+    slots = counts.shape[1]
     for rule in set(rules):
-        mine = [row if rules[r] == rule else [0] * len(row) for r, row in enumerate(counts)]
+        mine = counts * torch.tensor([r == rule for r in rules], device=counts.device)[:, None]
         by_mass, by_dev = rule.queries is not None, rule.deviation
         if not (by_mass and by_dev):
             kept |= keep_per_affix(affix_slot, mass if by_mass else deviation, cand, mine)
@@ -233,25 +244,13 @@ def _filter(rules: list[OnePass], affix_slot: torch.Tensor, cand: torch.Tensor, 
         elif rule.combine == "product":
             kept |= keep_per_affix(affix_slot, mass * deviation, cand, mine)
         elif rule.combine == "split":
-            half = [[-(-c // 2) for c in row] for row in mine]
+            half = (mine + 1) // 2
             first = keep_per_affix(affix_slot, mass, cand, half)
-            rest = [[c - h for c, h in zip(row, hrow, strict=True)] for row, hrow in zip(mine, half, strict=True)]
-            kept |= first | keep_per_affix(affix_slot, deviation, cand & ~first, rest)
+            kept |= first | keep_per_affix(affix_slot, deviation, cand & ~first, mine - half)
         else:  # rank: the best sum of the two ranks among the affix's candidates
-            kept |= keep_per_affix(affix_slot, -(_ranks(affix_slot, mass, cand) + _ranks(affix_slot, deviation, cand)),
-                                   cand, mine)
+            ranks = ranks_per_affix(affix_slot, mass, cand, slots) + ranks_per_affix(affix_slot, deviation, cand, slots)
+            kept |= keep_per_affix(affix_slot, -ranks.float(), cand, mine)
     return kept
-
-
-def _ranks(affix_slot: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """``[B, T]``: each candidate's rank by ``scores`` among its affix's candidates (0 the highest)."""
-    ranks = torch.zeros_like(scores)
-    for r in range(scores.shape[0]):
-        for s in range(int(affix_slot[r].max()) + 1):
-            member = cand[r] & (affix_slot[r] == s)
-            order = torch.sort(torch.where(member, scores[r], float("-inf")), descending=True, stable=True).indices
-            ranks[r, order] = torch.arange(len(order), dtype=scores.dtype, device=scores.device)
-    return ranks
 
 
 def _index_in(fed: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

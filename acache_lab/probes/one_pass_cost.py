@@ -8,7 +8,7 @@ anchors fixed). Every engine is fresh, so each first refresh writes into pages t
 Selection's own cost is then, over the dual refresh: one pass, its refresh minus the two-pass refresh; two pass,
 its selection. Medians of ``--repeats``, interleaved.
 
-    python -m acache_lab.probes.one_pass_cost --batch 16 --anchor-depth 0.25
+    python -m acache_lab.probes.one_pass_cost --batch 16 --anchor-depth 0.25 [--device cuda]
 
 ``--anchor-depth`` d times a third engine beside them: one pass scoring through the first ``d`` of the layers.
 """
@@ -37,10 +37,17 @@ def first_steps(model, prompts, params, steps: int) -> list[float]:
         engine.add_request(p, params)
     times = []
     for _ in range(steps):
+        _sync(model.device)
         start = time.perf_counter()
         engine.step()
+        _sync(model.device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -49,8 +56,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--selector", default="attention")
     parser.add_argument("--anchor-depth", type=float, default=None, help="also time one pass at this depth")
+    parser.add_argument("--device", default="cpu", help="where the random model runs (cpu, cuda)")
     args = parser.parse_args()
-    model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device("cpu"), 0)
+    model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device(args.device), 0)
     model.fuse_projections()
     w = Workload(selector=args.selector)
     prompts = make_requests(model, w, args.batch, 1)

@@ -71,7 +71,12 @@ def test_mixed_anchor_queries_and_ratios_match_each_alone(family_model):
 def direct_reuse_reference(model, prompt, gen_length, block_length, threshold):
     """Direct affix reuse written out plainly for one request: affix K/V from the affix alone, placed at
     its positions; every block start recomputes all non-affix tokens against it; inside a block only the
-    block is fed against everything else from that refresh."""
+    block is fed against everything else from that refresh. Its tensors are made where the model runs."""
+    with torch.device(model.device):
+        return _direct_reuse(model, prompt, gen_length, block_length, threshold)
+
+
+def _direct_reuse(model, prompt, gen_length, block_length, threshold):
     cfg = model.config
     ids = list(prompt.token_ids[:prompt.gen_at]) + [cfg.mask_token_id] * gen_length + list(
         prompt.token_ids[prompt.gen_at:])

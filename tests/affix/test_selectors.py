@@ -462,3 +462,44 @@ def test_influence_definition_on_a_hand_built_case():
     ctx.own = torch.tensor([[True, False, False, True, True, True, True]])
     assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [1, 2]
     assert make_selector("influence").select(ctx, 1.0)[0, :3].all()
+
+
+def _ranks_by_hand(slot_row, score_row, cand_row):
+    """Each candidate's rank among its affix's candidates, by a sort of that affix alone (ties: earlier column)."""
+    ranks = [-1] * len(slot_row)
+    for s in set(slot_row) - {-1}:
+        members = [c for c in range(len(slot_row)) if slot_row[c] == s and cand_row[c]]
+        for rank, c in enumerate(sorted(members, key=lambda c: (-score_row[c], c))):
+            ranks[c] = rank
+    return ranks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_affix_ranks_and_keeps_equal_a_sort_of_each_affix(seed):
+    """Rows with zero, one, two and three affixes, scores with ties, candidates a random subset: the batched ranks
+    equal each affix ranked alone (the earlier per-row loop overwrote a two-affix row's ranks with its last
+    affix's), and keep_per_affix keeps each affix's top counts[r][s], fewer where it has fewer candidates."""
+    from acache.affix.selectors.base import keep_per_affix, ranks_per_affix
+
+    gen = torch.Generator().manual_seed(seed)
+    t = 24
+    slot = torch.full((4, t), -1)
+    slot[1, 3:11] = 0
+    slot[2, 0:5], slot[2, 9:20] = 0, 1
+    slot[3, 2:6], slot[3, 8:14], slot[3, 16:23] = 0, 1, 2
+    scores = torch.randint(0, 5, (4, t), generator=gen).float()  # few values: many ties
+    cand = (torch.rand(4, t, generator=gen) < 0.7) & (slot >= 0)
+    ranks = ranks_per_affix(slot, scores, cand, 3)
+    for r in range(4):
+        assert ranks[r].tolist() == _ranks_by_hand(slot[r].tolist(), scores[r].tolist(), cand[r].tolist())
+    counts = [[], [3], [2, 20], [1, 0, 4]]
+    kept = keep_per_affix(slot, scores, cand, counts)
+    for r, row in enumerate(counts):
+        for s, k in enumerate(row):
+            members = cand[r] & (slot[r] == s)
+            want = members & (ranks[r] < k)
+            assert torch.equal(kept[r] & (slot[r] == s), want)
+            assert int(want.sum()) == min(k, int(members.sum()))
+        assert not (kept[r] & (slot[r] >= len(row))).any()
+    assert torch.equal(keep_per_affix(slot, scores, cand, torch.tensor([[0, 0, 0], [3, 0, 0], [2, 20, 0],
+                                                                         [1, 0, 4]])), kept)

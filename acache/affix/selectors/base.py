@@ -23,14 +23,6 @@ def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
-def keep_most(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` candidates (a ``[T]`` mask) with the highest scores; ties go to the earlier column."""
-    order = torch.sort(torch.where(candidates, scores, float("-inf")), descending=True, stable=True).indices
-    kept = torch.zeros_like(candidates)
-    kept[order[:count]] = True
-    return kept & candidates
-
-
 def affix_sizes(ctx: SelectionContext) -> list[list[int]]:
     """The token count of each affix (slot) of each row."""
     slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
@@ -44,16 +36,40 @@ def anchor_counts(ctx: SelectionContext, ratio: float | Sequence[float], selecto
     return [[anchor_count(r, n, selector) for n in row] for r, row in zip(ratios, sizes, strict=True)]
 
 
+def ranks_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
+                    slots: int) -> torch.Tensor:
+    """``[B, T]`` long: each candidate's rank by ``scores`` among the candidates of its affix (``affix_slot [B, T]``,
+    ``slots`` affixes at most a row), 0 the highest and ties to the earlier column; -1 off the candidates. One
+    sort of every row at once: no loop over requests or affixes, and no read of a device value."""
+    order = torch.sort(torch.where(candidates, scores, float("-inf")), dim=-1, descending=True, stable=True).indices
+    slot = affix_slot.gather(1, order).clamp_min(0)
+    member = candidates.gather(1, order)
+    # a running count of each affix's candidates along the sorted row: the count before a column is its rank
+    seen = ((slot[..., None] == torch.arange(slots, device=slot.device)) & member[..., None]).cumsum(1)
+    ranked = torch.where(member, seen.gather(2, slot[..., None]).squeeze(-1) - 1, -1)
+    return torch.empty_like(ranked).scatter_(1, order, ranked)
+
+
 def keep_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
-                   counts: list[list[int]]) -> torch.Tensor:
+                   counts: list[list[int]] | torch.Tensor) -> torch.Tensor:
     """``[B, T]``: in each affix ``s`` of each row ``r`` (``affix_slot [B, T]``), the ``counts[r][s]`` candidates
-    with the highest scores."""
-    kept = torch.zeros_like(candidates)
-    for r, row_counts in enumerate(counts):
-        for s, count in enumerate(row_counts):
-            if count:
-                kept[r] |= keep_most(scores[r], candidates[r] & (affix_slot[r] == s), count)
-    return kept
+    with the highest scores (ties to the earlier column). ``counts`` may be given as a ``[B, S]`` tensor on the
+    scores' device, so a caller filtering layer after layer builds it once."""
+    if not isinstance(counts, torch.Tensor):
+        counts = count_tensor(counts, candidates.device)
+    slots = counts.shape[1]
+    if slots == 0:
+        return torch.zeros_like(candidates)
+    candidates = candidates & (affix_slot < slots)
+    ranks = ranks_per_affix(affix_slot, scores, candidates, slots)
+    return (ranks >= 0) & (ranks < counts.gather(1, affix_slot.clamp(0, slots - 1)))
+
+
+def count_tensor(counts: list[list[int]], device: torch.device) -> torch.Tensor:
+    """``counts[r][s]`` as a ``[B, S]`` long tensor, rows padded with 0 to the most affixes of any row."""
+    slots = max((len(row) for row in counts), default=0)
+    return torch.tensor([row + [0] * (slots - len(row)) for row in counts], dtype=torch.long,
+                        device=device).reshape(len(counts), slots)
 
 
 def filter_steps(steps: int, depth: float) -> int:
