@@ -4,7 +4,7 @@
 # Fast-dLLM-style loop and a shallow one pass beside the dual cache and ACache; selection's own cost; a random
 # LLaDA-8B shape at batch 1 and 16), and where a step's time goes (profiles). Each part has its own time limit
 # and carries on past a failure. Results under $OUT (default build/gpu): log.txt, tests.xml, bench_smol.json,
-# bench_8b.json, profile_8b.txt, profile_smol.txt. Every part: about 9 minutes on one H100.
+# bench_8b.json, profile_8b.txt, profile_smol.txt, stepkeys_8b.txt. Every part: about 11 minutes on one H100.
 #
 #   PY=.venv/bin/python bash scripts/gpu_check.sh        # a venv with a CUDA torch and acache installed
 #   PY=python3 BARE=1 bash scripts/gpu_check.sh          # a python with torch and acache's needs, acache
@@ -13,7 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 PY=${PY:-.venv/bin/python}
-PARTS=${PARTS:-"smoke invariance tests bench cost bench8b profile"}
+PARTS=${PARTS:-"smoke invariance tests bench cost bench8b profile stepkeys"}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 if [ -n "${BARE:-}" ]; then
@@ -53,9 +53,13 @@ wanted cost && part one-pass-cost-16 40 "$PY" -m acache_lab.probes.one_pass_cost
     --repeats 5 --anchor-depth 0.25
 wanted bench8b && part bench-8b 120 "$PY" -m acache.cli bench --shape llada-8b --device cuda --dtype bfloat16 \
     --batch-sizes 1,16 --no-mixed --fastdllm-loop --kv-cache-memory 24GiB --json "$OUT/bench_8b.json" --overwrite
-wanted profile && part profile-8b 80 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
-    --shape llada-8b --batch 16 --repeats 2 --rows 15 >$OUT/profile_8b.txt 2>&1; s=\$?; grep '^===\|host reads\|total' \
+wanted profile && part profile-8b 150 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
+    --shape llada-8b --batch 16 --repeats 1 --rows 15 >$OUT/profile_8b.txt 2>&1; s=\$?; grep '^===\|host reads\|total' \
     $OUT/profile_8b.txt; exit \$s"
 wanted profile && part profile-smol 40 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
     --batch 16 --repeats 3 --rows 15 >$OUT/profile_smol.txt 2>&1; s=\$?; grep '^===\|host reads\|total' \
     $OUT/profile_smol.txt; exit \$s"
+# the in-block step with a block's keys rotated once a refresh (reuse_step_keys, off by default on a GPU)
+wanted stepkeys && part stepkeys-8b 120 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
+    --shape llada-8b --batch 16 --repeats 1 --rows 10 --reuse-step-keys on >$OUT/stepkeys_8b.txt 2>&1; s=\$?; \
+    grep '^===\|total' $OUT/stepkeys_8b.txt; exit \$s"

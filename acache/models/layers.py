@@ -37,11 +37,18 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (NeoX) RoPE on ``[B, T, H, D]``, in fp32, returned in the input dtype."""
+    """Rotate-half (NeoX) RoPE on ``[B, T, H, D]``, in fp32, returned in the input dtype.
+
+    ``x * cos + rotate_half(x) * sin`` written as two half-width updates of ``x * cos`` (``x1 cos - x2 sin``,
+    ``x2 cos + x1 sin``): the same values bit for bit, without the rotated copy, so a quarter less memory
+    traffic. It matters where keys are rotated at every step (a GPU's in-block steps rotate the whole cached
+    past at each layer)."""
     x32 = x.float()
     half = x32.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    out = x32 * cos
+    out[..., :half] -= x32[..., half:] * sin[..., :half]
+    out[..., half:] += x32[..., :half] * sin[..., half:]
+    return out.to(x.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:

@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=3, help="in-block steps timed after the first refresh")
     ap.add_argument("--repeats", type=int, default=3, help="fresh engines timed per mode (medians)")
     ap.add_argument("--rows", type=int, default=18, help="operators listed per profile")
+    ap.add_argument("--modes", default="dual,acache", help="which engines, in order (dual, acache)")
     ap.add_argument("--reuse-step-keys", choices=["default", "on", "off"], default="default",
                     help="the engine's reuse_step_keys (default: on for CPU only)")
     args = ap.parse_args()
@@ -87,9 +88,13 @@ def main() -> None:
     model.fuse_projections()
     w = Workload(selector="attention")
     prompts = make_requests(model, w, args.batch, 1)
-    modes = {"dual": workload_params(w, False), "acache": workload_params(w, True)}
-    timed_steps(fresh_engine(model, prompts[:1], modes["acache"], reuse), 2)  # warm-up
-    timed_steps(fresh_engine(model, prompts[:1], modes["dual"], reuse), 2)
+    known = {"dual": workload_params(w, False), "acache": workload_params(w, True)}
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not names or any(m not in known for m in names):
+        raise SystemExit(f"--modes takes dual and/or acache, comma-separated, not {args.modes!r}")
+    modes = {m: known[m] for m in names}
+    for params in modes.values():  # warm-up
+        timed_steps(fresh_engine(model, prompts[:1], params, reuse), 2)
     on_device = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     print(f"shape {args.shape}, batch {args.batch}, {device}, reuse_step_keys {args.reuse_step_keys}")

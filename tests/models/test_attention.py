@@ -94,3 +94,21 @@ def test_an_all_true_mask_is_dropped_and_changes_nothing():
     holed[1, 3] = False
     assert dense_mask(holed) is holed
     assert not torch.equal(attend(q, k, v, None)[1], attend(q, k, v, holed)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_rotate_half_definition_bit_for_bit(dtype):
+    """The two half-width updates give ``x * cos + rotate_half(x) * sin`` exactly (upstream's arithmetic, which the
+    token-for-token equivalences rest on), with the same gradient in training."""
+    from acache.models.layers import apply_rope, rope_tables
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 40, 3, 32, generator=gen) * 4).to(dtype).requires_grad_()
+    cos, sin = rope_tables(torch.randint(0, 9000, (2, 40), generator=gen), 32, 10000.0)
+    x32 = x.float()
+    want = (x32 * cos + torch.cat((-x32[..., 16:], x32[..., :16]), dim=-1) * sin).to(dtype)
+    got = apply_rope(x, cos, sin)
+    assert torch.equal(got, want)
+    (grad_want,) = torch.autograd.grad(want.float().square().sum(), x)
+    (grad_got,) = torch.autograd.grad(got.float().square().sum(), x)
+    assert torch.equal(grad_got, grad_want)
