@@ -56,7 +56,7 @@ from acache.affix.selectors.base import (
 from acache.decoding.request_state import RequestState
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView, LayerwiseKV
-from acache.models.layers import apply_rope, rope_tables
+from acache.models.layers import apply_rope
 
 #: the first layer whose K/V depend on context: the forward runs every column through it before filtering
 FIRST_STALE = 1
@@ -163,8 +163,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         k_cols, k_valid = compact_index(affix, fill=t)
         k_slot = torch.where(k_valid, affix_slot.gather(1, k_cols.clamp_max(t - 1)), -1)
         mass = AffixMass(cfg, q_valid, k_slot)
-        q_rope = rope_tables(positions.gather(1, q_cols.clamp_max(t - 1)), cfg.head_dim, cfg.rope_theta)
-        k_rope = rope_tables(positions.gather(1, k_cols.clamp_max(t - 1)), cfg.head_dim, cfg.rope_theta)
+        q_rope = model.rope(positions.gather(1, q_cols.clamp_max(t - 1)))
+        k_rope = model.rope(positions.gather(1, k_cols.clamp_max(t - 1)))
     mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
 
     hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
@@ -182,7 +182,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         scoring = filtering and span.start < stop
         fed_mask, past_mask = valid & (own | cand), affix & ~own & ~cand
         # the three widths this span needs, in one read of the device
-        fed_width, past_width, cand_width = torch.stack([m.sum(-1).max() for m in (fed_mask, past_mask, cand)]).tolist()
+        fed_width, past_width, cand_width = torch.stack((fed_mask, past_mask, cand)).sum(-1).amax(-1).tolist()
         fed, fed_valid = compact_index(fed_mask, fill=t, width=fed_width)
         past, past_valid = compact_index(past_mask, fill=t, width=past_width)
         at = fed.clamp_max(t - 1)

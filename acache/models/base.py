@@ -16,7 +16,15 @@ from torch import nn
 
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
-from acache.models.layers import RMSNorm, apply_rope, attend, block_causal_mask, dense_mask, rope_tables
+from acache.models.layers import (
+    RMSNorm,
+    apply_rope,
+    attend,
+    block_causal_mask,
+    dense_mask,
+    rope_frequencies,
+    rope_tables,
+)
 
 
 @dataclass
@@ -183,6 +191,16 @@ class DiffusionLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.tp = None  # set by acache.models.tensor_parallel.shard_model
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # RoPE's frequencies, made once per device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rope_tables` for ``positions [B, T]``, the frequencies made once per device rather than at every
+        call (a layer-by-layer forward builds tables at every call)."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = rope_frequencies(
+                self.config.head_dim, self.config.rope_theta, positions.device)
+        return rope_tables(positions, self.config.head_dim, self.config.rope_theta, inv_freq)
 
     def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
         """A sum over attention heads computed from this process's heads, completed over the tensor-parallel
@@ -264,17 +282,17 @@ class DiffusionLM(nn.Module):
         if attention_mask.dim() == 3 and (past is not None or self.config.block_size is not None):
             raise ValueError("a per-query attention_mask [B, T, T] (affix-isolated training) takes no past and no "
                              "block-causal mask")
-        rope_q = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         if past is not None:
             if past.num_layers != len(self.layers):
                 raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
             key_mask = torch.cat((past.mask, attention_mask), dim=1)
             if past.rotated:  # only the fed keys are rotated here
-                rope_k = rope_q
-            else:
-                key_positions = torch.cat((past.positions, positions), dim=1)
-                rope_k = rope_tables(key_positions, self.config.head_dim, self.config.rope_theta)
+                rope_q = rope_k = self.rope(positions)
+            else:  # the fed keys' tables are the queries': built once, the queries' a view of the keys'
+                rope_k = self.rope(torch.cat((past.positions, positions), dim=1))
+                rope_q = tuple(t[:, past.positions.shape[1]:] for t in rope_k)
         else:
+            rope_q = self.rope(positions)
             key_mask, rope_k = attention_mask, rope_q
         if self.config.block_size is not None:
             key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)

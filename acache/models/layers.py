@@ -27,10 +27,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape ``[B, T, 1, head_dim]`` in fp32 for absolute ``positions`` ``[B, T]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+def rope_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's ``head_dim / 2`` inverse frequencies, fp32, computed on ``device``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape ``[B, T, 1, head_dim]`` in fp32 for absolute ``positions`` ``[B, T]``; a caller that
+    builds tables often passes :func:`rope_frequencies` made once on the positions' device (the same values)."""
+    if inv_freq is None:
+        inv_freq = rope_frequencies(head_dim, theta, positions.device)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
     return angles.cos(), angles.sin()
