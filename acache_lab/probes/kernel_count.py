@@ -1,0 +1,89 @@
+"""What an engine step launches, counted on any machine: operators that run a kernel, and views, by source line.
+
+On a GPU a small model's step costs what the host spends launching its kernels, not what they compute (the H100
+profiles in BENCHMARKS.md), so the count of kernels a step launches is a measure of its GPU cost that a CPU can
+take. The engine benchmark's workload (random weights, 700-token shared affix, 60-token questions, 256 masks) is
+admitted at ``--batch`` on a fresh engine with the affix cached, and one step is counted through torch's dispatch:
+the first refresh (``--step refresh``; ACache's is the selecting one) or the first in-block step after it
+(``--step in-block``), as a GPU would run it: the engine's step keys off (their default there) and the selection's
+attention mass scored in one block (a CPU scores it in cache-sized pieces). Operators that only make a view of a
+tensor are counted apart; the lines launching most kernels are listed.
+
+    python -m acache_lab.probes.kernel_count --mode acache --batch 16 --layers 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import traceback
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from acache.affix import context
+from acache.engine.llm_engine import EngineConfig, LLMEngine
+from acache_lab.bench.decode import random_model
+from acache_lab.bench.engine import SMOL_SHAPE, Workload, make_requests, workload_params
+
+#: operators that return a view (no kernel, no copy)
+VIEWS = frozenset({"view", "as_strided", "slice", "select", "expand", "transpose", "t", "unsqueeze", "squeeze",
+                   "permute", "alias", "_unsafe_view", "reshape", "detach", "split", "split_with_sizes", "unbind",
+                   "narrow", "lift_fresh", "_reshape_alias", "chunk"})
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts every operator dispatched inside it, by kind (kernel or view) and by the innermost line of this
+    project's code that called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self.lines: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = "views" if func.overloadpacket.__name__ in VIEWS else "kernels"
+        self.kinds[kind] += 1
+        if kind == "kernels":
+            ours = [f for f in traceback.extract_stack()[:-1] if "/acache" in f.filename]
+            where = f"{ours[-1].filename.rsplit('/', 2)[-2]}/{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno}" \
+                if ours else "(outside acache)"
+            self.lines[where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=["dual", "acache"], default="acache")
+    ap.add_argument("--step", choices=["refresh", "in-block"], default="refresh")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=SMOL_SHAPE["layers"], help="the SmolLM2 shape with this depth")
+    ap.add_argument("--top", type=int, default=15, help="source lines listed")
+    args = ap.parse_args()
+    if args.batch < 1 or args.layers < 2 or args.top < 0:
+        raise SystemExit("--batch must be at least 1, --layers at least 2, --top not negative")
+    model = random_model("llada", {**SMOL_SHAPE, "layers": args.layers}, torch.bfloat16, torch.device("cpu"), 0)
+    model.fuse_projections()
+    w = Workload(selector="attention")
+    params = workload_params(w, args.mode == "acache")
+    prompts = make_requests(model, w, args.batch, 1)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 30, max_num_seqs=args.batch, reuse_step_keys=False))
+    if params.selector is not None:
+        shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
+        engine.affixes.release(shared)
+    for p in prompts:
+        engine.add_request(p, params)
+    if args.step == "in-block":
+        engine.step()
+    counter = KernelCounter()
+    with counter, mock.patch.object(context, "_CPU_SCORE_BYTES", 1 << 62):  # the mass in one block, as on a GPU
+        engine.step()
+    print(f"{args.mode}, {args.step}, batch {args.batch}, {args.layers} layers: {counter.kinds['kernels']} kernels, "
+          f"{counter.kinds['views']} views, as on a GPU")
+    for where, count in counter.lines.most_common(args.top):
+        print(f"{count:7d}  {where}")
+
+
+if __name__ == "__main__":
+    main()
