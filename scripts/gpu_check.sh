@@ -16,6 +16,7 @@ PY=${PY:-.venv/bin/python}
 PARTS=${PARTS:-"smoke invariance tests bench cost bench8b profile stepkeys"}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
+: >"$LOG"
 if [ -n "${BARE:-}" ]; then
     # `acache bench` comes from the lab's entry point: declare it without installing anything
     site=$(mktemp -d)
@@ -37,14 +38,18 @@ wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 
 part env 15 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.__version__, torch.cuda.get_device_name(), torch.version.cuda)"
+grep -q "== env: exit 0" "$LOG" || { echo "no usable CUDA torch: nothing else is run" | tee -a "$LOG"; exit 1; }
+# pytest-xdist where it is installed: four workers share the GPU
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 wanted smoke && part smoke 45 "$PY" -m acache.cli bench --device cuda --dtype bfloat16 --batch-sizes 1 --no-mixed \
     --affix-len 40 --question-len 8 --gen-length 32 --block-length 16 --steps 8 --fastdllm-loop --anchor-depth 0.25
 wanted invariance && part invariance 30 "$PY" -m acache_lab.probes.batch_invariance --device cuda
 # equivalences on CUDA: engine vs reference, batched vs alone, cached vs uncached, one pass, pruning
-wanted tests && ACACHE_TEST_DEVICE=cuda part tests 100 "$PY" -m pytest -q -n 4 -p no:cacheprovider \
+wanted tests && ACACHE_TEST_DEVICE=cuda part tests 120 "$PY" -m pytest -q $XDIST -p no:cacheprovider \
     --junitxml "$OUT/tests.xml" tests/engine/test_engine.py tests/decoding/test_decoding.py \
     tests/decoding/test_far_mask.py tests/engine/test_affix_cap.py tests/engine/test_focus.py \
-    tests/affix/test_one_pass.py tests/affix/test_generation.py -k "not definition"
+    tests/affix/test_one_pass.py tests/affix/test_generation.py tests/affix/test_selectors.py \
+    tests/models/test_attention.py -k "not definition"
 wanted bench && part bench-smol 120 "$PY" -m acache.cli bench --device cuda --dtype bfloat16 --batch-sizes 1,16 \
     --no-mixed --fastdllm-loop --anchor-depth 0.25 --repeats 3 --json "$OUT/bench_smol.json" --overwrite
 wanted cost && part one-pass-cost-1 40 "$PY" -m acache_lab.probes.one_pass_cost --device cuda --batch 1 \

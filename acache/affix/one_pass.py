@@ -51,6 +51,7 @@ from acache.affix.selectors.base import (
     count_tensor,
     filter_steps,
     keep_per_affix,
+    plan_tensor,
     ranks_per_affix,
 )
 from acache.decoding.request_state import RequestState
@@ -142,9 +143,11 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     steps = max(layers - FIRST_STALE, 1)
     plans = [[carried_counts(k, n, steps, depth) for k, n in zip(row_k, row_n, strict=True)]
              for row_k, row_n, depth in zip(counts, sizes, depths, strict=True)]
-    # the counts kept after each filtering step, [steps, B, S]: built once, read a step at a time
-    carried = torch.tensor([[[p[step] for p in row] + [0] * (slots - len(row)) for row in plans]
-                            for step in range(steps)], dtype=torch.long, device=dev).reshape(steps, b, slots)
+    # the counts each rule keeps after each filtering step, [steps, B, S] (zero on the other rules' rows): built
+    # once, read a step at a time
+    carried = plan_tensor(plans, steps, dev)
+    by_rule = {rule: carried * torch.tensor([r == rule for r in rules], device=dev)[None, :, None]
+               for rule in set(rules)}
     # affix columns whose affix takes anchors
     takes = (member & (k0[:, None, :] > 0)).any(-1)
     cand = affix & takes
@@ -217,7 +220,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
             deviation.scatter_(1, scored, model.reduce_heads(kv_deviation(
                 out.kv.keys[-1].gather(1, index), out.kv.values[-1].gather(1, index), stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
-        cand = _filter(rules, affix_slot, cand, mass_sum[:, :t], deviation[:, :t], carried[step], step)
+        cand = _filter(affix_slot, cand, mass_sum[:, :t], deviation[:, :t], {r: c[step] for r, c in by_rule.items()},
+                       step)
 
     kept, kept_valid = compact_index(valid & (own | cand), fill=t)
     out_keys, out_values = [], []
@@ -228,14 +232,13 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     return OnePassResult(model.norm(hidden[:, :t]), cand, kept, kept_valid, out_keys, out_values)
 
 
-def _filter(rules: list[OnePass], affix_slot: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor,
-            deviation: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
-    """The candidates kept after filtering step ``step`` (0: after the first stale layer): ``counts [B, S]`` of each
-    affix, each row by its rule's score."""
+def _filter(affix_slot: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor, deviation: torch.Tensor,
+            counts: dict[OnePass, torch.Tensor], step: int) -> torch.Tensor:
+    """The candidates kept after filtering step ``step`` (0: after the first stale layer): ``counts[rule] [B, S]`` of
+    each affix (zero on the rows of other rules), each row by its rule's score."""
     kept = torch.zeros_like(cand)
-    slots = counts.shape[1]
-    for rule in set(rules):
-        mine = counts * torch.tensor([r == rule for r in rules], device=counts.device)[:, None]
+    for rule, mine in counts.items():
+        slots = mine.shape[1]
         by_mass, by_dev = rule.queries is not None, rule.deviation
         if not (by_mass and by_dev):
             kept |= keep_per_affix(affix_slot, mass if by_mass else deviation, cand, mine)

@@ -23,7 +23,7 @@ from acache.decoding.commit import commit_top_k
 from acache.engine.page_pool import PagedKV, PagePool
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView
-from acache.models.layers import apply_rope, rope_tables
+from acache.models.layers import apply_rope
 
 
 def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, keys: torch.Tensor,
@@ -34,14 +34,15 @@ def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, ke
     cfg = model.config
     d = cfg.head_dim
     rep = cfg.num_heads // cfg.num_kv_heads
-    fed_rope = rope_tables(positions, d, cfg.rope_theta)
-    qr = apply_rope(queries, *fed_rope).float()
     key_ok = torch.cat((past.mask, valid), dim=1)
     if past.rotated:  # a block's kept key set: rotated already
+        fed_rope = model.rope(positions)
         kr = torch.cat((past.keys[layer], apply_rope(keys, *fed_rope)), dim=1)
-    else:
-        key_pos = torch.cat((past.positions, positions), dim=1)
-        kr = apply_rope(torch.cat((past.keys[layer], keys), dim=1), *rope_tables(key_pos, d, cfg.rope_theta))
+    else:  # the fed tokens' tables are a view of the keys'
+        key_rope = model.rope(torch.cat((past.positions, positions), dim=1))
+        fed_rope = tuple(t[:, past.positions.shape[1]:] for t in key_rope)
+        kr = apply_rope(torch.cat((past.keys[layer], keys), dim=1), *key_rope)
+    qr = apply_rope(queries, *fed_rope).float()
     kr = kr.float().repeat_interleave(rep, dim=2)
     logits = torch.einsum("bihd,bshd->bhis", qr, kr) / math.sqrt(d)
     probs = torch.softmax(logits.masked_fill(~key_ok[:, None, None, :], float("-inf")), dim=-1)
@@ -67,7 +68,7 @@ class _WithDropped:
 
     def __init__(self, model: DiffusionLM, pool: PagePool, past, slots: torch.Tensor, positions: torch.Tensor,
                  valid: torch.Tensor) -> None:
-        cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+        cos, sin = model.rope(positions)
         self.keys = LayerView(lambda i: torch.cat((past.keys[i], apply_rope(pool.keys[i][slots], cos, sin)), 1),
                               pool.num_layers)
         self.values = LayerView(lambda i: torch.cat((past.values[i], pool.values[i][slots]), 1), pool.num_layers)

@@ -168,25 +168,12 @@ class ModelRunner:
 
     @staticmethod
     def _propose(req: Request, logits: torch.Tensor) -> Sample:
-        """One request's proposed tokens and confidences from its ``[1, L, V]`` block logits."""
+        """One request's proposed tokens and confidences from its ``[1, L, V]`` block logits. One call a request,
+        not one for the batch: a reduction over the vocabulary may sum in another order for another number of
+        rows, and a request must propose alike batched and alone."""
         gens = [req.generator] if req.params.temperature > 0 else None
         x0, conf = propose(logits, req.params.temperature, gens, mask_token_id=req.state.mask_token_id)
         return x0[0], conf[0]
-
-    @classmethod
-    def _propose_rows(cls, reqs: list[Request], logits: torch.Tensor, widths: list[int]) -> list[Sample]:
-        """Each request's proposals from its row of ``[B, L, V]`` block logits (its first ``widths[i]``): the
-        greedy rows in one call, so a step reads the device once for the batch rather than once a request, and
-        each sampling row alone with its own generator."""
-        greedy = [i for i, req in enumerate(reqs) if req.params.temperature <= 0]
-        samples: list[Sample | None] = [None] * len(reqs)
-        if greedy:
-            rows = logits if len(greedy) == len(reqs) else logits[greedy]
-            x0, conf = propose(rows, 0.0, mask_token_id=reqs[greedy[0]].state.mask_token_id)
-            for j, i in enumerate(greedy):
-                samples[i] = (x0[j, :widths[i]], conf[j, :widths[i]])
-        return [sample if sample is not None else cls._propose(req, logits[i:i + 1, :widths[i]])
-                for i, (req, sample) in enumerate(zip(reqs, samples, strict=True))]
 
     def _place_bicache(self, req: Request) -> None:
         for index, entry in req.entries:
@@ -235,8 +222,8 @@ class ModelRunner:
                 hidden = out.hidden
         logits = self.model.logits(hidden, block, fed_valid)
         samples = {}
-        proposed = self._propose_rows(reqs, logits, [plan.block.numel() for plan in plans])
-        for i, (req, plan, (x0, conf)) in enumerate(zip(reqs, plans, proposed, strict=True)):
+        for i, (req, plan) in enumerate(zip(reqs, plans, strict=True)):
+            x0, conf = self._propose(req, logits[i:i + 1, :plan.block.numel()])
             if kept is not None:  # a token FOCUS left out has no proposal: it cannot be committed this step
                 out_of_focus = ~kept[i, plan.block]
                 x0[out_of_focus] = req.state.mask_token_id
@@ -273,8 +260,8 @@ class ModelRunner:
         pool.write(torch.where(result.valid, write, torch.full_like(write, trash)), result.keys, result.values)
         block, _ = _pad([p.fed[p.block] for p in plans], 0, dev)
         logits = self.model.logits(result.hidden, block, inputs.valid)
-        proposed = self._propose_rows(reqs, logits, [plan.block.numel() for plan in plans])
-        return {req.request_id: sample for req, sample in zip(reqs, proposed, strict=True)}
+        return {req.request_id: self._propose(req, logits[i:i + 1, :plan.block.numel()])
+                for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))}
 
     def _bicache_refresh(self, batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor,
                          slot_maps: torch.Tensor, fed: torch.Tensor, fed_valid: torch.Tensor) -> torch.Tensor:

@@ -282,20 +282,21 @@ class DiffusionLM(nn.Module):
         if attention_mask.dim() == 3 and (past is not None or self.config.block_size is not None):
             raise ValueError("a per-query attention_mask [B, T, T] (affix-isolated training) takes no past and no "
                              "block-causal mask")
+        key_positions = positions
         if past is not None:
             if past.num_layers != len(self.layers):
                 raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
             key_mask = torch.cat((past.mask, attention_mask), dim=1)
+            key_positions = torch.cat((past.positions, positions), dim=1)
             if past.rotated:  # only the fed keys are rotated here
                 rope_q = rope_k = self.rope(positions)
             else:  # the fed keys' tables are the queries': built once, the queries' a view of the keys'
-                rope_k = self.rope(torch.cat((past.positions, positions), dim=1))
+                rope_k = self.rope(key_positions)
                 rope_q = tuple(t[:, past.positions.shape[1]:] for t in rope_k)
         else:
             rope_q = self.rope(positions)
             key_mask, rope_k = attention_mask, rope_q
         if self.config.block_size is not None:
-            key_positions = positions if past is None else torch.cat((past.positions, positions), dim=1)
             key_mask = block_causal_mask(key_mask, positions, key_positions, self.config.block_size)
         key_mask = dense_mask(key_mask)
         # a rotated past with room for exactly the fed tokens takes their keys in place (engine.step_keys)

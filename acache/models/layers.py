@@ -53,8 +53,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x32 = x.float()
     half = x32.shape[-1] // 2
     out = x32 * cos
-    out[..., :half] -= x32[..., half:] * sin[..., :half]
-    out[..., half:] += x32[..., :half] * sin[..., half:]
+    out[..., :half].sub_(x32[..., half:] * sin[..., :half])  # in place on the view: no copy back through setitem
+    out[..., half:].add_(x32[..., :half] * sin[..., half:])
     return out.to(x.dtype)
 
 

@@ -174,6 +174,43 @@ def mixed_params(w: Workload, n: int) -> list[SamplingParams]:
     return out
 
 
+def cache_affix(engine: LLMEngine, prompt: AffixPrompt) -> None:
+    """Puts ``prompt``'s first affix in ``engine``'s store: the steady state, in which every request after the
+    first finds the shared affix cached."""
+    shared, _ = engine.affixes.acquire(prompt.affix_ids(prompt.affixes[0]), "shots")
+    engine.affixes.release(shared)
+
+
+def admitted_engine(model: DiffusionLM, prompts: list[AffixPrompt], params: SamplingParams,
+                    **config) -> LLMEngine:
+    """A fresh engine (``config``: :class:`EngineConfig`'s fields, 4 GiB of pages unless given) with the shared affix
+    cached where ``params`` reuse it and every prompt admitted, not yet stepped: what the probes time or count a
+    step of. Each is fresh, so its first refresh writes pages touched for the first time, as every other's does."""
+    engine = LLMEngine(model, EngineConfig(**{"kv_cache_memory": 4 << 30, "max_num_seqs": len(prompts), **config}))
+    if params.selector is not None:
+        cache_affix(engine, prompts[0])
+    for p in prompts:
+        engine.add_request(p, params)
+    return engine
+
+
+def timed_steps(engine: LLMEngine, steps: int) -> list[float]:
+    """Seconds of each of ``engine``'s next ``steps`` steps, the device synchronised before and after each."""
+    times = []
+    for _ in range(steps):
+        _sync(engine.model.device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(engine.model.device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse: bool, batch: int,
              page_size: int, kv_bytes: int, params: list[SamplingParams] | None = None,
              mode: str | None = None) -> ModeResult:
@@ -182,10 +219,8 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
     tokens_per_refresh = batch * w.refresh_tokens(reuse)
     engine = LLMEngine(model, EngineConfig(page_size=page_size, kv_cache_memory=kv_bytes, max_num_seqs=batch,
                                            max_num_batched_tokens=max(16384, tokens_per_refresh)))
-    if reuse:  # steady state: the shared affix is already cached, as it is for every request after the first
-        ids = prompts[0].affix_ids(prompts[0].affixes[0])
-        shared, _ = engine.affixes.acquire(ids, "shots")
-        engine.affixes.release(shared)
+    if reuse:
+        cache_affix(engine, prompts[0])
     engine.reset_metrics()
     with FlopCounter(model) as counter:
         start = time.perf_counter()

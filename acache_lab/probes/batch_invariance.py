@@ -52,10 +52,14 @@ def decode_gaps(model, prompts: list[AffixPrompt], params: SamplingParams) -> li
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 26))
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
-    while len(done) < len(ids):
+    for _ in range(sum(params.gen_length for _ in prompts) + 1):  # each step commits a token a request at least
+        if len(done) == len(ids):
+            break
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
+    if len(done) < len(ids):
+        raise RuntimeError(f"the engine left {len(ids) - len(done)} of {len(ids)} requests unfinished")
     firsts = []
     for rid, prompt in zip(ids, prompts, strict=True):
         want = reference_generate(model, prompt, params).token_ids

@@ -1,13 +1,13 @@
-"""What an engine step launches, counted on any machine: operators that run a kernel, and views, by source line.
+"""What an engine step dispatches, counted on any machine: operators that do work, and views, by source line.
 
 On a GPU a small model's step costs what the host spends launching its kernels, not what they compute (the H100
-profiles in BENCHMARKS.md), so the count of kernels a step launches is a measure of its GPU cost that a CPU can
-take. The engine benchmark's workload (random weights, 700-token shared affix, 60-token questions, 256 masks) is
-admitted at ``--batch`` on a fresh engine with the affix cached, and one step is counted through torch's dispatch:
-the first refresh (``--step refresh``; ACache's is the selecting one) or the first in-block step after it
-(``--step in-block``), as a GPU would run it: the engine's step keys off (their default there) and the selection's
-attention mass scored in one block (a CPU scores it in cache-sized pieces). Operators that only make a view of a
-tensor are counted apart; the lines launching most kernels are listed.
+profiles in BENCHMARKS.md), so the count of operators a step dispatches (most launch one kernel there, a few none)
+is a measure of its GPU cost that a CPU can take. The engine benchmark's workload (random weights, 700-token shared
+affix, 60-token questions, 256 masks) is admitted at ``--batch`` on a fresh engine with the affix cached, and one
+step is counted through torch's dispatch: the first refresh (``--step refresh``; ACache's is the selecting one) or
+the first in-block step after it (``--step in-block``), as a GPU would run it: the engine's step keys off (their
+default there) and the selection's attention mass scored in one block (a CPU scores it in cache-sized pieces).
+Operators that only make a view of a tensor are counted apart; the lines dispatching most are listed.
 
     python -m acache_lab.probes.kernel_count --mode acache --batch 16 --layers 30
 """
@@ -23,19 +23,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from acache.affix import context
-from acache.engine.llm_engine import EngineConfig, LLMEngine
 from acache_lab.bench.decode import random_model
-from acache_lab.bench.engine import SMOL_SHAPE, Workload, make_requests, workload_params
+from acache_lab.bench.engine import SMOL_SHAPE, Workload, admitted_engine, make_requests, workload_params
 
-#: operators that return a view (no kernel, no copy)
+#: operators that return a view (no work, no copy)
 VIEWS = frozenset({"view", "as_strided", "slice", "select", "expand", "transpose", "t", "unsqueeze", "squeeze",
                    "permute", "alias", "_unsafe_view", "reshape", "detach", "split", "split_with_sizes", "unbind",
                    "narrow", "lift_fresh", "_reshape_alias", "chunk"})
 
 
 class KernelCounter(TorchDispatchMode):
-    """Counts every operator dispatched inside it, by kind (kernel or view) and by the innermost line of this
-    project's code that called it."""
+    """Counts every operator dispatched inside it, by kind (one that works or a view) and, for those that work, by
+    the innermost line of this project's code that called it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,9 +42,9 @@ class KernelCounter(TorchDispatchMode):
         self.lines: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = "views" if func.overloadpacket.__name__ in VIEWS else "kernels"
+        kind = "views" if func.overloadpacket.__name__ in VIEWS else "operators"
         self.kinds[kind] += 1
-        if kind == "kernels":
+        if kind == "operators":
             ours = [f for f in traceback.extract_stack()[:-1] if "/acache" in f.filename]
             where = f"{ours[-1].filename.rsplit('/', 2)[-2]}/{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno}" \
                 if ours else "(outside acache)"
@@ -68,19 +67,14 @@ def main() -> None:
     w = Workload(selector="attention")
     params = workload_params(w, args.mode == "acache")
     prompts = make_requests(model, w, args.batch, 1)
-    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 30, max_num_seqs=args.batch, reuse_step_keys=False))
-    if params.selector is not None:
-        shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
-        engine.affixes.release(shared)
-    for p in prompts:
-        engine.add_request(p, params)
+    engine = admitted_engine(model, prompts, params, reuse_step_keys=False)
     if args.step == "in-block":
         engine.step()
     counter = KernelCounter()
     with counter, mock.patch.object(context, "_CPU_SCORE_BYTES", 1 << 62):  # the mass in one block, as on a GPU
         engine.step()
-    print(f"{args.mode}, {args.step}, batch {args.batch}, {args.layers} layers: {counter.kinds['kernels']} kernels, "
-          f"{counter.kinds['views']} views, as on a GPU")
+    print(f"{args.mode}, {args.step}, batch {args.batch}, {args.layers} layers: {counter.kinds['operators']} "
+          f"operators, {counter.kinds['views']} views, as on a GPU")
     for where, count in counter.lines.most_common(args.top):
         print(f"{count:7d}  {where}")
 

@@ -17,37 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import replace
 
 import torch
 
-from acache.engine.llm_engine import EngineConfig, LLMEngine
 from acache_lab.bench.decode import random_model
-from acache_lab.bench.engine import SMOL_SHAPE, Workload, make_requests, workload_params
-
-
-def first_steps(model, prompts, params, steps: int) -> list[float]:
-    """Seconds of each of a fresh engine's first ``steps`` steps, the affix already cached."""
-    engine = LLMEngine(model, EngineConfig(kv_cache_memory=4 << 30, max_num_seqs=len(prompts)))
-    if params.selector is not None:
-        shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
-        engine.affixes.release(shared)
-    for p in prompts:
-        engine.add_request(p, params)
-    times = []
-    for _ in range(steps):
-        _sync(model.device)
-        start = time.perf_counter()
-        engine.step()
-        _sync(model.device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from acache_lab.bench.engine import SMOL_SHAPE, Workload, admitted_engine, make_requests, timed_steps, workload_params
 
 
 def main() -> None:
@@ -58,20 +33,22 @@ def main() -> None:
     parser.add_argument("--anchor-depth", type=float, default=None, help="also time one pass at this depth")
     parser.add_argument("--device", default="cpu", help="where the random model runs (cpu, cuda)")
     args = parser.parse_args()
+    if args.batch < 1 or args.repeats < 1:
+        raise SystemExit("--batch and --repeats must be at least 1")
     model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device(args.device), 0)
     model.fuse_projections()
     w = Workload(selector=args.selector)
     prompts = make_requests(model, w, args.batch, 1)
     one, two = workload_params(w, True), workload_params(Workload(selector=args.selector, anchor_pass="two"), True)
-    first_steps(model, prompts[:1], one, 2)  # warm-up
+    timed_steps(admitted_engine(model, prompts[:1], one), 2)  # warm-up
     shallow = replace(one, anchor_depth=args.anchor_depth) if args.anchor_depth is not None else None
     runs: dict[str, list[float]] = {"dual": [], "one": [], "two select": [], "two refresh": [], "depth": []}
     for _ in range(args.repeats):
-        runs["dual"].append(first_steps(model, prompts, workload_params(w, False), 1)[0])
-        runs["one"].append(first_steps(model, prompts, one, 1)[0])
+        runs["dual"].append(timed_steps(admitted_engine(model, prompts, workload_params(w, False)), 1)[0])
+        runs["one"].append(timed_steps(admitted_engine(model, prompts, one), 1)[0])
         if shallow is not None:
-            runs["depth"].append(first_steps(model, prompts, shallow, 1)[0])
-        select, refresh = first_steps(model, prompts, two, 2)
+            runs["depth"].append(timed_steps(admitted_engine(model, prompts, shallow), 1)[0])
+        select, refresh = timed_steps(admitted_engine(model, prompts, two), 2)
         runs["two select"].append(select)
         runs["two refresh"].append(refresh)
     med = {k: statistics.median(v) for k, v in runs.items() if v}

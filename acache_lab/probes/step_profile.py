@@ -4,8 +4,9 @@ The engine benchmark's workload (random weights, 700-token shared affix, 60-toke
 admitted at ``--batch`` on fresh engines with the affix cached. For each mode the probe times the first step
 (the first refresh: ACache's is the selecting one) and the next ``--block-steps`` (in-block), then profiles the
 same steps of another fresh engine and prints, per step kind, the operators that took most time (device time on
-a GPU, CPU time otherwise) and the host reads of device values (``aten::_local_scalar_dense``, ``aten::nonzero``):
-each of those waits for the device to catch up, which is what a small model's step pays for on a GPU.
+a GPU, CPU time otherwise) and the host's waits for the device (reads of device values, ``aten::nonzero``, and on a
+GPU the runtime's synchronisations): at each, a host that launches a small model's kernels faster than they run
+stops until the device catches up.
 
     python -m acache_lab.probes.step_profile --device cuda --shape llada-8b --batch 16
 """
@@ -14,28 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from acache.engine.llm_engine import EngineConfig, LLMEngine
 from acache_lab.bench.decode import random_model
-from acache_lab.bench.engine import SHAPES, Workload, make_requests, workload_params
+from acache_lab.bench.engine import SHAPES, Workload, admitted_engine, make_requests, timed_steps, workload_params
 
-#: operators whose every call reads a device value on the host
-HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
-
-
-def fresh_engine(model, prompts, params, reuse_step_keys: bool | None) -> LLMEngine:
-    engine = LLMEngine(model, EngineConfig(kv_cache_memory=model_pool_bytes(model, len(prompts)),
-                                           max_num_seqs=len(prompts), reuse_step_keys=reuse_step_keys))
-    if params.selector is not None:
-        shared, _ = engine.affixes.acquire(prompts[0].affix_ids(prompts[0].affixes[0]), "shots")
-        engine.affixes.release(shared)
-    for p in prompts:
-        engine.add_request(p, params)
-    return engine
+#: operators and runtime calls whose every call makes the host wait for the device
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize")
 
 
 def model_pool_bytes(model, batch: int) -> int:
@@ -43,22 +32,6 @@ def model_pool_bytes(model, batch: int) -> int:
     cfg = model.config
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     return per_token * 1200 * (batch + 1)
-
-
-def timed_steps(engine: LLMEngine, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        _sync(engine)
-        start = time.perf_counter()
-        engine.step()
-        _sync(engine)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _sync(engine: LLMEngine) -> None:
-    if engine.model.device.type == "cuda":
-        torch.cuda.synchronize(engine.model.device)
 
 
 def table(prof, on_device: bool, rows: int) -> str:
@@ -83,8 +56,11 @@ def main() -> None:
                     help="the engine's reuse_step_keys (default: on for CPU only)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.batch < 1 or args.block_steps < 1 or args.repeats < 1 or args.rows < 0:
+        raise SystemExit("--batch, --block-steps and --repeats must be at least 1, --rows not negative")
     reuse = {"default": None, "on": True, "off": False}[args.reuse_step_keys]
     model = random_model("llada", SHAPES[args.shape], torch.bfloat16, device, 0)
+    config = {"kv_cache_memory": model_pool_bytes(model, args.batch), "reuse_step_keys": reuse}
     model.fuse_projections()
     w = Workload(selector="attention")
     prompts = make_requests(model, w, args.batch, 1)
@@ -94,18 +70,18 @@ def main() -> None:
         raise SystemExit(f"--modes takes dual and/or acache, comma-separated, not {args.modes!r}")
     modes = {m: known[m] for m in names}
     for params in modes.values():  # warm-up
-        timed_steps(fresh_engine(model, prompts[:1], params, reuse), 2)
+        timed_steps(admitted_engine(model, prompts[:1], params, **config), 2)
     on_device = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     print(f"shape {args.shape}, batch {args.batch}, {device}, reuse_step_keys {args.reuse_step_keys}")
     for name, params in modes.items():
-        runs = [timed_steps(fresh_engine(model, prompts, params, reuse), 1 + args.block_steps)
+        runs = [timed_steps(admitted_engine(model, prompts, params, **config), 1 + args.block_steps)
                 for _ in range(args.repeats)]
         first = statistics.median(r[0] for r in runs)
         block = statistics.median(t for r in runs for t in r[1:])
         print(f"\n=== {name}: first refresh {first * 1e3:.1f} ms, in-block step {block * 1e3:.1f} ms "
               f"(medians of {args.repeats} fresh engines)")
-        engine = fresh_engine(model, prompts, params, reuse)
+        engine = admitted_engine(model, prompts, params, **config)
         for kind, steps in (("first refresh", 1), ("in-block steps", args.block_steps)):
             with profile(activities=activities) as prof:
                 timed_steps(engine, steps)

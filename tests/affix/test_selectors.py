@@ -15,6 +15,7 @@ from acache.models.base import ForwardOutput
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
 from tests.affix.helpers import layouts, selection_context
+from tests.conftest import DEVICE
 
 
 def _rot(vec, pos, theta):
@@ -489,11 +490,13 @@ def test_per_affix_ranks_and_keeps_equal_a_sort_of_each_affix(seed):
     slot[3, 2:6], slot[3, 8:14], slot[3, 16:23] = 0, 1, 2
     scores = torch.randint(0, 5, (4, t), generator=gen).float()  # few values: many ties
     cand = (torch.rand(4, t, generator=gen) < 0.7) & (slot >= 0)
-    ranks = ranks_per_affix(slot, scores, cand, 3)
+    slot, scores, cand = slot.to(DEVICE), scores.to(DEVICE), cand.to(DEVICE)
+    ranks = ranks_per_affix(slot, scores, cand, 3).cpu()
+    slot, scores, cand = slot.cpu(), scores.cpu(), cand.cpu()
     for r in range(4):
         assert ranks[r].tolist() == _ranks_by_hand(slot[r].tolist(), scores[r].tolist(), cand[r].tolist())
     counts = [[], [3], [2, 20], [1, 0, 4]]
-    kept = keep_per_affix(slot, scores, cand, counts)
+    kept = keep_per_affix(slot.to(DEVICE), scores.to(DEVICE), cand.to(DEVICE), counts).cpu()
     for r, row in enumerate(counts):
         for s, k in enumerate(row):
             members = cand[r] & (slot[r] == s)
@@ -503,3 +506,16 @@ def test_per_affix_ranks_and_keeps_equal_a_sort_of_each_affix(seed):
         assert not (kept[r] & (slot[r] >= len(row))).any()
     assert torch.equal(keep_per_affix(slot, scores, cand, torch.tensor([[0, 0, 0], [3, 0, 0], [2, 20, 0],
                                                                          [1, 0, 4]])), kept)
+
+
+def test_per_affix_ranks_never_take_a_column_of_no_affix_or_of_an_affix_past_the_counts():
+    """A candidate column outside every affix (slot -1) or in an affix the counts do not cover is neither ranked
+    nor kept, and reading it does not index past the counts."""
+    from acache.affix.selectors.base import keep_per_affix, ranks_per_affix
+
+    slot = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, 2, 2]], device=DEVICE)
+    scores = torch.tensor([[9.0, 8.0, 1.0, 3.0, 2.0, 7.0, 6.0, 5.0, 4.0]], device=DEVICE)
+    cand = torch.ones_like(slot, dtype=torch.bool)
+    assert ranks_per_affix(slot, scores, cand, 2).tolist() == [[-1, -1, 2, 0, 1, 0, 1, -1, -1]]
+    kept = keep_per_affix(slot, scores, cand, [[2, 1]])
+    assert kept.tolist() == [[False, False, False, True, True, True, False, False, False]]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from acache.models.kv import KVCache
-from tests.conftest import random_prompts
+from tests.conftest import DEVICE, random_prompts
 
 
 def _hidden(model, ids, positions=None, mask=None, past=None, return_kv=False):
@@ -103,8 +103,8 @@ def test_rope_equals_the_rotate_half_definition_bit_for_bit(dtype):
     from acache.models.layers import apply_rope, rope_tables
 
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(2, 40, 3, 32, generator=gen) * 4).to(dtype).requires_grad_()
-    cos, sin = rope_tables(torch.randint(0, 9000, (2, 40), generator=gen), 32, 10000.0)
+    x = (torch.randn(2, 40, 3, 32, generator=gen) * 4).to(DEVICE, dtype).requires_grad_()
+    cos, sin = rope_tables(torch.randint(0, 9000, (2, 40), generator=gen).to(DEVICE), 32, 10000.0)
     x32 = x.float()
     want = (x32 * cos + torch.cat((-x32[..., 16:], x32[..., :16]), dim=-1) * sin).to(dtype)
     got = apply_rope(x, cos, sin)

@@ -39,10 +39,12 @@ def anchor_counts(ctx: SelectionContext, ratio: float | Sequence[float], selecto
 def ranks_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
                     slots: int) -> torch.Tensor:
     """``[B, T]`` long: each candidate's rank by ``scores`` among the candidates of its affix (``affix_slot [B, T]``,
-    ``slots`` affixes at most a row), 0 the highest and ties to the earlier column; -1 off the candidates. One
-    sort of every row at once: no loop over requests or affixes, and no read of a device value."""
+    ``slots`` affixes at most a row), 0 the highest and ties to the earlier column; -1 off the candidates (and on
+    columns of no affix or of an affix past ``slots``). One sort of every row at once: no loop over requests or
+    affixes, and no read of a device value."""
+    candidates = candidates & (affix_slot >= 0) & (affix_slot < slots)
     order = torch.sort(torch.where(candidates, scores, float("-inf")), dim=-1, descending=True, stable=True).indices
-    slot = affix_slot.gather(1, order).clamp_min(0)
+    slot = affix_slot.gather(1, order).clamp(0, max(slots - 1, 0))
     member = candidates.gather(1, order)
     # a running count of each affix's candidates along the sorted row: the count before a column is its rank
     seen = ((slot[..., None] == torch.arange(slots, device=slot.device)) & member[..., None]).cumsum(1)
@@ -60,7 +62,6 @@ def keep_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: t
     slots = counts.shape[1]
     if slots == 0:
         return torch.zeros_like(candidates)
-    candidates = candidates & (affix_slot < slots)
     ranks = ranks_per_affix(affix_slot, scores, candidates, slots)
     return (ranks >= 0) & (ranks < counts.gather(1, affix_slot.clamp(0, slots - 1)))
 
@@ -70,6 +71,14 @@ def count_tensor(counts: list[list[int]], device: torch.device) -> torch.Tensor:
     slots = max((len(row) for row in counts), default=0)
     return torch.tensor([row + [0] * (slots - len(row)) for row in counts], dtype=torch.long,
                         device=device).reshape(len(counts), slots)
+
+
+def plan_tensor(plans: list[list[list[int]]], steps: int, device: torch.device) -> torch.Tensor:
+    """Gradual filtering's plans (``plans[r][s]``: :func:`carried_counts` of affix ``s`` of row ``r``) as one
+    ``[steps, B, S]`` tensor, made once so a filtering step reads its counts with no copy to the device."""
+    slots = max((len(row) for row in plans), default=0)
+    return torch.tensor([[[p[step] for p in row] + [0] * (slots - len(row)) for row in plans] for step in range(steps)],
+                        dtype=torch.long, device=device).reshape(steps, len(plans), slots)
 
 
 def filter_steps(steps: int, depth: float) -> int:

@@ -26,6 +26,7 @@ from acache.affix.selectors.base import (
     anchor_counts,
     carried_counts,
     keep_per_affix,
+    plan_tensor,
 )
 
 
@@ -41,11 +42,13 @@ class CacheBlendAnchors(AnchorSelector):
         b, t = c.tokens.shape
         layers = model.config.num_layers
         affix = ctx.affix_mask & c.valid
-        plan = [[carried_counts(k, n, max(layers - 1, 1)) for k, n in zip(counts, sizes, strict=True)]
-                for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx), strict=True)]
+        steps = max(layers - 1, 1)
+        plan = plan_tensor([[carried_counts(k, n, steps) for k, n in zip(counts, sizes, strict=True)]
+                            for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx),
+                                                     strict=True)], steps, c.tokens.device)
 
         def keep(scores: torch.Tensor, candidates: torch.Tensor, step: int) -> torch.Tensor:
-            return keep_per_affix(ctx.affix_slot, scores, candidates, [[p[step] for p in row] for row in plan])
+            return keep_per_affix(ctx.affix_slot, scores, candidates, plan[step])
 
         if layers < 2:  # every K/V is context-free: nothing deviates; keep the first tokens
             return keep(torch.zeros(b, t, device=c.tokens.device), affix, 0)
