@@ -2,9 +2,10 @@
 # On a CUDA machine, in the repository: the token-for-token equivalence tests on the GPU, how far a batch is from
 # each row alone there, and issue 41's benchmarks (the SmolLM2-135M shape at batch 1 and 16 with the
 # Fast-dLLM-style loop and a shallow one pass beside the dual cache and ACache; selection's own cost; a random
-# LLaDA-8B shape at batch 1 and 16), and where a step's time goes (profiles). Each part has its own time limit
-# and carries on past a failure. Results under $OUT (default build/gpu): log.txt, tests.xml, bench_smol.json,
-# bench_8b.json, profile_8b.txt, profile_smol.txt, stepkeys_8b.txt. Every part: about 11 minutes on one H100.
+# LLaDA-8B shape at batch 1 and 16), and where a step's time goes (profiles, with the step keys on and off). Each
+# part has its own time limit and the script carries on past a failure, then exits 1 if any part failed. Results
+# under $OUT (default build/gpu): log.txt, tests.xml, bench_smol.json, bench_8b.json, profile_8b.txt,
+# profile_smol.txt, stepkeys_8b.txt. Every part: about 11 minutes on one H100.
 #
 #   PY=.venv/bin/python bash scripts/gpu_check.sh        # a venv with a CUDA torch and acache installed
 #   PY=python3 BARE=1 bash scripts/gpu_check.sh          # a python with torch and acache's needs, acache
@@ -32,8 +33,11 @@ part() {  # part NAME SECONDS CMD...: one timed, logged step that may fail witho
     echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
     local start=$SECONDS
     timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
-    echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || FAILED="$FAILED $name"
 }
+FAILED=""
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 
 part env 15 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
@@ -45,7 +49,7 @@ wanted smoke && part smoke 45 "$PY" -m acache.cli bench --device cuda --dtype bf
     --affix-len 40 --question-len 8 --gen-length 32 --block-length 16 --steps 8 --fastdllm-loop --anchor-depth 0.25
 wanted invariance && part invariance 30 "$PY" -m acache_lab.probes.batch_invariance --device cuda
 # equivalences on CUDA: engine vs reference, batched vs alone, cached vs uncached, one pass, pruning
-wanted tests && ACACHE_TEST_DEVICE=cuda part tests 120 "$PY" -m pytest -q $XDIST -p no:cacheprovider \
+wanted tests && ACACHE_TEST_DEVICE=cuda part tests 150 "$PY" -m pytest -q $XDIST -p no:cacheprovider \
     --junitxml "$OUT/tests.xml" tests/engine/test_engine.py tests/decoding/test_decoding.py \
     tests/decoding/test_far_mask.py tests/engine/test_affix_cap.py tests/engine/test_focus.py \
     tests/affix/test_one_pass.py tests/affix/test_generation.py tests/affix/test_selectors.py \
@@ -68,3 +72,4 @@ wanted profile && part profile-smol 40 bash -c "$PY -m acache_lab.probes.step_pr
 wanted stepkeys && part stepkeys-8b 120 bash -c "$PY -m acache_lab.probes.step_profile --device cuda \
     --shape llada-8b --batch 16 --repeats 1 --rows 10 --reuse-step-keys on >$OUT/stepkeys_8b.txt 2>&1; s=\$?; \
     grep '^===\|total' $OUT/stepkeys_8b.txt; exit \$s"
+[ -z "$FAILED" ] || { echo "failed or timed out:$FAILED" | tee -a "$LOG"; exit 1; }

@@ -4,9 +4,8 @@ The engine benchmark's workload (random weights, 700-token shared affix, 60-toke
 admitted at ``--batch`` on fresh engines with the affix cached. For each mode the probe times the first step
 (the first refresh: ACache's is the selecting one) and the next ``--block-steps`` (in-block), then profiles the
 same steps of another fresh engine and prints, per step kind, the operators that took most time (device time on
-a GPU, CPU time otherwise) and the host's waits for the device (reads of device values, ``aten::nonzero``, and on a
-GPU the runtime's synchronisations): at each, a host that launches a small model's kernels faster than they run
-stops until the device catches up.
+a GPU, CPU time otherwise) and the host's reads of device values (``aten::_local_scalar_dense``, ``aten::nonzero``):
+at each, a host that launches a small model's kernels faster than they run stops until the device catches up.
 
     python -m acache_lab.probes.step_profile --device cuda --shape llada-8b --batch 16
 """
@@ -22,9 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.engine import SHAPES, Workload, admitted_engine, make_requests, timed_steps, workload_params
 
-#: operators and runtime calls whose every call makes the host wait for the device
-HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "cudaStreamSynchronize",
-              "cudaDeviceSynchronize")
+#: operators whose every call reads a device value on the host, and so waits for the device
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item")
 
 
 def model_pool_bytes(model, batch: int) -> int:

@@ -97,7 +97,7 @@ def test_an_all_true_mask_is_dropped_and_changes_nothing():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_equals_the_rotate_half_definition_bit_for_bit(dtype):
+def test_rope_equals_rotate_half_bit_for_bit(dtype):
     """The two half-width updates give ``x * cos + rotate_half(x) * sin`` exactly (upstream's arithmetic, which the
     token-for-token equivalences rest on), with the same gradient in training."""
     from acache.models.layers import apply_rope, rope_tables

@@ -42,6 +42,8 @@ def ranks_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: 
     ``slots`` affixes at most a row), 0 the highest and ties to the earlier column; -1 off the candidates (and on
     columns of no affix or of an affix past ``slots``). One sort of every row at once: no loop over requests or
     affixes, and no read of a device value."""
+    if slots == 0:
+        return torch.full_like(affix_slot, -1)
     candidates = candidates & (affix_slot >= 0) & (affix_slot < slots)
     order = torch.sort(torch.where(candidates, scores, float("-inf")), dim=-1, descending=True, stable=True).indices
     slot = affix_slot.gather(1, order).clamp(0, max(slots - 1, 0))
