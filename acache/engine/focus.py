@@ -38,9 +38,8 @@ def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, ke
     if past.rotated:  # a block's kept key set: rotated already
         fed_rope = model.rope(positions)
         kr = torch.cat((past.keys[layer], apply_rope(keys, *fed_rope)), dim=1)
-    else:  # the fed tokens' tables are a view of the keys'
-        key_rope = model.rope(torch.cat((past.positions, positions), dim=1))
-        fed_rope = tuple(t[:, past.positions.shape[1]:] for t in key_rope)
+    else:
+        fed_rope, key_rope = model.rope_pair(positions, torch.cat((past.positions, positions), dim=1))
         kr = apply_rope(torch.cat((past.keys[layer], keys), dim=1), *key_rope)
     qr = apply_rope(queries, *fed_rope).float()
     kr = kr.float().repeat_interleave(rep, dim=2)

@@ -202,6 +202,13 @@ class DiffusionLM(nn.Module):
                 self.config.head_dim, self.config.rope_theta, positions.device)
         return rope_tables(positions, self.config.head_dim, self.config.rope_theta, inv_freq)
 
+    def rope_pair(self, positions: torch.Tensor, key_positions: torch.Tensor) -> tuple[tuple, tuple]:
+        """The tables of queries at ``positions`` and of keys at ``key_positions``, which end with ``positions``
+        (a past, then the fed tokens): the key tables built once, the queries' a view of their fed part."""
+        keys = self.rope(key_positions)
+        fed = key_positions.shape[1] - positions.shape[1]
+        return tuple(t[:, fed:] for t in keys), keys
+
     def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
         """A sum over attention heads computed from this process's heads, completed over the tensor-parallel
         ranks (unchanged without tensor parallelism)."""
@@ -287,12 +294,12 @@ class DiffusionLM(nn.Module):
             if past.num_layers != len(self.layers):
                 raise ValueError(f"past KV has {past.num_layers} layers, the model {len(self.layers)}")
             key_mask = torch.cat((past.mask, attention_mask), dim=1)
-            key_positions = torch.cat((past.positions, positions), dim=1)
+            if not past.rotated or self.config.block_size is not None:
+                key_positions = torch.cat((past.positions, positions), dim=1)
             if past.rotated:  # only the fed keys are rotated here
                 rope_q = rope_k = self.rope(positions)
-            else:  # the fed keys' tables are the queries': built once, the queries' a view of the keys'
-                rope_k = self.rope(key_positions)
-                rope_q = tuple(t[:, past.positions.shape[1]:] for t in rope_k)
+            else:
+                rope_q, rope_k = self.rope_pair(positions, key_positions)
         else:
             rope_q = self.rope(positions)
             key_mask, rope_k = attention_mask, rope_q

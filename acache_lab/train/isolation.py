@@ -107,9 +107,9 @@ def with_one_pass_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: tor
     owner = span_owners(valid, spans)
     is_anchor = _anchor_columns(anchors, spans, valid)
     anchored = is_anchor.any(1)
-    for row in anchored.nonzero()[:, 0].tolist():
-        bare = [(start, end) for start, end in spans[row] if not bool(is_anchor[row, start:end].any())]
-        if bare:  # the engine reads such an affix from the cache at every layer, in context at none
+    for row, row_anchors in enumerate(anchors):
+        bare = [(start, end) for start, end in spans[row] if not any(start <= c < end for c in row_anchors)]
+        if row_anchors and bare:  # the engine reads such an affix from the cache at every layer, in context at none
             raise ValueError(f"row {row}'s affix spans {bare} take no anchor: a one-pass row anchors every affix "
                              "of its row")
     # the columns each anchored row copies: all its affix tokens
