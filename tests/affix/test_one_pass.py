@@ -4,9 +4,15 @@ ratios and lengths arriving apart decode as each request alone, and no probe for
 
 from __future__ import annotations
 
-import pytest
+from unittest import mock
 
+import pytest
+import torch
+
+from acache import reference
+from acache.affix import one_pass
 from acache.affix.store import AffixStore
+from acache.models.layers import apply_rope
 from acache.policies import ONE_PASS_SELECTORS
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
@@ -45,6 +51,50 @@ def test_cacheblend_picks_its_own_pass_anchors(llada_model, position, ratio):
     two = reference_generate(llada_model, prompt, SamplingParams(**BASE, selector="cacheblend",
                                                                  anchor_ratio=ratio, anchor_pass="two"), store)
     assert one.anchors == two.anchors and len(one.anchors) > 0
+
+
+@pytest.mark.parametrize(("selector", "queries"), [("attention", "masks"), ("query-attention", "question")])
+@pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
+def test_first_filtering_scores_by_the_in_context_attention_mass(llada_model, position, selector, queries):
+    """After layers 0-1, which run every column in context, the one-pass score is its definition: the attention of
+    the counted queries (the masks', or the question's) on each affix token, softmax within the token's affix,
+    summed over heads, queries and the two layers, here recomputed apart by a plain forward of the same canvas. A
+    score read one column off (the affix after the masks in the suffix layout) fails it."""
+    model, cfg = llada_model, llada_model.config
+    seen = {}
+    real_select, real_filter = reference.refresh_selecting, one_pass._filter
+
+    def select(m, tokens, positions, valid, own, affix_slot, gen, *rest):
+        seen.update(tokens=tokens, positions=positions, valid=valid, own=own, slot=affix_slot, gen=gen)
+        return real_select(m, tokens, positions, valid, own, affix_slot, gen, *rest)
+
+    def keep(affix_slot, cand, mass, deviation, counts, step):
+        if step == 0:
+            seen["mass"] = mass.clone()
+        return real_filter(affix_slot, cand, mass, deviation, counts, step)
+
+    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.2, anchor_pass="one")
+    with mock.patch.object(reference, "refresh_selecting", select), mock.patch.object(one_pass, "_filter", keep):
+        reference_generate(model, layouts(affix_len=24)[position], params, AffixStore(model))
+    fed = seen["valid"][0]
+    slot = seen["slot"][0][fed]
+    counted = (seen["gen"][0] if queries == "masks" else seen["own"][0] & ~seen["gen"][0] & (seen["slot"][0] < 0))[fed]
+    positions = seen["positions"][:, fed]
+    with torch.inference_mode():
+        out = model.run_layers(model.embed(seen["tokens"][:, fed]), positions, None, None, range(2), return_kv=True,
+                               capture_queries=True)
+    rope = model.rope(positions)
+    want = torch.zeros(slot.shape[0])
+    for layer in range(2):
+        q = apply_rope(out.queries[layer], *rope)[0, counted].float()
+        k = apply_rope(out.kv.keys[layer], *rope)[0].float().repeat_interleave(cfg.num_heads // cfg.num_kv_heads, 1)
+        for affix in range(int(slot.max()) + 1):
+            member = slot == affix
+            logits = torch.einsum("qhd,khd->hqk", q, k[member]) / cfg.head_dim ** 0.5
+            want[member] += logits.softmax(-1).sum((0, 1))
+    got = seen["mass"][0, fed]
+    assert counted.any() and (slot >= 0).sum() >= 24
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_one_pass_first_refresh_differs_from_the_two_pass_refresh(llada_model):
