@@ -14,7 +14,7 @@ import argparse
 from collections import Counter
 from collections.abc import Sequence
 
-from acache.policies import LAYOUTS
+from acache.policies import LAYOUTS, SELECTORS
 from acache_lab.tasks.generators import Example, held_out
 
 #: the words of a pickup sentence, in order
@@ -47,6 +47,19 @@ def anchor_roles(example: Example, words: Sequence[str], anchors: Sequence[int])
     return roles
 
 
+def affix_indices(positions: Sequence[int], gen_at: int, gen_length: int, start: int, length: int) -> list[int]:
+    """Where each of a request's anchors (canvas ``positions``, as the engine reports them) sits in its affix of
+    ``length`` tokens starting at prompt token ``start``: a prompt token at or past the generation region
+    (``gen_at``, the suffix layout's affix) sits ``gen_length`` positions after its index."""
+    out = []
+    for p in positions:
+        i = (p if p < gen_at else p - gen_length) - start
+        if gen_at <= p < gen_at + gen_length or not 0 <= i < length:
+            raise ValueError(f"anchor position {p} is not in the affix's {length} tokens at {start}")
+        out.append(i)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="models/acache-tiny-affix")
@@ -60,8 +73,11 @@ def main() -> None:
     layouts = args.layouts.split(",")
     if bad := [layout for layout in layouts if layout not in LAYOUTS]:
         parser.error(f"unknown layout {bad[0]!r}; known: {', '.join(LAYOUTS)}")
-    if args.examples < 1 or not 0.0 < args.ratio <= 1.0:
-        parser.error("--examples must be at least 1 and --ratio in (0, 1]")
+    if args.examples < 1 or args.sentences < 1 or not 0.0 < args.ratio <= 1.0:
+        parser.error("--examples and --sentences must be at least 1 and --ratio in (0, 1]")
+    if args.selector not in SELECTORS or args.selector in ("none", "all"):
+        parser.error(f"--selector must choose anchors: one of "
+                     f"{', '.join(s for s in SELECTORS if s not in ('none', 'all'))}, not {args.selector!r}")
     from acache.llm import LLM
     from acache_lab.eval.tasks import task_params, task_prompts
 
@@ -76,8 +92,7 @@ def main() -> None:
         for example, prompt, out in zip(examples, prompts, outs, strict=True):
             (span,) = prompt.affixes
             words = [llm.tokenizer.decode([t]).strip() for t in prompt.affix_ids(span)]
-            # a canvas position past the generation region sits gen_length after its prompt token
-            index = [(p if p < prompt.gen_at else p - params.gen_length) - span.start for p in out.stats.affix.anchors]
+            index = affix_indices(out.stats.affix.anchors, prompt.gen_at, params.gen_length, span.start, len(words))
             roles = anchor_roles(example, words, index)
             named += roles["asked holder"] > 0
             total += roles

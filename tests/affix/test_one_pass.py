@@ -53,13 +53,15 @@ def test_cacheblend_picks_its_own_pass_anchors(llada_model, position, ratio):
     assert one.anchors == two.anchors and len(one.anchors) > 0
 
 
+@pytest.mark.parametrize("far", [None, 0])
 @pytest.mark.parametrize(("selector", "queries"), [("attention", "masks"), ("query-attention", "question")])
 @pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
-def test_first_filtering_scores_by_the_in_context_attention_mass(llada_model, position, selector, queries):
+def test_first_filtering_scores_by_the_in_context_attention_mass(llada_model, position, selector, queries, far):
     """After layers 0-1, which run every column in context, the one-pass score is its definition: the attention of
     the counted queries (the masks', or the question's) on each affix token, softmax within the token's affix,
-    summed over heads, queries and the two layers, here recomputed apart by a plain forward of the same canvas. A
-    score read one column off (the affix after the masks in the suffix layout) fails it."""
+    summed over heads, queries and the two layers, here recomputed apart by a plain forward of the columns the
+    refresh feeds (``far`` 0: the second block's masks are left out, of the forward and of the queries). A score
+    read one column off (the affix after the masks in the suffix layout) fails it."""
     model, cfg = llada_model, llada_model.config
     seen = {}
     real_select, real_filter = reference.refresh_selecting, one_pass._filter
@@ -73,7 +75,7 @@ def test_first_filtering_scores_by_the_in_context_attention_mass(llada_model, po
             seen["mass"] = mass.clone()
         return real_filter(affix_slot, cand, mass, deviation, counts, step)
 
-    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.2, anchor_pass="one")
+    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.2, anchor_pass="one", far_mask_window=far)
     with mock.patch.object(reference, "refresh_selecting", select), mock.patch.object(one_pass, "_filter", keep):
         reference_generate(model, layouts(affix_len=24)[position], params, AffixStore(model))
     fed = seen["valid"][0]
@@ -93,7 +95,7 @@ def test_first_filtering_scores_by_the_in_context_attention_mass(llada_model, po
             logits = torch.einsum("qhd,khd->hqk", q, k[member]) / cfg.head_dim ** 0.5
             want[member] += logits.softmax(-1).sum((0, 1))
     got = seen["mass"][0, fed]
-    assert counted.any() and (slot >= 0).sum() >= 24
+    assert counted.any() and (slot >= 0).sum() >= 24 and bool(fed.all()) == (far is None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
