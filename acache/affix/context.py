@@ -14,7 +14,7 @@ from acache.decoding.canvas import Canvas
 from acache.models.base import DiffusionLM, ForwardOutput
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache, LayerView, LayerwiseKV
-from acache.models.layers import apply_rope, rope_tables
+from acache.models.layers import apply_rope
 from acache.policies import SHALLOW_SHARE
 
 #: bytes of attention-mass scores taken at once on CPU: about a core's L2 cache, where a block is scored faster
@@ -156,8 +156,7 @@ class SelectionContext:
         if layer not in self._affix_keys:
             cols, _ = self.affix_columns
             if self._affix_rope is None:
-                cfg = self.model.config
-                self._affix_rope = rope_tables(self.kv.positions.gather(1, cols), cfg.head_dim, cfg.rope_theta)
+                self._affix_rope = self.model.rope(self.kv.positions.gather(1, cols))
             keys = self.kv.keys[layer]
             index = cols[:, :, None, None].expand(-1, -1, *keys.shape[2:])
             self._affix_keys[layer] = apply_rope(keys.gather(1, index), *self._affix_rope)
@@ -318,7 +317,7 @@ class SelectionContext:
         keys_at = keys_at.clamp_max(t - 1)
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
         mass = AffixMass(cfg, pick_valid, slot)
-        q_rope = rope_tables(self.kv.positions.gather(1, cols), cfg.head_dim, cfg.rope_theta)
+        q_rope = self.model.rope(self.kv.positions.gather(1, cols))
         q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, cfg.head_dim)
         for layer, q in enumerate(queries):
             scores.scatter_add_(1, keys_at, mass(apply_rope(q.gather(1, q_index), *q_rope), self.affix_keys(layer))

@@ -14,6 +14,7 @@ from acache.decoding.canvas import Layout, build_canvas
 from acache.models.base import ForwardOutput
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
+from acache.models.layers import rope_tables
 from tests.affix.helpers import layouts, selection_context
 from tests.conftest import DEVICE
 
@@ -93,7 +94,7 @@ def _mass_every_step(ctx, queries, q_cols, q_valid):
     """The attention mass as DESIGN §4.3 writes it, in float64, one query head at a time against its key head
     copied out, with every mask, guard and weight applied whether it changes anything or not."""
     from acache.affix.context import compact_index
-    from acache.models.layers import apply_rope, rope_tables
+    from acache.models.layers import apply_rope
 
     c, cfg = ctx.canvas, ctx.model.config
     t, d, rep = c.total, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
@@ -246,7 +247,8 @@ def hand_context(prompt_ids=(1, 2, 3, 4, 5), affixes=((0, 3),), gen_length=2, he
                       num_kv_heads=heads, intermediate_size=8, rope_theta=1e16, rms_norm_eps=1e-5,
                       max_position_embeddings=64, mask_token_id=15, eos_token_id=14, pad_token_id=14)
     model = SimpleNamespace(config=cfg, dtype=torch.float32, device=torch.device("cpu"), shifted_logits=False,
-                            reduce_heads=lambda t: t)  # one process: the heads' sum is complete
+                            reduce_heads=lambda t: t,  # one process: the heads' sum is complete
+                            rope=lambda positions: rope_tables(positions, cfg.head_dim, cfg.rope_theta))
     canvas = build_canvas([Layout(tuple(prompt_ids), len(prompt_ids))], gen_length, 15, 14, torch.device("cpu"))
     slot = torch.full(canvas.tokens.shape, -1)
     for a, (s, e) in enumerate(affixes):

@@ -112,3 +112,22 @@ def test_rope_equals_rotate_half_bit_for_bit(dtype):
     (grad_want,) = torch.autograd.grad(want.float().square().sum(), x)
     (grad_got,) = torch.autograd.grad(got.float().square().sum(), x)
     assert torch.equal(grad_got, grad_want)
+
+
+def test_model_rope_tables_are_rope_tables_bit_for_bit(family_model):
+    """``model.rope`` (the frequencies made once per device, which the forward, the selectors and FOCUS read) gives
+    :func:`rope_tables`'s values exactly, on a second call too, and ``rope_pair``'s query tables are the key tables'
+    fed part."""
+    from acache.models.layers import rope_tables
+
+    cfg = family_model.config
+    gen = torch.Generator().manual_seed(1)
+    past, fed = (torch.randint(0, 900, (2, n), generator=gen).to(DEVICE) for n in (13, 7))
+    for positions in (fed, past):
+        want = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        for got in (family_model.rope(positions), family_model.rope(positions)):
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    queries, keys = family_model.rope_pair(fed, torch.cat((past, fed), dim=1))
+    assert all(torch.equal(q, w) for q, w in zip(queries, rope_tables(fed, cfg.head_dim, cfg.rope_theta), strict=True))
+    assert all(torch.equal(k[:, :13], w) for k, w in zip(keys, rope_tables(past, cfg.head_dim, cfg.rope_theta),
+                                                          strict=True))

@@ -32,7 +32,7 @@ import torch
 
 from acache.affix.context import SelectionContext, compact_index
 from acache.affix.selectors.base import AnchorSelector, anchor_counts, keep_per_affix
-from acache.models.layers import apply_rope, block_causal_mask, rope_tables
+from acache.models.layers import apply_rope, block_causal_mask
 
 
 def context_kv(ctx: SelectionContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +95,8 @@ class InfluenceAnchors(AnchorSelector):
         cols, valid = compact_index(affix, fill=t)  # [B, A]: the affix columns, the query side
         at = cols.clamp_max(t - 1)
         slot_q = torch.where(valid, ctx.affix_slot.gather(1, at), -2)
-        q_rope = rope_tables(c.positions.gather(1, at), d, cfg.rope_theta)
-        k_rope = rope_tables(c.positions, d, cfg.rope_theta)
+        q_rope = model.rope(c.positions.gather(1, at))
+        k_rope = model.rope(c.positions)
         seen = c.valid[:, None, :].expand(-1, at.shape[1], -1)  # [B, A, T]: what a token sees in context
         alone = slot_q[:, :, None] == ctx.affix_slot[:, None, :]  # what it saw when cached: its own affix,
         if cfg.block_size is not None:  # and, block-causal, by its place in the affix, where the cache put it
