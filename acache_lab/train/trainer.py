@@ -39,7 +39,13 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import ANCHOR_PASSES, LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
-from acache_lab.train.isolation import LayeredMask, isolation_mask, with_anchors, with_one_pass_anchors
+from acache_lab.train.isolation import (
+    LayeredMask,
+    isolation_mask,
+    span_owners,
+    with_anchors,
+    with_one_pass_anchors,
+)
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -145,6 +151,13 @@ class TrainConfig:
     #: first refresh that chooses them inside it, every column in context up to the first stale layer
     #: (:func:`acache_lab.train.isolation.with_one_pass_anchors`)
     affix_anchor_pass: str = "two"
+    #: weight of a term that pulls each isolated row's states towards the same row's in-context states, layer by
+    #: layer, on the columns outside its affixes (:func:`reuse_distillation`): the question's side shown what it
+    #: computes in context at every depth, not only the answer it should reach; 0 trains none
+    affix_distill: float = 0.0
+    #: learning-rate multipliers of single layers, by index (``{"1": 10.0}``): a deepened model's inserted layers
+    #: start silent (:mod:`acache_lab.train.expand`) and, trained at the base rate, stay nearly so
+    layer_lr_scale: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -239,6 +252,18 @@ class TrainConfig:
         if self.affix_anchored > 0 and (self.affix_isolation == 0 or self.context_mask_rate > 0):
             raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0), and its "
                              "anchors' two copies must agree, so context_mask_rate must be 0")
+        self.layer_lr_scale = {str(k): v for k, v in self.layer_lr_scale.items()}
+        for index, scale in self.layer_lr_scale.items():
+            if not index.isdigit() or int(index) >= self.model.layers:
+                raise ValueError(f"layer_lr_scale: {index!r} is not a layer of a {self.model.layers}-layer model "
+                                 f"(0 to {self.model.layers - 1})")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+                raise ValueError(f"layer_lr_scale[{index!r}] must be a positive number, not {scale!r}")
+        if not self.affix_distill >= 0.0:  # NaN too
+            raise ValueError(f"affix_distill is a loss weight >= 0, not {self.affix_distill}")
+        if self.affix_distill > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
+            raise ValueError("affix_distill pulls the isolated rows towards their in-context states: it needs "
+                             "affix_isolation > 0 and no anchored rows (affix_anchored 0)")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
@@ -423,6 +448,30 @@ def training_logits(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tens
     return model.logits(model(ids, positions, valid).hidden)
 
 
+def layer_states(model: DiffusionLM, ids: torch.Tensor, positions: torch.Tensor,
+                 attention: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's output states ``[B, T, hidden]`` of an attention family's forward (the last one before the
+    final norm), under ``attention`` (``valid`` or a per-query mask)."""
+    out = model.run_layers(model.embed(ids), positions, attention, None, range(len(model.layers)),
+                           capture_inputs=True)
+    return out.layer_inputs[1:]
+
+
+def reuse_distillation(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor],
+                       columns: torch.Tensor) -> torch.Tensor:
+    """How far the isolated forward's states are from the in-context ones at ``columns [B, T]``: each column's
+    squared error relative to the in-context state's squared norm, averaged over the columns and the layers
+    (zero with no column). Under isolation only the affixes' own attention changes, so these columns carry
+    everything direct reuse gets wrong."""
+    if not bool(columns.any()):
+        return student[0].new_zeros((), dtype=torch.float32)
+    terms = []
+    for s, t in zip(student, teacher, strict=True):
+        s, t = s[columns].float(), t[columns].float()
+        terms.append(((s - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-6)).mean())
+    return torch.stack(terms).mean()
+
+
 def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, weighting: str) -> torch.Tensor:
     """Per-token loss weights ``[B, T]``: zero where not masked; ``1/t`` or answer length / masked count."""
     if weighting == "inverse_t":
@@ -435,7 +484,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
                           eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
-                          ) -> torch.Tensor:
+                          distill: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -447,6 +496,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``). ``attention``
     (default ``valid``) is what the forward attends with: a ``[B, T, T]`` mask trains rows under direct reuse, a
     :class:`~acache_lab.train.isolation.LayeredMask` rows as ACache's one-pass refresh serves them.
+    ``distill`` ``(weight, columns [B, T])`` adds ``weight`` times :func:`reuse_distillation` of this forward's
+    states at ``columns`` against a no-gradient forward of the same noisy rows attending with ``valid``.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -466,7 +517,17 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if context_mask_rate > 0:
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    logits = training_logits(model, noisy, positions, valid if attention is None else attention)
+    attention = valid if attention is None else attention
+    if distill is not None:
+        if isinstance(attention, LayeredMask) or hasattr(model, "train_logits"):
+            raise ValueError("distill compares an attention family's isolated rows with their in-context forward, "
+                             "not a one-pass refresh or a state-cache family")
+        states = layer_states(model, noisy, positions, attention)
+        with torch.no_grad():
+            teacher = layer_states(model, noisy, positions, valid)
+        logits = model.logits(model.norm(states[-1]))
+    else:
+        logits = training_logits(model, noisy, positions, attention)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0:
@@ -475,7 +536,10 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         context = valid & ~answer
         weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
                              weight / context.sum(-1, keepdim=True).clamp_min(1))
-    return (ce * weight).sum() / b
+    loss = (ce * weight).sum() / b
+    if distill is not None:
+        loss = loss + distill[0] * reuse_distillation(states, teacher, distill[1])
+    return loss
 
 
 class Probe:
@@ -566,6 +630,18 @@ def start_from_(model: DiffusionLM, path: str | Path) -> None:
 RESUME_FILE = "resume_state.pt"
 
 
+def param_groups(model: DiffusionLM, weight_decay: float, layer_lr_scale: dict[str, float]) -> list[dict]:
+    """The optimiser's groups: matrices with ``weight_decay``, the rest without, each split by the learning-rate
+    multiplier of its layer (``lr_scale``, 1 outside ``layer_lr_scale``'s layers)."""
+    scaled = {f"layers.{index}.": scale for index, scale in layer_lr_scale.items()}
+    groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        scale = next((v for prefix, v in scaled.items() if name.startswith(prefix)), 1.0)
+        groups.setdefault((param.dim() >= 2, float(scale)), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0, "lr_scale": scale}
+            for (decays, scale), params in groups.items()]
+
+
 def _resumable(config: dict) -> dict:
     """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
     machine's budget that decides where a run stops, never what a step computes."""
@@ -590,11 +666,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     if config.init_from:
         start_from_(model, config.init_from)
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.98),
-                            eps=config.adam_eps)
+    opt = torch.optim.AdamW(param_groups(model, config.weight_decay, config.layer_lr_scale), lr=config.lr,
+                            betas=(0.9, 0.98), eps=config.adam_eps)
 
     batcher = Batcher(config, tokenizer)
     probe = Probe(config, batcher) if config.eval_every else None
@@ -665,8 +738,10 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     that the engine's front ends serve them by direct reuse by default (``ModelConfig.affix_training``)."""
     anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio,
                 "affix_anchor_pass": config.affix_anchor_pass} if config.affix_anchored > 0 else {}
+    distilled = {"affix_distill": config.affix_distill} if config.affix_distill > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
-                               "init_from": config.init_from, "layouts": list(config.layouts), **anchored})
+                               "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
+                               **distilled})
 
 
 def write_affix_training(out: str | Path, record: dict) -> None:
@@ -687,7 +762,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                 or step == config.stop_after:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)
         batch = batcher.batch(step)
         ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         isolated = anchored = None
@@ -701,13 +776,17 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         else:
             attention = batch.attention(isolated)
+        distill = None
+        if config.affix_distill > 0:  # the isolated rows' columns outside their affixes
+            spans = [row if keep else () for row, keep in zip(batch.spans, isolated.tolist(), strict=True)]
+            distill = (config.affix_distill, valid & (span_owners(valid, spans) == 0) & isolated[:, None])
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, attention)
+                                         config.eos_weight, attention, distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

@@ -14,7 +14,18 @@ import torch
 from acache.paths import SHIPPED_MODEL
 from acache_lab.tasks.render import build_word_tokenizer
 from acache_lab.train.isolation import LayeredMask
-from acache_lab.train.trainer import Batcher, ModelShape, Probe, Stage, TrainConfig, loss_weights, train
+from acache_lab.train.trainer import (
+    Batcher,
+    ModelShape,
+    Probe,
+    Stage,
+    TrainConfig,
+    layer_states,
+    loss_weights,
+    masked_diffusion_loss,
+    reuse_distillation,
+    train,
+)
 
 
 def test_short_training_run_lowers_the_loss(tmp_path):
@@ -158,6 +169,109 @@ def test_one_pass_anchored_rows_copy_their_affixes_and_train(tmp_path):
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
 
+def test_reuse_distillation_is_the_relative_error_at_the_given_columns():
+    """Per column and layer ``||s - t||^2 / ||t||^2``, averaged over the columns, then over the layers."""
+    student = [torch.tensor([[[1.0, 0.0], [3.0, 4.0]]]), torch.tensor([[[0.0, 2.0], [1.0, 1.0]]])]
+    teacher = [torch.tensor([[[1.0, 1.0], [3.0, 4.0]]]), torch.tensor([[[0.0, 1.0], [2.0, 2.0]]])]
+    first = torch.tensor([[True, False]])
+    assert float(reuse_distillation(student, teacher, first)) == pytest.approx((1 / 2 + 1 / 1) / 2)
+    both = torch.ones(1, 2, dtype=torch.bool)
+    assert float(reuse_distillation(student, teacher, both)) == pytest.approx(((0.5 + 0) / 2 + (1 + 2 / 8) / 2) / 2)
+    assert float(reuse_distillation(student, teacher, torch.zeros(1, 2, dtype=torch.bool))) == 0.0
+    assert float(reuse_distillation(teacher, teacher, both)) == 0.0
+
+
+def _distill_setup(layers: int = 3):
+    config = TrainConfig(model=ModelShape(layers=layers, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("qa1",), min_sentences=2, max_sentences=3, batch_size=6, bf16=False,
+                         affix_isolation=0.5, affix_distill=1.0)
+    tok = build_word_tokenizer()
+    batcher = Batcher(config, tok)
+    from acache.models.checkpoint import family_model
+    from acache_lab.train.trainer import init_for_training_
+
+    model = family_model("llada", tok.get_vocab_size(with_added_tokens=True), batcher.mask, batcher.eos, layers=layers,
+                         hidden_size=32, heads=2, intermediate_size=64, max_seq_len=256)
+    init_for_training_(model, 0, 0.2, 1.0, torch.Generator().manual_seed(0))
+    return config, batcher, model, batcher.batch(0)
+
+
+def test_distillation_adds_its_term_on_the_isolated_rows_only():
+    """With ``distill`` the loss is the masked-diffusion loss plus the weight times the isolated forward's distance
+    from the in-context one at the given columns; rows attending in context add nothing, and the columns outside
+    the affixes agree after layer 0 (its keys are context-free) but not after the later layers."""
+    from acache_lab.train.isolation import span_owners
+
+    _, batcher, model, batch = _distill_setup()
+    isolated = torch.tensor([True, False] * 3)
+    attention = batch.attention(isolated)
+    spans = [row if keep else () for row, keep in zip(batch.spans, isolated.tolist(), strict=True)]
+    outside = batch.valid & (span_owners(batch.valid, spans) == 0)
+    columns = outside & isolated[:, None]
+
+    def loss(distill):
+        return masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                                     torch.Generator().manual_seed(3), attention=attention, distill=distill)
+
+    with torch.no_grad():
+        plain = loss(None)
+        noisy_term = loss((2.5, columns)) - plain
+        assert float(loss((2.5, outside & ~isolated[:, None]))) == pytest.approx(float(plain), abs=1e-6)
+        student = layer_states(model, batch.ids, batch.positions, attention)
+        teacher = layer_states(model, batch.ids, batch.positions, batch.valid)
+    assert float(noisy_term) > 1e-4
+    assert torch.allclose(student[0][columns], teacher[0][columns], atol=1e-5)
+    assert all(float(reuse_distillation([s], [t], columns)) > 1e-4 for s, t in zip(student[1:], teacher[1:],
+                                                                                    strict=True))
+    assert float(reuse_distillation(student, teacher, outside & ~isolated[:, None])) < 1e-10
+
+
+def test_distillation_trains_the_isolated_forward_towards_the_in_context_one():
+    """The term's gradient reaches the isolated forward (the in-context one is the fixed target): minimising it alone
+    on one batch brings the isolated states at the question's columns halfway to the in-context ones or nearer."""
+    from acache_lab.train.isolation import span_owners
+
+    _, _, model, batch = _distill_setup()
+    every = torch.ones(len(batch.ids), dtype=torch.bool)
+    attention = batch.attention(every)
+    columns = batch.valid & (span_owners(batch.valid, list(batch.spans)) == 0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    terms = []
+    for _ in range(40):
+        with torch.no_grad():
+            teacher = layer_states(model, batch.ids, batch.positions, batch.valid)
+        term = reuse_distillation(layer_states(model, batch.ids, batch.positions, attention), teacher, columns)
+        opt.zero_grad()
+        term.backward()
+        opt.step()
+        terms.append(term.item())
+    assert terms[-1] < 0.5 * terms[0], terms
+
+
+def test_distilled_rows_train_and_the_checkpoint_records_it(tmp_path):
+    config = TrainConfig(out=str(tmp_path / "m"), steps=30, batch_size=8, lr=3e-3, warmup=5, log_every=10,
+                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("qa1",), min_sentences=2, max_sentences=3, bf16=False, eval_every=15,
+                         eval_examples=6, affix_isolation=0.5, affix_distill=2.0)
+    summary = train(config, progress=False)
+    from acache.models.loader import read_config
+
+    record = read_config(tmp_path / "m")[1].affix_training
+    assert record == {"affix_isolation": 0.5, "steps": 30, "init_from": None, "layouts": list(config.layouts),
+                      "affix_distill": 2.0}
+    losses = [r["loss"] for r in summary["log"]]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+
+
+def test_distillation_refuses_a_one_pass_mask():
+    _, batcher, model, batch = _distill_setup()
+    mask = LayeredMask(batch.valid[:, None, :].expand(-1, batch.ids.shape[1], -1), batch.attention(None)[:, None, :]
+                       .expand(-1, batch.ids.shape[1], -1), 1)
+    with pytest.raises(ValueError, match="distill compares an attention family's isolated rows"):
+        masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                              torch.Generator().manual_seed(0), attention=mask, distill=(1.0, batch.valid))
+
+
 def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
     stages = [{"steps": 3, "tasks": ["bind"], "min_sentences": 2, "max_sentences": 4, "answer_masking": "all"},
               {"steps": 5, "tasks": ["qa1", "arith"], "min_sentences": 6, "max_sentences": 6}]
@@ -286,6 +400,34 @@ def test_init_from_starts_at_a_checkpoint(tmp_path):
         train(wider, progress=False)
     with pytest.raises(FileNotFoundError, match="init_from: no checkpoint at"):
         train(TrainConfig(out=str(tmp_path / "d"), steps=1, init_from=str(tmp_path / "missing")), progress=False)
+
+
+def test_a_layers_learning_rate_scale_applies_to_that_layer_only(tmp_path):
+    """``layer_lr_scale``: a layer's parameters step at the base rate times its multiplier, every other parameter
+    at the base rate, decayed or not as before."""
+    from acache.models.loader import load_model
+
+    shape = ModelShape(layers=3, hidden_size=32, heads=2, intermediate_size=64)
+    first = TrainConfig(out=str(tmp_path / "a"), steps=2, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
+                        model=shape)
+    train(first, progress=False)
+    frozen = TrainConfig(out=str(tmp_path / "b"), steps=4, batch_size=2, lr=1e-2, warmup=1, bf16=False,
+                         tasks=("qa1",), model=shape, init_from=str(tmp_path / "a"), layer_lr_scale={"1": 1e-9},
+                         weight_decay=0.0)
+    train(frozen, progress=False)
+    a, b = dict(load_model(tmp_path / "a").named_parameters()), dict(load_model(tmp_path / "b").named_parameters())
+    moved = {name: float((a[name] - b[name]).abs().max()) for name in a}
+    assert all(v < 1e-6 for name, v in moved.items() if name.startswith("layers.1.")), moved
+    assert all(moved[f"layers.{i}.q_proj.weight"] > 1e-3 for i in (0, 2)), moved
+    from acache_lab.train.trainer import param_groups
+
+    model = load_model(tmp_path / "a")
+    groups = param_groups(model, 0.1, {"1": 4.0})
+    assert sorted((g["weight_decay"], g["lr_scale"]) for g in groups) == [(0.0, 1.0), (0.0, 4.0), (0.1, 1.0),
+                                                                          (0.1, 4.0)]
+    scaled = {id(p) for g in groups if g["lr_scale"] == 4.0 for p in g["params"]}
+    assert scaled == {id(p) for name, p in model.named_parameters() if name.startswith("layers.1.")}
+    assert all((p.dim() >= 2) == (g["weight_decay"] == 0.1) for g in groups for p in g["params"])
 
 
 def test_stop_after_cuts_a_run_short_on_the_full_runs_schedule(tmp_path):
@@ -478,6 +620,19 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(affix_anchored=0.5)
     with pytest.raises(ValueError, match="affix_anchor_pass must be one of one, two, not 'three'"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_pass="three")
+    for weight in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="affix_distill is a loss weight >= 0"):
+            TrainConfig(affix_isolation=0.5, affix_distill=weight)
+    with pytest.raises(ValueError, match="affix_distill pulls the isolated rows .* needs affix_isolation > 0"):
+        TrainConfig(affix_distill=1.0)
+    with pytest.raises(ValueError, match="and no anchored rows"):
+        TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_distill=1.0)
+    for index in ("4", "-1", "one"):
+        with pytest.raises(ValueError, match=f"layer_lr_scale: '{index}' is not a layer of a 4-layer model"):
+            TrainConfig(layer_lr_scale={index: 2.0})
+    for scale in (0.0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"layer_lr_scale\['1'\] must be a positive number"):
+            TrainConfig(layer_lr_scale={"1": scale})
     with pytest.raises(ValueError, match="context_mask_rate must be 0"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, context_mask_rate=0.1)
     with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
