@@ -2,7 +2,7 @@
 
 A deepened model (:mod:`acache_lab.train.expand`) starts with silent inserted layers; whether training woke them is
 what says whether a run tested depth at all (docs/accuracy.md, "A thirteenth run"). Averaged over the tokens of
-held-out prompts of the study's tasks, each in context with its answer masked.
+held-out prompts of the short study's three tasks (qa1, arithmetic, two-hop), each in context with its answer masked.
 
     python -m acache_lab.probes.layer_updates --model build/affix-deep build/affix-deep-v13
 """
@@ -13,9 +13,10 @@ import argparse
 from collections.abc import Sequence
 
 import torch
+from tokenizers import Tokenizer
 
 from acache.models.base import DiffusionLM
-from acache_lab.tasks.generators import TASKS, held_out
+from acache_lab.tasks.generators import TASKS, Example, held_out
 
 
 @torch.no_grad()
@@ -38,7 +39,8 @@ def layer_updates(model: DiffusionLM, prompts: Sequence[Sequence[int]]) -> list[
     return (total / count).tolist()
 
 
-def task_prompts_in_context(tokenizer, examples, mask_id: int, eos_id: int) -> list[list[int]]:
+def task_prompts_in_context(tokenizer: Tokenizer, examples: Sequence[Example], mask_id: int,
+                            eos_id: int) -> list[list[int]]:
     """Each example's prefix-layout prompt with its generation region masked (the canvas a first step decodes)."""
     from acache_lab.tasks.render import ANSWER_LENGTHS, render
 

@@ -156,7 +156,8 @@ class TrainConfig:
     #: computes in context at every depth, not only the answer it should reach; 0 trains none
     affix_distill: float = 0.0
     #: learning-rate multipliers of single layers, by index (``{"1": 10.0}``): a deepened model's inserted layers
-    #: start silent (:mod:`acache_lab.train.expand`) and, trained at the base rate, stay nearly so
+    #: start silent (:mod:`acache_lab.train.expand`) and, trained at the base rate, stay nearly so. AdamW's weight
+    #: decay scales with the rate, so a layer's decay is multiplied too
     layer_lr_scale: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -252,15 +253,23 @@ class TrainConfig:
         if self.affix_anchored > 0 and (self.affix_isolation == 0 or self.context_mask_rate > 0):
             raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0), and its "
                              "anchors' two copies must agree, so context_mask_rate must be 0")
-        self.layer_lr_scale = {str(k): v for k, v in self.layer_lr_scale.items()}
+        if not isinstance(self.layer_lr_scale, dict):
+            raise ValueError(f"layer_lr_scale maps layer indices to multipliers, not {self.layer_lr_scale!r}")
+        scales: dict[str, float] = {}
         for index, scale in self.layer_lr_scale.items():
-            if not index.isdigit() or int(index) >= self.model.layers:
-                raise ValueError(f"layer_lr_scale: {index!r} is not a layer of a {self.model.layers}-layer model "
+            key = str(index)
+            if not key.isdigit() or int(key) >= self.model.layers:
+                raise ValueError(f"layer_lr_scale: {key!r} is not a layer of a {self.model.layers}-layer model "
                                  f"(0 to {self.model.layers - 1})")
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-                raise ValueError(f"layer_lr_scale[{index!r}] must be a positive number, not {scale!r}")
-        if not self.affix_distill >= 0.0:  # NaN too
-            raise ValueError(f"affix_distill is a loss weight >= 0, not {self.affix_distill}")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+                raise ValueError(f"layer_lr_scale[{key!r}] must be a positive finite number, not {scale!r}")
+            if str(int(key)) in scales:
+                raise ValueError(f"layer_lr_scale names layer {int(key)} twice")
+            scales[str(int(key))] = float(scale)
+        self.layer_lr_scale = scales
+        if isinstance(self.affix_distill, bool) or not isinstance(self.affix_distill, (int, float)) \
+                or not 0.0 <= self.affix_distill < math.inf:
+            raise ValueError(f"affix_distill is a loss weight >= 0, not {self.affix_distill!r}")
         if self.affix_distill > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
             raise ValueError("affix_distill pulls the isolated rows towards their in-context states: it needs "
                              "affix_isolation > 0 and no anchored rows (affix_anchored 0)")
@@ -462,7 +471,8 @@ def reuse_distillation(student: Sequence[torch.Tensor], teacher: Sequence[torch.
     """How far the isolated forward's states are from the in-context ones at ``columns [B, T]``: each column's
     squared error relative to the in-context state's squared norm, averaged over the columns and the layers
     (zero with no column). Under isolation only the affixes' own attention changes, so these columns carry
-    everything direct reuse gets wrong."""
+    everything direct reuse gets wrong. Layer 0's keys are context-free, so its term is zero and an ``L``-layer
+    mean is ``(L - 1) / L`` of the mean over the layers that can differ."""
     if not bool(columns.any()):
         return student[0].new_zeros((), dtype=torch.float32)
     terms = []
@@ -518,13 +528,15 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     attention = valid if attention is None else attention
+    teacher = None
     if distill is not None:
         if isinstance(attention, LayeredMask) or hasattr(model, "train_logits"):
             raise ValueError("distill compares an attention family's isolated rows with their in-context forward, "
                              "not a one-pass refresh or a state-cache family")
         states = layer_states(model, noisy, positions, attention)
+        rows = distill[1].any(-1)  # the in-context forward runs only the rows the term reads
         with torch.no_grad():
-            teacher = layer_states(model, noisy, positions, valid)
+            teacher = layer_states(model, noisy[rows], positions[rows], valid[rows]) if bool(rows.any()) else None
         logits = model.logits(model.norm(states[-1]))
     else:
         logits = training_logits(model, noisy, positions, attention)
@@ -537,8 +549,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
                              weight / context.sum(-1, keepdim=True).clamp_min(1))
     loss = (ce * weight).sum() / b
-    if distill is not None:
-        loss = loss + distill[0] * reuse_distillation(states, teacher, distill[1])
+    if teacher is not None:
+        loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     return loss
 
 

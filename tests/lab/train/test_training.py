@@ -209,17 +209,21 @@ def test_distillation_adds_its_term_on_the_isolated_rows_only():
     outside = batch.valid & (span_owners(batch.valid, spans) == 0)
     columns = outside & isolated[:, None]
 
-    def loss(distill):
+    def loss(distill):  # every answer column masked: the noisy rows are known
         return masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
-                                     torch.Generator().manual_seed(3), attention=attention, distill=distill)
+                                     torch.Generator().manual_seed(3), masking="all", attention=attention,
+                                     distill=distill)
 
+    noisy = torch.where(batch.answer, torch.full_like(batch.ids, batcher.mask), batch.ids)
     with torch.no_grad():
         plain = loss(None)
         noisy_term = loss((2.5, columns)) - plain
         assert float(loss((2.5, outside & ~isolated[:, None]))) == pytest.approx(float(plain), abs=1e-6)
+        want = reuse_distillation(layer_states(model, noisy, batch.positions, attention),
+                                  layer_states(model, noisy, batch.positions, batch.valid), columns)
         student = layer_states(model, batch.ids, batch.positions, attention)
         teacher = layer_states(model, batch.ids, batch.positions, batch.valid)
-    assert float(noisy_term) > 1e-4
+    assert float(want) > 1e-4 and float(noisy_term) == pytest.approx(2.5 * float(want), rel=1e-4)
     assert torch.allclose(student[0][columns], teacher[0][columns], atol=1e-5)
     assert all(float(reuse_distillation([s], [t], columns)) > 1e-4 for s, t in zip(student[1:], teacher[1:],
                                                                                     strict=True))
@@ -246,6 +250,41 @@ def test_distillation_trains_the_isolated_forward_towards_the_in_context_one():
         opt.step()
         terms.append(term.item())
     assert terms[-1] < 0.5 * terms[0], terms
+
+
+def test_distillation_differentiates_the_isolated_forward_only():
+    """Through ``masked_diffusion_loss`` the term's gradient is that of the isolated states against a fixed
+    in-context target: the gradient of the loss with it equals the plain loss's plus the weight times the gradient
+    of :func:`reuse_distillation` with the target detached (a target left in the graph, or a detached isolated
+    forward, gives another gradient)."""
+    from acache_lab.train.isolation import span_owners
+
+    _, batcher, model, batch = _distill_setup()
+    isolated = torch.tensor([True, True, False] * 2)
+    attention = batch.attention(isolated)
+    spans = [row if keep else () for row, keep in zip(batch.spans, isolated.tolist(), strict=True)]
+    columns = batch.valid & (span_owners(batch.valid, spans) == 0) & isolated[:, None]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads(distill):
+        loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                                     torch.Generator().manual_seed(1), masking="all", attention=attention,
+                                     distill=distill)
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    noisy = torch.where(batch.answer, torch.full_like(batch.ids, batcher.mask), batch.ids)
+    target = [x.detach() for x in layer_states(model, noisy, batch.positions, batch.valid)]
+    term = reuse_distillation(layer_states(model, noisy, batch.positions, attention), target, columns)
+    term_grads = torch.autograd.grad(term, params, allow_unused=True)
+    got, plain = grads((0.7, columns)), grads(None)
+    checked = 0
+    for g, p0, t in zip(got, plain, term_grads, strict=True):
+        if g is None:
+            continue
+        want = (p0 if p0 is not None else 0) + 0.7 * (t if t is not None else 0)
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-7)
+        checked += 1
+    assert checked > 0 and any(t is not None and bool(t.abs().sum() > 0) for t in term_grads)
 
 
 def test_distilled_rows_train_and_the_checkpoint_records_it(tmp_path):
@@ -620,7 +659,7 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(affix_anchored=0.5)
     with pytest.raises(ValueError, match="affix_anchor_pass must be one of one, two, not 'three'"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_pass="three")
-    for weight in (-1.0, float("nan")):
+    for weight in (-1.0, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="affix_distill is a loss weight >= 0"):
             TrainConfig(affix_isolation=0.5, affix_distill=weight)
     with pytest.raises(ValueError, match="affix_distill pulls the isolated rows .* needs affix_isolation > 0"):
@@ -630,9 +669,14 @@ def test_bad_training_configs(tmp_path):
     for index in ("4", "-1", "one"):
         with pytest.raises(ValueError, match=f"layer_lr_scale: '{index}' is not a layer of a 4-layer model"):
             TrainConfig(layer_lr_scale={index: 2.0})
-    for scale in (0.0, -1.0, float("nan"), True, "2"):
-        with pytest.raises(ValueError, match=r"layer_lr_scale\['1'\] must be a positive number"):
+    for scale in (0.0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match=r"layer_lr_scale\['1'\] must be a positive finite number"):
             TrainConfig(layer_lr_scale={"1": scale})
+    with pytest.raises(ValueError, match="layer_lr_scale names layer 1 twice"):
+        TrainConfig(layer_lr_scale={"1": 2.0, "01": 3.0})
+    with pytest.raises(ValueError, match="layer_lr_scale maps layer indices to multipliers"):
+        TrainConfig(layer_lr_scale=[("1", 2.0)])
+    assert TrainConfig(layer_lr_scale={"01": 2, 3: 1.5}).layer_lr_scale == {"1": 2.0, "3": 1.5}
     with pytest.raises(ValueError, match="context_mask_rate must be 0"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, context_mask_rate=0.1)
     with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
