@@ -41,17 +41,18 @@ def layer_updates(model: DiffusionLM, prompts: Sequence[Sequence[int]]) -> list[
 
 def task_prompts_in_context(tokenizer: Tokenizer, examples: Sequence[Example], mask_id: int,
                             eos_id: int) -> list[list[int]]:
-    """Each example's prefix-layout prompt with its generation region masked (the canvas a first step decodes)."""
-    from acache_lab.tasks.render import ANSWER_LENGTHS, render
+    """Each example's prefix-layout training row with its answer masked (the canvas a first step decodes, as the
+    trainer's probe reads it)."""
+    from acache_lab.tasks.render import render
+    from acache_lab.train.trainer import answer_row
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
     out = []
     for example in examples:
-        prompt = render(example, "prefix", encode, eos_id).prompt
-        ids = list(prompt.token_ids)
-        out.append(ids[:prompt.gen_at] + [mask_id] * ANSWER_LENGTHS[example.task] + ids[prompt.gen_at:])
+        rendered = render(example, "prefix", encode, eos_id)
+        out.append(answer_row(rendered.prompt, [mask_id] * len(rendered.answer)).ids)
     return out
 
 
