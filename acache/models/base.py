@@ -359,6 +359,10 @@ class DiffusionLM(nn.Module):
             if valid is not None:
                 ok = ok & valid.gather(1, prev)
             index = torch.where(ok, prev, index)
-        h = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self.unembed(torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1])))
+
+    def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 predictions of states ``[..., hidden]`` as they are, each from its own state (no column shift):
+        the output embedding alone, which :meth:`logits` applies after choosing the columns."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return F.linear(hidden, weight).float()

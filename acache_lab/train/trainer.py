@@ -46,6 +46,7 @@ from acache_lab.train.isolation import (
     with_anchors,
     with_one_pass_anchors,
 )
+from acache_lab.train.neighbours import NeighbourHeads, neighbour_loss
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -159,6 +160,13 @@ class TrainConfig:
     #: start silent (:mod:`acache_lab.train.expand`) and, trained at the base rate, stay nearly so. AdamW's weight
     #: decay scales with the rate, so a layer's decay is multiplied too
     layer_lr_scale: dict[str, float] = field(default_factory=dict)
+    #: weight of a term under which each isolated affix token, at the output of layer ``affix_neighbour_layer``,
+    #: predicts the tokens up to ``affix_neighbour_span`` either side of it inside its affix
+    #: (:mod:`acache_lab.train.neighbours`): the affix's own states made to hold what a question computed alone
+    #: will look up there; 0 trains none
+    affix_neighbours: float = 0.0
+    affix_neighbour_layer: int = 1
+    affix_neighbour_span: int = 4
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -273,6 +281,19 @@ class TrainConfig:
         if self.affix_distill > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
             raise ValueError("affix_distill pulls the isolated rows towards their in-context states: it needs "
                              "affix_isolation > 0 and no anchored rows (affix_anchored 0)")
+        if isinstance(self.affix_neighbours, bool) or not isinstance(self.affix_neighbours, (int, float)) \
+                or not 0.0 <= self.affix_neighbours < math.inf:
+            raise ValueError(f"affix_neighbours is a loss weight >= 0, not {self.affix_neighbours!r}")
+        if self.affix_neighbours > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
+            raise ValueError("affix_neighbours trains the isolated rows' affix states: it needs affix_isolation > 0 "
+                             "and no anchored rows (affix_anchored 0)")
+        layer, reach = self.affix_neighbour_layer, self.affix_neighbour_span
+        if self.affix_neighbours > 0 and (isinstance(layer, bool) or not isinstance(layer, int)
+                                          or not 0 <= layer < self.model.layers):
+            raise ValueError(f"affix_neighbour_layer is the index of one of the model's {self.model.layers} layers, "
+                             f"not {layer!r}")
+        if self.affix_neighbours > 0 and (isinstance(reach, bool) or not isinstance(reach, int) or reach < 1):
+            raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
@@ -502,7 +523,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
                           eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
-                          distill: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
+                          distill: tuple[float, torch.Tensor] | None = None,
+                          neighbours: Neighbours | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -516,6 +538,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     :class:`~acache_lab.train.isolation.LayeredMask` rows as ACache's one-pass refresh serves them.
     ``distill`` ``(weight, columns [B, T])`` adds ``weight`` times :func:`reuse_distillation` of this forward's
     states at ``columns`` against a no-gradient forward of the same noisy rows attending with ``valid``.
+    ``neighbours`` adds its weight times :func:`~acache_lab.train.neighbours.neighbour_loss` of its layer's output
+    states on the clean ``ids``.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -536,17 +560,18 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     attention = valid if attention is None else attention
-    teacher = None
-    if distill is not None:
+    teacher = states = None
+    if distill is not None or neighbours is not None:
         if isinstance(attention, LayeredMask) or hasattr(model, "train_logits"):
-            raise ValueError("distill compares an attention family's isolated rows with their in-context forward, "
-                             "not a one-pass refresh or a state-cache family")
+            raise ValueError("distill and neighbours read an attention family's isolated rows layer by layer, not a "
+                             "one-pass refresh or a state-cache family")
         states = layer_states(model, noisy, positions, attention)
+        logits = model.logits(model.norm(states[-1]))
+    if distill is not None:
         rows = distill[1].any(-1)  # the in-context forward runs only the rows the term reads
         with torch.no_grad():
             teacher = layer_states(model, noisy[rows], positions[rows], valid[rows]) if bool(rows.any()) else None
-        logits = model.logits(model.norm(states[-1]))
-    else:
+    if states is None:
         logits = training_logits(model, noisy, positions, attention)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
     weight = loss_weights(masked, answer, t, weighting)
@@ -559,7 +584,21 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     loss = (ce * weight).sum() / b
     if teacher is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
+    if neighbours is not None:
+        loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
+                                                         neighbours.owner)
     return loss
+
+
+class Neighbours(NamedTuple):
+    """What :func:`masked_diffusion_loss` needs for the neighbour term: its ``weight``, the training-only
+    ``heads``, which ``layer``'s output states predict, and ``owner [B, T]``, the isolated rows' affix spans
+    (:func:`~acache_lab.train.isolation.span_owners`; 0 elsewhere)."""
+
+    weight: float
+    heads: NeighbourHeads
+    layer: int
+    owner: torch.Tensor
 
 
 class Probe:
@@ -686,8 +725,12 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     if config.init_from:
         start_from_(model, config.init_from)
     model.train()
-    opt = torch.optim.AdamW(param_groups(model, config.weight_decay, config.layer_lr_scale), lr=config.lr,
-                            betas=(0.9, 0.98), eps=config.adam_eps)
+    groups = param_groups(model, config.weight_decay, config.layer_lr_scale)
+    heads = None
+    if config.affix_neighbours > 0:  # training-only maps, in the optimiser and the resume state, never the checkpoint
+        heads = NeighbourHeads(shape.hidden_size, config.affix_neighbour_span).to(next(model.parameters()).device)
+        groups.append({"params": list(heads.parameters()), "weight_decay": 0.0, "lr_scale": 1.0})  # discarded after
+    opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98), eps=config.adam_eps)
 
     batcher = Batcher(config, tokenizer)
     probe = Probe(config, batcher) if config.eval_every else None
@@ -706,6 +749,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes may change)")
         start_from_(model, config.out)
+        if heads is not None:
+            heads.load_state_dict(state["neighbour_heads"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         batcher.restore(state["batcher"])
@@ -726,7 +771,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
-                                  started, steps_done, stop)
+                                  started, steps_done, stop, heads)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -747,7 +792,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         torch.save({"config": asdict(config), "optimizer": opt.state_dict(), "generator": gen.get_state(),
                     "batcher": batcher.state(),
                     "steps_done": steps_done, "train_time_s": summary["train_time_s"], "log": log,
-                    "probes": probes, "window": window}, out / RESUME_FILE)
+                    "probes": probes, "window": window,
+                    **({"neighbour_heads": heads.state_dict()} if heads is not None else {})}, out / RESUME_FILE)
     else:
         (out / RESUME_FILE).unlink(missing_ok=True)
     return summary
@@ -759,9 +805,11 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio,
                 "affix_anchor_pass": config.affix_anchor_pass} if config.affix_anchored > 0 else {}
     distilled = {"affix_distill": config.affix_distill} if config.affix_distill > 0 else {}
+    neighbours = {"affix_neighbours": config.affix_neighbours, "affix_neighbour_layer": config.affix_neighbour_layer,
+                  "affix_neighbour_span": config.affix_neighbour_span} if config.affix_neighbours > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
                                "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
-                               **distilled})
+                               **distilled, **neighbours})
 
 
 def write_affix_training(out: str | Path, record: dict) -> None:
@@ -774,9 +822,11 @@ def write_affix_training(out: str | Path, record: dict) -> None:
 
 
 def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,
-                 window: list, started: float, steps_done: int, stop: dict) -> int:
+                 window: list, started: float, steps_done: int, stop: dict,
+                 heads: NeighbourHeads | None = None) -> int:
     """The training loop from ``steps_done``; returns the steps done. A step under way when Ctrl-C comes
-    (``stop["asked"]``) finishes first, so the saved state is a whole step's."""
+    (``stop["asked"]``) finishes first, so the saved state is a whole step's. ``heads`` are the neighbour term's
+    maps when ``config.affix_neighbours`` trains one."""
     for step in bar:
         if stop["asked"] or time.perf_counter() - started > 60 * config.time_limit_minutes \
                 or step == config.stop_after:
@@ -796,16 +846,19 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         else:
             attention = batch.attention(isolated)
-        distill = None
+        distill = neighbours = None
         if config.affix_distill > 0:
             distill = (config.affix_distill, batch.outside_affixes(isolated))
+        if heads is not None:
+            neighbours = Neighbours(config.affix_neighbours, heads, config.affix_neighbour_layer,
+                                    span_owners(batch.valid, batch.isolated_spans(isolated)))
         # the math kernel: at these sequence lengths it trains ~25% faster on CPU than the fused one
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16), sdpa_kernel(SDPBackend.MATH):
             loss = masked_diffusion_loss(model, ids, answer, positions, valid, batcher.mask, gen,
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, attention, distill)
+                                         config.eos_weight, attention, distill, neighbours)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

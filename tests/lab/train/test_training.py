@@ -306,7 +306,7 @@ def test_distillation_refuses_a_one_pass_mask():
     _, batcher, model, batch = _distill_setup()
     mask = LayeredMask(batch.valid[:, None, :].expand(-1, batch.ids.shape[1], -1), batch.attention(None)[:, None, :]
                        .expand(-1, batch.ids.shape[1], -1), 1)
-    with pytest.raises(ValueError, match="distill compares an attention family's isolated rows"):
+    with pytest.raises(ValueError, match="distill and neighbours read an attention family's isolated rows"):
         masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
                               torch.Generator().manual_seed(0), attention=mask, distill=(1.0, batch.valid))
 
@@ -743,14 +743,17 @@ def test_shipped_model_answers_held_out_questions():
         (t, lay): True for t in ("qa1", "arith", "twohop") for lay in ("prefix", "infix", "suffix")}
 
 
-def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [{}, {"affix_isolation": 0.5, "affix_neighbours": 1.0, "affix_neighbour_layer": 0}],
+                         ids=["plain", "neighbour-term"])
+def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypatch, extra):
+    """The neighbour term's maps are trained state too: a resumed run restores them with the optimiser."""
     import os
     import signal
 
     def config(out):
         return TrainConfig(out=str(tmp_path / out), steps=6, batch_size=4, lr=3e-3, warmup=2, log_every=2,
                            model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64), tasks=("qa1",),
-                           min_sentences=2, max_sentences=2, bf16=False)
+                           min_sentences=2, max_sentences=2, bf16=False, **extra)
 
     straight = train(config("straight"), progress=False)
     real = Batcher.batch

@@ -1,0 +1,53 @@
+"""Neighbour prediction inside an isolated affix: a training-only term that rewards an affix token's states for
+naming the tokens around it.
+
+Under direct reuse the question can only read what the affix computed alone, so the binding it asks about
+("apple went to mary": which holder follows the object) must sit in the affix tokens' own states. Trained on the
+answer alone, neither half of that route pays before the other exists: an object's state gains nothing from
+holding its holder while no question looks it up, and a question gains nothing from looking up objects whose
+states hold nothing. From scratch such a model stays at chance on ``grab`` for 30,000 steps (docs/accuracy.md,
+"Neighbours named inside the affix"). This term pays for the first half on its own: at one layer's output, each
+isolated affix token predicts, through one linear map per offset and the model's own output embedding, the
+tokens at offsets ``-span..span`` inside its affix. The maps are discarded after training; the model keeps its
+shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NeighbourHeads(nn.Module):
+    """One ``hidden x hidden`` map per offset in ``-span..-1, 1..span``: what a token's state says of its
+    neighbour there, before the model's output embedding."""
+
+    def __init__(self, hidden_size: int, span: int) -> None:
+        super().__init__()
+        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+            raise ValueError(f"span is a positive number of tokens, not {span!r}")
+        self.offsets = tuple(o for o in range(-span, span + 1) if o)
+        self.maps = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in self.offsets)
+
+
+def neighbour_loss(model, heads: NeighbourHeads, states: torch.Tensor, ids: torch.Tensor,
+                   owner: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each affix column's neighbours, predicted from ``states [B, T, hidden]``: for every offset
+    ``o`` of ``heads``, the columns ``c`` with ``owner[b, c] > 0`` and ``owner[b, c + o] == owner[b, c]`` (the same
+    span of ``owner [B, T]``, :func:`~acache_lab.train.isolation.span_owners`) predict ``ids[b, c + o]``. The mean over
+    such pairs of each offset, averaged over the offsets that have any; zero when none has."""
+    t = ids.shape[1]
+    terms = []
+    for offset, lin in zip(heads.offsets, heads.maps, strict=True):
+        src = torch.arange(max(0, -offset), min(t, t - offset), device=ids.device)
+        if src.numel() == 0:
+            continue
+        pairs = (owner[:, src] > 0) & (owner[:, src] == owner[:, src + offset])
+        if not bool(pairs.any()):
+            continue
+        predicted = model.unembed(model.norm(lin(states[:, src][pairs])))
+        terms.append(F.cross_entropy(predicted, ids[:, src + offset][pairs]))
+    if not terms:
+        return states.new_zeros((), dtype=torch.float32)
+    return torch.stack(terms).mean()
