@@ -7,9 +7,9 @@ answer alone, neither half of that route pays before the other exists: an object
 holding its holder while no question looks it up, and a question gains nothing from looking up objects whose
 states hold nothing. From scratch such a model stays at chance on ``grab`` for 30,000 steps (docs/accuracy.md,
 "Neighbours named inside the affix"). This term pays for the first half on its own: at one layer's output, each
-isolated affix token predicts, through one linear map per offset and the model's own output embedding, the
-tokens at offsets ``-span..span`` inside its affix. The maps are discarded after training; the model keeps its
-shape.
+isolated affix token predicts, through one linear map per offset and the model's own final norm and output
+embedding, the tokens at offsets ``-span..-1`` and ``1..span`` inside its affix. The maps are discarded after
+training, so the model keeps its shape; the norm and the embedding it shares are trained by the term too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from acache.models.base import DiffusionLM
 
 
 class NeighbourHeads(nn.Module):
@@ -31,7 +33,7 @@ class NeighbourHeads(nn.Module):
         self.maps = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in self.offsets)
 
 
-def neighbour_loss(model, heads: NeighbourHeads, states: torch.Tensor, ids: torch.Tensor,
+def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tensor, ids: torch.Tensor,
                    owner: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each affix column's neighbours, predicted from ``states [B, T, hidden]``: for every offset
     ``o`` of ``heads``, the columns ``c`` with ``owner[b, c] > 0`` and ``owner[b, c + o] == owner[b, c]`` (the same
@@ -41,13 +43,12 @@ def neighbour_loss(model, heads: NeighbourHeads, states: torch.Tensor, ids: torc
     terms = []
     for offset, lin in zip(heads.offsets, heads.maps, strict=True):
         src = torch.arange(max(0, -offset), min(t, t - offset), device=ids.device)
-        if src.numel() == 0:
+        rows, at = ((owner[:, src] > 0) & (owner[:, src] == owner[:, src + offset])).nonzero(as_tuple=True)
+        if rows.numel() == 0:
             continue
-        pairs = (owner[:, src] > 0) & (owner[:, src] == owner[:, src + offset])
-        if not bool(pairs.any()):
-            continue
-        predicted = model.unembed(model.norm(lin(states[:, src][pairs])))
-        terms.append(F.cross_entropy(predicted, ids[:, src + offset][pairs]))
+        cols = src[at]
+        predicted = model.unembed(model.norm(lin(states[rows, cols])))
+        terms.append(F.cross_entropy(predicted, ids[rows, cols + offset]))
     if not terms:
         return states.new_zeros((), dtype=torch.float32)
     return torch.stack(terms).mean()

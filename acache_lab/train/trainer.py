@@ -287,12 +287,15 @@ class TrainConfig:
         if self.affix_neighbours > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
             raise ValueError("affix_neighbours trains the isolated rows' affix states: it needs affix_isolation > 0 "
                              "and no anchored rows (affix_anchored 0)")
+        if self.affix_neighbours > 0 and self.context_mask_rate > 0:
+            raise ValueError("affix_neighbours trains clean affix tokens, as the cache holds them: context_mask_rate "
+                             "must be 0")
         layer, reach = self.affix_neighbour_layer, self.affix_neighbour_span
-        if self.affix_neighbours > 0 and (isinstance(layer, bool) or not isinstance(layer, int)
-                                          or not 0 <= layer < self.model.layers):
+        if isinstance(layer, bool) or not isinstance(layer, int) or (self.affix_neighbours > 0 and not
+                                                                     0 <= layer < self.model.layers):
             raise ValueError(f"affix_neighbour_layer is the index of one of the model's {self.model.layers} layers, "
                              f"not {layer!r}")
-        if self.affix_neighbours > 0 and (isinstance(reach, bool) or not isinstance(reach, int) or reach < 1):
+        if isinstance(reach, bool) or not isinstance(reach, int) or reach < 1:
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
@@ -585,6 +588,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if teacher is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     if neighbours is not None:
+        if neighbours.owner.shape != ids.shape:
+            raise ValueError(f"neighbours' owner {tuple(neighbours.owner.shape)} does not match the batch's ids "
+                             f"{tuple(ids.shape)}")
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
                                                          neighbours.owner)
     return loss
@@ -703,7 +709,8 @@ def param_groups(model: DiffusionLM, weight_decay: float, layer_lr_scale: dict[s
 
 def _resumable(config: dict) -> dict:
     """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
-    machine's budget that decides where a run stops, never what a step computes."""
+    machine's budget that decides where a run stops, never what a step computes. A resume state written before an
+    option existed is read with that option at its default, which trains as the code did before it."""
     return {k: v for k, v in config.items() if k != "time_limit_minutes"}
 
 
@@ -745,7 +752,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             raise FileNotFoundError(f"nothing to resume in {config.out}: no {RESUME_FILE} (only a run stopped "
                                     "with Ctrl-C leaves one)")
         state = torch.load(state_file, weights_only=False)
-        if _resumable(state["config"]) != _resumable(asdict(config)):
+        if _resumable({**asdict(TrainConfig()), **state["config"]}) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes may change)")
         start_from_(model, config.out)
@@ -861,7 +868,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                                          config.eos_weight, attention, distill, neighbours)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)  # the model's; the maps are discarded
         opt.step()
         steps_done = step + 1
         window.append(loss.item())

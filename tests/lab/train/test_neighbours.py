@@ -174,6 +174,16 @@ def test_the_term_trains_the_affix_states_to_name_their_neighbours():
     assert terms[-1] < 0.5 * terms[0], terms
 
 
+def test_owners_of_another_shape_are_refused():
+    batcher, model = _model()
+    batch = batcher.batch(0)
+    owner = span_owners(batch.valid, list(batch.spans))[:, :-1]
+    with pytest.raises(ValueError, match=r"neighbours' owner \(6, \d+\) does not match the batch's ids"):
+        masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                              torch.Generator().manual_seed(0), attention=batch.attention(None),
+                              neighbours=Neighbours(1.0, NeighbourHeads(32, 1), 0, owner))
+
+
 def test_a_one_pass_mask_is_refused():
     batcher, model = _model()
     batch = batcher.batch(0)
@@ -221,4 +231,11 @@ def test_bad_neighbour_settings_are_refused_by_name():
     for span in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="affix_neighbour_span is a positive number of tokens"):
             TrainConfig(affix_isolation=0.5, affix_neighbours=1.0, affix_neighbour_span=span)
+    # a setting of the wrong type is refused with the term off too; a layer the model lacks is not (it reads none)
+    for bad in ({"affix_neighbour_layer": "1"}, {"affix_neighbour_span": "x"}):
+        with pytest.raises(ValueError, match="affix_neighbour_(layer|span) is"):
+            TrainConfig(**bad)
+    assert TrainConfig(model=ModelShape(layers=1)).affix_neighbour_layer == 1
+    with pytest.raises(ValueError, match="affix_neighbours trains clean affix tokens, as the cache holds them"):
+        TrainConfig(affix_isolation=0.5, affix_neighbours=1.0, context_mask_rate=0.1)
     assert TrainConfig(affix_isolation=0.5, affix_neighbours=2, affix_neighbour_layer=3).affix_neighbour_layer == 3

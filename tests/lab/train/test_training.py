@@ -766,7 +766,16 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
     monkeypatch.setattr(Batcher, "batch", batch)
     stopped = train(config("stopped"), progress=False)
     assert stopped["interrupted"] and stopped["steps_done"] == 4
-    assert (tmp_path / "stopped" / "resume_state.pt").is_file()
+    state_file = tmp_path / "stopped" / "resume_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    if extra:  # the maps are optimised: their group, the last, has moments
+        heads = state["optimizer"]["param_groups"][-1]["params"]
+        assert len(heads) == 8 and all(bool(state["optimizer"]["state"][i]["exp_avg"].abs().sum() > 0) for i in heads)
+        assert set(state["neighbour_heads"]) == {f"maps.{i}.weight" for i in range(8)}
+    else:  # a state written before the neighbour options existed resumes with them at their defaults
+        for key in ("affix_neighbours", "affix_neighbour_layer", "affix_neighbour_span"):
+            del state["config"][key]
+        torch.save(state, state_file)
     monkeypatch.setattr(Batcher, "batch", real)
     with pytest.raises(ValueError, match="another config"):
         train(TrainConfig(**{**asdict(config("stopped")), "lr": 1e-3, "model": config("stopped").model}),
