@@ -275,18 +275,13 @@ class TrainConfig:
                 raise ValueError(f"layer_lr_scale names layer {int(key)} twice")
             scales[str(int(key))] = float(scale)
         self.layer_lr_scale = scales
-        if isinstance(self.affix_distill, bool) or not isinstance(self.affix_distill, (int, float)) \
-                or not 0.0 <= self.affix_distill < math.inf:
-            raise ValueError(f"affix_distill is a loss weight >= 0, not {self.affix_distill!r}")
-        if self.affix_distill > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
-            raise ValueError("affix_distill pulls the isolated rows towards their in-context states: it needs "
-                             "affix_isolation > 0 and no anchored rows (affix_anchored 0)")
-        if isinstance(self.affix_neighbours, bool) or not isinstance(self.affix_neighbours, (int, float)) \
-                or not 0.0 <= self.affix_neighbours < math.inf:
-            raise ValueError(f"affix_neighbours is a loss weight >= 0, not {self.affix_neighbours!r}")
-        if self.affix_neighbours > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
-            raise ValueError("affix_neighbours trains the isolated rows' affix states: it needs affix_isolation > 0 "
-                             "and no anchored rows (affix_anchored 0)")
+        for name, what in (("affix_distill", "pulls the isolated rows towards their in-context states"),
+                           ("affix_neighbours", "trains the isolated rows' affix states")):
+            weight = getattr(self, name)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight < math.inf:
+                raise ValueError(f"{name} is a loss weight >= 0, not {weight!r}")
+            if weight > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
+                raise ValueError(f"{name} {what}: it needs affix_isolation > 0 and no anchored rows (affix_anchored 0)")
         if self.affix_neighbours > 0 and self.context_mask_rate > 0:
             raise ValueError("affix_neighbours trains clean affix tokens, as the cache holds them: context_mask_rate "
                              "must be 0")
