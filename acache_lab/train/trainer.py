@@ -537,7 +537,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     ``distill`` ``(weight, columns [B, T])`` adds ``weight`` times :func:`reuse_distillation` of this forward's
     states at ``columns`` against a no-gradient forward of the same noisy rows attending with ``valid``.
     ``neighbours`` adds its weight times :func:`~acache_lab.train.neighbours.neighbour_loss` of its layer's output
-    states on the clean ``ids``.
+    states (the affix tokens unmasked: ``context_mask_rate`` 0), predicting the clean ``ids``.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -583,6 +583,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if teacher is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     if neighbours is not None:
+        if context_mask_rate > 0:
+            raise ValueError("neighbours trains clean affix tokens, as the cache holds them: context_mask_rate must "
+                             "be 0")
         if neighbours.owner.shape != ids.shape:
             raise ValueError(f"neighbours' owner {tuple(neighbours.owner.shape)} does not match the batch's ids "
                              f"{tuple(ids.shape)}")
@@ -704,9 +707,11 @@ def param_groups(model: DiffusionLM, weight_decay: float, layer_lr_scale: dict[s
 
 def _resumable(config: dict) -> dict:
     """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
-    machine's budget that decides where a run stops, never what a step computes. A resume state written before an
-    option existed is read with that option at its default, which trains as the code did before it."""
-    return {k: v for k, v in config.items() if k != "time_limit_minutes"}
+    machine's budget that decides where a run stops, never what a step computes. A config written before an option
+    existed (the model shape's too) reads with that option at its default, which trains as the code did before it."""
+    defaults = asdict(TrainConfig())
+    merged = {**defaults, **config, "model": {**defaults["model"], **config.get("model", {})}}
+    return {k: v for k, v in merged.items() if k != "time_limit_minutes"}
 
 
 def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
@@ -747,7 +752,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             raise FileNotFoundError(f"nothing to resume in {config.out}: no {RESUME_FILE} (only a run stopped "
                                     "with Ctrl-C leaves one)")
         state = torch.load(state_file, weights_only=False)
-        if _resumable({**asdict(TrainConfig()), **state["config"]}) != _resumable(asdict(config)):
+        if _resumable(state["config"]) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes may change)")
         start_from_(model, config.out)

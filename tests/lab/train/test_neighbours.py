@@ -184,6 +184,17 @@ def test_owners_of_another_shape_are_refused():
                               neighbours=Neighbours(1.0, NeighbourHeads(32, 1), 0, owner))
 
 
+def test_masked_affix_tokens_are_refused():
+    batcher, model = _model()
+    batch = batcher.batch(0)
+    owner = span_owners(batch.valid, list(batch.spans))
+    with pytest.raises(ValueError, match="neighbours trains clean affix tokens, as the cache holds them"):
+        masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                              torch.Generator().manual_seed(0), context_mask_rate=0.2,
+                              attention=batch.attention(None), neighbours=Neighbours(1.0, NeighbourHeads(32, 1), 0,
+                                                                                     owner))
+
+
 def test_a_one_pass_mask_is_refused():
     batcher, model = _model()
     batch = batcher.batch(0)

@@ -775,9 +775,10 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
         heads = state["optimizer"]["param_groups"][-1]["params"]
         assert len(heads) == 8 and all(bool(state["optimizer"]["state"][i]["exp_avg"].abs().sum() > 0) for i in heads)
         assert set(state["neighbour_heads"]) == {f"maps.{i}.weight" for i in range(8)}
-    else:  # a state written before the neighbour options existed resumes with them at their defaults
+    else:  # a state written before the neighbour options (or a model shape field) existed resumes with the defaults
         for key in ("affix_neighbours", "affix_neighbour_layer", "affix_neighbour_span"):
             del state["config"][key]
+        del state["config"]["model"]["rope_theta"]
         torch.save(state, state_file)
     monkeypatch.setattr(Batcher, "batch", real)
     with pytest.raises(ValueError, match="another config"):
