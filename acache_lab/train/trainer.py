@@ -543,6 +543,13 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
     if eos_weight != 1.0 and eos_id is None:
         raise ValueError("eos_weight needs eos_id")
+    if neighbours is not None:  # refused before the forward, not after it
+        if context_mask_rate > 0:
+            raise ValueError("neighbours trains clean affix tokens, as the cache holds them: context_mask_rate must "
+                             "be 0")
+        if neighbours.owner.shape != ids.shape:
+            raise ValueError(f"neighbours' owner {tuple(neighbours.owner.shape)} does not match the batch's ids "
+                             f"{tuple(ids.shape)}")
     b, t_len = ids.shape
     # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
     # tames the variance of the 1/t weight
@@ -583,12 +590,6 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if teacher is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     if neighbours is not None:
-        if context_mask_rate > 0:
-            raise ValueError("neighbours trains clean affix tokens, as the cache holds them: context_mask_rate must "
-                             "be 0")
-        if neighbours.owner.shape != ids.shape:
-            raise ValueError(f"neighbours' owner {tuple(neighbours.owner.shape)} does not match the batch's ids "
-                             f"{tuple(ids.shape)}")
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
                                                          neighbours.owner)
     return loss
