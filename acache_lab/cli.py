@@ -91,7 +91,10 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
     targets = {} if args.targets is None else {"targets": tuple(t for t in args.targets.split(",") if t)}
     config = LoraConfig(model=args.model, data=args.data, out=args.out, rank=args.rank, alpha=args.alpha,
                         dropout=args.dropout, **targets, steps=args.steps, lr=args.lr, warmup=args.warmup,
-                        batch_size=args.batch_size, isolation=args.isolation, merge=args.merge,
+                        batch_size=args.batch_size, isolation=args.isolation, neighbours=args.neighbours,
+                        neighbour_layer=args.neighbour_layer, neighbour_span=args.neighbour_span,
+                        neighbour_rank=None if args.neighbour_rank == 0 else args.neighbour_rank,
+                        neighbour_pairs=args.neighbour_pairs, merge=args.merge,
                         device=args.device, dtype=args.dtype, bf16=args.bf16,
                         time_limit_minutes=args.time_limit_minutes, seed=args.seed)
     summary = finetune(config)
@@ -288,6 +291,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=4)
     p.add_argument("--isolation", type=float, default=0.5,
                    help="share of rows trained as direct reuse serves them")
+    p.add_argument("--neighbours", type=float, default=0.0,
+                   help="weight of the neighbour term on the isolated rows: each affix token predicts the tokens "
+                        "around it (docs/accuracy.md, 'Neighbours named inside the affix'); 0: off")
+    p.add_argument("--neighbour-layer", type=int, default=None,
+                   help="the layer whose output the term trains (default: a quarter of the way down)")
+    p.add_argument("--neighbour-span", type=_positive_int, default=4, help="tokens either side each predicts")
+    p.add_argument("--neighbour-rank", type=int, default=64, help="rank of the term's maps (0: full hidden x hidden)")
+    p.add_argument("--neighbour-pairs", type=_positive_int, default=32,
+                   help="pairs each offset predicts a step, sampled: bounds the output embedding's cost")
     p.add_argument("--merge", action="store_true",
                    help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -4,7 +4,9 @@ The task-suite trainer (:mod:`acache_lab.train.trainer`) trains a small model fr
 8B model is too large to train whole and too valuable to train on synthetic tasks. This module trains low-rank
 adapters (``peft``, the optional ``lora`` extra) on a checkpoint directory read by the engine's own loader,
 with the same objective: LLaDA's masked-diffusion loss on the answer, a share of the rows computed under the
-affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them.
+affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them, and
+optionally the neighbour term on those rows (:mod:`acache_lab.train.neighbours`, low-rank maps and sampled pairs),
+without which no isolated run of the tiny models learned a binding inside an affix.
 
 Data is JSONL, the calibration format (:mod:`acache_lab.tasks.calibration`) with an answer: one record a line,
 ``{"affix": str, "prompt": str, "answer": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}``
@@ -34,7 +36,16 @@ from acache.models.checkpoint import derive_from, save_checkpoint
 from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
-from acache_lab.train.trainer import Row, answer_row, collate_rows, masked_diffusion_loss, write_affix_training
+from acache_lab.train.isolation import span_owners
+from acache_lab.train.neighbours import NeighbourHeads
+from acache_lab.train.trainer import (
+    Neighbours,
+    Row,
+    answer_row,
+    collate_rows,
+    masked_diffusion_loss,
+    write_affix_training,
+)
 
 #: the decoder layer's projections (the unfused nn.Linear modules): attention and MLP
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,6 +84,15 @@ class LoraConfig:
     grad_clip: float = 1.0
     #: the share of rows trained as direct reuse serves them (each affix attends only within itself)
     isolation: float = 0.5
+    #: weight of the neighbour term (:mod:`acache_lab.train.neighbours`) on the isolated rows: each affix token, at
+    #: the output of layer ``neighbour_layer`` (None: a quarter of the way down, as the tiny recipes' 1 of 4),
+    #: predicts the tokens up to ``neighbour_span`` either side of it, through maps of rank ``neighbour_rank``
+    #: (None: full), ``neighbour_pairs`` sampled pairs an offset a step. 0: off
+    neighbours: float = 0.0
+    neighbour_layer: int | None = None
+    neighbour_span: int = 4
+    neighbour_rank: int | None = 64
+    neighbour_pairs: int = 32
     merge: bool = False
     device: str = "auto"
     dtype: str = "auto"  # the weights' dtype: auto is the checkpoint's own torch_dtype
@@ -97,10 +117,33 @@ class LoraConfig:
             raise ValueError(f"time_limit_minutes must be positive, not {self.time_limit_minutes}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target module")
+        if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, (int, float)) or \
+                not 0.0 <= self.neighbours < math.inf:
+            raise ValueError(f"neighbours is a loss weight >= 0, not {self.neighbours!r}")
+        if self.neighbours > 0 and self.isolation == 0:
+            raise ValueError("neighbours trains the isolated rows' affix states: it needs isolation > 0")
+        if self.neighbour_layer is not None and not _count(self.neighbour_layer, 0):
+            raise ValueError(f"neighbour_layer is a layer index >= 0 or None, not {self.neighbour_layer!r}")
+        for name in ("neighbour_span", "neighbour_pairs"):
+            if not _count(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a positive whole number, not {getattr(self, name)!r}")
+        if self.neighbour_rank is not None and not _count(self.neighbour_rank, 1):
+            raise ValueError(f"neighbour_rank must be a positive whole number or None, not {self.neighbour_rank!r}")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then constant: a short adapter run has no schedule to speak of."""
         return self.lr * min(1.0, (step + 1) / (self.warmup + 1))
+
+    def neighbour_layer_of(self, layers: int) -> int:
+        """The layer whose output the neighbour term trains, on a model of ``layers`` layers."""
+        layer = layers // 4 if self.neighbour_layer is None else self.neighbour_layer
+        if layer >= layers:
+            raise ValueError(f"neighbour_layer is the index of one of the model's {layers} layers, not {layer}")
+        return layer
+
+
+def _count(value, least: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
 def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, context: int) -> tuple[list[Row],
@@ -173,6 +216,7 @@ class LoraRun:
     source: Path
     summary: dict
     record: dict
+    heads: NeighbourHeads | None = None  # the neighbour term's maps, when it trained one (never saved)
 
 
 def finetune(config: LoraConfig, progress: bool = True) -> dict:
@@ -207,6 +251,11 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     adapted.train()
     trainable = [p for p in adapted.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+    heads = layer = None
+    if config.neighbours > 0:  # training-only maps: optimised with the adapters, never saved with them
+        layer = config.neighbour_layer_of(len(model.layers))
+        heads = NeighbourHeads(model.config.hidden_size, config.neighbour_span, config.neighbour_rank).to(device)
+        opt.add_param_group({"params": list(heads.parameters()), "weight_decay": 0.0})
 
     rng = random.Random(config.seed)
     gen = torch.Generator().manual_seed(config.seed + 1)
@@ -225,9 +274,14 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
             group["lr"] = config.lr_at(step)
         batch = collate_rows(rng.choices(rows, k=config.batch_size), pad).to(device)
         isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
+        neighbours = None
+        if heads is not None:
+            neighbours = Neighbours(config.neighbours, heads, layer,
+                                    span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
-                                         model.config.mask_token_id, gen, attention=batch.attention(isolated))
+                                         model.config.mask_token_id, gen, attention=batch.attention(isolated),
+                                         neighbours=neighbours)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
@@ -246,11 +300,14 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     record = {"affix_isolation": config.isolation, "steps": steps_done, "init_from": str(source.resolve()),
               "layouts": layouts, "lora": {"rank": config.rank, "alpha": config.alpha,
                                            "targets": list(config.targets), "data": str(config.data)}}
+    if heads is not None:
+        record.update(affix_neighbours=config.neighbours, affix_neighbour_layer=layer,
+                      affix_neighbour_span=config.neighbour_span)
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),
                "parameters": sum(p.numel() for p in model.parameters()), "log": log}
-    return LoraRun(adapted, source, summary, record)
+    return LoraRun(adapted, source, summary, record, heads)
 
 
 def save_run(run: LoraRun, config: LoraConfig) -> dict:

@@ -591,19 +591,21 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     if neighbours is not None:
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
-                                                         neighbours.owner)
+                                                         neighbours.owner, neighbours.pairs, gen)
     return loss
 
 
 class Neighbours(NamedTuple):
     """What :func:`masked_diffusion_loss` needs for the neighbour term: its ``weight``, the training-only
     ``heads``, which ``layer``'s output states predict, and ``owner [B, T]``, the isolated rows' affix spans
-    (:func:`~acache_lab.train.isolation.span_owners`; 0 elsewhere)."""
+    (:func:`~acache_lab.train.isolation.span_owners`; 0 elsewhere). ``pairs`` bounds the pairs an offset predicts
+    (a draw from the loss's generator; None: all of them)."""
 
     weight: float
     heads: NeighbourHeads
     layer: int
     owner: torch.Tensor
+    pairs: int | None = None
 
 
 class Probe:

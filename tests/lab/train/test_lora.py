@@ -116,6 +116,77 @@ def test_the_command_line_writes_the_adapter_and_the_merged_checkpoint(llada_dir
     assert read_config(out / "merged")[1].affix_training["affix_isolation"] == 1.0
 
 
+STEPS = 20
+
+
+@needs_peft
+def test_the_neighbour_term_trains_its_maps_reaches_the_adapters_and_stays_out_of_them(llada_dir, tmp_path):
+    """With the term, the maps it trained name the affix tokens' neighbours well below fresh maps' cross-entropy on
+    the same states; the adapters differ from a run without the term (same seed and data) but hold the same
+    tensors; the record says how the term ran; the maps are in neither the adapter nor the merged checkpoint."""
+    from safetensors.torch import load_file
+
+    from acache_lab.train.isolation import span_owners
+    from acache_lab.train.neighbours import NeighbourHeads, neighbour_loss
+    from acache_lab.train.trainer import layer_states
+
+    model_dir = llada_dir  # Dream's shifted logits do not reach the term: test_neighbours.py checks unembed on it
+    plain = train_lora(config(model_dir, tmp_path, isolation=1.0, steps=STEPS), progress=False)
+    cfg = config(model_dir, tmp_path, isolation=1.0, steps=STEPS, neighbours=1.0, neighbour_rank=8, neighbour_pairs=6)
+    run = train_lora(cfg, progress=False)
+    trained = run.adapted.get_base_model()
+    assert run.record["affix_neighbours"] == 1.0 and run.record["affix_neighbour_span"] == 4
+    assert run.record["affix_neighbour_layer"] == len(trained.layers) // 4
+    assert "affix_neighbours" not in plain.record and plain.heads is None
+
+    tok = Tokenizer.from_dir(model_dir)
+    rows, _ = load_finetune_data(cfg.data, tok, tok.eos_token_id, trained.config.max_position_embeddings)
+    batch = collate_rows(rows, trained.config.pad_token_id)
+    every = torch.ones(len(rows), dtype=torch.bool)
+    owner = span_owners(batch.valid, batch.isolated_spans(every))
+    layer = run.record["affix_neighbour_layer"]
+    with torch.no_grad():
+        states = layer_states(trained, batch.ids, batch.positions, batch.attention(every))[layer]
+        torch.manual_seed(123)
+        fresh = neighbour_loss(trained, NeighbourHeads(trained.config.hidden_size, 4, 8), states, batch.ids, owner)
+        learned = neighbour_loss(trained, run.heads, states, batch.ids, owner)
+    assert learned < 0.7 * fresh, (float(learned), float(fresh))  # measured 0.56 after 20 steps
+    assert not torch.allclose(logits_of(trained, batch), logits_of(plain.adapted.get_base_model(), batch), atol=1e-4)
+
+    summary = save_run(run, config(model_dir, tmp_path, out=str(tmp_path / "with"), merge=True))
+    without = save_run(plain, config(model_dir, tmp_path, out=str(tmp_path / "without")))
+    saved = load_file(f"{summary['adapter']}/adapter_model.safetensors")
+    assert saved.keys() == load_file(f"{without['adapter']}/adapter_model.safetensors").keys()
+    assert read_config(summary["merged"])[1].affix_training["affix_neighbours"] == 1.0
+    merged_names = set(load_model(summary["merged"]).state_dict())
+    assert merged_names == set(load_model(model_dir).state_dict())
+
+
+@needs_peft
+def test_a_neighbour_layer_past_the_model_is_named(llada_dir, tmp_path):
+    layers = len(load_model(llada_dir).layers)
+    with pytest.raises(ValueError, match=f"neighbour_layer is the index of one of the model's {layers} layers, "
+                                         f"not {layers}"):
+        train_lora(config(llada_dir, tmp_path, neighbours=1.0, neighbour_layer=layers), progress=False)
+
+
+@needs_peft
+def test_the_command_line_takes_the_neighbour_term(llada_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    data = write_data(tmp_path / "data.jsonl", n=3)
+    common = ["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--steps", "2", "--batch-size", "2",
+              "--rank", "2", "--isolation", "1.0", "--device", "cpu", "--neighbours", "0.5"]
+    assert main([*common, "--out", str(tmp_path / "run"), "--merge", "--neighbour-rank", "0", "--neighbour-span",
+                 "2", "--neighbour-pairs", "3", "--neighbour-layer", "1"]) == 0
+    record = read_config(tmp_path / "run" / "merged")[1].affix_training
+    assert (record["affix_neighbours"], record["affix_neighbour_layer"], record["affix_neighbour_span"]) == (0.5, 1, 2)
+    logged = json.loads((tmp_path / "run" / "finetune_log.json").read_text())["config"]
+    assert (logged["neighbour_rank"], logged["neighbour_pairs"]) == (None, 3)
+    assert main([*common, "--out", str(tmp_path / "bad"), "--neighbour-rank", "-1"]) != 0
+    assert "neighbour_rank must be a positive whole number or None, not -1" in capsys.readouterr().err
+
+
 @needs_peft
 def test_the_time_limit_stops_the_run(llada_dir, tmp_path, monkeypatch):
     import acache_lab.train.lora as lora
@@ -201,6 +272,13 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
     ({"time_limit_minutes": 0.0}, "time_limit_minutes must be positive"),
     ({"targets": ()}, "at least one target module"),
+    ({"neighbours": -1.0}, "neighbours is a loss weight >= 0"),
+    ({"neighbours": float("nan")}, "neighbours is a loss weight >= 0"),
+    ({"neighbours": 1.0, "isolation": 0.0}, "neighbours trains the isolated rows' affix states: it needs isolation"),
+    ({"neighbour_layer": -1}, "neighbour_layer is a layer index >= 0 or None"),
+    ({"neighbour_span": 0}, "neighbour_span must be a positive whole number"),
+    ({"neighbour_pairs": 1.5}, "neighbour_pairs must be a positive whole number"),
+    ({"neighbour_rank": 0}, "neighbour_rank must be a positive whole number or None"),
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):

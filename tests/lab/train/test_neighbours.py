@@ -65,6 +65,75 @@ def test_heads_cover_the_offsets_either_side_and_refuse_a_bad_span():
             NeighbourHeads(16, span)
 
 
+def test_low_rank_heads_factor_each_map_and_refuse_a_bad_rank():
+    heads = NeighbourHeads(16, 2, rank=4)
+    assert len(heads.maps) == 4
+    for m in heads.maps:
+        assert [f.weight.shape for f in m] == [(4, 16), (16, 4)]
+    assert sum(p.numel() for p in heads.parameters()) == 4 * 2 * 16 * 4
+    for rank in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="rank is a positive number of dimensions or None"):
+            NeighbourHeads(16, 2, rank=rank)
+
+
+def test_sampled_pairs_bound_each_offsets_rows_and_estimate_the_same_term():
+    """With ``pairs``, each offset predicts at most that many of its pairs, a draw that the generator's seed fixes;
+    with ``pairs`` at least an offset's count, nothing is drawn and the term is the whole one; the draws average to
+    the whole term."""
+    _, model = _model()
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    heads = NeighbourHeads(32, 2, rank=8).requires_grad_(False)
+    ids = torch.randint(0, 60, (2, 12))
+    owner = span_owners(torch.ones(2, 12, dtype=torch.bool), [((0, 10),), ((1, 12),)])
+    states = torch.randn(2, 12, 32)
+    whole = float(neighbour_loss(model, heads, states, ids, owner))
+    assert whole == pytest.approx(_by_hand(model, heads, states, ids, owner), rel=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    state = gen.get_state()
+    assert float(neighbour_loss(model, heads, states, ids, owner, pairs=21, gen=gen)) == pytest.approx(whole, rel=1e-6)
+    assert torch.equal(gen.get_state(), state)  # 21 is every offset's count at most: no draw
+
+    rows_seen = []
+    unembed = model.unembed
+    model.unembed = lambda h: (rows_seen.append(h.shape[0]), unembed(h))[1]
+    try:
+        one = float(neighbour_loss(model, heads, states, ids, owner, pairs=3, gen=torch.Generator().manual_seed(7)))
+    finally:
+        del model.unembed
+    assert rows_seen == [3, 3, 3, 3]
+    again = float(neighbour_loss(model, heads, states, ids, owner, pairs=3, gen=torch.Generator().manual_seed(7)))
+    other = float(neighbour_loss(model, heads, states, ids, owner, pairs=3, gen=torch.Generator().manual_seed(8)))
+    assert again == one and other != one
+    gen = torch.Generator().manual_seed(0)
+    draws = [float(neighbour_loss(model, heads, states, ids, owner, pairs=3, gen=gen)) for _ in range(400)]
+    assert sum(draws) / len(draws) == pytest.approx(whole, rel=0.02)
+
+
+@pytest.mark.parametrize("pairs, gen", [(0, torch.Generator()), (2.5, torch.Generator()), (True, torch.Generator()),
+                                        (4, None)])
+def test_bad_pairs_are_refused(pairs, gen):
+    _, model = _model()
+    owner = span_owners(torch.ones(1, 4, dtype=torch.bool), [((0, 4),)])
+    with pytest.raises(ValueError, match="pairs is a positive number of pairs an offset, drawn with a generator"):
+        neighbour_loss(model, NeighbourHeads(32, 1), torch.randn(1, 4, 32), torch.zeros(1, 4, dtype=torch.long),
+                       owner, pairs=pairs, gen=gen)
+
+
+def test_float32_maps_beside_a_bfloat16_model_outside_autocast():
+    """A released checkpoint loads in bfloat16 while the maps train in float32: outside autocast the term takes
+    the states in the maps' dtype and gives the model back its own."""
+    _, model = _model()
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    heads = NeighbourHeads(32, 1, rank=4)
+    owner = span_owners(torch.ones(1, 5, dtype=torch.bool), [((0, 5),)])
+    states = torch.randn(1, 5, 32, dtype=torch.bfloat16)
+    term = neighbour_loss(model, heads, states, torch.randint(0, 60, (1, 5)), owner)
+    assert term.isfinite() and term > 0
+    term.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in heads.parameters())
+
+
 def test_each_affix_column_predicts_its_neighbours_inside_the_same_span_only():
     """Two adjacent spans on one row, one span and some outside columns on another, nothing on a third: only pairs
     inside one span count (not across the two spans' border, not outside), and the term matches a pair-by-pair
