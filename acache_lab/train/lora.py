@@ -37,7 +37,7 @@ from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.isolation import span_owners
-from acache_lab.train.neighbours import NeighbourHeads
+from acache_lab.train.neighbours import NeighbourHeads, is_whole
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
@@ -117,17 +117,17 @@ class LoraConfig:
             raise ValueError(f"time_limit_minutes must be positive, not {self.time_limit_minutes}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target module")
-        if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, (int, float)) or \
-                not 0.0 <= self.neighbours < math.inf:
+        if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, (int, float)) or not (
+                0.0 <= self.neighbours < math.inf):
             raise ValueError(f"neighbours is a loss weight >= 0, not {self.neighbours!r}")
         if self.neighbours > 0 and self.isolation == 0:
             raise ValueError("neighbours trains the isolated rows' affix states: it needs isolation > 0")
-        if self.neighbour_layer is not None and not _count(self.neighbour_layer, 0):
+        if self.neighbour_layer is not None and not is_whole(self.neighbour_layer, 0):
             raise ValueError(f"neighbour_layer is a layer index >= 0 or None, not {self.neighbour_layer!r}")
         for name in ("neighbour_span", "neighbour_pairs"):
-            if not _count(getattr(self, name), 1):
+            if not is_whole(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive whole number, not {getattr(self, name)!r}")
-        if self.neighbour_rank is not None and not _count(self.neighbour_rank, 1):
+        if self.neighbour_rank is not None and not is_whole(self.neighbour_rank, 1):
             raise ValueError(f"neighbour_rank must be a positive whole number or None, not {self.neighbour_rank!r}")
 
     def lr_at(self, step: int) -> float:
@@ -140,10 +140,6 @@ class LoraConfig:
         if layer >= layers:
             raise ValueError(f"neighbour_layer is the index of one of the model's {layers} layers, not {layer}")
         return layer
-
-
-def _count(value, least: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
 def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, context: int) -> tuple[list[Row],
@@ -251,11 +247,12 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     adapted.train()
     trainable = [p for p in adapted.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    heads = layer = None
+    heads = layer = sampler = None
     if config.neighbours > 0:  # training-only maps: optimised with the adapters, never saved with them
         layer = config.neighbour_layer_of(len(model.layers))
         heads = NeighbourHeads(model.config.hidden_size, config.neighbour_span, config.neighbour_rank).to(device)
         opt.add_param_group({"params": list(heads.parameters()), "weight_decay": 0.0})
+        sampler = torch.Generator().manual_seed(config.seed + 2)  # the pairs' draws leave the masking noise alone
 
     rng = random.Random(config.seed)
     gen = torch.Generator().manual_seed(config.seed + 1)
@@ -277,7 +274,8 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         neighbours = None
         if heads is not None:
             neighbours = Neighbours(config.neighbours, heads, layer,
-                                    span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs)
+                                    span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs,
+                                    sampler)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
                                          model.config.mask_token_id, gen, attention=batch.attention(isolated),
@@ -306,6 +304,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),
+               "neighbour_parameters": 0 if heads is None else sum(p.numel() for p in heads.parameters()),
                "parameters": sum(p.numel() for p in model.parameters()), "log": log}
     return LoraRun(adapted, source, summary, record, heads)
 

@@ -32,9 +32,9 @@ class NeighbourHeads(nn.Module):
 
     def __init__(self, hidden_size: int, span: int, rank: int | None = None) -> None:
         super().__init__()
-        if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+        if not is_whole(span, 1):
             raise ValueError(f"span is a positive number of tokens, not {span!r}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        if rank is not None and not is_whole(rank, 1):
             raise ValueError(f"rank is a positive number of dimensions or None (full maps), not {rank!r}")
         self.offsets = tuple(o for o in range(-span, span + 1) if o)
         self.maps = nn.ModuleList(_map(hidden_size, rank) for _ in self.offsets)
@@ -54,7 +54,7 @@ def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tens
     such pairs of each offset, averaged over the offsets that have any; zero when none has. With ``pairs`` an offset
     with more pairs than that predicts a uniform draw of ``pairs`` of them (from the CPU generator ``gen``), an
     unbiased estimate of its mean at a bounded cost; without, nothing is drawn from ``gen``."""
-    if pairs is not None and (isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 1 or gen is None):
+    if pairs is not None and (not is_whole(pairs, 1) or gen is None):
         raise ValueError(f"pairs is a positive number of pairs an offset, drawn with a generator; got {pairs!r}")
     t = ids.shape[1]
     terms = []
@@ -74,10 +74,15 @@ def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tens
     return torch.stack(terms).mean()
 
 
+def is_whole(value: object, least: float) -> bool:
+    """``value`` is an ``int`` (not a ``bool``) of at least ``least``."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
 def _apply(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``lin(x)``; outside autocast, float32 maps beside a bfloat16 checkpoint take ``x`` in their dtype and give
-    back the model's."""
+    """``lin(x)``; float32 maps beside a bfloat16 checkpoint take ``x`` in their dtype and give back the model's
+    (under autocast the round trip changes nothing: the matmul runs in bfloat16 either way)."""
     dtype = next(lin.parameters()).dtype
-    if x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+    if x.dtype == dtype:
         return lin(x)
     return lin(x.to(dtype)).to(x.dtype)

@@ -46,7 +46,7 @@ from acache_lab.train.isolation import (
     with_anchors,
     with_one_pass_anchors,
 )
-from acache_lab.train.neighbours import NeighbourHeads, neighbour_loss
+from acache_lab.train.neighbours import NeighbourHeads, is_whole, neighbour_loss
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -286,11 +286,10 @@ class TrainConfig:
             raise ValueError("affix_neighbours trains clean affix tokens, as the cache holds them: context_mask_rate "
                              "must be 0")
         layer, reach = self.affix_neighbour_layer, self.affix_neighbour_span
-        if isinstance(layer, bool) or not isinstance(layer, int) or (self.affix_neighbours > 0 and not
-                                                                     0 <= layer < self.model.layers):
+        if not is_whole(layer, -math.inf) or (self.affix_neighbours > 0 and not 0 <= layer < self.model.layers):
             raise ValueError(f"affix_neighbour_layer is the index of one of the model's {self.model.layers} layers, "
                              f"not {layer!r}")
-        if isinstance(reach, bool) or not isinstance(reach, int) or reach < 1:
+        if not is_whole(reach, 1):
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
@@ -591,21 +590,23 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
     if neighbours is not None:
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
-                                                         neighbours.owner, neighbours.pairs, gen)
+                                                         neighbours.owner, neighbours.pairs, neighbours.sampler)
     return loss
 
 
 class Neighbours(NamedTuple):
     """What :func:`masked_diffusion_loss` needs for the neighbour term: its ``weight``, the training-only
     ``heads``, which ``layer``'s output states predict, and ``owner [B, T]``, the isolated rows' affix spans
-    (:func:`~acache_lab.train.isolation.span_owners`; 0 elsewhere). ``pairs`` bounds the pairs an offset predicts
-    (a draw from the loss's generator; None: all of them)."""
+    (:func:`~acache_lab.train.isolation.span_owners`; 0 elsewhere). ``pairs`` bounds the pairs an offset predicts,
+    drawn from ``sampler`` (None: all of them), a generator of its own so that the masking noise is the same with
+    the term as without it."""
 
     weight: float
     heads: NeighbourHeads
     layer: int
     owner: torch.Tensor
     pairs: int | None = None
+    sampler: torch.Generator | None = None
 
 
 class Probe:

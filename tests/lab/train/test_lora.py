@@ -122,8 +122,10 @@ STEPS = 20
 @needs_peft
 def test_the_neighbour_term_trains_its_maps_reaches_the_adapters_and_stays_out_of_them(llada_dir, tmp_path):
     """With the term, the maps it trained name the affix tokens' neighbours well below fresh maps' cross-entropy on
-    the same states; the adapters differ from a run without the term (same seed and data) but hold the same
-    tensors; the record says how the term ran; the maps are in neither the adapter nor the merged checkpoint."""
+    the same states; the adapters differ from a run without the term (same seed, data and masking noise: the
+    pairs are drawn from a generator of their own) but hold the same tensors; the term's gradient reaches the
+    adapters of the layers up to its own and no further; the record says how the term ran; the maps are in neither
+    the adapter nor the merged checkpoint."""
     from safetensors.torch import load_file
 
     from acache_lab.train.isolation import span_owners
@@ -152,6 +154,12 @@ def test_the_neighbour_term_trains_its_maps_reaches_the_adapters_and_stays_out_o
         learned = neighbour_loss(trained, run.heads, states, batch.ids, owner)
     assert learned < 0.7 * fresh, (float(learned), float(fresh))  # measured 0.56 after 20 steps
     assert not torch.allclose(logits_of(trained, batch), logits_of(plain.adapted.get_base_model(), batch), atol=1e-4)
+    trained.zero_grad(set_to_none=True)  # the last training step's gradients
+    states = layer_states(trained, batch.ids, batch.positions, batch.attention(every))[layer]
+    neighbour_loss(trained, run.heads, states, batch.ids, owner).backward()
+    reached = {name.split("layers.")[1].split(".")[0] for name, p in trained.named_parameters()
+               if "lora_" in name and p.grad is not None and bool(p.grad.abs().sum() > 0)}
+    assert reached == {str(i) for i in range(layer + 1)}, reached
 
     summary = save_run(run, config(model_dir, tmp_path, out=str(tmp_path / "with"), merge=True))
     without = save_run(plain, config(model_dir, tmp_path, out=str(tmp_path / "without")))
