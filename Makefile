@@ -80,15 +80,13 @@ model-plus: install
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,arith,twohop,codes
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,twohop --sentences 34
 
-# the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with half of its rows
-# attending as direct reuse serves them, then with long two-hop stories and more arithmetic in the mix, then with
-# four rows in five attending so, then with the neighbour term (the binding under direct reuse) on mostly `grab`
-# rows and on the study's mix; five configs, about 26 + 15 + 11 + 17 + 25 minutes on 2 CPU cores
+# the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with nine rows in ten
+# attending as direct reuse serves them, mostly `grab` (the binding under direct reuse), with the neighbour term,
+# in two configs, then on the study's mix with three rows in four so; about 8 + 9 + 19 minutes on 2 CPU cores
 AFFIX := models/acache-tiny-affix
 model-affix: install
-	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix.json --config configs/affix-v5.json \
-	  --config configs/affix-v6.json --config configs/affix-neighbours-v15.json \
-	  --config configs/affix-neighbours-v16.json --overwrite
+	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix-bind.json --config configs/affix-bind-2.json \
+	  --config configs/affix-mix.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(AFFIX) --tasks qa1,arith,twohop,codes
 
 # docs/accuracy.md "Affix-aware training": direct reuse, ACache 0.2 and full recomputation before (the plus

@@ -549,29 +549,33 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
-def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_model():
-    """configs/affix.json from the plus model, then configs/affix-v5.json, affix-v6.json, affix-neighbours-v15.json
-    and affix-neighbours-v16.json each from the one before into the shipped affix model, whose log and config.json
-    record the last (make model-affix runs them in turn); the last two train the neighbour term."""
+def test_affix_recipe_chains_three_configs_from_the_plus_model_into_the_affix_model():
+    """configs/affix-bind.json from the plus model, then affix-bind-2.json and affix-mix.json each from the one
+    before into the shipped affix model, whose log and config.json record the last (make model-affix runs them in
+    turn); every stage trains the neighbour term. The first two stages' logs are kept in docs/study."""
     from acache.models.loader import read_config
     from acache.paths import REPO_ROOT
 
-    names = ("affix", "affix-v5", "affix-v6", "affix-neighbours-v15", "affix-neighbours-v16")
+    names = ("affix-bind", "affix-bind-2", "affix-mix")
     chain = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
     assert (REPO_ROOT / chain[0].init_from).resolve() == PLUS_MODEL.resolve()
     for before, after in zip(chain, chain[1:], strict=False):
         assert after.init_from == before.out and after.model == before.model
         assert not before.out.startswith("models/"), "only the last stage writes into models/"
-    assert [c.affix_isolation for c in chain] == [0.5, 0.5, 0.8, 0.9, 0.8]
-    assert [c.affix_neighbours for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75]
+    assert [c.affix_neighbours for c in chain] == [1.0, 1.0, 1.0]
+    for config, name in zip(chain[:2], names[:2], strict=True):
+        log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
+        assert_logged(config, log["config"])
+        assert log["steps_done"] == config.steps
     last = chain[-1]
     shipped = REPO_ROOT / last.out
     assert shipped.resolve() == (SHIPPED_MODEL.parent / "acache-tiny-affix").resolve()
     log = json.loads((shipped / "training_log.json").read_text())
-    assert_logged(last, log["config"], ignore={"out"})  # it ran out to build/ and was copied into models/
+    assert_logged(last, log["config"])
     assert log["steps_done"] == last.steps
     record = read_config(shipped)[1].affix_training
-    assert record["steps"] == last.steps and record["affix_isolation"] == 0.8 and record["affix_neighbours"] == 1.0
+    assert record["steps"] == last.steps and record["affix_isolation"] == 0.75 and record["affix_neighbours"] == 1.0
     assert record["init_from"] == chain[-2].out
 
 
