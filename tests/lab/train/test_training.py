@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict
 from itertools import pairwise
 from types import SimpleNamespace
@@ -557,6 +558,8 @@ def test_affix_recipe_chains_three_configs_from_the_plus_model_into_the_affix_mo
     from acache.paths import REPO_ROOT
 
     names = ("affix-bind", "affix-bind-2", "affix-mix")
+    recipe = (REPO_ROOT / "Makefile").read_text().split("\nmodel-affix:")[1].split("\n\n")[0]
+    assert re.findall(r"--config configs/([\w-]+)\.json", recipe) == list(names)
     chain = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
     assert (REPO_ROOT / chain[0].init_from).resolve() == PLUS_MODEL.resolve()
     for before, after in zip(chain, chain[1:], strict=False):
