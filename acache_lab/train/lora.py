@@ -37,7 +37,7 @@ from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.isolation import span_owners
-from acache_lab.train.neighbours import NeighbourHeads, is_whole
+from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
@@ -117,8 +117,7 @@ class LoraConfig:
             raise ValueError(f"time_limit_minutes must be positive, not {self.time_limit_minutes}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target module")
-        if isinstance(self.neighbours, bool) or not isinstance(self.neighbours, (int, float)) or not (
-                0.0 <= self.neighbours < math.inf):
+        if not is_weight(self.neighbours):
             raise ValueError(f"neighbours is a loss weight >= 0, not {self.neighbours!r}")
         if self.neighbours > 0 and self.isolation == 0:
             raise ValueError("neighbours trains the isolated rows' affix states: it needs isolation > 0")
@@ -299,8 +298,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
               "layouts": layouts, "lora": {"rank": config.rank, "alpha": config.alpha,
                                            "targets": list(config.targets), "data": str(config.data)}}
     if heads is not None:
-        record.update(affix_neighbours=config.neighbours, affix_neighbour_layer=layer,
-                      affix_neighbour_span=config.neighbour_span)
+        record.update(neighbour_record(config.neighbours, layer, config.neighbour_span))
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),

@@ -18,6 +18,8 @@ offset's pairs are sampled.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +74,16 @@ def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tens
     if not terms:
         return states.new_zeros((), dtype=torch.float32)
     return torch.stack(terms).mean()
+
+
+def neighbour_record(weight: float, layer: int, span: int) -> dict:
+    """The term's entries in a checkpoint's affix-training record (the task-suite trainer's and LoRA's alike)."""
+    return {"affix_neighbours": weight, "affix_neighbour_layer": layer, "affix_neighbour_span": span}
+
+
+def is_weight(value: object) -> bool:
+    """``value`` is a finite number >= 0 (not a ``bool``): a loss term's weight."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0.0 <= value < math.inf
 
 
 def is_whole(value: object, least: float) -> bool:

@@ -46,7 +46,7 @@ from acache_lab.train.isolation import (
     with_anchors,
     with_one_pass_anchors,
 )
-from acache_lab.train.neighbours import NeighbourHeads, is_whole, neighbour_loss
+from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_loss, neighbour_record
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -278,7 +278,7 @@ class TrainConfig:
         for name, what in (("affix_distill", "pulls the isolated rows towards their in-context states"),
                            ("affix_neighbours", "trains the isolated rows' affix states")):
             weight = getattr(self, name)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight < math.inf:
+            if not is_weight(weight):
                 raise ValueError(f"{name} is a loss weight >= 0, not {weight!r}")
             if weight > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
                 raise ValueError(f"{name} {what}: it needs affix_isolation > 0 and no anchored rows (affix_anchored 0)")
@@ -816,8 +816,8 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     anchored = {"affix_anchored": config.affix_anchored, "affix_anchor_ratio": config.affix_anchor_ratio,
                 "affix_anchor_pass": config.affix_anchor_pass} if config.affix_anchored > 0 else {}
     distilled = {"affix_distill": config.affix_distill} if config.affix_distill > 0 else {}
-    neighbours = {"affix_neighbours": config.affix_neighbours, "affix_neighbour_layer": config.affix_neighbour_layer,
-                  "affix_neighbour_span": config.affix_neighbour_span} if config.affix_neighbours > 0 else {}
+    neighbours = neighbour_record(config.affix_neighbours, config.affix_neighbour_layer, config.affix_neighbour_span) \
+        if config.affix_neighbours > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
                                "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
                                **distilled, **neighbours})
