@@ -94,7 +94,7 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, isolation=args.isolation, neighbours=args.neighbours,
                         neighbour_layer=args.neighbour_layer, neighbour_span=args.neighbour_span,
                         neighbour_rank=None if args.neighbour_rank == 0 else args.neighbour_rank,
-                        neighbour_pairs=args.neighbour_pairs, merge=args.merge,
+                        neighbour_pairs=args.neighbour_pairs, teacher=args.teacher, merge=args.merge,
                         device=args.device, dtype=args.dtype, bf16=args.bf16,
                         time_limit_minutes=args.time_limit_minutes, seed=args.seed)
     summary = finetune(config)
@@ -300,6 +300,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--neighbour-rank", type=int, default=64, help="rank of the term's maps (0: full hidden x hidden)")
     p.add_argument("--neighbour-pairs", type=_positive_int, default=32,
                    help="pairs each offset predicts a step, sampled: bounds the output embedding's cost")
+    p.add_argument("--teacher", type=float, default=0.0,
+                   help="weight of the teacher term on the rows attending in context: the KL divergence from the "
+                        "checkpoint's own predictions (adapters off) to the adapted model's; 0: off")
     p.add_argument("--merge", action="store_true",
                    help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -6,7 +6,9 @@ adapters (``peft``, the optional ``lora`` extra) on a checkpoint directory read 
 with the same objective: LLaDA's masked-diffusion loss on the answer, a share of the rows computed under the
 affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them, and
 optionally the neighbour term on those rows (:mod:`acache_lab.train.neighbours`, low-rank maps and sampled pairs),
-without which no isolated run of the tiny models learned a binding inside an affix.
+without which no isolated run of the tiny models learned a binding inside an affix, and optionally a teacher term on
+the other rows: the KL divergence from the checkpoint's own predictions (the adapters switched off) to the adapted
+model's, so that the adapters keep what the model computes in context (Block-Attention's second requirement).
 
 Data is JSONL, the calibration format (:mod:`acache_lab.tasks.calibration`) with an answer: one record a line,
 ``{"affix": str, "prompt": str, "answer": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}``
@@ -41,9 +43,11 @@ from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, nei
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
+    Teacher,
     answer_row,
     collate_rows,
     masked_diffusion_loss,
+    training_logits,
     write_affix_training,
 )
 
@@ -93,6 +97,10 @@ class LoraConfig:
     neighbour_span: int = 4
     neighbour_rank: int | None = 64
     neighbour_pairs: int = 32
+    #: weight of the teacher term on the rows attending in context: the KL divergence from the checkpoint's own
+    #: predictions (adapters off) to the adapted model's at their masked answer tokens
+    #: (:func:`~acache_lab.train.trainer.teacher_divergence`). 0: off
+    teacher: float = 0.0
     merge: bool = False
     device: str = "auto"
     dtype: str = "auto"  # the weights' dtype: auto is the checkpoint's own torch_dtype
@@ -121,6 +129,11 @@ class LoraConfig:
             raise ValueError(f"neighbours is a loss weight >= 0, not {self.neighbours!r}")
         if self.neighbours > 0 and self.isolation == 0:
             raise ValueError("neighbours trains the isolated rows' affix states: it needs isolation > 0")
+        if not is_weight(self.teacher):
+            raise ValueError(f"teacher is a loss weight >= 0, not {self.teacher!r}")
+        if self.teacher > 0 and self.isolation == 1.0:
+            raise ValueError("teacher holds the rows attending in context to the checkpoint's predictions: with "
+                             "isolation 1 there are none")
         if self.neighbour_layer is not None and not is_whole(self.neighbour_layer, 0):
             raise ValueError(f"neighbour_layer is a layer index >= 0 or None, not {self.neighbour_layer!r}")
         for name in ("neighbour_span", "neighbour_pairs"):
@@ -253,6 +266,10 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         opt.add_param_group({"params": list(heads.parameters()), "weight_decay": 0.0})
         sampler = torch.Generator().manual_seed(config.seed + 2)  # the pairs' draws leave the masking noise alone
 
+    def base_predictions(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        with adapted.disable_adapter():  # the checkpoint as it was: the teacher term's target
+            return training_logits(model, ids, positions, valid)
+
     rng = random.Random(config.seed)
     gen = torch.Generator().manual_seed(config.seed + 1)
     pad = model.config.pad_token_id
@@ -270,7 +287,9 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
             group["lr"] = config.lr_at(step)
         batch = collate_rows(rng.choices(rows, k=config.batch_size), pad).to(device)
         isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
-        neighbours = None
+        neighbours = taught = None
+        if config.teacher > 0:
+            taught = Teacher(config.teacher, base_predictions, ~isolated)
         if heads is not None:
             neighbours = Neighbours(config.neighbours, heads, layer,
                                     span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs,
@@ -278,7 +297,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
                                          model.config.mask_token_id, gen, attention=batch.attention(isolated),
-                                         neighbours=neighbours)
+                                         neighbours=neighbours, teacher=taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
@@ -299,6 +318,8 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                                            "targets": list(config.targets), "data": str(config.data)}}
     if heads is not None:
         record.update(neighbour_record(config.neighbours, layer, config.neighbour_span))
+    if config.teacher > 0:  # the teacher is the checkpoint the adapters start from
+        record.update(affix_teacher=record["init_from"], affix_teacher_weight=config.teacher)
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),

@@ -18,7 +18,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -167,6 +167,12 @@ class TrainConfig:
     affix_neighbours: float = 0.0
     affix_neighbour_layer: int = 1
     affix_neighbour_span: int = 4
+    #: a checkpoint (same tokenizer) whose in-context predictions the rows not isolated are held to: the loss adds
+    #: ``affix_teacher_weight`` times the KL divergence from its distribution to the model's at those rows' masked
+    #: answer columns (:func:`teacher_divergence`), so that what affix training teaches the isolated rows does not
+    #: cost what the model computes in context; None trains none
+    affix_teacher: str | None = None
+    affix_teacher_weight: float = 1.0
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -291,6 +297,14 @@ class TrainConfig:
                              f"not {layer!r}")
         if not is_whole(reach, 1):
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
+        if not is_weight(self.affix_teacher_weight) or self.affix_teacher_weight == 0:
+            raise ValueError(f"affix_teacher_weight is a positive loss weight, not {self.affix_teacher_weight!r}")
+        if self.affix_teacher is not None:
+            if not isinstance(self.affix_teacher, str) or not self.affix_teacher:
+                raise ValueError(f"affix_teacher is a checkpoint directory, not {self.affix_teacher!r}")
+            if self.affix_isolation == 1.0:
+                raise ValueError("affix_teacher holds the rows attending in context to its predictions: with "
+                                 "affix_isolation 1 there are none")
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
@@ -508,6 +522,17 @@ def reuse_distillation(student: Sequence[torch.Tensor], teacher: Sequence[torch.
     return torch.stack(terms).mean()
 
 
+def teacher_divergence(student: torch.Tensor, teacher: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``KL(teacher || student)`` of the token distributions that the logits ``[B, T, V]`` give, averaged over
+    ``columns [B, T]`` (zero with no column): how far the model's predictions have moved from the teacher's where
+    both read the same noisy row in context."""
+    if not bool(columns.any()):
+        return student.new_zeros((), dtype=torch.float32)
+    s = F.log_softmax(student[columns].float(), -1)
+    t = F.log_softmax(teacher[columns].float(), -1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
 def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, weighting: str) -> torch.Tensor:
     """Per-token loss weights ``[B, T]``: zero where not masked; ``1/t`` or answer length / masked count."""
     if weighting == "inverse_t":
@@ -521,7 +546,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
                           eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
                           distill: tuple[float, torch.Tensor] | None = None,
-                          neighbours: Neighbours | None = None) -> torch.Tensor:
+                          neighbours: Neighbours | None = None, teacher: Teacher | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -536,7 +561,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     ``distill`` ``(weight, columns [B, T])`` adds ``weight`` times :func:`reuse_distillation` of this forward's
     states at ``columns`` against a no-gradient forward of the same noisy rows attending with ``valid``.
     ``neighbours`` adds its weight times :func:`~acache_lab.train.neighbours.neighbour_loss` of its layer's output
-    states (the affix tokens unmasked: ``context_mask_rate`` 0), predicting the clean ``ids``.
+    states (the affix tokens unmasked: ``context_mask_rate`` 0), predicting the clean ``ids``. ``teacher`` adds its
+    weight times :func:`teacher_divergence` from a frozen model's in-context predictions on its rows' masked answer
+    columns (the same noisy rows, attending with ``valid``).
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -564,7 +591,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         masked |= valid & ~answer & (u < t * context_mask_rate)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     attention = valid if attention is None else attention
-    teacher = states = None
+    in_context = states = None
     if distill is not None or neighbours is not None:
         if isinstance(attention, LayeredMask) or hasattr(model, "train_logits"):
             raise ValueError("distill and neighbours read an attention family's isolated rows layer by layer, not a "
@@ -574,7 +601,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if distill is not None:
         rows = distill[1].any(-1)  # the in-context forward runs only the rows the term reads
         with torch.no_grad():
-            teacher = layer_states(model, noisy[rows], positions[rows], valid[rows]) if bool(rows.any()) else None
+            in_context = layer_states(model, noisy[rows], positions[rows], valid[rows]) if bool(rows.any()) else None
     if states is None:
         logits = training_logits(model, noisy, positions, attention)
     ce = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
@@ -586,8 +613,13 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
                              weight / context.sum(-1, keepdim=True).clamp_min(1))
     loss = (ce * weight).sum() / b
-    if teacher is not None:
-        loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], teacher, distill[1][rows])
+    if in_context is not None:
+        loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], in_context, distill[1][rows])
+    if teacher is not None and bool(teacher.rows.any()):
+        rows = teacher.rows
+        with torch.no_grad():
+            target = teacher.predict(noisy[rows], positions[rows], valid[rows])
+        loss = loss + teacher.weight * teacher_divergence(logits[rows], target, masked[rows] & answer[rows])
     if neighbours is not None:
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
                                                          neighbours.owner, neighbours.pairs, neighbours.sampler)
@@ -607,6 +639,37 @@ class Neighbours(NamedTuple):
     owner: torch.Tensor
     pairs: int | None = None
     sampler: torch.Generator | None = None
+
+
+class Teacher(NamedTuple):
+    """What :func:`masked_diffusion_loss` needs for the teacher term: its ``weight``, ``predict`` (the frozen
+    teacher's logits ``[B, T, V]`` of ``(ids, positions, valid)``, called without gradient) and the ``rows [B]`` it
+    reads (those attending in context)."""
+
+    weight: float
+    predict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    rows: torch.Tensor
+
+
+def frozen_predictions(model: DiffusionLM) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A :class:`Teacher`'s ``predict`` for a separate frozen model (a LoRA run's teacher is its own base model with
+    the adapters switched off instead)."""
+    return lambda ids, positions, valid: training_logits(model, ids, positions, valid)
+
+
+def load_teacher(path: str | Path, model: DiffusionLM) -> DiffusionLM:
+    """The frozen checkpoint at ``path`` in eval mode on ``model``'s device, or an error naming what does not match:
+    the teacher term compares distributions over the same vocabulary, so the two must share it."""
+    from acache.models.loader import load_model
+
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"affix_teacher: no checkpoint at {path} (no config.json)")
+    teacher = load_model(path)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"affix_teacher {path}: its vocabulary has {teacher.config.vocab_size} tokens, the model's "
+                         f"{model.config.vocab_size}")
+    teacher.requires_grad_(False)
+    return teacher.to(next(model.parameters()).device).eval()
 
 
 class Probe:
@@ -736,6 +799,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     if config.init_from:
         start_from_(model, config.init_from)
     model.train()
+    teacher = load_teacher(config.affix_teacher, model) if config.affix_teacher else None
     groups = param_groups(model, config.weight_decay, config.layer_lr_scale)
     heads = None
     if config.affix_neighbours > 0:  # training-only maps, in the optimiser and the resume state, never the checkpoint
@@ -782,7 +846,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
-                                  started, steps_done, stop, heads)
+                                  started, steps_done, stop, heads, teacher)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -818,9 +882,11 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     distilled = {"affix_distill": config.affix_distill} if config.affix_distill > 0 else {}
     neighbours = neighbour_record(config.affix_neighbours, config.affix_neighbour_layer, config.affix_neighbour_span) \
         if config.affix_neighbours > 0 else {}
+    taught = {"affix_teacher": config.affix_teacher, "affix_teacher_weight": config.affix_teacher_weight} \
+        if config.affix_teacher else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
                                "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
-                               **distilled, **neighbours})
+                               **distilled, **neighbours, **taught})
 
 
 def write_affix_training(out: str | Path, record: dict) -> None:
@@ -834,10 +900,10 @@ def write_affix_training(out: str | Path, record: dict) -> None:
 
 def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,
                  window: list, started: float, steps_done: int, stop: dict,
-                 heads: NeighbourHeads | None = None) -> int:
+                 heads: NeighbourHeads | None = None, teacher: DiffusionLM | None = None) -> int:
     """The training loop from ``steps_done``; returns the steps done. A step under way when Ctrl-C comes
     (``stop["asked"]``) finishes first, so the saved state is a whole step's. ``heads`` are the neighbour term's
-    maps when ``config.affix_neighbours`` trains one."""
+    maps when ``config.affix_neighbours`` trains one; ``teacher`` the frozen model of ``config.affix_teacher``."""
     for step in bar:
         if stop["asked"] or time.perf_counter() - started > 60 * config.time_limit_minutes \
                 or step == config.stop_after:
@@ -857,7 +923,10 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         else:
             attention = batch.attention(isolated)
-        distill = neighbours = None
+        distill = neighbours = taught = None
+        if teacher is not None:  # the rows attending in context (every row when none is isolated)
+            taught = Teacher(config.affix_teacher_weight, frozen_predictions(teacher),
+                             ~isolated if isolated is not None else torch.ones(len(ids), dtype=torch.bool))
         if config.affix_distill > 0:
             distill = (config.affix_distill, batch.outside_affixes(isolated))
         if heads is not None:
@@ -869,7 +938,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, attention, distill, neighbours)
+                                         config.eos_weight, attention, distill, neighbours, taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)  # the model's; the maps are discarded

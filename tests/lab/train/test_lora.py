@@ -196,6 +196,55 @@ def test_the_command_line_takes_the_neighbour_term(llada_dir, tmp_path, capsys):
 
 
 @needs_peft
+def test_the_teacher_term_starts_at_zero_and_keeps_the_in_context_predictions_nearer_the_checkpoints(llada_dir,
+                                                                                                      tmp_path):
+    """The adapters start as the identity, so the first step's loss is the plain run's (the teacher draws no noise);
+    after training, the adapted model's in-context predictions at the answers are nearer the checkpoint's with the
+    term than without it, and the record names the checkpoint as the teacher."""
+    from acache_lab.train.trainer import teacher_divergence, training_logits
+
+    common = {"isolation": 0.5, "steps": 20, "log_every": 1}
+    plain = train_lora(config(llada_dir, tmp_path, **common), progress=False)
+    run = train_lora(config(llada_dir, tmp_path, **common, teacher=5.0), progress=False)
+    first = [r.summary["log"][0]["loss"] for r in (plain, run)]
+    assert first[0] == pytest.approx(first[1], rel=1e-6)
+    assert run.summary["log"][-1]["loss"] != pytest.approx(plain.summary["log"][-1]["loss"], rel=1e-3)
+    assert run.record["affix_teacher"] == run.record["init_from"] == str(llada_dir.resolve())
+    assert run.record["affix_teacher_weight"] == 5.0 and "affix_teacher" not in plain.record
+
+    base = load_model(llada_dir)
+    tok = Tokenizer.from_dir(llada_dir)
+    rows, _ = load_finetune_data(write_data(tmp_path / "held.jsonl", n=6), tok, tok.eos_token_id,
+                                 base.config.max_position_embeddings)
+    batch = collate_rows(rows, base.config.pad_token_id)
+    noisy = torch.where(batch.answer, torch.full_like(batch.ids, base.config.mask_token_id), batch.ids)
+
+    def distance(adapted):
+        with torch.no_grad():
+            mine = training_logits(adapted.get_base_model(), noisy, batch.positions, batch.valid)
+            theirs = training_logits(base, noisy, batch.positions, batch.valid)
+        return float(teacher_divergence(mine, theirs, batch.answer))
+
+    held, free = distance(run.adapted), distance(plain.adapted)
+    assert held < 0.5 * free, (held, free)
+
+
+@needs_peft
+def test_the_command_line_takes_the_teacher_term(llada_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    data = write_data(tmp_path / "data.jsonl", n=3)
+    common = ["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--steps", "2", "--batch-size", "2",
+              "--rank", "2", "--device", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "run"), "--merge", "--teacher", "0.5"]) == 0
+    record = read_config(tmp_path / "run" / "merged")[1].affix_training
+    assert (record["affix_teacher"], record["affix_teacher_weight"]) == (str(llada_dir.resolve()), 0.5)
+    assert json.loads((tmp_path / "run" / "finetune_log.json").read_text())["config"]["teacher"] == 0.5
+    assert main([*common, "--out", str(tmp_path / "bad"), "--teacher", "0.5", "--isolation", "1.0"]) != 0
+    assert "with isolation 1 there are none" in capsys.readouterr().err
+
+
+@needs_peft
 def test_the_time_limit_stops_the_run(llada_dir, tmp_path, monkeypatch):
     import acache_lab.train.lora as lora
 
@@ -287,6 +336,10 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"neighbour_span": 0}, "neighbour_span must be a positive whole number"),
     ({"neighbour_pairs": 1.5}, "neighbour_pairs must be a positive whole number"),
     ({"neighbour_rank": 0}, "neighbour_rank must be a positive whole number or None"),
+    ({"teacher": -0.5}, "teacher is a loss weight >= 0"),
+    ({"teacher": float("inf")}, "teacher is a loss weight >= 0"),
+    ({"teacher": True}, "teacher is a loss weight >= 0"),
+    ({"teacher": 1.0, "isolation": 1.0}, "teacher holds the rows attending in context .* with isolation 1 there"),
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):

@@ -20,12 +20,16 @@ from acache_lab.train.trainer import (
     ModelShape,
     Probe,
     Stage,
+    Teacher,
     TrainConfig,
+    frozen_predictions,
     layer_states,
     loss_weights,
     masked_diffusion_loss,
     reuse_distillation,
+    teacher_divergence,
     train,
+    training_logits,
 )
 
 
@@ -310,6 +314,107 @@ def test_distillation_refuses_a_one_pass_mask():
     with pytest.raises(ValueError, match="distill and neighbours read an attention family's isolated rows"):
         masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
                               torch.Generator().manual_seed(0), attention=mask, distill=(1.0, batch.valid))
+
+
+def test_teacher_divergence_is_the_kl_from_the_teacher_at_the_given_columns():
+    student = torch.tensor([[[0.0, 0.0], [1.0, -1.0]]])
+    teacher = torch.tensor([[[math.log(3.0), 0.0], [1.0, -1.0]]])
+    first = torch.tensor([[True, False]])
+    # teacher (3/4, 1/4) against student (1/2, 1/2)
+    want = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert float(teacher_divergence(student, teacher, first)) == pytest.approx(want)
+    assert float(teacher_divergence(student, teacher, torch.ones(1, 2, dtype=torch.bool))) == pytest.approx(want / 2)
+    assert float(teacher_divergence(student, teacher, torch.tensor([[False, True]]))) == 0.0
+    assert float(teacher_divergence(student, teacher, torch.zeros(1, 2, dtype=torch.bool))) == 0.0
+    assert float(teacher_divergence(teacher, student, first)) != pytest.approx(want)  # not symmetric: the order counts
+
+
+def test_the_teacher_term_reads_its_rows_masked_answers_and_trains_the_student_only():
+    """The loss with a teacher is the plain loss plus the weight times the divergence at its rows' masked answer
+    columns, the teacher reading the same noisy rows in context; a teacher equal to the model adds nothing, rows it
+    does not read add nothing, and the gradient reaches the model, never the teacher."""
+    import copy
+
+    _, batcher, model, batch = _distill_setup()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    other.requires_grad_(False)
+    isolated = torch.tensor([True, False] * 3)
+    attention = batch.attention(isolated)
+
+    def loss(teacher):  # every answer column masked: the noisy rows are known
+        return masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                                     torch.Generator().manual_seed(3), masking="all", attention=attention,
+                                     teacher=teacher)
+
+    noisy = torch.where(batch.answer, torch.full_like(batch.ids, batcher.mask), batch.ids)
+    rows = ~isolated
+    with torch.no_grad():
+        plain = float(loss(None))
+        want = teacher_divergence(training_logits(model, noisy, batch.positions, attention)[rows],
+                                  training_logits(other, noisy[rows], batch.positions[rows], batch.valid[rows]),
+                                  batch.answer[rows])
+        assert float(want) > 1e-4
+        taught = Teacher(2.5, frozen_predictions(other), rows)
+        assert float(loss(taught)) - plain == pytest.approx(2.5 * float(want), rel=1e-4)
+        itself = frozen_predictions(copy.deepcopy(model))
+        assert float(loss(taught._replace(predict=itself))) == pytest.approx(plain, abs=1e-6)
+        assert float(loss(taught._replace(rows=torch.zeros_like(rows)))) == pytest.approx(plain, abs=1e-6)
+    loss(taught).backward()
+    assert all(p.grad is None for p in other.parameters())
+    assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
+
+
+def test_a_run_with_a_teacher_stays_nearer_it_and_records_it(tmp_path):
+    """Started from the teacher itself, a run with the term ends nearer the teacher's in-context predictions on a
+    held-out batch than the same run without it, and its checkpoint records the teacher."""
+    from acache.models.loader import load_model, read_config
+
+    shape = ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64)
+    base = dict(steps=30, batch_size=8, lr=1e-2, warmup=1, log_every=10, bf16=False, tasks=("qa1", "arith"),
+                model=shape, min_sentences=2, max_sentences=3)
+    train(TrainConfig(out=str(tmp_path / "a"), **{**base, "steps": 20, "lr": 3e-3}), progress=False)
+    start = {"init_from": str(tmp_path / "a"), "affix_isolation": 0.5, "seed": 9}
+    train(TrainConfig(out=str(tmp_path / "free"), **base, **start), progress=False)
+    summary = train(TrainConfig(out=str(tmp_path / "held"), **base, **start, affix_teacher=str(tmp_path / "a"),
+                                affix_teacher_weight=5.0), progress=False)
+    assert all(r["loss"] == r["loss"] for r in summary["log"])
+    assert read_config(tmp_path / "held")[1].affix_training == {
+        "affix_isolation": 0.5, "steps": 30, "init_from": str(tmp_path / "a"), "layouts": ["prefix", "infix", "suffix"],
+        "affix_teacher": str(tmp_path / "a"), "affix_teacher_weight": 5.0}
+    config = TrainConfig(**base, seed=123)
+    batch = Batcher(config, build_word_tokenizer()).batch(0)
+    noisy = torch.where(batch.answer, torch.full_like(batch.ids, Batcher(config, build_word_tokenizer()).mask),
+                        batch.ids)
+
+    def distance(name):
+        with torch.no_grad():
+            logits = {n: training_logits(load_model(tmp_path / n), noisy, batch.positions, batch.valid)
+                      for n in ("a", name)}
+        return float(teacher_divergence(logits[name], logits["a"], batch.answer))
+
+    held, free = distance("held"), distance("free")
+    assert held < 0.5 * free, (held, free)
+
+
+def test_a_teacher_is_refused_when_it_cannot_teach(tmp_path, llada_dir):
+    for weight in (0.0, -1.0, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match="affix_teacher_weight is a positive loss weight"):
+            TrainConfig(affix_teacher="m", affix_teacher_weight=weight)
+    for path in ("", 3):
+        with pytest.raises(ValueError, match="affix_teacher is a checkpoint directory"):
+            TrainConfig(affix_teacher=path)
+    with pytest.raises(ValueError, match="with affix_isolation 1 there are none"):
+        TrainConfig(affix_teacher="m", affix_isolation=1.0)
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    with pytest.raises(FileNotFoundError, match="affix_teacher: no checkpoint at"):
+        train(TrainConfig(out=str(tmp_path / "x"), steps=1, model=shape, affix_teacher=str(tmp_path / "missing")),
+              progress=False)
+    with pytest.raises(ValueError, match="its vocabulary has .* tokens, the model's"):
+        train(TrainConfig(out=str(tmp_path / "y"), steps=1, model=shape, affix_teacher=str(llada_dir)),
+              progress=False)
 
 
 def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):
