@@ -48,6 +48,9 @@ class Example:
     #: the request's own context (its story, recomputed with its question), for tasks whose affix is
     #: demonstrations; in the two-affix layout it is a second affix
     context: tuple[str, ...] = ()
+    #: what a two-hop question's first hop finds (``codes``: the holder whose code is asked), for the training-only
+    #: bridge term (:mod:`acache_lab.train.bridge`); never part of a prompt or an answer
+    bridge: tuple[str, ...] = ()
 
 
 def _sentence(*words: str) -> list[str]:
@@ -191,7 +194,7 @@ def codes(rng: random.Random, sentences: int = 4, questions: int = 3) -> list[Ex
         story = [w for obj in objects for w in _pickup(obj, held_by[obj])]
         obj = rng.choice(objects)
         out.append(Example("codes", tuple(demos), (obj, "went", "to", "?"), (str(code[held_by[obj]]),),
-                           context=tuple(story)))
+                           context=tuple(story), bridge=(held_by[obj],)))
     return out
 
 

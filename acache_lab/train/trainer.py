@@ -39,6 +39,7 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import ANCHOR_PASSES, LAYOUTS
 from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
+from acache_lab.train.bridge import Bridge, bridge_head, bridge_loss
 from acache_lab.train.isolation import (
     LayeredMask,
     isolation_mask,
@@ -173,6 +174,11 @@ class TrainConfig:
     #: cost what the model computes in context; None trains none
     affix_teacher: str | None = None
     affix_teacher_weight: float = 1.0
+    #: weight of a term under which the answer column of an isolated two-affix row names, at the output of layer
+    #: ``affix_bridge_layer``, what its question's first hop finds (``Example.bridge``: the holder in ``codes``), so
+    #: that the second hop has the layers after it (:mod:`acache_lab.train.bridge`); 0 trains none
+    affix_bridge: float = 0.0
+    affix_bridge_layer: int = 2
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
@@ -297,6 +303,15 @@ class TrainConfig:
                              f"not {layer!r}")
         if not is_whole(reach, 1):
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
+        if not is_weight(self.affix_bridge):
+            raise ValueError(f"affix_bridge is a loss weight >= 0, not {self.affix_bridge!r}")
+        if self.affix_bridge > 0:
+            if self.affix_isolation == 0 or self.affix_anchored > 0 or TWO_AFFIXES not in self.layouts:
+                raise ValueError("affix_bridge trains the isolated two-affix rows: it needs affix_isolation > 0, no "
+                                 f"anchored rows and {TWO_AFFIXES} among the layouts")
+            if not is_whole(self.affix_bridge_layer, 0) or self.affix_bridge_layer >= self.model.layers:
+                raise ValueError(f"affix_bridge_layer is the index of one of the model's {self.model.layers} layers, "
+                                 f"not {self.affix_bridge_layer!r}")
         if not is_weight(self.affix_teacher_weight) or self.affix_teacher_weight == 0:
             raise ValueError(f"affix_teacher_weight is a positive loss weight, not {self.affix_teacher_weight!r}")
         if self.affix_teacher is not None:
@@ -375,7 +390,10 @@ class Batcher:
         if layout == TWO_AFFIXES and not example.context:
             layout = next(x for x in self.config.layouts if x != TWO_AFFIXES)
         r = render(example, layout, self.encode, self.eos)
-        return answer_row(r.prompt, r.answer)
+        row = answer_row(r.prompt, r.answer)
+        if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
+            row = row._replace(bridge=self.encode(example.bridge[0])[0])
+        return row
 
     def batch(self, step: int) -> Batch:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid`` and each row's
@@ -401,6 +419,7 @@ class Row(NamedTuple):
     answer_at: int
     answer_len: int
     spans: tuple[tuple[int, int], ...]  # the affixes, [start, end) on ids
+    bridge: int = -1  # the first hop's token for the bridge term, -1: none
 
 
 def answer_row(prompt: AffixPrompt, answer: Sequence[int]) -> Row:
@@ -424,7 +443,8 @@ def collate_rows(rows: Sequence[Row], pad: int) -> Batch:
         valid[i, :len(r.ids)] = True
         answer[i, r.answer_at:r.answer_at + r.answer_len] = True
     positions = torch.arange(width).expand(b, -1).contiguous()
-    return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows))
+    bridge = torch.tensor([r.bridge for r in rows], dtype=torch.long)
+    return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows), bridge)
 
 
 class Batch(NamedTuple):
@@ -433,10 +453,12 @@ class Batch(NamedTuple):
     positions: torch.Tensor
     valid: torch.Tensor
     spans: tuple[tuple[tuple[int, int], ...], ...]
+    bridge: torch.Tensor | None = None  # [B]: each row's first-hop token for the bridge term, -1 where none
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch's tensors on ``device`` (the spans are plain indices)."""
-        return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans)
+        bridge = None if self.bridge is None else self.bridge.to(device)
+        return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans, bridge)
 
     def isolated_spans(self, isolated: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
         """Each row's affix spans where ``isolated [B]`` says so, none on the other rows."""
@@ -461,7 +483,7 @@ class Batch(NamedTuple):
         build = {"one": with_one_pass_anchors, "two": with_anchors}[anchor_pass]
         ids, positions, valid, mask = build(self.ids, self.positions, self.valid, spans, anchors)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
-        return Batch(ids, answer, positions, valid, self.spans), mask
+        return Batch(ids, answer, positions, valid, self.spans, self.bridge), mask
 
     def attention(self, isolated: torch.Tensor | None) -> torch.Tensor:
         """What the forward attends with: ``valid``, or where ``isolated [B]`` says so the affix-isolated mask
@@ -546,7 +568,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           reduction: str = "mean", masking: str = "rate_t", eos_id: int | None = None,
                           eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
                           distill: tuple[float, torch.Tensor] | None = None,
-                          neighbours: Neighbours | None = None, teacher: Teacher | None = None) -> torch.Tensor:
+                          neighbours: Neighbours | None = None, teacher: Teacher | None = None,
+                          bridge: Bridge | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -563,7 +586,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     ``neighbours`` adds its weight times :func:`~acache_lab.train.neighbours.neighbour_loss` of its layer's output
     states (the affix tokens unmasked: ``context_mask_rate`` 0), predicting the clean ``ids``. ``teacher`` adds its
     weight times :func:`teacher_divergence` from a frozen model's in-context predictions on its rows' masked answer
-    columns (the same noisy rows, attending with ``valid``).
+    columns (the same noisy rows, attending with ``valid``). ``bridge`` adds its weight times
+    :func:`~acache_lab.train.bridge.bridge_loss` of its layer's output states at each row's first answer column.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -592,10 +616,10 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     attention = valid if attention is None else attention
     in_context = states = None
-    if distill is not None or neighbours is not None:
+    if distill is not None or neighbours is not None or bridge is not None:
         if isinstance(attention, LayeredMask) or hasattr(model, "train_logits"):
-            raise ValueError("distill and neighbours read an attention family's isolated rows layer by layer, not a "
-                             "one-pass refresh or a state-cache family")
+            raise ValueError("distill, neighbours and bridge read an attention family's isolated rows layer by layer, "
+                             "not a one-pass refresh or a state-cache family")
         states = layer_states(model, noisy, positions, attention)
         logits = model.logits(model.norm(states[-1]))
     if distill is not None:
@@ -623,6 +647,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if neighbours is not None:
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
                                                          neighbours.owner, neighbours.pairs, neighbours.sampler)
+    if bridge is not None:
+        loss = loss + bridge.weight * bridge_loss(model, bridge.head, states[bridge.layer], bridge.targets, first,
+                                                  masked)
     return loss
 
 
@@ -805,6 +832,10 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     if config.affix_neighbours > 0:  # training-only maps, in the optimiser and the resume state, never the checkpoint
         heads = NeighbourHeads(shape.hidden_size, config.affix_neighbour_span).to(next(model.parameters()).device)
         groups.append({"params": list(heads.parameters()), "weight_decay": 0.0, "lr_scale": 1.0})  # discarded after
+    hop = None
+    if config.affix_bridge > 0:  # the bridge term's map: training-only too
+        hop = bridge_head(shape.hidden_size).to(next(model.parameters()).device)
+        groups.append({"params": list(hop.parameters()), "weight_decay": 0.0, "lr_scale": 1.0})
     opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98), eps=config.adam_eps)
 
     batcher = Batcher(config, tokenizer)
@@ -826,6 +857,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         start_from_(model, config.out)
         if heads is not None:
             heads.load_state_dict(state["neighbour_heads"])
+        if hop is not None:
+            hop.load_state_dict(state["bridge_head"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         batcher.restore(state["batcher"])
@@ -846,7 +879,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
-                                  started, steps_done, stop, heads, teacher)
+                                  started, steps_done, stop, heads, teacher, hop)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -868,7 +901,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
                     "batcher": batcher.state(),
                     "steps_done": steps_done, "train_time_s": summary["train_time_s"], "log": log,
                     "probes": probes, "window": window,
-                    **({"neighbour_heads": heads.state_dict()} if heads is not None else {})}, out / RESUME_FILE)
+                    **({"neighbour_heads": heads.state_dict()} if heads is not None else {}),
+                    **({"bridge_head": hop.state_dict()} if hop is not None else {})}, out / RESUME_FILE)
     else:
         (out / RESUME_FILE).unlink(missing_ok=True)
     return summary
@@ -884,9 +918,11 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
         if config.affix_neighbours > 0 else {}
     taught = {"affix_teacher": config.affix_teacher, "affix_teacher_weight": config.affix_teacher_weight} \
         if config.affix_teacher else {}
+    bridged = {"affix_bridge": config.affix_bridge, "affix_bridge_layer": config.affix_bridge_layer} \
+        if config.affix_bridge > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
                                "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
-                               **distilled, **neighbours, **taught})
+                               **distilled, **neighbours, **taught, **bridged})
 
 
 def write_affix_training(out: str | Path, record: dict) -> None:
@@ -900,10 +936,12 @@ def write_affix_training(out: str | Path, record: dict) -> None:
 
 def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,
                  window: list, started: float, steps_done: int, stop: dict,
-                 heads: NeighbourHeads | None = None, teacher: DiffusionLM | None = None) -> int:
+                 heads: NeighbourHeads | None = None, teacher: DiffusionLM | None = None,
+                 hop: torch.nn.Module | None = None) -> int:
     """The training loop from ``steps_done``; returns the steps done. A step under way when Ctrl-C comes
     (``stop["asked"]``) finishes first, so the saved state is a whole step's. ``heads`` are the neighbour term's
-    maps when ``config.affix_neighbours`` trains one; ``teacher`` the frozen model of ``config.affix_teacher``."""
+    maps when ``config.affix_neighbours`` trains one; ``teacher`` the frozen model of ``config.affix_teacher``;
+    ``hop`` the bridge term's map when ``config.affix_bridge`` trains one."""
     for step in bar:
         if stop["asked"] or time.perf_counter() - started > 60 * config.time_limit_minutes \
                 or step == config.stop_after:
@@ -923,7 +961,10 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         else:
             attention = batch.attention(isolated)
-        distill = neighbours = taught = None
+        distill = neighbours = taught = bridge = None
+        if hop is not None:  # its rows: the isolated ones with a first hop
+            bridge = Bridge(config.affix_bridge, hop, config.affix_bridge_layer,
+                            torch.where(isolated, batch.bridge, -1).to(ids.device))
         if teacher is not None:  # the rows attending in context (every row when none is isolated)
             taught = Teacher(config.affix_teacher_weight, frozen_predictions(teacher),
                              ~isolated if isolated is not None else torch.ones(len(ids), dtype=torch.bool))
@@ -938,7 +979,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, attention, distill, neighbours, taught)
+                                         config.eos_weight, attention, distill, neighbours, taught, bridge)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)  # the model's; the maps are discarded

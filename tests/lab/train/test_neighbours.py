@@ -274,7 +274,7 @@ def test_a_one_pass_mask_is_refused():
     batch = batcher.batch(0)
     full = batch.valid[:, None, :].expand(-1, batch.ids.shape[1], -1)
     owner = span_owners(batch.valid, list(batch.spans))
-    with pytest.raises(ValueError, match="distill and neighbours read an attention family's isolated rows"):
+    with pytest.raises(ValueError, match="distill, neighbours and bridge read an attention family's isolated rows"):
         masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
                               torch.Generator().manual_seed(0), attention=LayeredMask(full, full, 1),
                               neighbours=Neighbours(1.0, NeighbourHeads(32, 1), 0, owner))
