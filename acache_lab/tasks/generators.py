@@ -209,6 +209,8 @@ def codebook(rng: random.Random, sentences: int = 4, questions: int = 3) -> list
     return out
 
 
+#: the tasks whose examples carry a first hop (``Example.bridge``) for the bridge term
+BRIDGED_TASKS = ("codes",)
 GENERATORS = {"qa1": qa1, "arith": arith, "twohop": twohop, "codes": codes}
 #: the tasks whose affix is demonstrations (the paper's setting); the others' affix is their document
 DEMO_TASKS = ("codes",)

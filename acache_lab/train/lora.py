@@ -39,7 +39,7 @@ from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.isolation import span_owners
-from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record
+from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record, teacher_record
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
@@ -319,7 +319,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     if heads is not None:
         record.update(neighbour_record(config.neighbours, layer, config.neighbour_span))
     if config.teacher > 0:  # the teacher is the checkpoint the adapters start from
-        record.update(affix_teacher=record["init_from"], affix_teacher_weight=config.teacher)
+        record.update(teacher_record(record["init_from"], config.teacher))
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),

@@ -69,7 +69,7 @@ def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tens
             keep = torch.randperm(rows.numel(), generator=gen)[:pairs].to(rows.device)
             rows, at = rows[keep], at[keep]
         cols = src[at]
-        predicted = model.unembed(model.norm(_apply(lin, states[rows, cols])))
+        predicted = model.unembed(model.norm(apply_map(lin, states[rows, cols])))
         terms.append(F.cross_entropy(predicted, ids[rows, cols + offset]))
     if not terms:
         return states.new_zeros((), dtype=torch.float32)
@@ -79,6 +79,12 @@ def neighbour_loss(model: DiffusionLM, heads: NeighbourHeads, states: torch.Tens
 def neighbour_record(weight: float, layer: int, span: int) -> dict:
     """The term's entries in a checkpoint's affix-training record (the task-suite trainer's and LoRA's alike)."""
     return {"affix_neighbours": weight, "affix_neighbour_layer": layer, "affix_neighbour_span": span}
+
+
+def teacher_record(teacher: str, weight: float) -> dict:
+    """The teacher term's entries in the record (:func:`~acache_lab.train.trainer.teacher_divergence`): which
+    checkpoint taught the rows attending in context, and at what weight."""
+    return {"affix_teacher": teacher, "affix_teacher_weight": weight}
 
 
 def is_weight(value: object) -> bool:
@@ -91,7 +97,7 @@ def is_whole(value: object, least: float) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= least
 
 
-def _apply(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_map(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)``; float32 maps beside a bfloat16 checkpoint take ``x`` in their dtype and give back the model's
     (under autocast the round trip changes nothing: the matmul runs in bfloat16 either way)."""
     dtype = next(lin.parameters()).dtype

@@ -37,7 +37,7 @@ from acache.models.loader import CONFIG_FILE
 from acache.models.registry import family_class
 from acache.models.ssm import SCAN_INITS
 from acache.policies import ANCHOR_PASSES, LAYOUTS
-from acache_lab.tasks.generators import TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
+from acache_lab.tasks.generators import BRIDGED_TASKS, TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
 from acache_lab.train.bridge import Bridge, bridge_head, bridge_loss
 from acache_lab.train.isolation import (
@@ -47,7 +47,14 @@ from acache_lab.train.isolation import (
     with_anchors,
     with_one_pass_anchors,
 )
-from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_loss, neighbour_record
+from acache_lab.train.neighbours import (
+    NeighbourHeads,
+    is_weight,
+    is_whole,
+    neighbour_loss,
+    neighbour_record,
+    teacher_record,
+)
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -168,10 +175,10 @@ class TrainConfig:
     affix_neighbours: float = 0.0
     affix_neighbour_layer: int = 1
     affix_neighbour_span: int = 4
-    #: a checkpoint (same tokenizer) whose in-context predictions the rows not isolated are held to: the loss adds
-    #: ``affix_teacher_weight`` times the KL divergence from its distribution to the model's at those rows' masked
-    #: answer columns (:func:`teacher_divergence`), so that what affix training teaches the isolated rows does not
-    #: cost what the model computes in context; None trains none
+    #: a checkpoint (same vocabulary and mask token) whose in-context predictions the rows not isolated are held to:
+    #: the loss adds ``affix_teacher_weight`` times the KL divergence from its distribution to the model's at those
+    #: rows' masked answer columns (:func:`teacher_divergence`), so that what affix training teaches the isolated
+    #: rows does not cost what the model computes in context; None trains none
     affix_teacher: str | None = None
     affix_teacher_weight: float = 1.0
     #: weight of a term under which the answer column of an isolated two-affix row names, at the output of layer
@@ -305,13 +312,20 @@ class TrainConfig:
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
         if not is_weight(self.affix_bridge):
             raise ValueError(f"affix_bridge is a loss weight >= 0, not {self.affix_bridge!r}")
+        layer = self.affix_bridge_layer
+        if not is_whole(layer, -math.inf) or (self.affix_bridge > 0 and not 0 <= layer < self.model.layers):
+            raise ValueError(f"affix_bridge_layer is the index of one of the model's {self.model.layers} layers, "
+                             f"not {layer!r}")
         if self.affix_bridge > 0:
-            if self.affix_isolation == 0 or self.affix_anchored > 0 or TWO_AFFIXES not in self.layouts:
-                raise ValueError("affix_bridge trains the isolated two-affix rows: it needs affix_isolation > 0, no "
-                                 f"anchored rows and {TWO_AFFIXES} among the layouts")
-            if not is_whole(self.affix_bridge_layer, 0) or self.affix_bridge_layer >= self.model.layers:
-                raise ValueError(f"affix_bridge_layer is the index of one of the model's {self.model.layers} layers, "
-                                 f"not {self.affix_bridge_layer!r}")
+            if self.affix_isolation == 0 or self.affix_anchored > 0:
+                raise ValueError("affix_bridge trains the isolated rows: it needs affix_isolation > 0 and no anchored "
+                                 "rows (affix_anchored 0)")
+            if tuple(self.layouts).count(TWO_AFFIXES) == 0:
+                raise ValueError(f"affix_bridge trains the {TWO_AFFIXES} rows: put {TWO_AFFIXES} among the layouts")
+            trained = {t for st in (self.stages or (Stage(self.steps, self.tasks, 1, 1),)) for t in st.tasks}
+            if not trained & set(BRIDGED_TASKS):
+                raise ValueError(f"affix_bridge needs a task whose examples carry a first hop "
+                                 f"({', '.join(BRIDGED_TASKS)}) among the tasks")
         if not is_weight(self.affix_teacher_weight) or self.affix_teacher_weight == 0:
             raise ValueError(f"affix_teacher_weight is a positive loss weight, not {self.affix_teacher_weight!r}")
         if self.affix_teacher is not None:
@@ -392,8 +406,15 @@ class Batcher:
         r = render(example, layout, self.encode, self.eos)
         row = answer_row(r.prompt, r.answer)
         if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
-            row = row._replace(bridge=self.encode(example.bridge[0])[0])
+            row = row._replace(bridge=self.token(example.bridge[0]))
         return row
+
+    def token(self, word: str) -> int:
+        """The id of ``word``, which must be one token of the vocabulary."""
+        token = self.tok.token_to_id(word)
+        if token is None:
+            raise ValueError(f"{word!r} is not one word of the task vocabulary")
+        return token
 
     def batch(self, step: int) -> Batch:
         """``ids [B, T]``, ``answer [B, T]`` (True on answer columns), ``positions``, ``valid`` and each row's
@@ -640,10 +661,10 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     if in_context is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], in_context, distill[1][rows])
     if teacher is not None and bool(teacher.rows.any()):
-        rows = teacher.rows
+        taught = teacher.rows
         with torch.no_grad():
-            target = teacher.predict(noisy[rows], positions[rows], valid[rows])
-        loss = loss + teacher.weight * teacher_divergence(logits[rows], target, masked[rows] & answer[rows])
+            target = teacher.predict(noisy[taught], positions[taught], valid[taught])
+        loss = loss + teacher.weight * teacher_divergence(logits[taught], target, masked[taught] & answer[taught])
     if neighbours is not None:
         loss = loss + neighbours.weight * neighbour_loss(model, neighbours.heads, states[neighbours.layer], ids,
                                                          neighbours.owner, neighbours.pairs, neighbours.sampler)
@@ -695,6 +716,9 @@ def load_teacher(path: str | Path, model: DiffusionLM) -> DiffusionLM:
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"affix_teacher {path}: its vocabulary has {teacher.config.vocab_size} tokens, the model's "
                          f"{model.config.vocab_size}")
+    if teacher.config.mask_token_id != model.config.mask_token_id:
+        raise ValueError(f"affix_teacher {path}: its mask token is {teacher.config.mask_token_id}, the model's "
+                         f"{model.config.mask_token_id}: another tokenizer")
     teacher.requires_grad_(False)
     return teacher.to(next(model.parameters()).device).eval()
 
@@ -916,8 +940,7 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     distilled = {"affix_distill": config.affix_distill} if config.affix_distill > 0 else {}
     neighbours = neighbour_record(config.affix_neighbours, config.affix_neighbour_layer, config.affix_neighbour_span) \
         if config.affix_neighbours > 0 else {}
-    taught = {"affix_teacher": config.affix_teacher, "affix_teacher_weight": config.affix_teacher_weight} \
-        if config.affix_teacher else {}
+    taught = teacher_record(config.affix_teacher, config.affix_teacher_weight) if config.affix_teacher else {}
     bridged = {"affix_bridge": config.affix_bridge, "affix_bridge_layer": config.affix_bridge_layer} \
         if config.affix_bridge > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,

@@ -14,6 +14,7 @@ from acache_lab.train.bridge import Bridge, bridge_head, bridge_loss
 from acache_lab.train.trainer import (
     Batcher,
     ModelShape,
+    Stage,
     TrainConfig,
     init_for_training_,
     layer_states,
@@ -122,33 +123,50 @@ def test_the_term_trains_the_answer_column_to_name_the_first_hop():
 
 
 def test_a_run_trains_with_the_term_records_it_and_ships_no_map(tmp_path):
+    """The run with the term moves the weights away from the same run without it, and writes the same tensors."""
     from safetensors.torch import load_file
 
     from acache.models.loader import read_config
 
-    config = TrainConfig(out=str(tmp_path / "m"), steps=12, batch_size=6, lr=3e-3, warmup=2, log_every=4,
-                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
-                         tasks=("codes",), min_sentences=2, max_sentences=3, bf16=False, layouts=LAYOUTS,
-                         affix_isolation=0.8, affix_bridge=1.0, affix_bridge_layer=0)
-    summary = train(config, progress=False)
-    assert all(r["loss"] == r["loss"] for r in summary["log"])
+    def run(out, **extra):
+        config = TrainConfig(out=str(tmp_path / out), steps=12, batch_size=6, lr=3e-3, warmup=2, log_every=4,
+                             model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
+                             tasks=("codes",), min_sentences=2, max_sentences=3, bf16=False, layouts=LAYOUTS,
+                             affix_isolation=0.8, **extra)
+        summary = train(config, progress=False)
+        assert all(r["loss"] == r["loss"] for r in summary["log"])
+        return load_file(tmp_path / out / "model.safetensors")
+
+    with_term, without = run("m", affix_bridge=1.0, affix_bridge_layer=0), run("plain")
     record = read_config(tmp_path / "m")[1].affix_training
     assert (record["affix_bridge"], record["affix_bridge_layer"]) == (1.0, 0)
-    assert not any("bridge" in k or "head" in k for k in load_file(tmp_path / "m" / "model.safetensors"))
+    assert "affix_bridge" not in read_config(tmp_path / "plain")[1].affix_training
+    assert with_term.keys() == without.keys()
+    assert any(not torch.equal(with_term[k], without[k]) for k in without)
+
+
+def test_a_bridge_word_outside_the_vocabulary_is_named():
+    _, batcher, _ = _setup()
+    with pytest.raises(ValueError, match="'zebra' is not one word of the task vocabulary"):
+        batcher.token("zebra")
+    assert batcher.token("mary") == build_word_tokenizer().token_to_id("mary")
 
 
 @pytest.mark.parametrize("options, message", [
     ({"affix_bridge": -1.0}, "affix_bridge is a loss weight >= 0"),
     ({"affix_bridge": float("nan")}, "affix_bridge is a loss weight >= 0"),
     ({"affix_bridge": True}, "affix_bridge is a loss weight >= 0"),
-    ({"affix_bridge": 1.0, "affix_isolation": 0.0}, "affix_bridge trains the isolated two-affix rows"),
-    ({"affix_bridge": 1.0, "layouts": ("prefix",)}, "affix_bridge trains the isolated two-affix rows"),
-    ({"affix_bridge": 1.0, "affix_anchored": 0.5}, "affix_bridge trains the isolated two-affix rows"),
+    ({"affix_bridge": 1.0, "affix_isolation": 0.0}, "affix_bridge trains the isolated rows: it needs affix_isolation"),
+    ({"affix_bridge": 1.0, "affix_anchored": 0.5}, r"and no anchored rows \(affix_anchored 0\)"),
+    ({"affix_bridge": 1.0, "layouts": ("prefix",)}, "affix_bridge trains the two-affix rows: put two-affix among"),
+    ({"affix_bridge": 1.0, "tasks": ("qa1", "arith")}, r"needs a task whose examples carry a first hop \(codes\)"),
+    ({"affix_bridge": 1.0, "tasks": ("qa1",), "steps": 2, "stages": (Stage(2, ("qa1", "grab"), 2, 2),)},
+     "needs a task whose examples carry a first hop"),
     ({"affix_bridge": 1.0, "affix_bridge_layer": 4}, "affix_bridge_layer is the index of one of the model's 4"),
     ({"affix_bridge": 1.0, "affix_bridge_layer": -1}, "affix_bridge_layer is the index of one of the model's 4"),
-    ({"affix_bridge": 1.0, "affix_bridge_layer": 1.5}, "affix_bridge_layer is the index of one of the model's 4"),
+    ({"affix_bridge_layer": 1.5}, "affix_bridge_layer is the index of one of the model's 4"),
 ])
 def test_bad_bridge_settings_are_refused_by_name(options, message):
-    base = {"affix_isolation": 0.5, "layouts": LAYOUTS}
+    base = {"affix_isolation": 0.5, "layouts": LAYOUTS, "tasks": ("codes", "qa1")}
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{**base, **options})

@@ -340,7 +340,6 @@ def test_the_teacher_term_reads_its_rows_masked_answers_and_trains_the_student_o
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    other.requires_grad_(False)
     isolated = torch.tensor([True, False] * 3)
     attention = batch.attention(isolated)
 
@@ -478,7 +477,8 @@ def _mixed_batch():
     config = TrainConfig(tasks=("qa1", "arith"), batch_size=8)
     batcher = Batcher(config, build_word_tokenizer())
     model = LLaDAModel(random_config("llada", 160, batcher.mask, batcher.eos, layers=1, hidden_size=32))
-    ids, answer, positions, valid, _ = batcher.batch(0)
+    batch = batcher.batch(0)
+    ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
     assert set(answer.sum(-1).tolist()) == {2, 6}  # rows of both lengths in one batch
     return batcher, model, ids, answer, positions, valid
 
@@ -604,7 +604,8 @@ def test_a_tasks_own_sentence_range_replaces_the_stages():
     """Long documents for qa1 in the same batches as short stories for the demonstration task."""
     config = TrainConfig(steps=50, batch_size=64, tasks=("qa1", "codes"), min_sentences=3, max_sentences=4,
                          curriculum_steps=1, task_sentences={"qa1": (30, 34)})
-    ids, answer, _, valid, _ = Batcher(config, build_word_tokenizer()).batch(0)
+    batch = Batcher(config, build_word_tokenizer()).batch(0)
+    ids, answer, valid = batch.ids, batch.answer, batch.valid
     lengths = valid.sum(-1)
     tok = build_word_tokenizer()
     demos = torch.tensor([(row == tok.token_to_id("worksheet")).any() for row in ids])
@@ -894,7 +895,8 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
         else:
             assert len(heads) == 1 and set(state["bridge_head"]) == {"weight"} and "neighbour_heads" not in state
     else:  # a state written before the neighbour options (or a model shape field) existed resumes with the defaults
-        for key in ("affix_neighbours", "affix_neighbour_layer", "affix_neighbour_span"):
+        for key in ("affix_neighbours", "affix_neighbour_layer", "affix_neighbour_span", "affix_teacher",
+                    "affix_teacher_weight", "affix_bridge", "affix_bridge_layer"):
             del state["config"][key]
         del state["config"]["model"]["rope_theta"]
         torch.save(state, state_file)
