@@ -82,11 +82,13 @@ model-plus: install
 
 # the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with nine rows in ten
 # attending as direct reuse serves them, mostly `grab` (the binding under direct reuse), with the neighbour term,
-# in two configs, then on the study's mix with three rows in four so; about 8 + 9 + 19 minutes on 2 CPU cores
+# in two configs, then on the study's mix with three rows in four so, then twice on that mix with the two-affix
+# demonstrations drawn more and the bridge term; about 8 + 9 + 19 + 10 + 10 minutes on 2 CPU cores
 AFFIX := models/acache-tiny-affix
 model-affix: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix-bind.json --config configs/affix-bind-2.json \
-	  --config configs/affix-mix.json --overwrite
+	  --config configs/affix-mix.json --config configs/affix-bridge-mix.json --config configs/affix-bridge-mix-2.json \
+	  --overwrite
 	$(VENV)/bin/acache eval tasks --model $(AFFIX) --tasks qa1,arith,twohop,codes
 
 # docs/accuracy.md "Affix-aware training": direct reuse, ACache 0.2 and full recomputation before (the plus

@@ -656,14 +656,16 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
-def test_affix_recipe_chains_three_configs_from_the_plus_model_into_the_affix_model():
-    """configs/affix-bind.json from the plus model, then affix-bind-2.json and affix-mix.json each from the one
-    before into the shipped affix model, whose log and config.json record the last (make model-affix runs them in
-    turn); every stage trains the neighbour term. The first two stages' logs are kept in docs/study."""
+def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_model():
+    """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix and
+    affix-bridge-mix-2 each from the one before into the shipped affix model, whose log and config.json record the
+    last (make model-affix runs them in turn); every stage trains the neighbour term, the last two the bridge term.
+    The first four stages' logs are kept in docs/study (the third's run wrote into models/ when it was the last
+    stage: its log names that out)."""
     from acache.models.loader import read_config
     from acache.paths import REPO_ROOT
 
-    names = ("affix-bind", "affix-bind-2", "affix-mix")
+    names = ("affix-bind", "affix-bind-2", "affix-mix", "affix-bridge-mix", "affix-bridge-mix-2")
     recipe = (REPO_ROOT / "Makefile").read_text().split("\nmodel-affix:")[1].split("\n\n")[0]
     assert re.findall(r"--config configs/([\w-]+)\.json", recipe) == list(names)
     chain = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
@@ -671,11 +673,12 @@ def test_affix_recipe_chains_three_configs_from_the_plus_model_into_the_affix_mo
     for before, after in zip(chain, chain[1:], strict=False):
         assert after.init_from == before.out and after.model == before.model
         assert not before.out.startswith("models/"), "only the last stage writes into models/"
-    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75]
-    assert [c.affix_neighbours for c in chain] == [1.0, 1.0, 1.0]
-    for config, name in zip(chain[:2], names[:2], strict=True):
+    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75, 0.8, 0.8]
+    assert [c.affix_neighbours for c in chain] == [1.0] * 5
+    assert [c.affix_bridge for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    for config, name in zip(chain[:-1], names[:-1], strict=True):
         log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
-        assert_logged(config, log["config"])
+        assert_logged(config, log["config"], ignore={"out"} if name == "affix-mix" else frozenset())
         assert log["steps_done"] == config.steps
     last = chain[-1]
     shipped = REPO_ROOT / last.out
@@ -684,7 +687,8 @@ def test_affix_recipe_chains_three_configs_from_the_plus_model_into_the_affix_mo
     assert_logged(last, log["config"])
     assert log["steps_done"] == last.steps
     record = read_config(shipped)[1].affix_training
-    assert record["steps"] == last.steps and record["affix_isolation"] == 0.75 and record["affix_neighbours"] == 1.0
+    assert record["steps"] == last.steps and record["affix_isolation"] == 0.8 and record["affix_neighbours"] == 1.0
+    assert (record["affix_bridge"], record["affix_bridge_layer"]) == (1.0, 2)
     assert record["init_from"] == chain[-2].out
 
 
@@ -940,7 +944,8 @@ def test_plus_model_uses_its_demonstrations_and_reads_long_documents():
 
 def test_affix_model_answers_its_demonstrations_and_documents_under_direct_reuse():
     """The affix-aware model, reused with no anchors at all, answers where its parent under direct reuse does
-    not: the demonstrations (codes) and the 206-token documents; in context it still answers as the parent."""
+    not: the demonstrations (codes), over one affix and beside the request's story cached as a second one, and the
+    206-token documents; in context it still answers as the parent."""
     from acache import LLM
     from acache_lab.eval.tasks import exact_matches, task_params
     from acache_lab.tasks.generators import held_out
@@ -948,12 +953,12 @@ def test_affix_model_answers_its_demonstrations_and_documents_under_direct_reuse
 
     affix, plus = LLM(SHIPPED_MODEL.parent / "acache-tiny-affix"), LLM(PLUS_MODEL)
     assert affix.default_selector == "none" and plus.default_selector == "attention"
-    for task, sentences in (("codes", 6), ("qa1", 34)):
+    for task, sentences, layout in (("codes", 6, "infix"), ("qa1", 34, "infix"), ("codes", 6, "two-affix")):
         exs = held_out(task, 20, sentences, seed=7)
-        prompts = render_prompts(affix.tokenizer, exs, "infix")
+        prompts = render_prompts(affix.tokenizer, exs, layout)
         reused = {name: exact_matches(llm, prompts, exs, task_params(task, selector="none"))
                   for name, llm in (("affix", affix), ("plus", plus))}
-        assert reused["affix"] >= 18 and reused["plus"] <= 6, (task, reused)
+        assert reused["affix"] >= 18 and reused["plus"] <= 6, (task, layout, reused)
         assert exact_matches(affix, prompts, exs, task_params(task)) >= 19  # full recomputation
 
 
