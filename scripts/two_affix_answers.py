@@ -1,0 +1,50 @@
+"""What a model answers under direct reuse on the two-affix demonstrations: the holder's code, another holder's in
+the story, the code of someone not in the story, or no code (docs/accuracy.md, "A nineteenth run").
+
+    python scripts/two_affix_answers.py MODEL [MODEL ...] [--requests 120] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from acache import LLM
+from acache_lab.eval.tasks import task_params, task_prompts
+from acache_lab.tasks.generators import held_out
+
+
+def kinds(model: str, requests: int, seed: int) -> Counter:
+    """Each answer's kind, counted over ``requests`` held-out two-affix requests decoded by direct reuse."""
+    llm = LLM(model)
+    exs = held_out("codes", requests, 6, seed)
+    outs = llm.generate(task_prompts(llm, exs, "two-affix"), task_params("codes", selector="none", seed=seed),
+                        use_tqdm=False)
+    counts: Counter = Counter()
+    for out, ex in zip(outs, exs, strict=True):
+        code = dict(zip(ex.affix[0::4], ex.affix[2::4], strict=True))  # "NAME is CODE ." a demonstration
+        holders = set(ex.context[3::5])  # "OBJECT went to NAME ." a pickup
+        words = out.text.split()
+        if words == list(ex.answer):
+            counts["the holder's code"] += 1
+        elif words and words[0] in code.values():
+            who = next(name for name, c in code.items() if c == words[0])
+            counts["another holder's code" if who in holders else "the code of someone not in the story"] += 1
+        else:
+            counts["no code"] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for model in args.models:
+        counts = kinds(model, args.requests, args.seed)
+        print(model, ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+
+
+if __name__ == "__main__":
+    main()
