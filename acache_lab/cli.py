@@ -49,15 +49,19 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import asdict
     from pathlib import Path
 
-    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, train
+    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, finished_as, train
 
     # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
     configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
         configs[-1].out = args.out
+    for i, config in enumerate(configs):  # a teacher must exist when its stage starts: here or written before it
+        if config.affix_teacher and not (Path(config.affix_teacher) / "config.json").is_file() \
+                and config.affix_teacher not in {c.out for c in configs[:i]}:
+            raise FileNotFoundError(f"{args.config[i]}: affix_teacher {config.affix_teacher} is no checkpoint (no "
+                                    "config.json) and no earlier config writes it")
     from acache_lab.tracked import refuse_tracked
 
     refuse_tracked([c.out for c in configs], args.overwrite)
@@ -67,7 +71,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume = args.resume and (out / RESUME_FILE).is_file()
         if args.resume and not resume and (out / "training_log.json").is_file():
             done = json.loads((out / "training_log.json").read_text())
-            if done.get("config") == asdict(config) and not done.get("interrupted"):
+            if finished_as(done.get("config", {}), config) and not done.get("interrupted"):
                 print(f"{config.out}: finished before, skipped")
                 total_s += done["train_time_s"]
                 continue
@@ -301,8 +305,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--neighbour-pairs", type=_positive_int, default=32,
                    help="pairs each offset predicts a step, sampled: bounds the output embedding's cost")
     p.add_argument("--teacher", type=float, default=0.0,
-                   help="weight of the teacher term on the rows attending in context: the KL divergence from the "
-                        "checkpoint's own predictions (adapters off) to the adapted model's; 0: off")
+                   help="weight of the teacher term on the rows attending in context: KL(checkpoint || adapted "
+                        "model) at their masked answer tokens, the checkpoint's predictions taken with the adapters "
+                        "off; 0: off")
     p.add_argument("--merge", action="store_true",
                    help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -141,6 +141,28 @@ def test_train_runs_several_configs_in_order_and_reads_them_all_first(tmp_path, 
     assert logs[1]["config"]["init_from"] == str(tmp_path / "a") and not (tmp_path / "b").exists()
 
 
+def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first(tmp_path, capsys):
+    """--resume skips a config whose finished log is this config (an option added since read at its default); a
+    teacher that is no checkpoint and that no earlier config writes is refused before anything trains."""
+    shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
+    common = {"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"], "log_every": 1}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 2}))
+    second.write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 2, "init_from": str(tmp_path / "a"),
+                                  "affix_isolation": 0.5, "affix_teacher": str(tmp_path / "a")}))
+    assert main(["train", "--config", str(second)]) == 2
+    assert f"affix_teacher {tmp_path / 'a'} is no checkpoint" in capsys.readouterr().err
+    assert main(["train", "--config", str(first), "--config", str(second)]) == 0  # the first writes the teacher
+    log = tmp_path / "a" / "training_log.json"
+    logged = json.loads(log.read_text())
+    del logged["config"]["affix_bridge"]  # as a log written before the option existed
+    log.write_text(json.dumps(logged))
+    capsys.readouterr()
+    assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'a'}: finished before, skipped" in out and f"{tmp_path / 'b'}: finished before" in out
+
+
 def test_free_text_and_chat_on_the_shipped_model(capsys):
     """The default model reads ordinary text ('Mary?' is 'mary ?'), answers a chat in its own template, and
     names the words it cannot read instead of a traceback."""

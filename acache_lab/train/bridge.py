@@ -4,7 +4,7 @@ Under direct reuse the two-affix demonstrations (``codes``: ``[demonstrations][s
 computed alone) ask the answer column to find the object's holder in the story, then the holder's code in the
 demonstrations. Neither cached span can do a hop for it, so both run at the answer column, one after the other,
 inside the model's depth; trained on the answer alone, no run of the four-layer affix model learned it (it answers a
-code of someone in the story, rarely the holder's: docs/accuracy.md, "The bridge term"). The term asks the answer
+code of someone in the story, rarely the holder's: docs/accuracy.md, "A nineteenth run"). The term asks the answer
 column's state at the output of one layer to name the first hop's result (the holder), through a training-only map
 and the model's own final norm and output embedding, as the neighbour term (:mod:`acache_lab.train.neighbours`)
 names an affix token's neighbours. The label comes from the task generator (``Example.bridge``): it is a curriculum

@@ -7,8 +7,9 @@ with the same objective: LLaDA's masked-diffusion loss on the answer, a share of
 affix-isolated mask (:func:`acache_lab.train.isolation.isolation_mask`), i.e. as direct reuse serves them, and
 optionally the neighbour term on those rows (:mod:`acache_lab.train.neighbours`, low-rank maps and sampled pairs),
 without which no isolated run of the tiny models learned a binding inside an affix, and optionally a teacher term on
-the other rows: the KL divergence from the checkpoint's own predictions (the adapters switched off) to the adapted
-model's, so that the adapters keep what the model computes in context (Block-Attention's second requirement).
+the other rows: KL(checkpoint || adapted model) of the token distributions, the checkpoint's own predictions taken
+with the adapters switched off, so that the adapters keep what the model computes in context (Block-Attention's
+second requirement).
 
 Data is JSONL, the calibration format (:mod:`acache_lab.tasks.calibration`) with an answer: one record a line,
 ``{"affix": str, "prompt": str, "answer": str, "layout": "prefix"|"infix"|"suffix", "answer_prompt": str}``
@@ -97,8 +98,8 @@ class LoraConfig:
     neighbour_span: int = 4
     neighbour_rank: int | None = 64
     neighbour_pairs: int = 32
-    #: weight of the teacher term on the rows attending in context: the KL divergence from the checkpoint's own
-    #: predictions (adapters off) to the adapted model's at their masked answer tokens
+    #: weight of the teacher term on the rows attending in context: KL(checkpoint || adapted model) of the token
+    #: distributions at their masked answer tokens, the checkpoint's own predictions taken with the adapters off
     #: (:func:`~acache_lab.train.trainer.teacher_divergence`). 0: off
     teacher: float = 0.0
     merge: bool = False

@@ -176,7 +176,7 @@ class TrainConfig:
     affix_neighbour_layer: int = 1
     affix_neighbour_span: int = 4
     #: a checkpoint (same vocabulary and mask token) whose in-context predictions the rows not isolated are held to:
-    #: the loss adds ``affix_teacher_weight`` times the KL divergence from its distribution to the model's at those
+    #: the loss adds ``affix_teacher_weight`` times KL(teacher || model) of the token distributions at those
     #: rows' masked answer columns (:func:`teacher_divergence`), so that what affix training teaches the isolated
     #: rows does not cost what the model computes in context; None trains none
     affix_teacher: str | None = None
@@ -295,7 +295,8 @@ class TrainConfig:
             scales[str(int(key))] = float(scale)
         self.layer_lr_scale = scales
         for name, what in (("affix_distill", "pulls the isolated rows towards their in-context states"),
-                           ("affix_neighbours", "trains the isolated rows' affix states")):
+                           ("affix_neighbours", "trains the isolated rows' affix states"),
+                           ("affix_bridge", "trains the isolated rows")):
             weight = getattr(self, name)
             if not is_weight(weight):
                 raise ValueError(f"{name} is a loss weight >= 0, not {weight!r}")
@@ -304,28 +305,14 @@ class TrainConfig:
         if self.affix_neighbours > 0 and self.context_mask_rate > 0:
             raise ValueError("affix_neighbours trains clean affix tokens, as the cache holds them: context_mask_rate "
                              "must be 0")
-        layer, reach = self.affix_neighbour_layer, self.affix_neighbour_span
-        if not is_whole(layer, -math.inf) or (self.affix_neighbours > 0 and not 0 <= layer < self.model.layers):
-            raise ValueError(f"affix_neighbour_layer is the index of one of the model's {self.model.layers} layers, "
-                             f"not {layer!r}")
+        layers = (("affix_neighbour_layer", self.affix_neighbours), ("affix_bridge_layer", self.affix_bridge))
+        for name, weight in layers:
+            layer = getattr(self, name)
+            if not is_whole(layer, -math.inf) or (weight > 0 and not 0 <= layer < self.model.layers):
+                raise ValueError(f"{name} is the index of one of the model's {self.model.layers} layers, not {layer!r}")
+        reach = self.affix_neighbour_span
         if not is_whole(reach, 1):
             raise ValueError(f"affix_neighbour_span is a positive number of tokens, not {reach!r}")
-        if not is_weight(self.affix_bridge):
-            raise ValueError(f"affix_bridge is a loss weight >= 0, not {self.affix_bridge!r}")
-        layer = self.affix_bridge_layer
-        if not is_whole(layer, -math.inf) or (self.affix_bridge > 0 and not 0 <= layer < self.model.layers):
-            raise ValueError(f"affix_bridge_layer is the index of one of the model's {self.model.layers} layers, "
-                             f"not {layer!r}")
-        if self.affix_bridge > 0:
-            if self.affix_isolation == 0 or self.affix_anchored > 0:
-                raise ValueError("affix_bridge trains the isolated rows: it needs affix_isolation > 0 and no anchored "
-                                 "rows (affix_anchored 0)")
-            if tuple(self.layouts).count(TWO_AFFIXES) == 0:
-                raise ValueError(f"affix_bridge trains the {TWO_AFFIXES} rows: put {TWO_AFFIXES} among the layouts")
-            trained = {t for st in (self.stages or (Stage(self.steps, self.tasks, 1, 1),)) for t in st.tasks}
-            if not trained & set(BRIDGED_TASKS):
-                raise ValueError(f"affix_bridge needs a task whose examples carry a first hop "
-                                 f"({', '.join(BRIDGED_TASKS)}) among the tasks")
         if not is_weight(self.affix_teacher_weight) or self.affix_teacher_weight == 0:
             raise ValueError(f"affix_teacher_weight is a positive loss weight, not {self.affix_teacher_weight!r}")
         if self.affix_teacher is not None:
@@ -345,6 +332,12 @@ class TrainConfig:
         if self.layouts == (TWO_AFFIXES,):
             raise ValueError(f"layouts needs a plain layout ({', '.join(LAYOUTS)}) beside {TWO_AFFIXES}, for the "
                              "rows of tasks without demonstrations")
+        if self.affix_bridge > 0:
+            if TWO_AFFIXES not in self.layouts:
+                raise ValueError(f"affix_bridge trains the {TWO_AFFIXES} rows: put {TWO_AFFIXES} among the layouts")
+            if not self.trained_tasks & set(BRIDGED_TASKS):
+                raise ValueError(f"affix_bridge needs a task whose examples carry a first hop "
+                                 f"({', '.join(BRIDGED_TASKS)}) among the tasks")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step``: linear warm-up, then the cosine to a tenth of ``lr`` that
@@ -368,10 +361,14 @@ class TrainConfig:
         return self.stages[-1]
 
     @property
+    def trained_tasks(self) -> set[str]:
+        """Every task some stage draws."""
+        return {t for st in (self.stages or (self.stage_at(0),)) for t in st.tasks}
+
+    @property
     def eval_tasks(self) -> tuple[str, ...]:
         """Every task the run trains on, the suite's first, then warm-ups."""
-        trained = {t for st in (self.stages or (self.stage_at(0),)) for t in st.tasks}
-        return tuple(t for t in TRAIN_GENERATORS if t in trained)
+        return tuple(t for t in TRAIN_GENERATORS if t in self.trained_tasks)
 
 
 class Batcher:
@@ -823,13 +820,22 @@ def param_groups(model: DiffusionLM, weight_decay: float, layer_lr_scale: dict[s
             for (decays, scale), params in groups.items()]
 
 
+def with_defaults(config: dict) -> dict:
+    """A logged config as JSON holds it, every option added since it was written (the model shape's too) at its
+    default, which trains as the code did before the option existed."""
+    defaults = json.loads(json.dumps(asdict(TrainConfig())))
+    return {**defaults, **config, "model": {**defaults["model"], **config.get("model", {})}}
+
+
+def finished_as(logged: dict, config: TrainConfig) -> bool:
+    """``logged`` (a finished run's ``training_log.json`` config) is ``config``'s run, time limit included."""
+    return with_defaults(logged) == json.loads(json.dumps(asdict(config)))
+
+
 def _resumable(config: dict) -> dict:
     """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
-    machine's budget that decides where a run stops, never what a step computes. A config written before an option
-    existed (the model shape's too) reads with that option at its default, which trains as the code did before it."""
-    defaults = asdict(TrainConfig())
-    merged = {**defaults, **config, "model": {**defaults["model"], **config.get("model", {})}}
-    return {k: v for k, v in merged.items() if k != "time_limit_minutes"}
+    machine's budget that decides where a run stops, never what a step computes."""
+    return {k: v for k, v in with_defaults(json.loads(json.dumps(config))).items() if k != "time_limit_minutes"}
 
 
 def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:

@@ -414,6 +414,13 @@ def test_a_teacher_is_refused_when_it_cannot_teach(tmp_path, llada_dir):
     with pytest.raises(ValueError, match="its vocabulary has .* tokens, the model's"):
         train(TrainConfig(out=str(tmp_path / "y"), steps=1, model=shape, affix_teacher=str(llada_dir)),
               progress=False)
+    train(TrainConfig(out=str(tmp_path / "t"), steps=1, batch_size=2, warmup=1, bf16=False, model=shape),
+          progress=False)
+    hf = json.loads((tmp_path / "t" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps({**hf, "mask_token_id": hf["mask_token_id"] - 1}))
+    with pytest.raises(ValueError, match="its mask token is .*: another tokenizer"):
+        train(TrainConfig(out=str(tmp_path / "z"), steps=1, model=shape, affix_teacher=str(tmp_path / "t")),
+              progress=False)
 
 
 def test_stages_run_in_order_and_every_trained_task_is_probed(tmp_path):

@@ -1,7 +1,7 @@
 """What a model answers under direct reuse on the two-affix demonstrations: the holder's code, another holder's in
 the story, the code of someone not in the story, or no code (docs/accuracy.md, "A nineteenth run").
 
-    python scripts/two_affix_answers.py MODEL [MODEL ...] [--requests 120] [--seed 0]
+    python -m acache_lab.probes.two_affix_answers MODEL [MODEL ...] [--requests 120] [--seed 0]
 """
 
 from __future__ import annotations
@@ -25,20 +25,29 @@ def kinds(model: str, requests: int, seed: int) -> Counter:
         code = dict(zip(ex.affix[0::4], ex.affix[2::4], strict=True))  # "NAME is CODE ." a demonstration
         holders = set(ex.context[3::5])  # "OBJECT went to NAME ." a pickup
         words = out.text.split()
+        who = next((name for name, c in code.items() if words and c == words[0]), None)
         if words == list(ex.answer):
             counts["the holder's code"] += 1
-        elif words and words[0] in code.values():
-            who = next(name for name, c in code.items() if c == words[0])
-            counts["another holder's code" if who in holders else "the code of someone not in the story"] += 1
-        else:
+        elif who is None:
             counts["no code"] += 1
+        elif who == ex.bridge[0]:
+            counts["the holder's code, then more words"] += 1
+        else:
+            counts["another holder's code" if who in holders else "the code of someone not in the story"] += 1
     return counts
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests, not {value}")
+    return value
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--requests", type=_positive, default=120)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for model in args.models:
