@@ -170,3 +170,35 @@ def test_bad_bridge_settings_are_refused_by_name(options, message):
     base = {"affix_isolation": 0.5, "layouts": LAYOUTS, "tasks": ("codes", "qa1")}
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{**base, **options})
+
+
+def test_the_training_loop_gives_the_term_its_targets_on_isolated_two_affix_rows_only(tmp_path, monkeypatch):
+    """Inside a run, the rows the term reads are the isolated two-affix codes rows; the others carry no target."""
+    import acache_lab.train.trainer as trainer
+
+    seen = []
+    real = trainer.bridge_loss
+
+    def spy(model, head, states, targets, columns, masked):
+        seen.append(targets.clone())
+        return real(model, head, states, targets, columns, masked)
+
+    monkeypatch.setattr(trainer, "bridge_loss", spy)
+    spans = []
+    real_attention = trainer.Batch.attention
+
+    def attention(self, isolated):
+        spans.append((self.bridge.clone(), None if isolated is None else isolated.clone()))
+        return real_attention(self, isolated)
+
+    monkeypatch.setattr(trainer.Batch, "attention", attention)
+    config = TrainConfig(out=str(tmp_path / "m"), steps=4, batch_size=8, warmup=1, bf16=False, layouts=LAYOUTS,
+                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64),
+                         tasks=("codes", "qa1"), min_sentences=2, max_sentences=3, affix_isolation=0.5,
+                         affix_bridge=1.0, affix_bridge_layer=1)
+    train(config, progress=False)
+    assert len(seen) == 4 == len(spans)
+    for targets, (bridge, isolated) in zip(seen, spans, strict=True):
+        assert targets.tolist() == torch.where(isolated, bridge, -1).tolist()
+    assert any(bool(((b >= 0) & ~i).any()) for b, i in spans)  # a two-affix row left in context: no target
+    assert any(bool((t >= 0).any()) for t in seen)

@@ -398,6 +398,39 @@ def test_a_run_with_a_teacher_stays_nearer_it_and_records_it(tmp_path):
     assert held < 0.5 * free, (held, free)
 
 
+def test_the_training_loop_gives_the_teacher_the_rows_in_context(tmp_path, monkeypatch):
+    """The teacher reads the rows not isolated, and every row when none is."""
+    import acache_lab.train.trainer as trainer
+
+    rows = []
+    real = trainer.teacher_divergence
+
+    def spy(student, teacher, columns):
+        rows.append(len(student))
+        return real(student, teacher, columns)
+
+    monkeypatch.setattr(trainer, "teacher_divergence", spy)
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = dict(steps=3, batch_size=8, warmup=1, bf16=False, model=shape, tasks=("qa1",), min_sentences=2,
+                  max_sentences=2)
+    train(TrainConfig(out=str(tmp_path / "t"), **common), progress=False)
+    train(TrainConfig(out=str(tmp_path / "all"), affix_teacher=str(tmp_path / "t"), **common), progress=False)
+    assert rows == [8, 8, 8]
+    rows.clear()
+    isolated = []
+    real_attention = trainer.Batch.attention
+
+    def attention(self, chosen):
+        isolated.append(chosen.clone())
+        return real_attention(self, chosen)
+
+    monkeypatch.setattr(trainer.Batch, "attention", attention)
+    train(TrainConfig(out=str(tmp_path / "some"), affix_teacher=str(tmp_path / "t"), affix_isolation=0.5, **common),
+          progress=False)
+    in_context = [int((~chosen).sum()) for chosen in isolated]
+    assert rows == [n for n in in_context if n > 0] and 0 < sum(rows) < 24
+
+
 def test_a_teacher_is_refused_when_it_cannot_teach(tmp_path, llada_dir):
     for weight in (0.0, -1.0, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="affix_teacher_weight is a positive loss weight"):
