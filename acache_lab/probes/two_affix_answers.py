@@ -10,6 +10,7 @@ import argparse
 from collections import Counter
 
 from acache import LLM
+from acache.cli import _positive_int
 from acache_lab.eval.tasks import task_params, task_prompts
 from acache_lab.tasks.generators import held_out
 
@@ -37,17 +38,10 @@ def kinds(model: str, requests: int, seed: int) -> Counter:
     return counts
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of requests, not {value}")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+")
-    parser.add_argument("--requests", type=_positive, default=120)
+    parser.add_argument("--requests", type=_positive_int, default=120)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for model in args.models:

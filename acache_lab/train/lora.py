@@ -40,7 +40,7 @@ from acache.models.loader import checkpoint_dir, load_model, parse_device
 from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.isolation import span_owners
-from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record, teacher_record
+from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
@@ -48,6 +48,7 @@ from acache_lab.train.trainer import (
     answer_row,
     collate_rows,
     masked_diffusion_loss,
+    teacher_record,
     training_logits,
     write_affix_training,
 )

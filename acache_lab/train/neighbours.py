@@ -81,11 +81,6 @@ def neighbour_record(weight: float, layer: int, span: int) -> dict:
     return {"affix_neighbours": weight, "affix_neighbour_layer": layer, "affix_neighbour_span": span}
 
 
-def teacher_record(teacher: str, weight: float) -> dict:
-    """The teacher term's entries in the record (:func:`~acache_lab.train.trainer.teacher_divergence`): which
-    checkpoint taught the rows attending in context, and at what weight."""
-    return {"affix_teacher": teacher, "affix_teacher_weight": weight}
-
 
 def is_weight(value: object) -> bool:
     """``value`` is a finite number >= 0 (not a ``bool``): a loss term's weight."""

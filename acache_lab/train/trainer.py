@@ -53,7 +53,6 @@ from acache_lab.train.neighbours import (
     is_whole,
     neighbour_loss,
     neighbour_record,
-    teacher_record,
 )
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
@@ -571,6 +570,12 @@ def teacher_divergence(student: torch.Tensor, teacher: torch.Tensor, columns: to
     s = F.log_softmax(student[columns].float(), -1)
     t = F.log_softmax(teacher[columns].float(), -1)
     return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def teacher_record(teacher: str, weight: float) -> dict:
+    """The teacher term's entries in a checkpoint's affix-training record (the task-suite trainer's and LoRA's
+    alike): which checkpoint taught the rows attending in context, and at what weight."""
+    return {"affix_teacher": teacher, "affix_teacher_weight": weight}
 
 
 def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, weighting: str) -> torch.Tensor:
