@@ -98,7 +98,8 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, isolation=args.isolation, neighbours=args.neighbours,
                         neighbour_layer=args.neighbour_layer, neighbour_span=args.neighbour_span,
                         neighbour_rank=None if args.neighbour_rank == 0 else args.neighbour_rank,
-                        neighbour_pairs=args.neighbour_pairs, teacher=args.teacher, merge=args.merge,
+                        neighbour_pairs=args.neighbour_pairs, teacher=args.teacher, eval_data=args.eval_data,
+                        eval_every=args.eval_every, merge=args.merge,
                         device=args.device, dtype=args.dtype, bf16=args.bf16,
                         time_limit_minutes=args.time_limit_minutes, seed=args.seed)
     summary = finetune(config)
@@ -107,6 +108,10 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
           f"{summary['train_time_s'] / 60:.1f} min, {summary['trainable_parameters']:,} trainable parameters, "
           f"final loss {last:.4f}; adapter: {summary['adapter']}"
           + (f"; merged checkpoint: {summary['merged']}" if summary["merged"] else ""))
+    if summary["probe"]:
+        first, last = summary["probe"][0], summary["probe"][-1]
+        print("held out, exact in one shot: " + "; ".join(
+            f"{view} {first[view]['exact']:.1%} -> {last[view]['exact']:.1%}" for view in ("reuse", "context")))
     return 0
 
 
@@ -308,6 +313,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight of the teacher term on the rows attending in context: KL(checkpoint || adapted "
                         "model) at their masked answer tokens, the checkpoint's predictions taken with the adapters "
                         "off; 0: off")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out JSONL in --data's format, each answer read in one shot with its affix computed "
+                        "alone and in context, before training, every --eval-every steps and at the end")
+    p.add_argument("--eval-every", type=_positive_int, default=100, help="steps between --eval-data's probes")
     p.add_argument("--merge", action="store_true",
                    help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -48,6 +48,7 @@ from acache_lab.train.trainer import (
     answer_row,
     collate_rows,
     masked_diffusion_loss,
+    one_shot_answers,
     teacher_record,
     training_logits,
     write_affix_training,
@@ -103,6 +104,11 @@ class LoraConfig:
     #: distributions at their masked answer tokens, the checkpoint's own predictions taken with the adapters off
     #: (:func:`~acache_lab.train.trainer.teacher_divergence`). 0: off
     teacher: float = 0.0
+    #: held-out records in the data's format, read before training, every ``eval_every`` steps and at the end: each
+    #: answer in one shot with its affix computed alone (as direct reuse serves it) and in context, so that the log
+    #: (``probe`` in finetune_log.json) shows whether reuse catches up with context and context holds. None: none
+    eval_data: str | None = None
+    eval_every: int = 100
     merge: bool = False
     device: str = "auto"
     dtype: str = "auto"  # the weights' dtype: auto is the checkpoint's own torch_dtype
@@ -119,6 +125,8 @@ class LoraConfig:
             raise ValueError(f"dropout must be in [0, 1), not {self.dropout}")
         if self.steps <= 0 or self.batch_size <= 0 or self.log_every <= 0:
             raise ValueError("steps, batch_size and log_every must be positive")
+        if not is_whole(self.eval_every, 1):
+            raise ValueError(f"eval_every is a positive number of steps, not {self.eval_every!r}")
         if self.lr <= 0 or self.grad_clip <= 0 or self.warmup < 0 or self.weight_decay < 0:
             raise ValueError("lr and grad_clip must be positive, warmup and weight_decay >= 0")
         if not 0.0 <= self.isolation <= 1.0:
@@ -251,7 +259,9 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     stop_id = tokenizer.eos_token_id
     if stop_id is None:
         stop_id = model.config.eos_token_id
-    rows, layouts = load_finetune_data(config.data, tokenizer, stop_id, model.config.max_position_embeddings)
+    context = model.config.max_position_embeddings
+    rows, layouts = load_finetune_data(config.data, tokenizer, stop_id, context)
+    held = [] if config.eval_data is None else load_finetune_data(config.eval_data, tokenizer, stop_id, context)[0]
 
     torch.manual_seed(config.seed)  # the adapters' initialisation
     lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
@@ -280,7 +290,18 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     steps_done, tokens = 0, 0
     started = time.perf_counter()
     limit_s = math.inf if config.time_limit_minutes is None else 60 * config.time_limit_minutes
+    probes: list[dict] = []
+
+    def probe(at: int) -> None:
+        read = probe_rows(model, held, pad, device, config.batch_size, model.config.mask_token_id, bf16)
+        probes.append({"step": at, **read})
+        bar.write(f"probe at step {at}: exact {read['reuse']['exact']:.1%} under reuse, "
+                  f"{read['context']['exact']:.1%} in context; answer NLL {read['reuse']['answer_nll']:.3f} / "
+                  f"{read['context']['answer_nll']:.3f}")
+
     bar = tqdm(range(config.steps), desc="finetune", unit="step", disable=not progress)
+    if held:
+        probe(0)
     for step in bar:
         if time.perf_counter() - started > limit_s:
             bar.write(f"time limit of {config.time_limit_minutes} min reached after {steps_done} steps")
@@ -312,6 +333,10 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                         "elapsed_s": time.perf_counter() - started})
             bar.set_postfix(loss=f"{mean:.3f}")
             window.clear()
+        if held and steps_done % config.eval_every == 0:
+            probe(steps_done)
+    if held and probes[-1]["step"] != steps_done:  # the last step, or where the time limit stopped the run
+        probe(steps_done)
     bar.close()
     train_time = time.perf_counter() - started
     adapted.eval()
@@ -326,8 +351,28 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),
                "neighbour_parameters": 0 if heads is None else sum(p.numel() for p in heads.parameters()),
-               "parameters": sum(p.numel() for p in model.parameters()), "log": log}
+               "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probe": probes}
     return LoraRun(adapted, source, summary, record, heads)
+
+
+def probe_rows(model: DiffusionLM, rows: list[Row], pad: int, device: torch.device, batch_size: int, mask_id: int,
+               bf16: bool) -> dict[str, dict[str, float]]:
+    """Held-out ``rows`` answered in one shot (:func:`~acache_lab.train.trainer.one_shot_answers`) with every affix
+    computed alone ("reuse", what direct reuse serves) and in context ("context"): the share answered exactly and
+    the answer tokens' mean negative log-likelihood, a row each."""
+    was_training = model.training
+    model.eval()
+    sums = {"reuse": [0, 0.0], "context": [0, 0.0]}
+    for start in range(0, len(rows), batch_size):
+        batch = collate_rows(rows[start:start + batch_size], pad).to(device)
+        every = torch.ones(len(batch.ids), dtype=torch.bool)
+        for view, attention in (("reuse", batch.attention(every)), ("context", batch.valid)):
+            exact, nll = one_shot_answers(model, batch.ids, batch.answer, batch.positions, attention, mask_id, bf16,
+                                          device.type)
+            sums[view][0] += int(exact.sum())
+            sums[view][1] += float(nll.sum())
+    model.train(was_training)
+    return {view: {"exact": right / len(rows), "answer_nll": nll / len(rows)} for view, (right, nll) in sums.items()}
 
 
 def save_run(run: LoraRun, config: LoraConfig) -> dict:

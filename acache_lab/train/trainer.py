@@ -59,6 +59,7 @@ from acache_lab.train.neighbours import (
 WEIGHTINGS = ("inverse_t", "masked_count")
 REDUCTIONS = ("mean", "sum")
 MASKINGS = ("rate_t", "all")
+TWO_AFFIX_FALLBACKS = ("first", "draw")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
 
@@ -101,8 +102,13 @@ class TrainConfig:
     family: str = "llada"
     #: the prompt layouts drawn for training rows; a block-causal model cannot read an affix after the
     #: generation region, so its recipes leave ``suffix`` out. ``two-affix`` (demonstrations and story, each an
-    #: affix) applies to tasks with demonstrations; another task's row drawn in it takes the first plain layout
+    #: affix) applies to tasks with demonstrations; another task's row drawn in it takes a plain layout, as
+    #: ``two_affix_fallback`` says
     layouts: tuple[str, ...] = LAYOUTS
+    #: the plain layout of a row of a task without demonstrations drawn in ``two-affix``: "first", the first plain
+    #: one among ``layouts`` (what the recipes up to 2026-12-05 trained), or "draw", one of them at random, so that
+    #: listing ``two-affix`` several times does not tilt the other tasks towards the first plain layout
+    two_affix_fallback: str = "first"
     model: ModelShape = field(default_factory=ModelShape)
     steps: int = 3000
     batch_size: int = 64
@@ -331,6 +337,9 @@ class TrainConfig:
         if self.layouts == (TWO_AFFIXES,):
             raise ValueError(f"layouts needs a plain layout ({', '.join(LAYOUTS)}) beside {TWO_AFFIXES}, for the "
                              "rows of tasks without demonstrations")
+        if self.two_affix_fallback not in TWO_AFFIX_FALLBACKS:
+            raise ValueError(f"two_affix_fallback must be one of {', '.join(TWO_AFFIX_FALLBACKS)}, not "
+                             f"{self.two_affix_fallback!r}")
         if self.affix_bridge > 0:
             if TWO_AFFIXES not in self.layouts:
                 raise ValueError(f"affix_bridge trains the {TWO_AFFIXES} rows: put {TWO_AFFIXES} among the layouts")
@@ -424,7 +433,10 @@ class Batcher:
             lo, hi = self.config.task_sentences.get(task, (stage.min_sentences, stage.max_sentences))
             sentences = self.rng.randint(lo, hi)
             example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
-            rows.append(self.row(example, self.rng.choice(self.config.layouts)))
+            layout = self.rng.choice(self.config.layouts)
+            if layout == TWO_AFFIXES and not example.context and self.config.two_affix_fallback == "draw":
+                layout = self.rng.choice([x for x in self.config.layouts if x != TWO_AFFIXES])
+            rows.append(self.row(example, layout))
         return self.collate(rows)
 
     def collate(self, rows: list[Row]) -> Batch:
@@ -759,13 +771,26 @@ class Probe:
             if task in self.anchored:
                 views[f"{task}@anchors"] = self.anchored[task]
             for name, (view, attention) in views.items():
-                ids, answer = view.ids, view.answer
-                noisy = torch.where(answer, torch.full_like(ids, self.batcher.mask), ids)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    pred = training_logits(model, noisy, view.positions, attention).argmax(-1)
-                out[name] = ((pred == ids) | ~answer).all(-1).float().mean().item()
+                exact, _ = one_shot_answers(model, view.ids, view.answer, view.positions, attention,
+                                            self.batcher.mask, bf16)
+                out[name] = exact.float().mean().item()
         model.train(was_training)
         return out
+
+
+@torch.no_grad()
+def one_shot_answers(model: DiffusionLM, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
+                     attention: torch.Tensor | LayeredMask, mask_id: int, bf16: bool = False,
+                     device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every answer column (``answer [B, T]``) masked, one forward: per row, whether the argmax is the whole
+    answer (``[B]`` bool) and the mean negative log-likelihood of its answer tokens (``[B]``). Harsher than
+    decoding over several steps, and cheap enough to watch a run with."""
+    noisy = torch.where(answer, torch.full_like(ids, mask_id), ids)
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        logits = training_logits(model, noisy, positions, attention)
+    exact = ((logits.argmax(-1) == ids) | ~answer).all(-1)
+    nll = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
+    return exact, (nll * answer).sum(-1) / answer.sum(-1).clamp_min(1)
 
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,

@@ -116,6 +116,61 @@ def test_the_command_line_writes_the_adapter_and_the_merged_checkpoint(llada_dir
     assert read_config(out / "merged")[1].affix_training["affix_isolation"] == 1.0
 
 
+@needs_peft
+def test_the_held_out_probe_reads_reuse_and_context_and_leaves_the_training_alone(llada_dir, tmp_path):
+    """The probe reads before training, every eval_every steps and at the end; its step-0 figures are the base
+    model's one-shot answers computed here by hand, its reuse and context views differ, its answer loss on the
+    training records falls, and a run with it trains the same adapters as a run without it."""
+    held = write_data(tmp_path / "held.jsonl", n=5)
+    cfg = config(llada_dir, tmp_path, eval_data=str(held), eval_every=12)
+    run = train_lora(cfg, progress=False)
+    probes = run.summary["probe"]
+    assert [p["step"] for p in probes] == [0, 12, 24, 30]
+
+    base = load_model(llada_dir)
+    tok = Tokenizer.from_dir(llada_dir)
+    rows, _ = load_finetune_data(held, tok, tok.eos_token_id, base.config.max_position_embeddings)
+    batch = collate_rows(rows, base.config.pad_token_id)
+    noisy = torch.where(batch.answer, base.config.mask_token_id, batch.ids)
+    for view, attention in (("reuse", batch.attention(torch.ones(len(rows), dtype=torch.bool))),
+                            ("context", batch.valid)):
+        with torch.no_grad():
+            logits = base.logits(base(noisy, batch.positions, attention).hidden)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.ids, reduction="none")
+        by_row = (nll * batch.answer).sum(-1) / batch.answer.sum(-1)
+        exact = ((logits.argmax(-1) == batch.ids) | ~batch.answer).all(-1).float().mean().item()
+        assert probes[0][view]["answer_nll"] == pytest.approx(by_row.mean().item(), abs=1e-5)
+        assert probes[0][view]["exact"] == exact
+    assert probes[0]["reuse"]["answer_nll"] != pytest.approx(probes[0]["context"]["answer_nll"], abs=1e-4)
+
+    plain = train_lora(config(llada_dir, tmp_path), progress=False)
+    for (name, a), (_, b) in zip(run.adapted.named_parameters(), plain.adapted.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert plain.summary["probe"] == []
+
+    on_training = train_lora(config(llada_dir, tmp_path, eval_data=cfg.data, eval_every=30), progress=False)
+    first, last = on_training.summary["probe"]
+    for view in ("reuse", "context"):
+        assert last[view]["answer_nll"] < 0.5 * first[view]["answer_nll"], (view, first, last)
+
+
+@needs_peft
+def test_the_command_line_takes_held_out_data(llada_dir, tmp_path, capsys):
+    from acache.cli import main
+
+    data = write_data(tmp_path / "data.jsonl", n=3)
+    common = ["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--steps", "2", "--batch-size", "2",
+              "--rank", "2", "--device", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "run"), "--eval-data", str(data), "--eval-every", "1"]) == 0
+    assert "held out, exact in one shot: reuse " in capsys.readouterr().out
+    logged = json.loads((tmp_path / "run" / "finetune_log.json").read_text())
+    assert [p["step"] for p in logged["probe"]] == [0, 1, 2]
+    assert main([*common, "--out", str(tmp_path / "bad"), "--eval-data", str(tmp_path / "nowhere.jsonl")]) != 0
+    assert "fine-tuning data not found: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "--out", str(tmp_path / "bad"), "--eval-every", "0"])
+
+
 STEPS = 20
 
 
@@ -340,6 +395,8 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"teacher": float("inf")}, "teacher is a loss weight >= 0"),
     ({"teacher": True}, "teacher is a loss weight >= 0"),
     ({"teacher": 1.0, "isolation": 1.0}, "teacher holds the rows attending in context .* with isolation 1 there"),
+    ({"eval_every": 0}, "eval_every is a positive number of steps, not 0"),
+    ({"eval_every": 2.5}, "eval_every is a positive number of steps, not 2.5"),
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):

@@ -493,6 +493,40 @@ def test_two_affix_rows_carry_two_spans_and_plain_tasks_fall_back():
         TrainConfig(layouts=("two-affix",))
 
 
+def test_two_affix_fallback_draws_a_plain_layout_when_asked(monkeypatch):
+    """With two-affix listed three times in six, a task without demonstrations trains on the first plain layout
+    two thirds of the time under "first"; under "draw" each plain layout about a third, while a task with
+    demonstrations still takes two-affix. An unknown fallback is refused by name."""
+    from acache_lab.train import trainer
+
+    drawn: list[tuple[bool, str]] = []
+
+    def spy(example, layout, *args):
+        drawn.append((bool(example.context), layout))
+        return render(example, layout, *args)
+
+    render = trainer.render
+    monkeypatch.setattr(trainer, "render", spy)
+    layouts = ("prefix", "infix", "suffix", "two-affix", "two-affix", "two-affix")
+    counts = {}
+    for fallback in ("first", "draw"):
+        drawn.clear()
+        config = TrainConfig(steps=4, batch_size=40, tasks=("qa1", "qa1", "codes"), layouts=layouts,
+                             min_sentences=3, max_sentences=4, two_affix_fallback=fallback)
+        batcher = Batcher(config, build_word_tokenizer())
+        for step in range(4):
+            batcher.batch(step)
+        plain = [layout for demos, layout in drawn if not demos]
+        counts[fallback] = {x: plain.count(x) for x in layouts[:3]}
+        assert "two-affix" not in plain and len(plain) > 80
+        assert any(layout == "two-affix" for demos, layout in drawn if demos)
+    first, draw = counts["first"], counts["draw"]
+    assert first["prefix"] > 2 * max(first["infix"], first["suffix"]), first
+    assert all(abs(n - sum(draw.values()) / 3) < sum(draw.values()) / 8 for n in draw.values()), draw
+    with pytest.raises(ValueError, match="two_affix_fallback must be one of first, draw, not 'random'"):
+        TrainConfig(two_affix_fallback="random")
+
+
 def test_loss_weights():
     answer = torch.zeros(3, 12, dtype=torch.bool)
     answer[:2, 2:8] = True  # two 6-column answers (a worked sum)
