@@ -109,9 +109,9 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
           f"final loss {last:.4f}; adapter: {summary['adapter']}"
           + (f"; merged checkpoint: {summary['merged']}" if summary["merged"] else ""))
     if summary["probe"]:
-        first, last = summary["probe"][0], summary["probe"][-1]
+        start, end = summary["probe"][0], summary["probe"][-1]
         print("held out, exact in one shot: " + "; ".join(
-            f"{view} {first[view]['exact']:.1%} -> {last[view]['exact']:.1%}" for view in ("reuse", "context")))
+            f"{view} {start[view]['exact']:.1%} -> {end[view]['exact']:.1%}" for view in ("reuse", "context")))
     return 0
 
 
@@ -316,7 +316,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-data", default=None,
                    help="held-out JSONL in --data's format, each answer read in one shot with its affix computed "
                         "alone and in context, before training, every --eval-every steps and at the end")
-    p.add_argument("--eval-every", type=_positive_int, default=100, help="steps between --eval-data's probes")
+    p.add_argument("--eval-every", type=_positive_int, default=100,
+                   help="steps between --eval-data's probes (without --eval-data: no probe)")
     p.add_argument("--merge", action="store_true",
                    help="also write OUT/merged: the checkpoint with the adapters folded in, served by direct reuse")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

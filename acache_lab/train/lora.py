@@ -164,13 +164,13 @@ class LoraConfig:
         return layer
 
 
-def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, context: int) -> tuple[list[Row],
-                                                                                                      list[str]]:
+def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, context: int,
+                       what: str = "fine-tuning data") -> tuple[list[Row], list[str]]:
     """The JSONL file's rows as training sequences, and the layouts they use; every bad record is reported with
-    its line number."""
+    its line number, a missing or empty file as ``what``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"fine-tuning data not found: {path}")
+        raise FileNotFoundError(f"{what} not found: {path}")
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -211,7 +211,7 @@ def load_finetune_data(path: str | Path, tokenizer: Tokenizer, stop_id: int, con
         rows.append(row)
         layouts.append(fields["layout"])
     if not rows:
-        raise ValueError(f"{path} holds no fine-tuning records")
+        raise ValueError(f"{path} holds no records ({what})")
     return rows, sorted(set(layouts), key=LAYOUTS.index)
 
 
@@ -250,6 +250,9 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     source = checkpoint_dir(config.model)
     device = parse_device(config.device)
     bf16 = device.type == "cuda" if config.bf16 is None else config.bf16
+    for path, what in ((config.data, "fine-tuning data"), (config.eval_data, "held-out data")):
+        if path is not None and not Path(path).is_file():  # before the weights: an 8B load takes minutes
+            raise FileNotFoundError(f"{what} not found: {path}")
     model = load_model(source, dtype=config.dtype, device=device)
     if model.block_causal or hasattr(model, "train_logits"):
         raise ValueError(f"affix-isolated fine-tuning trains bidirectional attention families (llada, dream), "
@@ -261,7 +264,8 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         stop_id = model.config.eos_token_id
     context = model.config.max_position_embeddings
     rows, layouts = load_finetune_data(config.data, tokenizer, stop_id, context)
-    held = [] if config.eval_data is None else load_finetune_data(config.eval_data, tokenizer, stop_id, context)[0]
+    held = [] if config.eval_data is None else load_finetune_data(config.eval_data, tokenizer, stop_id, context,
+                                                                  "held-out data")[0]
 
     torch.manual_seed(config.seed)  # the adapters' initialisation
     lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
@@ -291,9 +295,13 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     started = time.perf_counter()
     limit_s = math.inf if config.time_limit_minutes is None else 60 * config.time_limit_minutes
     probes: list[dict] = []
+    probing = 0.0  # seconds the probe took, left out of the time limit and the training time
 
     def probe(at: int) -> None:
+        nonlocal probing
+        begun = time.perf_counter()
         read = probe_rows(model, held, pad, device, config.batch_size, model.config.mask_token_id, bf16)
+        probing += time.perf_counter() - begun
         probes.append({"step": at, **read})
         bar.write(f"probe at step {at}: exact {read['reuse']['exact']:.1%} under reuse, "
                   f"{read['context']['exact']:.1%} in context; answer NLL {read['reuse']['answer_nll']:.3f} / "
@@ -303,7 +311,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     if held:
         probe(0)
     for step in bar:
-        if time.perf_counter() - started > limit_s:
+        if time.perf_counter() - started - probing > limit_s:
             bar.write(f"time limit of {config.time_limit_minutes} min reached after {steps_done} steps")
             break
         for group in opt.param_groups:
@@ -330,7 +338,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         if len(window) == config.log_every or steps_done == config.steps:
             mean = sum(window) / len(window)
             log.append({"step": steps_done, "loss": mean, "lr": config.lr_at(step),
-                        "elapsed_s": time.perf_counter() - started})
+                        "elapsed_s": time.perf_counter() - started - probing})
             bar.set_postfix(loss=f"{mean:.3f}")
             window.clear()
         if held and steps_done % config.eval_every == 0:
@@ -338,7 +346,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     if held and probes[-1]["step"] != steps_done:  # the last step, or where the time limit stopped the run
         probe(steps_done)
     bar.close()
-    train_time = time.perf_counter() - started
+    train_time = time.perf_counter() - started - probing
     adapted.eval()
     record = {"affix_isolation": config.isolation, "steps": steps_done, "init_from": str(source.resolve()),
               "layouts": layouts, "lora": {"rank": config.rank, "alpha": config.alpha,
@@ -347,7 +355,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         record.update(neighbour_record(config.neighbours, layer, config.neighbour_span))
     if config.teacher > 0:  # the teacher is the checkpoint the adapters start from
         record.update(teacher_record(record["init_from"], config.teacher))
-    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time,
+    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": train_time, "probe_time_s": probing,
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),
                "neighbour_parameters": 0 if heads is None else sum(p.numel() for p in heads.parameters()),
@@ -362,17 +370,18 @@ def probe_rows(model: DiffusionLM, rows: list[Row], pad: int, device: torch.devi
     the answer tokens' mean negative log-likelihood, a row each."""
     was_training = model.training
     model.eval()
-    sums = {"reuse": [0, 0.0], "context": [0, 0.0]}
+    right = {"reuse": 0, "context": 0}
+    nll = {"reuse": 0.0, "context": 0.0}
     for start in range(0, len(rows), batch_size):
         batch = collate_rows(rows[start:start + batch_size], pad).to(device)
         every = torch.ones(len(batch.ids), dtype=torch.bool)
         for view, attention in (("reuse", batch.attention(every)), ("context", batch.valid)):
-            exact, nll = one_shot_answers(model, batch.ids, batch.answer, batch.positions, attention, mask_id, bf16,
-                                          device.type)
-            sums[view][0] += int(exact.sum())
-            sums[view][1] += float(nll.sum())
+            exact, row_nll = one_shot_answers(model, batch.ids, batch.answer, batch.positions, attention, mask_id,
+                                              bf16)
+            right[view] += int(exact.sum())
+            nll[view] += float(row_nll.sum())
     model.train(was_training)
-    return {view: {"exact": right / len(rows), "answer_nll": nll / len(rows)} for view, (right, nll) in sums.items()}
+    return {view: {"exact": right[view] / len(rows), "answer_nll": nll[view] / len(rows)} for view in right}
 
 
 def save_run(run: LoraRun, config: LoraConfig) -> dict:

@@ -405,7 +405,8 @@ class Batcher:
     def row(self, example, layout: str) -> Row:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
         spans on that sequence (those after the answer moved past it). A task without demonstrations drawn in
-        the two-affix layout takes the config's first plain layout."""
+        the two-affix layout takes the config's first plain layout (under ``two_affix_fallback`` "draw",
+        :meth:`batch` has drawn a plain one before; the probe's rows keep the first)."""
         if layout == TWO_AFFIXES and not example.context:
             layout = next(x for x in self.config.layouts if x != TWO_AFFIXES)
         r = render(example, layout, self.encode, self.eos)
@@ -780,17 +781,19 @@ class Probe:
 
 @torch.no_grad()
 def one_shot_answers(model: DiffusionLM, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
-                     attention: torch.Tensor | LayeredMask, mask_id: int, bf16: bool = False,
-                     device_type: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                     attention: torch.Tensor | LayeredMask, mask_id: int,
+                     bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every answer column (``answer [B, T]``) masked, one forward: per row, whether the argmax is the whole
     answer (``[B]`` bool) and the mean negative log-likelihood of its answer tokens (``[B]``). Harsher than
     decoding over several steps, and cheap enough to watch a run with."""
     noisy = torch.where(answer, torch.full_like(ids, mask_id), ids)
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = training_logits(model, noisy, positions, attention)
     exact = ((logits.argmax(-1) == ids) | ~answer).all(-1)
-    nll = F.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none")
-    return exact, (nll * answer).sum(-1) / answer.sum(-1).clamp_min(1)
+    rows = answer.nonzero()[:, 0]  # the answer columns only: a real vocabulary makes [B, T, V] in fp32 large
+    nll = torch.zeros(len(ids), device=ids.device).index_add_(
+        0, rows, F.cross_entropy(logits[answer].float(), ids[answer], reduction="none"))
+    return exact, nll / answer.sum(-1).clamp_min(1)
 
 
 def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: float,

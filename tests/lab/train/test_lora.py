@@ -12,7 +12,15 @@ import torch
 
 from acache.models.loader import load_model, read_config
 from acache.models.tokenizer import Tokenizer
-from acache_lab.train.lora import LoraConfig, finetune, load_finetune_data, require_peft, save_run, train_lora
+from acache_lab.train.lora import (
+    LoraConfig,
+    finetune,
+    load_finetune_data,
+    probe_rows,
+    require_peft,
+    save_run,
+    train_lora,
+)
 from acache_lab.train.trainer import collate_rows, masked_diffusion_loss
 
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -122,7 +130,7 @@ def test_the_held_out_probe_reads_reuse_and_context_and_leaves_the_training_alon
     model's one-shot answers computed here by hand, its reuse and context views differ, its answer loss on the
     training records falls, and a run with it trains the same adapters as a run without it."""
     held = write_data(tmp_path / "held.jsonl", n=5)
-    cfg = config(llada_dir, tmp_path, eval_data=str(held), eval_every=12)
+    cfg = config(llada_dir, tmp_path, eval_data=str(held), eval_every=12, dropout=0.1)
     run = train_lora(cfg, progress=False)
     probes = run.summary["probe"]
     assert [p["step"] for p in probes] == [0, 12, 24, 30]
@@ -138,12 +146,18 @@ def test_the_held_out_probe_reads_reuse_and_context_and_leaves_the_training_alon
             logits = base.logits(base(noisy, batch.positions, attention).hidden)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.ids, reduction="none")
         by_row = (nll * batch.answer).sum(-1) / batch.answer.sum(-1)
-        exact = ((logits.argmax(-1) == batch.ids) | ~batch.answer).all(-1).float().mean().item()
+        exact = int(((logits.argmax(-1) == batch.ids) | ~batch.answer).all(-1).sum())
         assert probes[0][view]["answer_nll"] == pytest.approx(by_row.mean().item(), abs=1e-5)
-        assert probes[0][view]["exact"] == exact
+        assert round(probes[0][view]["exact"] * len(rows)) == exact
     assert probes[0]["reuse"]["answer_nll"] != pytest.approx(probes[0]["context"]["answer_nll"], abs=1e-4)
+    # rows read two at a time (three batches) add up to the same figures
+    two_at_a_time = probe_rows(base, rows, base.config.pad_token_id, torch.device("cpu"), 2,
+                               base.config.mask_token_id, False)
+    for view in ("reuse", "context"):
+        assert two_at_a_time[view]["exact"] == probes[0][view]["exact"]
+        assert two_at_a_time[view]["answer_nll"] == pytest.approx(probes[0][view]["answer_nll"], abs=1e-5)
 
-    plain = train_lora(config(llada_dir, tmp_path), progress=False)
+    plain = train_lora(config(llada_dir, tmp_path, dropout=0.1), progress=False)  # dropout: eval mode matters
     for (name, a), (_, b) in zip(run.adapted.named_parameters(), plain.adapted.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert plain.summary["probe"] == []
@@ -166,7 +180,8 @@ def test_the_command_line_takes_held_out_data(llada_dir, tmp_path, capsys):
     logged = json.loads((tmp_path / "run" / "finetune_log.json").read_text())
     assert [p["step"] for p in logged["probe"]] == [0, 1, 2]
     assert main([*common, "--out", str(tmp_path / "bad"), "--eval-data", str(tmp_path / "nowhere.jsonl")]) != 0
-    assert "fine-tuning data not found: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "held-out data not found: " in err and "nowhere.jsonl" in err
     with pytest.raises(SystemExit):
         main([*common, "--out", str(tmp_path / "bad"), "--eval-every", "0"])
 
@@ -327,7 +342,7 @@ GOOD = json.dumps({"affix": "The code is 12.", "prompt": "Code?", "answer": "12"
     ([json.dumps({"affix": "a", "prompt": "b", "answer": 3})], r"bad.jsonl:1: 'answer' must be a string, not int"),
     ([json.dumps({"affix": "", "prompt": "b", "answer": "c"})], r"bad.jsonl:1: affix\s+is empty"),
     ([json.dumps({"affix": "a", "prompt": "b", "answer": ""})], r"bad.jsonl:1: the answer is empty"),
-    (["", "   "], r"bad.jsonl holds no fine-tuning records"),
+    (["", "   "], r"bad.jsonl holds no records \(fine-tuning data\)"),
 ])
 def test_bad_data_lines_are_reported_with_their_line_number(llada_dir, tmp_path, lines, message):
     tok = Tokenizer.from_dir(llada_dir)
