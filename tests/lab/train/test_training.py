@@ -733,7 +733,8 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
 def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_model():
     """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix and
     affix-bridge-mix-2 each from the one before into the shipped affix model, whose log and config.json record the
-    last (make model-affix runs them in turn); every stage trains the neighbour term, the last two the bridge term.
+    last (make model-affix runs them in turn); every stage trains the neighbour term, the last two the bridge term
+    (their other tasks drawn in any plain layout), the last the teacher term with the plus model.
     The first four stages' logs are kept in docs/study (the third's run wrote into models/ when it was the last
     stage: its log names that out)."""
     from acache.models.loader import read_config
@@ -750,6 +751,8 @@ def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_mod
     assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75, 0.8, 0.8]
     assert [c.affix_neighbours for c in chain] == [1.0] * 5
     assert [c.affix_bridge for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert [c.two_affix_fallback for c in chain[3:]] == ["draw", "draw"]
+    assert [c.affix_teacher for c in chain] == [None] * 4 + ["models/acache-tiny-plus"]
     for config, name in zip(chain[:-1], names[:-1], strict=True):
         log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
         assert_logged(config, log["config"], ignore={"out"} if name == "affix-mix" else frozenset())
@@ -763,6 +766,7 @@ def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_mod
     record = read_config(shipped)[1].affix_training
     assert record["steps"] == last.steps and record["affix_isolation"] == 0.8 and record["affix_neighbours"] == 1.0
     assert (record["affix_bridge"], record["affix_bridge_layer"]) == (1.0, 2)
+    assert (record["affix_teacher"], record["affix_teacher_weight"]) == ("models/acache-tiny-plus", 1.0)
     assert record["init_from"] == chain[-2].out
 
 
