@@ -83,7 +83,9 @@ model-plus: install
 # the affix-aware model (docs/model.md, "acache-tiny-affix"): the plus model fine-tuned with nine rows in ten
 # attending as direct reuse serves them, mostly `grab` (the binding under direct reuse), with the neighbour term,
 # in two configs, then on the study's mix with three rows in four so, then twice on that mix with the two-affix
-# demonstrations drawn more and the bridge term; about 8 + 9 + 19 + 10 + 10 minutes on 2 CPU cores
+# demonstrations drawn more, four rows in five isolated and the bridge term (the other tasks' two-affix draws in any
+# plain layout), the last also held to the plus model's in-context predictions (the teacher term); about
+# 6 + 7 + 13 + 5 + 6 minutes on a 2-core AMD EPYC VM (8 + 9 + 19 + 10 + 8 on an Intel Xeon one)
 AFFIX := models/acache-tiny-affix
 model-affix: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix-bind.json --config configs/affix-bind-2.json \

@@ -106,8 +106,8 @@ class TrainConfig:
     #: ``two_affix_fallback`` says
     layouts: tuple[str, ...] = LAYOUTS
     #: the plain layout of a row of a task without demonstrations drawn in ``two-affix``: "first", the first plain
-    #: one among ``layouts`` (what the recipes up to 2026-12-05 trained), or "draw", one of them at random, so that
-    #: listing ``two-affix`` several times does not tilt the other tasks towards the first plain layout
+    #: one among ``layouts`` (what every recipe before the twentieth affix run trained), or "draw", one of them at
+    #: random, so that listing ``two-affix`` several times does not tilt the other tasks towards the first plain one
     two_affix_fallback: str = "first"
     model: ModelShape = field(default_factory=ModelShape)
     steps: int = 3000
@@ -340,6 +340,9 @@ class TrainConfig:
         if self.two_affix_fallback not in TWO_AFFIX_FALLBACKS:
             raise ValueError(f"two_affix_fallback must be one of {', '.join(TWO_AFFIX_FALLBACKS)}, not "
                              f"{self.two_affix_fallback!r}")
+        if self.two_affix_fallback == "draw" and TWO_AFFIXES not in self.layouts:
+            raise ValueError(f"two_affix_fallback 'draw' picks a plain layout for rows drawn in {TWO_AFFIXES}: put "
+                             f"{TWO_AFFIXES} among the layouts")
         if self.affix_bridge > 0:
             if TWO_AFFIXES not in self.layouts:
                 raise ValueError(f"affix_bridge trains the {TWO_AFFIXES} rows: put {TWO_AFFIXES} among the layouts")

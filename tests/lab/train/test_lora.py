@@ -169,7 +169,7 @@ def test_the_held_out_probe_reads_reuse_and_context_and_leaves_the_training_alon
 
 
 @needs_peft
-def test_the_command_line_takes_held_out_data(llada_dir, tmp_path, capsys):
+def test_the_command_line_takes_held_out_data(llada_dir, tmp_path, capsys, monkeypatch):
     from acache.cli import main
 
     data = write_data(tmp_path / "data.jsonl", n=3)
@@ -182,6 +182,14 @@ def test_the_command_line_takes_held_out_data(llada_dir, tmp_path, capsys):
     assert main([*common, "--out", str(tmp_path / "bad"), "--eval-data", str(tmp_path / "nowhere.jsonl")]) != 0
     err = capsys.readouterr().err
     assert "held-out data not found: " in err and "nowhere.jsonl" in err
+    import acache_lab.train.lora as lora
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the missing file was named")
+
+    monkeypatch.setattr(lora, "load_model", no_load)  # named before the weights load: minutes on an 8B model
+    with pytest.raises(FileNotFoundError, match="held-out data not found: .*nowhere.jsonl"):
+        train_lora(config(llada_dir, tmp_path, eval_data=str(tmp_path / "nowhere.jsonl")), progress=False)
     with pytest.raises(SystemExit):
         main([*common, "--out", str(tmp_path / "bad"), "--eval-every", "0"])
 
