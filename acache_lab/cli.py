@@ -66,15 +66,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     refuse_tracked([c.out for c in configs], args.overwrite)
     total_s = 0.0
+    trained: set[Path] = set()  # what this command has written: a config that starts from one of them trains again
     for config in configs:
         out = Path(config.out)
         resume = args.resume and (out / RESUME_FILE).is_file()
         if args.resume and not resume and (out / "training_log.json").is_file():
             done = json.loads((out / "training_log.json").read_text())
-            if finished_as(done.get("config", {}), config) and not done.get("interrupted"):
+            fresh = [p for p in (config.init_from, config.affix_teacher) if p and Path(p).resolve() in trained]
+            if finished_as(done.get("config", {}), config) and not done.get("interrupted") and not fresh:
                 print(f"{config.out}: finished before, skipped")
                 total_s += done["train_time_s"]
                 continue
+            if fresh:
+                print(f"{config.out}: finished before, but {fresh[0]} was trained again: training it again")
+        trained.add(out.resolve())
         summary = train(config, resume=resume)
         if summary.get("interrupted"):
             print(f"stopped after {summary['steps_done']} steps; wrote {config.out}; continue with the same "

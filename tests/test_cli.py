@@ -142,8 +142,9 @@ def test_train_runs_several_configs_in_order_and_reads_them_all_first(tmp_path, 
 
 
 def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first(tmp_path, capsys):
-    """--resume skips a config whose finished log is this config (an option added since read at its default); a
-    teacher that is no checkpoint and that no earlier config writes is refused before anything trains."""
+    """--resume skips a config whose finished log is this config (an option added since read at its default), unless
+    a config before it in the command trained what it starts from; a teacher that is no checkpoint and that no
+    earlier config writes is refused before anything trains."""
     shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
     common = {"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"], "log_every": 1}
     first, second = tmp_path / "first.json", tmp_path / "second.json"
@@ -161,6 +162,14 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
     out = capsys.readouterr().out
     assert f"{tmp_path / 'a'}: finished before, skipped" in out and f"{tmp_path / 'b'}: finished before" in out
+    # the first retrained (its config changed): the second, which starts from it and reads it as teacher, trains again
+    first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 3}))
+    before = (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'a'}: finished before" not in out
+    assert f"{tmp_path / 'b'}: finished before, but {tmp_path / 'a'} was trained again: training it again" in out
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() != before
 
 
 def test_free_text_and_chat_on_the_shipped_model(capsys):
