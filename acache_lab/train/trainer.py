@@ -405,13 +405,13 @@ class Batcher:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def row(self, example, layout: str) -> Row:
+    def row(self, example, layout: str, rng: random.Random | None = None) -> Row:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
         spans on that sequence (those after the answer moved past it). A task without demonstrations drawn in
-        the two-affix layout takes the config's first plain layout (under ``two_affix_fallback`` "draw",
-        :meth:`batch` has drawn a plain one before; the probe's rows keep the first)."""
+        the two-affix layout takes a plain layout of the config: one ``rng`` draws, or without it the first."""
         if layout == TWO_AFFIXES and not example.context:
-            layout = next(x for x in self.config.layouts if x != TWO_AFFIXES)
+            plain = [x for x in self.config.layouts if x != TWO_AFFIXES]
+            layout = plain[0] if rng is None else rng.choice(plain)
         r = render(example, layout, self.encode, self.eos)
         row = answer_row(r.prompt, r.answer)
         if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
@@ -437,10 +437,8 @@ class Batcher:
             lo, hi = self.config.task_sentences.get(task, (stage.min_sentences, stage.max_sentences))
             sentences = self.rng.randint(lo, hi)
             example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
-            layout = self.rng.choice(self.config.layouts)
-            if layout == TWO_AFFIXES and not example.context and self.config.two_affix_fallback == "draw":
-                layout = self.rng.choice([x for x in self.config.layouts if x != TWO_AFFIXES])
-            rows.append(self.row(example, layout))
+            draw = self.rng if self.config.two_affix_fallback == "draw" else None
+            rows.append(self.row(example, self.rng.choice(self.config.layouts), draw))
         return self.collate(rows)
 
     def collate(self, rows: list[Row]) -> Batch:
