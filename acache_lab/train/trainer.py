@@ -147,6 +147,10 @@ class TrainConfig:
     #: stop after this many steps while the schedule still spans ``steps``: a run cut short (by its time
     #: limit, say) is reproduced exactly by naming the step it stopped at
     stop_after: int | None = None
+    #: every this many steps, the weights so far are also written to ``out/step-N`` (a loadable checkpoint,
+    #: with the affix-training record when there is one): for averaging the tail of a run
+    #: (``python -m acache_lab.probes.average_checkpoints``) or keeping an earlier point; None writes only the end
+    save_every: int | None = None
     #: a task's own context-length range ``[min, max]`` sentences, instead of the stage's: long documents for
     #: qa1 in the same batches as short stories for the demonstration tasks
     task_sentences: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -233,6 +237,10 @@ class TrainConfig:
             raise ValueError("steps and batch_size must be positive")
         if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be between 1 and steps={self.steps}, not {self.stop_after}")
+        if self.save_every is not None and (isinstance(self.save_every, bool) or not isinstance(self.save_every, int)
+                                            or not 0 < self.save_every <= self.steps):
+            raise ValueError(f"save_every must be a whole number of steps between 1 and steps={self.steps}, "
+                             f"not {self.save_every!r}")
         if self.decay_steps is not None and not 0 < self.decay_steps <= self.steps - self.warmup:
             raise ValueError(f"decay_steps must be between 1 and steps - warmup = {self.steps - self.warmup}, "
                              f"not {self.decay_steps}")
@@ -867,9 +875,11 @@ def finished_as(logged: dict, config: TrainConfig) -> bool:
 
 
 def _resumable(config: dict) -> dict:
-    """What a resumed run must share with the run it continues: everything but the time limit, a guard of the
-    machine's budget that decides where a run stops, never what a step computes."""
-    return {k: v for k, v in with_defaults(json.loads(json.dumps(config))).items() if k != "time_limit_minutes"}
+    """What a resumed run must share with the run it continues: everything but the time limit (a guard of the
+    machine's budget that decides where a run stops) and ``save_every`` (what is written along the way), never
+    what a step computes."""
+    return {k: v for k, v in with_defaults(json.loads(json.dumps(config))).items()
+            if k not in ("time_limit_minutes", "save_every")}
 
 
 def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
@@ -928,6 +938,13 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         batcher.restore(state["batcher"])
         steps_done, spent, log, probes, window = (state["steps_done"], state["train_time_s"], state["log"],
                                                   state["probes"], state["window"])
+    tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
+
+    def write(where: Path, steps: int) -> None:
+        save_checkpoint(model, where, tokenizer, tok_config)
+        if config.affix_isolation > 0:
+            record_affix_training(where, config, steps)
+
     started = time.perf_counter() - spent
     bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
                initial=steps_done, total=config.steps)
@@ -943,7 +960,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
-                                  started, steps_done, stop, heads, teacher, hop)
+                                  started, steps_done, stop, heads, teacher, hop,
+                                  lambda n: write(Path(config.out) / f"step-{n}", n))
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -951,10 +969,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     bar.close()
     model.eval()
     out = Path(config.out)
-    tok_config = {**tokenizer_config("llada", tokenizer), "chat_template": TASK_CHAT_TEMPLATE}
-    save_checkpoint(model, out, tokenizer, tok_config)
-    if config.affix_isolation > 0:
-        record_affix_training(out, config, steps_done)
+    write(out, steps_done)
     summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
                "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
                "log": log, "probes": probes, "interrupted": interrupted}
@@ -1000,11 +1015,12 @@ def write_affix_training(out: str | Path, record: dict) -> None:
 def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, bar, log: list, probes: list,
                  window: list, started: float, steps_done: int, stop: dict,
                  heads: NeighbourHeads | None = None, teacher: DiffusionLM | None = None,
-                 hop: torch.nn.Module | None = None) -> int:
+                 hop: torch.nn.Module | None = None, snapshot: Callable[[int], None] | None = None) -> int:
     """The training loop from ``steps_done``; returns the steps done. A step under way when Ctrl-C comes
     (``stop["asked"]``) finishes first, so the saved state is a whole step's. ``heads`` are the neighbour term's
     maps when ``config.affix_neighbours`` trains one; ``teacher`` the frozen model of ``config.affix_teacher``;
-    ``hop`` the bridge term's map when ``config.affix_bridge`` trains one."""
+    ``hop`` the bridge term's map when ``config.affix_bridge`` trains one; ``snapshot(n)`` writes the weights after
+    step ``n`` every ``config.save_every`` steps."""
     for step in bar:
         if stop["asked"] or time.perf_counter() - started > 60 * config.time_limit_minutes \
                 or step == config.stop_after:
@@ -1055,6 +1071,8 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                         "elapsed_s": time.perf_counter() - started})
             bar.set_postfix(loss=f"{mean:.3f}")
             window.clear()
+        if snapshot is not None and config.save_every and steps_done % config.save_every == 0:
+            snapshot(steps_done)
         if probe is not None and (steps_done % config.eval_every == 0 or steps_done == config.steps):
             accuracy = probe(model, config.bf16)
             probes.append({"step": steps_done, "accuracy": accuracy, "elapsed_s": time.perf_counter() - started})

@@ -662,6 +662,28 @@ def test_stop_after_cuts_a_run_short_on_the_full_runs_schedule(tmp_path):
     assert cut["log"][-1]["lr"] > full["log"][-1]["lr"]
 
 
+def test_save_every_writes_the_weights_along_the_way_without_changing_the_run(tmp_path):
+    from acache.models.loader import load_model
+
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = dict(steps=6, batch_size=2, warmup=2, bf16=False, tasks=("qa1",), model=shape, affix_isolation=0.5)
+    train(TrainConfig(out=str(tmp_path / "plain"), **common), progress=False)
+    train(TrainConfig(out=str(tmp_path / "saved"), save_every=3, **common), progress=False)
+    train(TrainConfig(out=str(tmp_path / "cut"), stop_after=3, **common), progress=False)
+    weights = "model.safetensors"
+    # the run itself is untouched: the same final weights, byte for byte
+    assert (tmp_path / "saved" / weights).read_bytes() == (tmp_path / "plain" / weights).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "saved").glob("step-*")) == ["step-3", "step-6"]
+    # step 3's weights are those of the same run cut at step 3, step 6's the end's
+    assert (tmp_path / "saved" / "step-3" / weights).read_bytes() == (tmp_path / "cut" / weights).read_bytes()
+    assert (tmp_path / "saved" / "step-6" / weights).read_bytes() == (tmp_path / "plain" / weights).read_bytes()
+    assert (tmp_path / "saved" / "step-3" / weights).read_bytes() != (tmp_path / "plain" / weights).read_bytes()
+    # each is a checkpoint that loads, with the affix-training record of the steps it holds
+    step3 = load_model(tmp_path / "saved" / "step-3")
+    assert step3.config.affix_training["steps"] == 3
+    assert (tmp_path / "saved" / "step-3" / "tokenizer.json").is_file()
+
+
 def test_decay_steps_keep_the_rate_until_the_last_steps():
     cosine = TrainConfig(steps=100, warmup=10, lr=1e-3)
     late = TrainConfig(steps=100, warmup=10, lr=1e-3, decay_steps=20)
@@ -918,6 +940,10 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(model=ModelShape(rope_theta=-1.0))
     with pytest.raises(ValueError, match="stop_after must be between 1 and steps=6, not 7"):
         TrainConfig(steps=6, stop_after=7)
+    for bad in (0, 7, 2.5, True):
+        with pytest.raises(ValueError, match=f"save_every must be a whole number of steps between 1 and steps=6, "
+                                             f"not {bad!r}"):
+            TrainConfig(steps=6, save_every=bad)
     with pytest.raises(ValueError, match="eval_every must be >= 0"):
         TrainConfig(eval_every=-5)
     with pytest.raises(ValueError, match="task_sentences: unknown task 'qa9'"):
