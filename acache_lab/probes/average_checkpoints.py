@@ -9,8 +9,8 @@ docs/accuracy.md ("Averaging weights") measures both on the affix recipe's fifth
     python -m acache_lab.probes.average_checkpoints --out build/toward-plus --weights 0.85,0.15 \
         models/acache-tiny-affix models/acache-tiny-plus
 
-The checkpoints must share the model's shape; the first one gives the config (its affix-training record included,
-with ``averaged_from`` added) and the tokenizer.
+The checkpoints must be one model (the same config and tokenizer); the first one gives the config, its affix-training
+record included, and the sources are recorded under ``acache_averaged`` in config.json.
 """
 
 from __future__ import annotations
@@ -19,59 +19,79 @@ import argparse
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from acache.models.checkpoint import save_checkpoint
-from acache.models.config import AFFIX_TRAINING_KEY
+from acache.models.config import ModelConfig
 from acache.models.loader import load_model
+from acache_lab.tracked import refuse_tracked
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def average_checkpoints(paths: Sequence[str | Path], out: str | Path,
-                        weights: Sequence[float] | None = None) -> Path:
+def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None,
+                        overwrite: bool = False) -> Path:
     """Writes to ``out`` the checkpoint whose every parameter is the mean of ``paths``' (summed in their order,
-    then divided), or with ``weights`` (one a checkpoint, >= 0, summing to 1) their weighted sum, with the first
-    one's config and tokenizer."""
+    then divided), or with ``weights`` (one per checkpoint, >= 0, summing to 1) their weighted sum, in the first
+    one's dtype, with its config (its affix-training record included) and tokenizer, and the sources recorded
+    under ``acache_averaged``. The checkpoints must be one model: the same config and tokenizer. ``overwrite``
+    replaces an ``out`` that holds files, all of them."""
     paths = [Path(p) for p in paths]
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least two checkpoints, got {len(paths)}")
     if weights is not None:
         weights = [float(w) for w in weights]
         if len(weights) != len(paths):
-            raise ValueError(f"{len(weights)} weights for {len(paths)} checkpoints: give one a checkpoint")
+            raise ValueError(f"{len(weights)} weights for {len(paths)} checkpoints: give one per checkpoint")
         if not all(math.isfinite(w) and w >= 0 for w in weights) or abs(sum(weights) - 1) > 1e-6:
             raise ValueError(f"the weights must be >= 0 and sum to 1, not {weights}")
     out = Path(out)
     for p in paths:
         if not (p / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"no checkpoint at {p} (no {CONFIG_FILE})")
-        if p.resolve() == out.resolve():
-            raise ValueError(f"--out {out} is one of the checkpoints averaged")
+        if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
+            raise ValueError(f"--out {out} holds {p}, one of the checkpoints averaged: write elsewhere")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not a directory for the checkpoint")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
     model = load_model(paths[0])
+    tokenizer = _tokenizer_bytes(paths[0])
     own = dict(model.named_parameters())
     scale = weights or [1.0] * len(paths)
     total = {name: scale[0] * t.detach() if weights else t.detach().clone() for name, t in own.items()}
+    records = [model.config.affix_training is not None]
+    shapes = {n: tuple(t.shape) for n, t in own.items()}
     for p, w in zip(paths[1:], scale[1:], strict=True):
-        other = dict(load_model(p).named_parameters())
-        shapes = {n: tuple(t.shape) for n, t in own.items()}
-        if {n: tuple(t.shape) for n, t in other.items()} != shapes:
-            raise ValueError(f"{p} does not have the shape of {paths[0]}: only checkpoints of one model shape average")
-        for name, t in other.items():
+        member = load_model(p)
+        differs = _first_difference(model.config, member.config)
+        if differs:
+            raise ValueError(f"{p} is not the model of {paths[0]} ({differs}): only checkpoints of one model average")
+        if {n: tuple(t.shape) for n, t in member.named_parameters()} != shapes:
+            raise ValueError(f"{p} does not have the shape of {paths[0]}: only checkpoints of one model average")
+        if _tokenizer_bytes(p) != tokenizer:
+            raise ValueError(f"{p} has another tokenizer than {paths[0]}: only checkpoints of one model average")
+        records.append(member.config.affix_training is not None)
+        for name, t in member.named_parameters():
             total[name] += w * t.detach() if weights else t.detach()
+    if len(set(records)) > 1:
+        warnings.warn(f"only some of the checkpoints carry an affix-training record ({sum(records)} of "
+                      f"{len(records)}): the average keeps the first one's ({'one' if records[0] else 'none'})",
+                      stacklevel=2)
     with torch.no_grad():
         for name, t in own.items():
             t.copy_(total[name] if weights else total[name] / len(paths))
-    save_checkpoint(model, out)
     config = json.loads((paths[0] / CONFIG_FILE).read_text())
-    if isinstance(config.get(AFFIX_TRAINING_KEY), dict):
-        config[AFFIX_TRAINING_KEY]["averaged_from"] = [str(p) for p in paths]
-        if weights:
-            config[AFFIX_TRAINING_KEY]["averaged_weights"] = weights
+    config["acache_averaged"] = {"from": [str(p) for p in paths], "weights": weights}
+    if out.exists():
+        shutil.rmtree(out)
+    save_checkpoint(model, out, dtype=config.get("torch_dtype"))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (paths[0] / name).is_file():
@@ -79,17 +99,33 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path,
     return out
 
 
+def _first_difference(a: ModelConfig, b: ModelConfig) -> str | None:
+    """The first field (the config.json ``raw`` aside) where two models' configs differ, as ``name a != b``."""
+    for f in fields(ModelConfig):
+        if f.compare and getattr(a, f.name) != getattr(b, f.name):
+            return f"{f.name} {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
+    return None
+
+
+def _tokenizer_bytes(path: Path) -> bytes | None:
+    file = path / TOKENIZER_FILES[0]
+    return file.read_bytes() if file.is_file() else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoints", nargs="+", help="checkpoint directories of one model shape")
+    parser.add_argument("checkpoints", nargs="+", help="checkpoint directories of one model")
     parser.add_argument("--out", required=True, help="where the averaged checkpoint is written")
     parser.add_argument("--weights", default=None,
-                        help="comma-separated, one a checkpoint, summing to 1 (default: the uniform mean)")
+                        help="comma-separated, one per checkpoint, summing to 1 (default: the uniform mean)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out, and write over files git tracks")
     args = parser.parse_args()
     try:
-        weights = [_number(w) for w in args.weights.split(",")] if args.weights else None
-        print(average_checkpoints(args.checkpoints, args.out, weights))
-    except (ValueError, FileNotFoundError) as e:
+        refuse_tracked([args.out], args.overwrite)
+        weights = [_number(w) for w in args.weights.split(",")] if args.weights is not None else None
+        print(average_checkpoints(args.checkpoints, args.out, weights, args.overwrite))
+    except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
 
 

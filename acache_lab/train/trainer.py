@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
+import shutil
 import signal
 import threading
 import time
@@ -848,6 +850,9 @@ def start_from_(model: DiffusionLM, path: str | Path) -> None:
 
 
 RESUME_FILE = "resume_state.pt"
+#: ``save_every``'s folders, ``out/step-N``, each with the step and the run's config in this file
+SNAPSHOT_PREFIX = "step-"
+SNAPSHOT_FILE = "training_step.json"
 
 
 def param_groups(model: DiffusionLM, weight_decay: float, layer_lr_scale: dict[str, float]) -> list[dict]:
@@ -927,7 +932,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         state = torch.load(state_file, weights_only=False)
         if _resumable(state["config"]) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
-                             "(only time_limit_minutes may change)")
+                             "(only time_limit_minutes and save_every may change)")
         start_from_(model, config.out)
         if heads is not None:
             heads.load_state_dict(state["neighbour_heads"])
@@ -945,6 +950,20 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         if config.affix_isolation > 0:
             record_affix_training(where, config, steps)
 
+    def snapshot(steps: int) -> None:  # whole or absent: a step folder appears only once its files are written
+        final = Path(config.out) / f"{SNAPSHOT_PREFIX}{steps}"
+        partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write(partial, steps)
+        (partial / SNAPSHOT_FILE).write_text(json.dumps({"step": steps, "config": asdict(config)}, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+
+    if not resume:  # the step folders an earlier run left in this out are not this run's
+        for old in Path(config.out).glob(f"{SNAPSHOT_PREFIX}*"):
+            if old.is_dir() and re.fullmatch(rf"{SNAPSHOT_PREFIX}\d+(\.partial)?", old.name):
+                shutil.rmtree(old)
+
     started = time.perf_counter() - spent
     bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
                initial=steps_done, total=config.steps)
@@ -961,7 +980,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
                                   started, steps_done, stop, heads, teacher, hop,
-                                  lambda n: write(Path(config.out) / f"step-{n}", n))
+                                  snapshot)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)

@@ -678,10 +678,17 @@ def test_save_every_writes_the_weights_along_the_way_without_changing_the_run(tm
     assert (tmp_path / "saved" / "step-3" / weights).read_bytes() == (tmp_path / "cut" / weights).read_bytes()
     assert (tmp_path / "saved" / "step-6" / weights).read_bytes() == (tmp_path / "plain" / weights).read_bytes()
     assert (tmp_path / "saved" / "step-3" / weights).read_bytes() != (tmp_path / "plain" / weights).read_bytes()
-    # each is a checkpoint that loads, with the affix-training record of the steps it holds
+    # each is a checkpoint that loads, with the affix-training record of the steps it holds and the run's config
     step3 = load_model(tmp_path / "saved" / "step-3")
     assert step3.config.affix_training["steps"] == 3
     assert (tmp_path / "saved" / "step-3" / "tokenizer.json").is_file()
+    record = json.loads((tmp_path / "saved" / "step-3" / "training_step.json").read_text())
+    assert record["step"] == 3 and record["config"]["save_every"] == 3 and record["config"]["seed"] == 0
+    # a fresh run into the same out removes the step folders the earlier one left (only those)
+    (tmp_path / "saved" / "step-6.partial").mkdir()
+    (tmp_path / "saved" / "step-notes").mkdir()
+    train(TrainConfig(out=str(tmp_path / "saved"), save_every=4, **{**common, "steps": 4}), progress=False)
+    assert sorted(p.name for p in (tmp_path / "saved").glob("step-*")) == ["step-4", "step-notes"]
 
 
 def test_decay_steps_keep_the_rate_until_the_last_steps():
@@ -1013,9 +1020,12 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
     with pytest.raises(ValueError, match="another config"):
         train(TrainConfig(**{**asdict(config("stopped")), "lr": 1e-3, "model": config("stopped").model}),
               progress=False, resume=True)
-    longer = TrainConfig(**{**asdict(config("stopped")), "time_limit_minutes": 120.0, "model": config("stopped").model})
-    resumed = train(longer, progress=False, resume=True)  # a longer time limit resumes: it only says when to stop
-    assert resumed["steps_done"] == 6 and not resumed["interrupted"]
+    (tmp_path / "stopped" / "step-2").mkdir()  # a folder of the run itself, which a resume keeps
+    longer = TrainConfig(**{**asdict(config("stopped")), "time_limit_minutes": 120.0, "save_every": 3,
+                            "model": config("stopped").model})
+    resumed = train(longer, progress=False, resume=True)  # a longer time limit resumes: it only says when to stop,
+    assert resumed["steps_done"] == 6 and not resumed["interrupted"]  # as save_every says only what is written
+    assert sorted(p.name for p in (tmp_path / "stopped").glob("step-*")) == ["step-2", "step-6"]
     assert [r["loss"] for r in resumed["log"]] == [r["loss"] for r in straight["log"]]
     from acache.models.loader import load_model
 
