@@ -761,16 +761,17 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
-def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_model():
-    """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix and
-    affix-bridge-mix-2 each from the one before into the shipped affix model, whose log and config.json record the
-    last (make model-affix runs them in turn); every stage trains the neighbour term, the last two the bridge term
-    (their other tasks drawn in any plain layout), the last the teacher term with the plus model.
-    The first four stages' logs are kept in docs/study."""
+def test_affix_recipe_chains_six_configs_from_the_plus_model_into_the_affix_model():
+    """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix,
+    affix-bridge-mix-2 and affix-anchored each from the one before into the shipped affix model, whose log and
+    config.json record the last (make model-affix runs them in turn); the first five stages train the neighbour term,
+    the fourth and fifth the bridge term (their other tasks drawn in any plain layout), the last two the teacher
+    term with the plus model, and the last alone anchored rows (half the isolated ones, a fifth of each affix
+    recomputed in the one-pass form). The first five stages' logs are kept in docs/study."""
     from acache.models.loader import read_config
     from acache.paths import REPO_ROOT
 
-    names = ("affix-bind", "affix-bind-2", "affix-mix", "affix-bridge-mix", "affix-bridge-mix-2")
+    names = ("affix-bind", "affix-bind-2", "affix-mix", "affix-bridge-mix", "affix-bridge-mix-2", "affix-anchored")
     recipe = (REPO_ROOT / "Makefile").read_text().split("\nmodel-affix:")[1].split("\n\n")[0]
     assert re.findall(r"--config configs/([\w-]+)\.json", recipe) == list(names)
     chain = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
@@ -778,11 +779,12 @@ def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_mod
     for before, after in zip(chain, chain[1:], strict=False):
         assert after.init_from == before.out and after.model == before.model
         assert not before.out.startswith("models/"), "only the last stage writes into models/"
-    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75, 0.8, 0.8]
-    assert [c.affix_neighbours for c in chain] == [1.0] * 5
-    assert [c.affix_bridge for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0]
-    assert [c.two_affix_fallback for c in chain[3:]] == ["draw", "draw"]
-    assert [c.affix_teacher for c in chain] == [None] * 4 + ["models/acache-tiny-plus"]
+    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75, 0.8, 0.8, 0.8]
+    assert [c.affix_neighbours for c in chain] == [1.0] * 5 + [0.0]
+    assert [c.affix_bridge for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert [c.two_affix_fallback for c in chain[3:]] == ["draw", "draw", "draw"]
+    assert [c.affix_teacher for c in chain] == [None] * 4 + ["models/acache-tiny-plus"] * 2
+    assert [c.affix_anchored for c in chain] == [0.0] * 5 + [0.5]
     for config, name in zip(chain[:-1], names[:-1], strict=True):
         log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
         assert_logged(config, log["config"])
@@ -794,9 +796,10 @@ def test_affix_recipe_chains_five_configs_from_the_plus_model_into_the_affix_mod
     assert_logged(last, log["config"])
     assert log["steps_done"] == last.steps
     record = read_config(shipped)[1].affix_training
-    assert record["steps"] == last.steps and record["affix_isolation"] == 0.8 and record["affix_neighbours"] == 1.0
-    assert (record["affix_bridge"], record["affix_bridge_layer"]) == (1.0, 2)
+    assert record["steps"] == last.steps and record["affix_isolation"] == 0.8
+    assert (record["affix_anchored"], record["affix_anchor_ratio"], record["affix_anchor_pass"]) == (0.5, 0.2, "one")
     assert (record["affix_teacher"], record["affix_teacher_weight"]) == ("models/acache-tiny-plus", 1.0)
+    assert "affix_neighbours" not in record and "affix_bridge" not in record
     assert record["init_from"] == chain[-2].out
 
 
