@@ -37,3 +37,14 @@ def refuse_tracked(paths: Iterable[str | Path | None], overwrite: bool) -> None:
             shown = ", ".join(tracked[:3]) + (f" and {len(tracked) - 3} more" if len(tracked) > 3 else "")
             raise ValueError(f"{path} would overwrite files tracked by git ({shown}); write elsewhere (build/ is "
                              "ignored) or pass --overwrite")
+
+
+def refuse_full_dir(out: str | Path, overwrite: bool) -> None:
+    """Raises when ``out`` cannot take a checkpoint of its own: a file, or a directory holding files (unless
+    ``overwrite``, whose caller then clears it), since a checkpoint written among old files can load as the old one
+    (a stale shard index wins over a new single file)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not a directory for the checkpoint")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")

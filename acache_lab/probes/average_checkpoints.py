@@ -29,7 +29,7 @@ import torch
 from acache.models.checkpoint import save_checkpoint
 from acache.models.config import ModelConfig
 from acache.models.loader import load_model
-from acache_lab.tracked import refuse_tracked
+from acache_lab.tracked import refuse_full_dir, refuse_tracked
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -57,10 +57,7 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
             raise FileNotFoundError(f"no checkpoint at {p} (no {CONFIG_FILE})")
         if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
             raise ValueError(f"--out {out} holds {p}, one of the checkpoints averaged: write elsewhere")
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out} is a file, not a directory for the checkpoint")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+    refuse_full_dir(out, overwrite)
     model = load_model(paths[0])
     tokenizer = _tokenizer_bytes(paths[0])
     own = dict(model.named_parameters())

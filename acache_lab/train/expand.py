@@ -23,6 +23,7 @@ from acache.models.base import DiffusionLM
 from acache.models.checkpoint import derive_from, save_checkpoint
 from acache.models.config import AFFIX_TRAINING_KEY
 from acache.models.loader import load_model
+from acache_lab.tracked import refuse_full_dir
 
 
 def expand_layers(model: DiffusionLM, every: int = 1) -> DiffusionLM:
@@ -59,10 +60,7 @@ def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrit
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
         raise ValueError(f"the deeper checkpoint needs a directory of its own, not {out} (it holds {src})")
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out} is a file, not a directory for the checkpoint")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+    refuse_full_dir(out, overwrite)
     deeper = expand_layers(load_model(src), every)
     if out.exists():
         shutil.rmtree(out)
