@@ -86,7 +86,7 @@ model-plus: install
 # demonstrations drawn more, four rows in five isolated and the bridge term (the other tasks' two-affix draws in any
 # plain layout), the second of those also held to the plus model's in-context predictions (the teacher term), then
 # a short stage with the teacher where half the isolated rows also recompute a fifth of each affix (anchored rows,
-# the one-pass form); about 6 + 7 + 13 + 5 + 6 + 3.5 minutes on a 2-core AMD EPYC VM (the first five took
+# the one-pass form); about 6 + 7 + 13 + 5 + 6 + 4 minutes on a 2-core AMD EPYC VM (the first five took
 # 8 + 9 + 19 + 10 + 8 on an Intel Xeon one)
 AFFIX := models/acache-tiny-affix
 model-affix: install
