@@ -4,10 +4,10 @@ Averaging the weights of runs that start from one checkpoint (a "soup"), or of o
 (``save_every``), is a known way to keep what each learned while cancelling some of each run's noise.
 docs/accuracy.md ("Averaging weights") measures both on the affix recipe's fifth stage.
 
-    python -m acache_lab.probes.average_checkpoints --out build/affix-soup models/acache-tiny-affix build/affix-seed93
+    python -m acache_lab.probes.average_checkpoints --out build/affix-soup build/affix-bridge-mix-2 build/affix-seed93
     python -m acache_lab.probes.average_checkpoints --out build/affix-tail build/affix/step-{1500..2000..100}
     python -m acache_lab.probes.average_checkpoints --out build/toward-plus --weights 0.85,0.15 \
-        models/acache-tiny-affix models/acache-tiny-plus
+        build/affix-bridge-mix-2 models/acache-tiny-plus
 
 The checkpoints must be one model (the same config and tokenizer); the first one gives the config, its affix-training
 record included, and the sources are recorded under ``acache_averaged`` in config.json.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from acache.models.checkpoint import save_checkpoint
-from acache.models.config import ModelConfig
+from acache.models.config import affix_training
 from acache.models.loader import load_model
 from acache_lab.tracked import refuse_full_dir, refuse_tracked
 
@@ -63,7 +63,7 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
     own = dict(model.named_parameters())
     scale = weights or [1.0] * len(paths)
     total = {name: scale[0] * t.detach() if weights else t.detach().clone() for name, t in own.items()}
-    records = [model.config.affix_training is not None]
+    records = [affix_training(model.config) is not None]
     shapes = {n: tuple(t.shape) for n, t in own.items()}
     for p, w in zip(paths[1:], scale[1:], strict=True):
         member = load_model(p)
@@ -74,7 +74,7 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
             raise ValueError(f"{p} does not have the shape of {paths[0]}: only checkpoints of one model average")
         if _tokenizer_bytes(p) != tokenizer:
             raise ValueError(f"{p} has another tokenizer than {paths[0]}: only checkpoints of one model average")
-        records.append(member.config.affix_training is not None)
+        records.append(affix_training(member.config) is not None)
         for name, t in member.named_parameters():
             total[name] += w * t.detach() if weights else t.detach()
     if len(set(records)) > 1:
@@ -96,9 +96,12 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
     return out
 
 
-def _first_difference(a: ModelConfig, b: ModelConfig) -> str | None:
-    """The first field (the config.json ``raw`` aside) where two models' configs differ, as ``name a != b``."""
-    for f in fields(ModelConfig):
+def _first_difference(a: object, b: object) -> str | None:
+    """The first field (the config.json ``raw`` aside) where two models' configs differ, as ``name a != b``; any
+    family's config (the state-cache families have configs of their own)."""
+    if type(a) is not type(b):
+        return f"config {type(a).__name__} != {type(b).__name__}"
+    for f in fields(type(a)):
         if f.compare and getattr(a, f.name) != getattr(b, f.name):
             return f"{f.name} {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
     return None

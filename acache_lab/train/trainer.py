@@ -888,9 +888,10 @@ def _resumable(config: dict) -> dict:
 
 
 def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> dict:
-    """Trains, writing the checkpoint, its log and loss curve to ``config.out``. Ctrl-C stops at the step
-    under way and saves everything so far, plus the optimizer and data state; ``resume=True`` continues
-    such a run from there, as if it had never stopped."""
+    """Trains, writing the checkpoint, its log and loss curve to ``config.out`` (and the ``step-N`` folders of
+    ``save_every``, those an earlier run left there removed first). Ctrl-C stops at the step under way and saves
+    everything so far, plus the optimizer and data state; ``resume=True`` continues such a run from there, as if
+    it had never stopped."""
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
     spec = SPECIAL_TOKENS["llada"]
@@ -959,10 +960,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
 
-    if not resume:  # the step folders an earlier run left in this out are not this run's
-        for old in Path(config.out).glob(f"{SNAPSHOT_PREFIX}*"):
-            if old.is_dir() and re.fullmatch(rf"{SNAPSHOT_PREFIX}\d+(\.partial)?", old.name):
-                shutil.rmtree(old)
+    _clear_snapshots(config, keep_whole=resume)
 
     started = time.perf_counter() - spent
     bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
@@ -1004,6 +1002,24 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     else:
         (out / RESUME_FILE).unlink(missing_ok=True)
     return summary
+
+
+def _clear_snapshots(config: TrainConfig, keep_whole: bool) -> None:
+    """Removes the ``step-N`` folders in ``config.out`` that are not this run's: on a fresh start every one (an
+    earlier run left them, and averaging them with this run's would mix two runs), on a resume only the
+    ``.partial`` ones a second Ctrl-C cut short. A folder the run reads (``init_from``, the teacher) is refused
+    rather than removed; links are left alone."""
+    pattern = re.compile(rf"{SNAPSHOT_PREFIX}\d+(\.partial)?")
+    read = {Path(p).resolve() for p in (config.init_from, config.affix_teacher) if p}
+    for old in sorted(Path(config.out).glob(f"{SNAPSHOT_PREFIX}*")):
+        if old.is_symlink() or not old.is_dir() or not pattern.fullmatch(old.name):
+            continue
+        if keep_whole and not old.name.endswith(".partial"):
+            continue
+        if any(old.resolve() == r or old.resolve() in r.parents for r in read):
+            raise ValueError(f"{old} is a step folder an earlier run left in out, which a fresh run clears, and this "
+                             "run reads it (init_from or affix_teacher): copy it elsewhere first")
+        shutil.rmtree(old)
 
 
 def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:

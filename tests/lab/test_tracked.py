@@ -45,3 +45,20 @@ def test_a_command_pointed_at_a_tracked_file_stops_before_any_work(capsys):
     assert (ROOT / "README.md").read_bytes() == before
     assert main(["bench", "--plot", str(ROOT / "docs"), "--batch-sizes", "1"]) == 2
     assert "tracked by git" in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_must_be_empty_unless_overwritten(tmp_path):
+    from acache_lab.tracked import refuse_full_dir
+
+    refuse_full_dir(tmp_path / "absent", overwrite=False)  # nothing there: fine
+    (tmp_path / "empty").mkdir()
+    refuse_full_dir(tmp_path / "empty", overwrite=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match="full exists and is not empty"):
+        refuse_full_dir(tmp_path / "full", overwrite=False)
+    refuse_full_dir(tmp_path / "full", overwrite=True)
+    (tmp_path / "file").write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(NotADirectoryError, match="file is a file, not a directory"):
+            refuse_full_dir(tmp_path / "file", overwrite=overwrite)

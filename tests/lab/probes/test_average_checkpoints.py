@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from acache.models.loader import load_model
 from acache_lab.probes.average_checkpoints import average_checkpoints
@@ -25,7 +27,9 @@ def three(tmp_path_factory):
 
 
 def test_each_parameter_is_the_mean_and_the_first_gives_the_config(three, tmp_path):
-    out = average_checkpoints(three, tmp_path / "avg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every member carries a record: nothing to warn about
+        out = average_checkpoints(three, tmp_path / "avg")
     soup = dict(load_model(out).named_parameters())
     members = [dict(load_model(d).named_parameters()) for d in three]
     assert soup.keys() == members[0].keys()
@@ -46,9 +50,14 @@ def test_two_identical_checkpoints_average_to_the_same_bytes(three, tmp_path):
 
 def test_the_first_ones_dtype_is_kept(tmp_path):
     halves = [tiny_checkpoint(tmp_path / f"h{seed}", "llada", seed=seed, dtype="bfloat16") for seed in (1, 2)]
-    out = average_checkpoints(halves, tmp_path / "avg")
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert (out / "model.safetensors").stat().st_size == (halves[0] / "model.safetensors").stat().st_size
+    full = tiny_checkpoint(tmp_path / "f", "llada", seed=3)
+    for members, dtype in ((halves, torch.bfloat16), ([full, halves[0]], torch.float32),
+                           ([halves[1], full], torch.bfloat16)):
+        out = average_checkpoints(members, tmp_path / "avg", overwrite=True)
+        with safe_open(out / "model.safetensors", "pt") as f:
+            names = f.keys()
+            assert {f.get_tensor(k).dtype for k in names} == {dtype}
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
 
 
 def test_members_that_differ_in_the_affix_record_warn(three, tmp_path):
@@ -159,3 +168,16 @@ def test_the_command_line_names_the_problem(three, tmp_path, monkeypatch):
                                      str(three[0]), str(three[1])])
     with pytest.raises(SystemExit, match="error: --weights: '' is not a number"):
         main()
+
+
+@pytest.mark.parametrize("family", ["blockdiff_ssm", "r2lm"])
+def test_the_state_cache_families_average_and_are_told_apart(three, tmp_path, family):
+    """Their configs are classes of their own: averaged like the others, never with a LLaDA checkpoint."""
+    pair = [tiny_checkpoint(tmp_path / f"{family}{seed}", family, seed=seed) for seed in (1, 2)]
+    out = average_checkpoints(pair, tmp_path / "avg")
+    soup = dict(load_model(out).named_parameters())
+    a, b = (dict(load_model(p).named_parameters()) for p in pair)
+    for name, t in soup.items():
+        torch.testing.assert_close(t, (a[name] + b[name]) / 2, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"is not the model of .* \(config "):
+        average_checkpoints([three[1], pair[0]], tmp_path / "mixed")

@@ -687,8 +687,15 @@ def test_save_every_writes_the_weights_along_the_way_without_changing_the_run(tm
     # a fresh run into the same out removes the step folders the earlier one left (only those)
     (tmp_path / "saved" / "step-6.partial").mkdir()
     (tmp_path / "saved" / "step-notes").mkdir()
+    (tmp_path / "saved" / "step-7").symlink_to(tmp_path / "plain", target_is_directory=True)  # links are left alone
     train(TrainConfig(out=str(tmp_path / "saved"), save_every=4, **{**common, "steps": 4}), progress=False)
-    assert sorted(p.name for p in (tmp_path / "saved").glob("step-*")) == ["step-4", "step-notes"]
+    assert sorted(p.name for p in (tmp_path / "saved").glob("step-*")) == ["step-4", "step-7", "step-notes"]
+    assert (tmp_path / "plain" / weights).is_file()
+    # a fresh run that starts from one of them is refused rather than left to remove what it reads
+    with pytest.raises(ValueError, match="step-4 is a step folder an earlier run left in out"):
+        train(TrainConfig(out=str(tmp_path / "saved"), init_from=str(tmp_path / "saved" / "step-4"), **common),
+              progress=False)
+    assert (tmp_path / "saved" / "step-4" / weights).is_file()
 
 
 def test_decay_steps_keep_the_rate_until_the_last_steps():
@@ -785,6 +792,9 @@ def test_affix_recipe_chains_six_configs_from_the_plus_model_into_the_affix_mode
     assert [c.two_affix_fallback for c in chain[3:]] == ["draw", "draw", "draw"]
     assert [c.affix_teacher for c in chain] == [None] * 4 + ["models/acache-tiny-plus"] * 2
     assert [c.affix_anchored for c in chain] == [0.0] * 5 + [0.5]
+    # the sixth stage trains the fifth's mix: only the anchored rows and the terms they exclude are new
+    assert (chain[-1].tasks, chain[-1].layouts, chain[-1].task_sentences) == (
+        chain[-2].tasks, chain[-2].layouts, chain[-2].task_sentences)
     for config, name in zip(chain[:-1], names[:-1], strict=True):
         log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
         assert_logged(config, log["config"])
@@ -1023,7 +1033,8 @@ def test_ctrl_c_saves_a_run_that_resumes_as_if_never_stopped(tmp_path, monkeypat
     with pytest.raises(ValueError, match="another config"):
         train(TrainConfig(**{**asdict(config("stopped")), "lr": 1e-3, "model": config("stopped").model}),
               progress=False, resume=True)
-    (tmp_path / "stopped" / "step-2").mkdir()  # a folder of the run itself, which a resume keeps
+    (tmp_path / "stopped" / "step-2").mkdir()  # a folder of the run itself, which a resume keeps,
+    (tmp_path / "stopped" / "step-4.partial").mkdir()  # and one a second Ctrl-C cut short, which it clears
     longer = TrainConfig(**{**asdict(config("stopped")), "time_limit_minutes": 120.0, "save_every": 3,
                             "model": config("stopped").model})
     resumed = train(longer, progress=False, resume=True)  # a longer time limit resumes: it only says when to stop,
