@@ -61,22 +61,19 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
     model = load_model(paths[0])
     tokenizer = _tokenizer_bytes(paths[0])
     own = dict(model.named_parameters())
-    scale = weights or [1.0] * len(paths)
-    total = {name: scale[0] * t.detach() if weights else t.detach().clone() for name, t in own.items()}
+    scale = weights or [1.0] * len(paths)  # the uniform mean sums first and divides last (x 1.0 is exact)
+    total = {name: scale[0] * t.detach() for name, t in own.items()}
     records = [affix_training(model.config) is not None]
-    shapes = {n: tuple(t.shape) for n, t in own.items()}
     for p, w in zip(paths[1:], scale[1:], strict=True):
         member = load_model(p)
-        differs = _first_difference(model.config, member.config)
+        differs = _first_difference(model.config, member.config)  # equal configs: equal shapes too
         if differs:
             raise ValueError(f"{p} is not the model of {paths[0]} ({differs}): only checkpoints of one model average")
-        if {n: tuple(t.shape) for n, t in member.named_parameters()} != shapes:
-            raise ValueError(f"{p} does not have the shape of {paths[0]}: only checkpoints of one model average")
         if _tokenizer_bytes(p) != tokenizer:
             raise ValueError(f"{p} has another tokenizer than {paths[0]}: only checkpoints of one model average")
         records.append(affix_training(member.config) is not None)
         for name, t in member.named_parameters():
-            total[name] += w * t.detach() if weights else t.detach()
+            total[name] += w * t.detach()
     if len(set(records)) > 1:
         warnings.warn(f"only some of the checkpoints carry an affix-training record ({sum(records)} of "
                       f"{len(records)}): the average keeps the first one's ({'one' if records[0] else 'none'})",
