@@ -72,7 +72,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume = args.resume and (out / RESUME_FILE).is_file()
         if args.resume and not resume and (out / "training_log.json").is_file():
             done = json.loads((out / "training_log.json").read_text())
-            fresh = [p for p in (config.init_from, config.affix_teacher) if p and Path(p).resolve() in trained]
+            fresh = [p for p in (*config.init_paths(), config.affix_teacher) if p and Path(p).resolve() in trained]
             if finished_as(done.get("config", {}), config) and not done.get("interrupted") and not fresh:
                 print(f"{config.out}: finished before, skipped")
                 total_s += done["train_time_s"]

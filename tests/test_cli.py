@@ -172,6 +172,30 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     assert (tmp_path / "b" / "model.safetensors").read_bytes() != before
 
 
+def test_train_resume_retrains_a_soup_stage_when_any_member_was_trained_again(tmp_path, capsys):
+    """A config whose ``init_from`` lists several checkpoints starts from their mean; --resume skips it while no member
+    changed, and trains it again when a config before it in the command retrained one of them."""
+    shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
+    common = {"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"], "log_every": 1}
+    files = {name: tmp_path / f"{name}.json" for name in ("a", "b", "soup")}
+    files["a"].write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 2}))
+    files["b"].write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 3, "seed": 1}))
+    files["soup"].write_text(json.dumps({**common, "out": str(tmp_path / "soup"), "steps": 2,
+                                         "init_from": [str(tmp_path / "a"), str(tmp_path / "b")]}))
+    command = ["train", *(arg for f in files.values() for arg in ("--config", str(f)))]
+    assert main(command) == 0
+    capsys.readouterr()
+    assert main([*command, "--resume"]) == 0
+    assert capsys.readouterr().out.count("finished before, skipped") == 3
+    before = (tmp_path / "soup" / "model.safetensors").read_bytes()
+    files["b"].write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 4, "seed": 1}))
+    assert main([*command, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'a'}: finished before, skipped" in out
+    assert f"{tmp_path / 'soup'}: finished before, but {tmp_path / 'b'} was trained again: training it again" in out
+    assert (tmp_path / "soup" / "model.safetensors").read_bytes() != before
+
+
 def test_free_text_and_chat_on_the_shipped_model(capsys):
     """The default model reads ordinary text ('Mary?' is 'mary ?'), answers a chat in its own template, and
     names the words it cannot read instead of a traceback."""

@@ -17,72 +17,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
-import warnings
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
-import torch
-
 from acache.models.checkpoint import save_checkpoint
-from acache.models.config import affix_training
-from acache.models.loader import load_model
 from acache_lab.tracked import refuse_full_dir, refuse_tracked
-
-CONFIG_FILE = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from acache_lab.train.average import CONFIG_FILE, TOKENIZER_FILES, average_models
 
 
 def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None,
                         overwrite: bool = False) -> Path:
-    """Writes to ``out`` the checkpoint whose every parameter is the mean of ``paths``' (summed in their order,
-    then divided), or with ``weights`` (one per checkpoint, >= 0, summing to 1) their weighted sum, in the first
-    one's dtype, with its config (its affix-training record included) and tokenizer, and the sources recorded
-    under ``acache_averaged``. The checkpoints must be one model: the same config and tokenizer. ``overwrite``
-    replaces an ``out`` that holds files, all of them."""
+    """Writes to ``out`` the checkpoint :func:`~acache_lab.train.average.average_models` makes of ``paths`` (the
+    uniform mean, or the ``weights``' sum), with the first one's config (its affix-training record included) and
+    tokenizer, and the sources recorded under ``acache_averaged``. ``overwrite`` replaces an ``out`` that holds
+    files, all of them."""
     paths = [Path(p) for p in paths]
-    if len(paths) < 2:
-        raise ValueError(f"averaging needs at least two checkpoints, got {len(paths)}")
-    if weights is not None:
-        weights = [float(w) for w in weights]
-        if len(weights) != len(paths):
-            raise ValueError(f"{len(weights)} weights for {len(paths)} checkpoints: give one per checkpoint")
-        if not all(math.isfinite(w) and w >= 0 for w in weights) or abs(sum(weights) - 1) > 1e-6:
-            raise ValueError(f"the weights must be >= 0 and sum to 1, not {weights}")
     out = Path(out)
     for p in paths:
-        if not (p / CONFIG_FILE).is_file():
-            raise FileNotFoundError(f"no checkpoint at {p} (no {CONFIG_FILE})")
         if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
             raise ValueError(f"--out {out} holds {p}, one of the checkpoints averaged: write elsewhere")
     refuse_full_dir(out, overwrite)
-    model = load_model(paths[0])
-    tokenizer = _tokenizer_bytes(paths[0])
-    own = dict(model.named_parameters())
-    scale = weights or [1.0] * len(paths)  # the uniform mean sums first and divides last (x 1.0 is exact)
-    total = {name: scale[0] * t.detach() for name, t in own.items()}
-    records = [affix_training(model.config) is not None]
-    for p, w in zip(paths[1:], scale[1:], strict=True):
-        member = load_model(p)
-        differs = _first_difference(model.config, member.config)  # equal configs: equal shapes too
-        if differs:
-            raise ValueError(f"{p} is not the model of {paths[0]} ({differs}): only checkpoints of one model average")
-        if _tokenizer_bytes(p) != tokenizer:
-            raise ValueError(f"{p} has another tokenizer than {paths[0]}: only checkpoints of one model average")
-        records.append(affix_training(member.config) is not None)
-        for name, t in member.named_parameters():
-            total[name] += w * t.detach()
-    if len(set(records)) > 1:
-        warnings.warn(f"only some of the checkpoints carry an affix-training record ({sum(records)} of "
-                      f"{len(records)}): the average keeps the first one's ({'one' if records[0] else 'none'})",
-                      stacklevel=2)
-    with torch.no_grad():
-        for name, t in own.items():
-            t.copy_(total[name] if weights else total[name] / len(paths))
+    model = average_models(paths, weights)
     config = json.loads((paths[0] / CONFIG_FILE).read_text())
-    config["acache_averaged"] = {"from": [str(p) for p in paths], "weights": weights}
+    config["acache_averaged"] = {"from": [str(p) for p in paths],
+                                 "weights": None if weights is None else [float(w) for w in weights]}
     if out.exists():
         shutil.rmtree(out)
     save_checkpoint(model, out, dtype=config.get("torch_dtype"))
@@ -91,22 +50,6 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
         if (paths[0] / name).is_file():
             shutil.copy(paths[0] / name, out / name)
     return out
-
-
-def _first_difference(a: object, b: object) -> str | None:
-    """The first field (the config.json ``raw`` aside) where two models' configs differ, as ``name a != b``; any
-    family's config (the state-cache families have configs of their own)."""
-    if type(a) is not type(b):
-        return f"config {type(a).__name__} != {type(b).__name__}"
-    for f in fields(type(a)):
-        if f.compare and getattr(a, f.name) != getattr(b, f.name):
-            return f"{f.name} {getattr(a, f.name)!r} != {getattr(b, f.name)!r}"
-    return None
-
-
-def _tokenizer_bytes(path: Path) -> bytes | None:
-    file = path / TOKENIZER_FILES[0]
-    return file.read_bytes() if file.is_file() else None
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -41,6 +42,7 @@ from acache.models.ssm import SCAN_INITS
 from acache.policies import ANCHOR_PASSES, LAYOUTS
 from acache_lab.tasks.generators import BRIDGED_TASKS, TASKS, TRAIN_GENERATORS, TRAIN_SEED_BASE, held_out
 from acache_lab.tasks.render import ANSWER_LENGTHS, TASK_CHAT_TEMPLATE, TWO_AFFIXES, build_word_tokenizer, render
+from acache_lab.train.average import average_models
 from acache_lab.train.bridge import Bridge, bridge_head, bridge_loss
 from acache_lab.train.isolation import (
     LayeredMask,
@@ -144,8 +146,9 @@ class TrainConfig:
     #: min/max_sentences and curriculum_steps (which otherwise make one stage whose context grows)
     stages: tuple[Stage, ...] = ()
     #: a checkpoint directory whose weights the run starts from instead of a fresh initialisation (same
-    #: model shape); the steps, schedule and data stream start from the beginning
-    init_from: str | None = None
+    #: model shape); the steps, schedule and data stream start from the beginning. A list of two or more
+    #: checkpoints of one model starts from their mean (:func:`~acache_lab.train.average.average_models`)
+    init_from: str | tuple[str, ...] | None = None
     #: stop after this many steps while the schedule still spans ``steps``: a run cut short (by its time
     #: limit, say) is reproduced exactly by naming the step it stopped at
     stop_after: int | None = None
@@ -198,6 +201,12 @@ class TrainConfig:
     affix_bridge: float = 0.0
     affix_bridge_layer: int = 2
 
+    def init_paths(self) -> tuple[str, ...]:
+        """The checkpoints ``init_from`` names (none, one, or those it averages)."""
+        if self.init_from is None:
+            return ()
+        return (self.init_from,) if isinstance(self.init_from, str) else tuple(self.init_from)
+
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
         path = Path(path)
@@ -237,6 +246,17 @@ class TrainConfig:
                              f"not to steps={self.steps}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
+        if isinstance(self.init_from, list | tuple):
+            self.init_from = tuple(self.init_from)
+            if len(self.init_from) < 2 or not all(isinstance(p, str) and p for p in self.init_from):
+                raise ValueError("init_from is a checkpoint directory, or a list of two or more to start from their "
+                                 f"mean, not {list(self.init_from)!r}")
+            named = [os.path.normpath(p) for p in self.init_from]
+            twice = sorted({p for p in named if named.count(p) > 1})
+            if twice:
+                raise ValueError(f"init_from names {twice[0]} more than once: a mean takes each checkpoint once")
+        elif self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ValueError(f"init_from is a checkpoint directory, or a list of them, not {self.init_from!r}")
         if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be between 1 and steps={self.steps}, not {self.stop_after}")
         if self.save_every is not None and (isinstance(self.save_every, bool) or not isinstance(self.save_every, int)
@@ -819,13 +839,23 @@ def init_for_training_(model: DiffusionLM, seed: int, std: float, embed_std: flo
         model.embed.weight.normal_(0.0, embed_std, generator=embed_generator)
 
 
-def start_from_(model: DiffusionLM, path: str | Path) -> None:
-    """Copies a checkpoint's weights into ``model``, or says which part of the shape differs."""
+def start_from_(model: DiffusionLM, path: str | Path | Sequence[str | Path]) -> None:
+    """Copies a checkpoint's weights into ``model`` (or the mean of several checkpoints' weights), or says which part
+    of the shape differs."""
     from acache.models.loader import load_model
 
-    if not (Path(path) / "config.json").is_file():  # checked when training starts: an earlier run writes it
-        raise FileNotFoundError(f"init_from: no checkpoint at {path} (no config.json)")
-    source = load_model(path)
+    paths = [path] if isinstance(path, str | Path) else list(path)
+    for p in paths:
+        if not (Path(p) / "config.json").is_file():  # checked when training starts: an earlier run writes it
+            raise FileNotFoundError(f"init_from: no checkpoint at {p} (no config.json)")
+    if len(paths) == 1:
+        source = load_model(paths[0])
+    else:
+        try:
+            source = average_models(paths)
+        except ValueError as e:
+            raise ValueError(f"init_from: {e}") from None
+        path = f"the mean of {', '.join(str(p) for p in paths)}"
     mine, theirs = model.config, source.config
     fields = ("num_layers", "hidden_size", "intermediate_size", "vocab_size")
     diff = [f"{f} {getattr(theirs, f)} (config: {getattr(mine, f)})" for f in fields
@@ -1010,7 +1040,7 @@ def _clear_snapshots(config: TrainConfig, keep_whole: bool) -> None:
     ``.partial`` ones a second Ctrl-C cut short. A folder the run reads (``init_from``, the teacher) is refused
     rather than removed; links are left alone."""
     pattern = re.compile(rf"{SNAPSHOT_PREFIX}\d+(\.partial)?")
-    read = {Path(p).resolve() for p in (config.init_from, config.affix_teacher) if p}
+    read = {Path(p).resolve() for p in (*config.init_paths(), config.affix_teacher) if p}
     for old in sorted(Path(config.out).glob(f"{SNAPSHOT_PREFIX}*")):
         if old.is_symlink() or not old.is_dir() or not pattern.fullmatch(old.name):
             continue
@@ -1034,7 +1064,8 @@ def record_affix_training(out: Path, config: TrainConfig, steps: int) -> None:
     bridged = {"affix_bridge": config.affix_bridge, "affix_bridge_layer": config.affix_bridge_layer} \
         if config.affix_bridge > 0 else {}
     write_affix_training(out, {"affix_isolation": config.affix_isolation, "steps": steps,
-                               "init_from": config.init_from, "layouts": list(config.layouts), **anchored,
+                               "init_from": config.init_from if isinstance(config.init_from, str | None)
+                               else list(config.init_from), "layouts": list(config.layouts), **anchored,
                                **distilled, **neighbours, **taught, **bridged})
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from acache.models.config import AFFIX_TRAINING_KEY
 from acache.paths import SHIPPED_MODEL
 from acache_lab.tasks.render import build_word_tokenizer
 from acache_lab.train.isolation import LayeredMask
@@ -22,6 +23,7 @@ from acache_lab.train.trainer import (
     Stage,
     Teacher,
     TrainConfig,
+    finished_as,
     frozen_predictions,
     layer_states,
     loss_weights,
@@ -621,6 +623,62 @@ def test_init_from_starts_at_a_checkpoint(tmp_path):
         train(wider, progress=False)
     with pytest.raises(FileNotFoundError, match="init_from: no checkpoint at"):
         train(TrainConfig(out=str(tmp_path / "d"), steps=1, init_from=str(tmp_path / "missing")), progress=False)
+
+
+def test_init_from_a_list_starts_from_the_mean_the_averaging_probe_writes(tmp_path):
+    """``init_from`` naming several checkpoints starts from their mean: the run equals, byte for byte, one started from
+    the checkpoint ``average_checkpoints`` writes of them, and the record keeps the list."""
+    from acache.models.loader import WEIGHTS_FILE
+    from acache_lab.probes.average_checkpoints import average_checkpoints
+
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = {"batch_size": 2, "warmup": 1, "bf16": False, "tasks": ("qa1",), "model": shape}
+    members = [str(tmp_path / name) for name in ("a", "b", "c")]
+    for seed, out in enumerate(members):
+        train(TrainConfig(out=out, steps=2 + seed, seed=seed, **common), progress=False)
+    average_checkpoints(members, tmp_path / "mean")
+    later = {"steps": 3, "seed": 7, "affix_isolation": 0.5, **common}
+    train(TrainConfig(out=str(tmp_path / "from_list"), init_from=members, **later), progress=False)
+    train(TrainConfig(out=str(tmp_path / "from_mean"), init_from=str(tmp_path / "mean"), **later), progress=False)
+    weights = [(tmp_path / d / WEIGHTS_FILE).read_bytes() for d in ("from_list", "from_mean", "a")]
+    assert weights[0] == weights[1] and weights[0] != weights[2]
+    record = json.loads((tmp_path / "from_list" / "config.json").read_text())[AFFIX_TRAINING_KEY]
+    assert record["init_from"] == members
+    logged = json.loads((tmp_path / "from_list" / "training_log.json").read_text())["config"]
+    assert logged["init_from"] == members and finished_as(logged, TrainConfig(init_from=members, out=str(
+        tmp_path / "from_list"), **later))
+
+
+@pytest.mark.parametrize(("init_from", "error"), [
+    (["only"], "a list of two or more"),
+    ([], "a list of two or more"),
+    (["a", ""], "a list of two or more"),
+    (["a", 3], "a list of two or more"),
+    (["a", "b", "a"], "names a more than once"),
+    (["build/a", "build/a/", "b"], "names build/a more than once"),
+    ("", "a checkpoint directory, or a list"),
+    (7, "a checkpoint directory, or a list"),
+])
+def test_init_from_a_bad_list_is_refused_by_name(init_from, error):
+    with pytest.raises(ValueError, match=error):
+        TrainConfig(init_from=init_from)
+
+
+def test_init_from_a_list_refuses_a_missing_or_foreign_member_before_training(tmp_path):
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = {"steps": 1, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ("qa1",)}
+    train(TrainConfig(out=str(tmp_path / "a"), model=shape, **common), progress=False)
+    train(TrainConfig(out=str(tmp_path / "wide"), model=ModelShape(layers=1, hidden_size=32, heads=2,
+                                                                   intermediate_size=96), **common), progress=False)
+    with pytest.raises(FileNotFoundError, match=f"init_from: no checkpoint at {tmp_path / 'missing'}"):
+        train(TrainConfig(out=str(tmp_path / "x"), model=shape, init_from=[str(tmp_path / "a"),
+                                                                           str(tmp_path / "missing")], **common),
+              progress=False)
+    with pytest.raises(ValueError, match=r"init_from: .*wide is not the model of .*intermediate_size 64 != 96"):
+        train(TrainConfig(out=str(tmp_path / "y"), model=shape, init_from=[str(tmp_path / "a"),
+                                                                           str(tmp_path / "wide")], **common),
+              progress=False)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_a_layers_learning_rate_scale_applies_to_that_layer_only(tmp_path):
