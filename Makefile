@@ -84,15 +84,17 @@ model-plus: install
 # attending as direct reuse serves them, mostly `grab` (the binding under direct reuse), with the neighbour term,
 # in two configs, then on the study's mix with three rows in four so, then twice on that mix with the two-affix
 # demonstrations drawn more, four rows in five isolated and the bridge term (the other tasks' two-affix draws in any
-# plain layout), the second of those also held to the plus model's in-context predictions (the teacher term), then
-# a short stage with the teacher where half the isolated rows also recompute a fifth of each affix (anchored rows,
-# the one-pass form); about 6 + 7 + 13 + 5 + 6 + 4 minutes on a 2-core AMD EPYC VM (the first five took
-# 8 + 9 + 19 + 10 + 8 on an Intel Xeon one)
+# plain layout), the second of those also held to the plus model's in-context predictions (the teacher term), that
+# second one three times more with one thing changed (seed, more long qa1, no teacher), then a stage from the mean of
+# those four (a soup) with the teacher where half the isolated rows also recompute a fifth of each affix (anchored
+# rows, the one-pass form); about 6 + 7 + 13 + 5 + 6 + 5 + 6 + 5 + 5 minutes on a 2-core AMD EPYC VM (the first five
+# took 8 + 9 + 19 + 10 + 8 on an Intel Xeon one)
 AFFIX := models/acache-tiny-affix
 model-affix: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/affix-bind.json --config configs/affix-bind-2.json \
 	  --config configs/affix-mix.json --config configs/affix-bridge-mix.json --config configs/affix-bridge-mix-2.json \
-	  --config configs/affix-anchored.json --overwrite
+	  --config configs/affix-bridge-mix-2-seed93.json --config configs/affix-bridge-mix-2-longqa.json \
+	  --config configs/affix-bridge-mix-2-noteacher.json --config configs/affix-anchored.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(AFFIX) --tasks qa1,arith,twohop,codes
 
 # docs/accuracy.md "Affix-aware training": direct reuse, ACache 0.2 and full recomputation before (the plus

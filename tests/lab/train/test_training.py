@@ -826,33 +826,46 @@ def assert_logged(config: TrainConfig, logged: dict, ignore: set[str] = frozense
     assert not set(logged) - set(expected), "the log has options the config does not know"
 
 
-def test_affix_recipe_chains_six_configs_from_the_plus_model_into_the_affix_model():
-    """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix,
-    affix-bridge-mix-2 and affix-anchored each from the one before into the shipped affix model, whose log and
-    config.json record the last (make model-affix runs them in turn); the first five stages train the neighbour term,
-    the fourth and fifth the bridge term (their other tasks drawn in any plain layout), the last two the teacher
-    term with the plus model, and the last alone anchored rows (half the isolated ones, a fifth of each affix
-    recomputed in the one-pass form). The first five stages' logs are kept in docs/study."""
+def test_affix_recipe_chains_nine_configs_from_the_plus_model_into_the_affix_model():
+    """configs/affix-bind.json from the plus model, then affix-bind-2, affix-mix, affix-bridge-mix and
+    affix-bridge-mix-2 each from the one before; three variants of the fifth stage from the fourth, each one option
+    changed (seed, more long qa1, no teacher); and affix-anchored from the mean of the fifth stage and its variants
+    into the shipped affix model, whose log and config.json record the last (make model-affix runs them in turn). The
+    first five stages and the variants train the neighbour term, the fourth and fifth and the variants the bridge term
+    (their other tasks drawn in any plain layout), the fifth, two variants and the last the teacher term with the
+    plus model, and the last alone anchored rows (half the isolated ones, a fifth of each affix recomputed in the
+    one-pass form). The logs of every stage but the last are kept in docs/study."""
     from acache.models.loader import read_config
     from acache.paths import REPO_ROOT
 
-    names = ("affix-bind", "affix-bind-2", "affix-mix", "affix-bridge-mix", "affix-bridge-mix-2", "affix-anchored")
+    stages = ("affix-bind", "affix-bind-2", "affix-mix", "affix-bridge-mix", "affix-bridge-mix-2")
+    variants = ("affix-bridge-mix-2-seed93", "affix-bridge-mix-2-longqa", "affix-bridge-mix-2-noteacher")
+    names = (*stages, *variants, "affix-anchored")
     recipe = (REPO_ROOT / "Makefile").read_text().split("\nmodel-affix:")[1].split("\n\n")[0]
     assert re.findall(r"--config configs/([\w-]+)\.json", recipe) == list(names)
     chain = [TrainConfig.from_file(REPO_ROOT / "configs" / f"{n}.json") for n in names]
     assert (REPO_ROOT / chain[0].init_from).resolve() == PLUS_MODEL.resolve()
-    for before, after in zip(chain, chain[1:], strict=False):
+    for before, after in zip(chain[:5], chain[1:5], strict=False):
         assert after.init_from == before.out and after.model == before.model
-        assert not before.out.startswith("models/"), "only the last stage writes into models/"
-    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75, 0.8, 0.8, 0.8]
-    assert [c.affix_neighbours for c in chain] == [1.0] * 5 + [0.0]
-    assert [c.affix_bridge for c in chain] == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
-    assert [c.two_affix_fallback for c in chain[3:]] == ["draw", "draw", "draw"]
-    assert [c.affix_teacher for c in chain] == [None] * 4 + ["models/acache-tiny-plus"] * 2
-    assert [c.affix_anchored for c in chain] == [0.0] * 5 + [0.5]
-    # the sixth stage trains the fifth's mix: only the anchored rows and the terms they exclude are new
+    fifth = asdict(chain[4])
+    changed = []
+    for variant in chain[5:8]:
+        assert variant.init_from == chain[3].out
+        changed.append(sorted(k for k, v in asdict(variant).items() if v != fifth[k] and k != "out"))
+    assert changed == [["seed"], ["task_sentences", "tasks"], ["affix_teacher"]]
+    assert chain[6].tasks == (*chain[4].tasks, "qa1") and chain[6].task_sentences["qa1"] == (10, 36)
+    assert chain[-1].init_from == tuple(c.out for c in chain[4:8]) and chain[-1].model == chain[4].model
+    assert all(not c.out.startswith("models/") for c in chain[:-1]), "only the last stage writes into models/"
+    assert [c.affix_isolation for c in chain] == [0.9, 0.9, 0.75] + [0.8] * 6
+    assert [c.affix_neighbours for c in chain] == [1.0] * 8 + [0.0]
+    assert [c.affix_bridge for c in chain] == [0.0] * 3 + [1.0] * 5 + [0.0]
+    assert {c.two_affix_fallback for c in chain[3:]} == {"draw"}
+    plus = "models/acache-tiny-plus"
+    assert [c.affix_teacher for c in chain] == [None] * 4 + [plus, plus, plus, None, plus]
+    assert [c.affix_anchored for c in chain] == [0.0] * 8 + [0.5]
+    # the last stage trains the fifth's mix: only the anchored rows and the terms they exclude are new
     assert (chain[-1].tasks, chain[-1].layouts, chain[-1].task_sentences) == (
-        chain[-2].tasks, chain[-2].layouts, chain[-2].task_sentences)
+        chain[4].tasks, chain[4].layouts, chain[4].task_sentences)
     for config, name in zip(chain[:-1], names[:-1], strict=True):
         log = json.loads((REPO_ROOT / "docs" / "study" / "affix_training" / name / "training_log.json").read_text())
         assert_logged(config, log["config"])
@@ -866,9 +879,9 @@ def test_affix_recipe_chains_six_configs_from_the_plus_model_into_the_affix_mode
     record = read_config(shipped)[1].affix_training
     assert record["steps"] == last.steps and record["affix_isolation"] == 0.8
     assert (record["affix_anchored"], record["affix_anchor_ratio"], record["affix_anchor_pass"]) == (0.5, 0.2, "one")
-    assert (record["affix_teacher"], record["affix_teacher_weight"]) == ("models/acache-tiny-plus", 1.0)
+    assert (record["affix_teacher"], record["affix_teacher_weight"]) == (plus, 1.0)
     assert "affix_neighbours" not in record and "affix_bridge" not in record
-    assert record["init_from"] == chain[-2].out
+    assert record["init_from"] == [c.out for c in chain[4:8]]
 
 
 def test_plus_recipe_is_the_plus_models_config_from_the_shipped_model():
