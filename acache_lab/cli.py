@@ -51,17 +51,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, finished_as, train
+    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, finished_as, refuse_own_out, train
 
     # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
     configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
         configs[-1].out = args.out
-    for i, config in enumerate(configs):  # a teacher must exist when its stage starts: here or written before it
-        if config.affix_teacher and not (Path(config.affix_teacher) / "config.json").is_file() \
-                and config.affix_teacher not in {c.out for c in configs[:i]}:
-            raise FileNotFoundError(f"{args.config[i]}: affix_teacher {config.affix_teacher} is no checkpoint (no "
-                                    "config.json) and no earlier config writes it")
+    for i, config in enumerate(configs):  # what a stage reads must exist when it starts: here or written before it
+        written = {Path(c.out).resolve() for c in configs[:i]}
+        for option, path in [*(("init_from", p) for p in config.init_paths()), ("affix_teacher", config.affix_teacher)]:
+            if path and not (Path(path) / "config.json").is_file() and Path(path).resolve() not in written:
+                raise FileNotFoundError(f"{args.config[i]}: {option} {path} is no checkpoint (no config.json) and no "
+                                        "earlier config writes it")
+        refuse_own_out(config)
     from acache_lab.tracked import refuse_tracked
 
     refuse_tracked([c.out for c in configs], args.overwrite)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -152,6 +153,11 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     second.write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 2, "init_from": str(tmp_path / "a"),
                                   "affix_isolation": 0.5, "affix_teacher": str(tmp_path / "a")}))
     assert main(["train", "--config", str(second)]) == 2
+    assert f"init_from {tmp_path / 'a'} is no checkpoint" in capsys.readouterr().err
+    taught = tmp_path / "taught.json"
+    taught.write_text(json.dumps({**common, "out": str(tmp_path / "t"), "steps": 2, "affix_isolation": 0.5,
+                                  "affix_teacher": str(tmp_path / "a")}))
+    assert main(["train", "--config", str(taught)]) == 2
     assert f"affix_teacher {tmp_path / 'a'} is no checkpoint" in capsys.readouterr().err
     assert main(["train", "--config", str(first), "--config", str(second)]) == 0  # the first writes the teacher
     log = tmp_path / "a" / "training_log.json"
@@ -194,6 +200,15 @@ def test_train_resume_retrains_a_soup_stage_when_any_member_was_trained_again(tm
     assert f"{tmp_path / 'a'}: finished before, skipped" in out
     assert f"{tmp_path / 'soup'}: finished before, but {tmp_path / 'b'} was trained again: training it again" in out
     assert (tmp_path / "soup" / "model.safetensors").read_bytes() != before
+    # a misspelt member, or one that is the stage's own out, is refused before the first config trains
+    misspelt = ([str(tmp_path / "a"), str(tmp_path / "bb")], f"init_from {tmp_path / 'bb'} is no checkpoint")
+    for members, error in (misspelt, ([str(tmp_path / "a"), str(tmp_path / "soup")], "the run's own out")):
+        files["soup"].write_text(json.dumps({**common, "out": str(tmp_path / "soup"), "steps": 2,
+                                             "init_from": members}))
+        shutil.rmtree(tmp_path / "a")
+        assert main(command) == 2
+        assert error in capsys.readouterr().err and not (tmp_path / "a").exists()
+        main(["train", "--config", str(files["a"])])
 
 
 def test_free_text_and_chat_on_the_shipped_model(capsys):

@@ -29,9 +29,9 @@ from acache_lab.train.average import CONFIG_FILE, TOKENIZER_FILES, average_model
 def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None,
                         overwrite: bool = False) -> Path:
     """Writes to ``out`` the checkpoint :func:`~acache_lab.train.average.average_models` makes of ``paths`` (the
-    uniform mean, or the ``weights``' sum), with the first one's config (its affix-training record included) and
-    tokenizer, and the sources recorded under ``acache_averaged``. ``overwrite`` replaces an ``out`` that holds
-    files, all of them."""
+    uniform mean, or the ``weights``' sum), in the first one's dtype, with its config (its affix-training record
+    included) and tokenizer, and the sources recorded under ``acache_averaged``. ``overwrite`` replaces an ``out``
+    that holds files, all of them."""
     paths = [Path(p) for p in paths]
     out = Path(out)
     for p in paths:

@@ -4,7 +4,9 @@ Averaging the weights of runs that start from one checkpoint (a "soup"), or of o
 (``save_every``), keeps what each learned while cancelling some of each run's noise (docs/accuracy.md,
 "Averaging weights"). The trainer's ``init_from`` takes a list of checkpoints and starts from their mean, and
 ``python -m acache_lab.probes.average_checkpoints`` writes the mean as a checkpoint of its own; both call
-:func:`average_models`, so a run started from the list equals, byte for byte, one started from the written mean.
+:func:`average_models`, so for float32 checkpoints (all the trainer writes) a run started from the list equals, byte
+for byte, one started from the written mean (the probe writes in the first checkpoint's dtype, which rounds a
+bfloat16 mean).
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import torch
 
 from acache.models.base import DiffusionLM
 from acache.models.config import affix_training
-from acache.models.loader import load_model
+from acache.models.loader import CONFIG_FILE, load_model
 
-CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def average_models(paths: Sequence[str | Path], weights: Sequence[float] | None = None) -> DiffusionLM:
-    """The first checkpoint's model with every parameter replaced by the mean of ``paths``' (summed in their order,
-    then divided), or with ``weights`` (one per checkpoint, >= 0, summing to 1) their weighted sum, in the first
-    one's dtype. The checkpoints must be one model: the same config and tokenizer."""
+def average_models(paths: Sequence[str | Path], weights: Sequence[float] | None = None,
+                   warn_records: bool = True) -> DiffusionLM:
+    """The first checkpoint's model (as :func:`load_model` loads it, float32) with every parameter replaced by the
+    mean of ``paths``' (summed in their order, then divided), or with ``weights`` (one per checkpoint, >= 0, summing
+    to 1) their weighted sum. The checkpoints must be one model: the same config and tokenizer. ``warn_records``
+    warns when only some carry an affix-training record (a written average keeps the first one's)."""
     paths = [Path(p) for p in paths]
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least two checkpoints, got {len(paths)}")
@@ -57,10 +60,10 @@ def average_models(paths: Sequence[str | Path], weights: Sequence[float] | None 
         records.append(affix_training(member.config) is not None)
         for name, t in member.named_parameters():
             total[name] += w * t.detach()
-    if len(set(records)) > 1:
+    if warn_records and len(set(records)) > 1:
         warnings.warn(f"only some of the checkpoints carry an affix-training record ({sum(records)} of "
                       f"{len(records)}): the average keeps the first one's ({'one' if records[0] else 'none'})",
-                      stacklevel=2)
+                      stacklevel=3)
     with torch.no_grad():
         for name, t in own.items():
             t.copy_(total[name] if weights else total[name] / len(paths))

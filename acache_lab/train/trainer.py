@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -251,10 +250,12 @@ class TrainConfig:
             if len(self.init_from) < 2 or not all(isinstance(p, str) and p for p in self.init_from):
                 raise ValueError("init_from is a checkpoint directory, or a list of two or more to start from their "
                                  f"mean, not {list(self.init_from)!r}")
-            named = [os.path.normpath(p) for p in self.init_from]
-            twice = sorted({p for p in named if named.count(p) > 1})
-            if twice:
-                raise ValueError(f"init_from names {twice[0]} more than once: a mean takes each checkpoint once")
+            seen: dict[Path, str] = {}
+            for p in self.init_from:
+                if Path(p).resolve() in seen:
+                    raise ValueError(f"init_from names {seen[Path(p).resolve()]} more than once (as {p}): a mean takes "
+                                     "each checkpoint once")
+                seen[Path(p).resolve()] = p
         elif self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ValueError(f"init_from is a checkpoint directory, or a list of them, not {self.init_from!r}")
         if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
@@ -852,7 +853,7 @@ def start_from_(model: DiffusionLM, path: str | Path | Sequence[str | Path]) -> 
         source = load_model(paths[0])
     else:
         try:
-            source = average_models(paths)
+            source = average_models(paths, warn_records=False)  # the run writes its own record
         except ValueError as e:
             raise ValueError(f"init_from: {e}") from None
         path = f"the mean of {', '.join(str(p) for p in paths)}"
@@ -877,6 +878,14 @@ def start_from_(model: DiffusionLM, path: str | Path | Sequence[str | Path]) -> 
                     p.zero_()
             else:
                 raise ValueError(f"init_from {path}: the checkpoint has no {name}")
+
+
+def refuse_own_out(config: TrainConfig) -> None:
+    """A mean that names the run's own ``out`` would average the run's earlier result into it, and compound at every
+    repeat: refused (a single ``init_from`` may be ``out``, to continue a checkpoint in place)."""
+    paths = config.init_paths()
+    if len(paths) > 1 and Path(config.out).resolve() in {Path(p).resolve() for p in paths}:
+        raise ValueError(f"init_from lists {config.out}, the run's own out: a mean cannot hold what the run writes")
 
 
 RESUME_FILE = "resume_state.pt"
@@ -933,7 +942,8 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
                          rope_theta=shape.rope_theta, block_size=shape.block_size, **shape.scan_options())
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed), config.scan_init)
-    if config.init_from:
+    refuse_own_out(config)
+    if config.init_from and not resume:  # a resumed run loads its own weights below
         start_from_(model, config.init_from)
     model.train()
     teacher = load_teacher(config.affix_teacher, model) if config.affix_teacher else None

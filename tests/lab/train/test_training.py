@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import asdict
 from itertools import pairwise
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -655,7 +656,8 @@ def test_init_from_a_list_starts_from_the_mean_the_averaging_probe_writes(tmp_pa
     (["a", ""], "a list of two or more"),
     (["a", 3], "a list of two or more"),
     (["a", "b", "a"], "names a more than once"),
-    (["build/a", "build/a/", "b"], "names build/a more than once"),
+    (["build/a", "build/a/", "b"], r"names build/a more than once \(as build/a/\)"),
+    (["a", str(Path("a").resolve())], "names a more than once"),
     ("", "a checkpoint directory, or a list"),
     (7, "a checkpoint directory, or a list"),
 ])
@@ -670,7 +672,7 @@ def test_init_from_a_list_refuses_a_missing_or_foreign_member_before_training(tm
     train(TrainConfig(out=str(tmp_path / "a"), model=shape, **common), progress=False)
     train(TrainConfig(out=str(tmp_path / "wide"), model=ModelShape(layers=1, hidden_size=32, heads=2,
                                                                    intermediate_size=96), **common), progress=False)
-    with pytest.raises(FileNotFoundError, match=f"init_from: no checkpoint at {tmp_path / 'missing'}"):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"init_from: no checkpoint at {tmp_path / 'missing'}")):
         train(TrainConfig(out=str(tmp_path / "x"), model=shape, init_from=[str(tmp_path / "a"),
                                                                            str(tmp_path / "missing")], **common),
               progress=False)
@@ -678,7 +680,41 @@ def test_init_from_a_list_refuses_a_missing_or_foreign_member_before_training(tm
         train(TrainConfig(out=str(tmp_path / "y"), model=shape, init_from=[str(tmp_path / "a"),
                                                                            str(tmp_path / "wide")], **common),
               progress=False)
+    with pytest.raises(ValueError, match="init_from lists .*/a, the run's own out"):
+        train(TrainConfig(out=str(tmp_path / "a"), model=shape, init_from=[str(tmp_path / "a"),
+                                                                           str(tmp_path / "wide")], **common),
+              progress=False)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_soup_stage_resumes_without_its_members(tmp_path, monkeypatch):
+    """A resumed run loads its own weights: the members of its ``init_from`` mean are not read again (they may be
+    gone), and it ends as the run never stopped."""
+    import os
+    import shutil
+    import signal
+
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = {"batch_size": 2, "warmup": 1, "bf16": False, "tasks": ("qa1",), "model": shape}
+    members = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for seed, out in enumerate(members):
+        train(TrainConfig(out=out, steps=2, seed=seed, **common), progress=False)
+    soup = {"steps": 5, "init_from": members, **common}
+    train(TrainConfig(out=str(tmp_path / "straight"), **soup), progress=False)
+    real = Batcher.batch
+
+    def batch(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step)
+
+    monkeypatch.setattr(Batcher, "batch", batch)
+    assert train(TrainConfig(out=str(tmp_path / "stopped"), **soup), progress=False)["interrupted"]
+    monkeypatch.setattr(Batcher, "batch", real)
+    shutil.rmtree(tmp_path / "b")
+    assert not train(TrainConfig(out=str(tmp_path / "stopped"), **soup), progress=False, resume=True)["interrupted"]
+    assert (tmp_path / "stopped" / "model.safetensors").read_bytes() == (
+        tmp_path / "straight" / "model.safetensors").read_bytes()
 
 
 def test_a_layers_learning_rate_scale_applies_to_that_layer_only(tmp_path):
@@ -752,6 +788,10 @@ def test_save_every_writes_the_weights_along_the_way_without_changing_the_run(tm
     # a fresh run that starts from one of them is refused rather than left to remove what it reads
     with pytest.raises(ValueError, match="step-4 is a step folder an earlier run left in out"):
         train(TrainConfig(out=str(tmp_path / "saved"), init_from=str(tmp_path / "saved" / "step-4"), **common),
+              progress=False)
+    with pytest.raises(ValueError, match="step-4 is a step folder an earlier run left in out"):  # one of a mean's
+        train(TrainConfig(out=str(tmp_path / "saved"), init_from=[str(tmp_path / "plain"),
+                                                                  str(tmp_path / "saved" / "step-4")], **common),
               progress=False)
     assert (tmp_path / "saved" / "step-4" / weights).is_file()
 
