@@ -57,10 +57,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     configs = [TrainConfig.from_file(path) for path in args.config]
     if args.out:
         configs[-1].out = args.out
+    def under(path: str, outs: set[Path]) -> bool:  # an out, or a folder in one (a save_every step)
+        r = Path(path).resolve()
+        return any(r == w or w in r.parents for w in outs)
+
     for i, config in enumerate(configs):  # what a stage reads must exist when it starts: here or written before it
         written = {Path(c.out).resolve() for c in configs[:i]}
-        for option, path in [*(("init_from", p) for p in config.init_paths()), ("affix_teacher", config.affix_teacher)]:
-            if path and not (Path(path) / "config.json").is_file() and Path(path).resolve() not in written:
+        resumes = args.resume and (Path(config.out) / RESUME_FILE).is_file()  # reads its own weights, not init_from
+        reads = [] if resumes else [("init_from", p) for p in config.init_paths()]
+        for option, path in [*reads, ("affix_teacher", config.affix_teacher)]:
+            if path and not (Path(path) / "config.json").is_file() and not under(path, written):
                 raise FileNotFoundError(f"{args.config[i]}: {option} {path} is no checkpoint (no config.json) and no "
                                         "earlier config writes it")
         refuse_own_out(config)
@@ -72,15 +78,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for config in configs:
         out = Path(config.out)
         resume = args.resume and (out / RESUME_FILE).is_file()
+        fresh = [p for p in (*config.init_paths(), config.affix_teacher) if p and under(p, trained)]
         if args.resume and not resume and (out / "training_log.json").is_file():
             done = json.loads((out / "training_log.json").read_text())
-            fresh = [p for p in (*config.init_paths(), config.affix_teacher) if p and Path(p).resolve() in trained]
             if finished_as(done.get("config", {}), config) and not done.get("interrupted") and not fresh:
                 print(f"{config.out}: finished before, skipped")
                 total_s += done["train_time_s"]
                 continue
             if fresh:
                 print(f"{config.out}: finished before, but {fresh[0]} was trained again: training it again")
+        elif resume and fresh:  # a stopped run grew from what this command has just retrained: it starts over
+            print(f"{config.out}: stopped before, but {fresh[0]} was trained again: training it from the start")
+            resume = False
         trained.add(out.resolve())
         summary = train(config, resume=resume)
         if summary.get("interrupted"):

@@ -208,7 +208,48 @@ def test_train_resume_retrains_a_soup_stage_when_any_member_was_trained_again(tm
         shutil.rmtree(tmp_path / "a")
         assert main(command) == 2
         assert error in capsys.readouterr().err and not (tmp_path / "a").exists()
-        main(["train", "--config", str(files["a"])])
+        assert main(["train", "--config", str(files["a"])]) == 0
+
+
+def test_train_resume_of_a_stopped_soup_stage(tmp_path, capsys, monkeypatch):
+    """A stopped soup stage resumes from its own weights even when a member is gone, and starts over when a config
+    before it in the command retrained a member; a member inside an earlier config's out (a save_every step) counts
+    as written by it."""
+    import os
+    import signal
+
+    from acache_lab.train.trainer import Batcher
+
+    shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
+    common = {"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"], "log_every": 1}
+    files = {name: tmp_path / f"{name}.json" for name in ("a", "b", "soup")}
+    files["a"].write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 2}))
+    files["b"].write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 4, "seed": 1, "save_every": 2}))
+    files["soup"].write_text(json.dumps({**common, "out": str(tmp_path / "soup"), "steps": 4,
+                                         "init_from": [str(tmp_path / "a"), str(tmp_path / "b" / "step-2")]}))
+    command = ["train", *(arg for f in files.values() for arg in ("--config", str(f)))]
+    real, calls = Batcher.batch, {"n": 0}
+
+    def batch(self, step):
+        if self.config.out == str(tmp_path / "soup") and step == 2 and calls["n"] == 0:
+            calls["n"] += 1
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, step)
+
+    monkeypatch.setattr(Batcher, "batch", batch)
+    assert main(command) == 130  # b/step-2 is no checkpoint yet, but b writes it: accepted, then the soup stopped
+    capsys.readouterr()
+    shutil.rmtree(tmp_path / "a")
+    assert main(["train", "--config", str(files["soup"]), "--resume"]) == 0  # its own weights: a is not read
+    assert "trained 4 steps" in capsys.readouterr().out
+    calls["n"] = 0
+    assert main(command) == 130
+    capsys.readouterr()
+    files["b"].write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 4, "seed": 2, "save_every": 2}))
+    assert main([*command, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'soup'}: stopped before, but {tmp_path / 'b' / 'step-2'} was trained again" in out
+    assert not (tmp_path / "soup" / "resume_state.pt").exists()
 
 
 def test_free_text_and_chat_on_the_shipped_model(capsys):

@@ -680,10 +680,12 @@ def test_init_from_a_list_refuses_a_missing_or_foreign_member_before_training(tm
         train(TrainConfig(out=str(tmp_path / "y"), model=shape, init_from=[str(tmp_path / "a"),
                                                                            str(tmp_path / "wide")], **common),
               progress=False)
+    before = (tmp_path / "a" / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="init_from lists .*/a, the run's own out"):
         train(TrainConfig(out=str(tmp_path / "a"), model=shape, init_from=[str(tmp_path / "a"),
                                                                            str(tmp_path / "wide")], **common),
               progress=False)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == before
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
