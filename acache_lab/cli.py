@@ -58,8 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.out:
         configs[-1].out = args.out
     def under(path: str, outs: set[Path]) -> bool:  # an out, or a folder in one (a save_every step)
-        r = Path(path).resolve()
-        return any(r == w or w in r.parents for w in outs)
+        return any(Path(path).resolve().is_relative_to(w) for w in outs)
 
     for i, config in enumerate(configs):  # what a stage reads must exist when it starts: here or written before it
         written = {Path(c.out).resolve() for c in configs[:i]}

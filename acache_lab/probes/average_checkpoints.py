@@ -35,7 +35,7 @@ def average_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: S
     paths = [Path(p) for p in paths]
     out = Path(out)
     for p in paths:
-        if out.resolve() == p.resolve() or out.resolve() in p.resolve().parents:
+        if p.resolve().is_relative_to(out.resolve()):
             raise ValueError(f"--out {out} holds {p}, one of the checkpoints averaged: write elsewhere")
     refuse_full_dir(out, overwrite)
     model = average_models(paths, weights)

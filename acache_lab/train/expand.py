@@ -58,7 +58,7 @@ def expand_checkpoint(src: str | Path, out: str | Path, every: int = 1, overwrit
     and its tokenizer and other companion files. ``overwrite`` replaces an ``out`` that holds files, all of them,
     once the deeper model is built."""
     src, out = Path(src), Path(out)
-    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+    if src.resolve().is_relative_to(out.resolve()):
         raise ValueError(f"the deeper checkpoint needs a directory of its own, not {out} (it holds {src})")
     refuse_full_dir(out, overwrite)
     deeper = expand_layers(load_model(src), every)

@@ -1017,8 +1017,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
-                                  started, steps_done, stop, heads, teacher, hop,
-                                  snapshot)
+                                  started, steps_done, stop, heads, teacher, hop, snapshot)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -1056,7 +1055,7 @@ def _clear_snapshots(config: TrainConfig, keep_whole: bool) -> None:
             continue
         if keep_whole and not old.name.endswith(".partial"):
             continue
-        if any(old.resolve() == r or old.resolve() in r.parents for r in read):
+        if any(r.is_relative_to(old.resolve()) for r in read):
             raise ValueError(f"{old} is a step folder an earlier run left in out, which a fresh run clears, and this "
                              "run reads it (init_from or affix_teacher): copy it elsewhere first")
         shutil.rmtree(old)
