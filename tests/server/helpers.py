@@ -39,7 +39,10 @@ def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[su
 
 
 def wait_until(condition: Callable[[], bool], seconds: float, poll: float = 0.1) -> bool:
+    """True as soon as `condition` holds once; the condition is not asked again, as a second reading may differ."""
     deadline = time.time() + seconds
-    while time.time() < deadline and not condition():
+    while not condition():
+        if time.time() >= deadline:
+            return False
         time.sleep(poll)
-    return condition()
+    return True
