@@ -119,6 +119,12 @@ def test_eval_study_commands_check_their_input(capsys, monkeypatch, tmp_path, ll
     assert "unknown task 'qa9'" in capsys.readouterr().err
     assert main(["eval", "accuracy", "--model", str(llada_dir), "--layouts", "middle"]) == 2
     assert "unknown layout 'middle'" in capsys.readouterr().err
+    for study in ("accuracy", "tasks"):  # an answer's room shorter than a task's region, or not whole blocks
+        assert main(["eval", study, "--model", str(tmp_path / "never-read"), "--tasks", "qa1,arith",
+                     "--gen-length", "4"]) == 2
+        assert "gen_length 4 is shorter than arith's answer region (6 columns)" in capsys.readouterr().err
+        assert main(["eval", study, "--model", str(tmp_path / "never-read"), "--gen-length", "48"]) == 2
+        assert "gen_length 48 is not a whole number of blocks of 32" in capsys.readouterr().err
 
 
 def test_train_runs_several_configs_in_order_and_reads_them_all_first(tmp_path, capsys):

@@ -43,8 +43,9 @@ VARIANTS = {"attention-full": {"selector": "attention", "anchor_query": "full"},
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
           layouts: tuple[str, ...] = LAYOUTS, selectors: tuple[str, ...] = STUDY_SELECTORS,
-          ratios: tuple[float, ...] = RATIOS, progress: bool = True) -> list[Cell]:
-    """Every point of the study; exact match of the whole answer (worked sums included)."""
+          ratios: tuple[float, ...] = RATIOS, progress: bool = True, gen_length: int | None = None) -> list[Cell]:
+    """Every point of the study; exact match of the whole answer (worked sums included). ``gen_length`` gives
+    each answer that many columns instead of its region's, so that it must also end itself (:func:`task_params`)."""
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
@@ -59,17 +60,17 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
             prompts = task_prompts(llm, exs, layout)
             if task in DEMO_TASKS:  # the same requests with the demonstrations left out, fully recomputed
                 bare = render_prompts(llm.tokenizer, exs, layout, drop_affix=True)
-                correct = exact_matches(llm, bare, exs, task_params(task, selector=None, seed=seed))
+                correct = exact_matches(llm, bare, exs, task_params(task, gen_length, selector=None, seed=seed))
                 cells.append(Cell(task, layout, "without", 0.0, correct, len(exs),
-                                  compute_cost(llm, bare, task, None, "probe", 0.0)))
+                                  compute_cost(llm, bare, task, None, "probe", 0.0, gen_length=gen_length)))
                 bar.update(1)
             for label, ratio, policy in runs:
                 extra = {k: v for k, v in VARIANTS.get(label, {}).items() if k != "selector"}
                 query = extra.get("anchor_query", "probe")
-                params = task_params(task, selector=policy, anchor_ratio=ratio, seed=seed, **extra)
+                params = task_params(task, gen_length, selector=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
-                                    params.anchor_pass, params.anchor_depth)
+                                    params.anchor_pass, params.anchor_depth, gen_length)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost) for s in selectors
@@ -80,12 +81,13 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
 
 
 def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, ratio: float,
-                 anchor_pass: str | None = None, anchor_depth: float = 1.0) -> float | None:
+                 anchor_pass: str | None = None, anchor_depth: float = 1.0,
+                 gen_length: int | None = None) -> float | None:
     """Mean selection + refresh passes of the requests, in full forwards of each request's canvas (None for
     BiCache, which recomputes layers rather than tokens)."""
     if policy is not None and policy.startswith("bicache"):
         return None
-    layers, gen = llm.config.num_layers, answer_length(task)
+    layers, gen = llm.config.num_layers, gen_length or answer_length(task)
     shares = []
     for p in prompts:
         canvas = len(p.token_ids) + gen
@@ -229,11 +231,15 @@ def main(args) -> int:
     if TWO_AFFIXES in layouts and plain:
         raise ValueError(f"the {TWO_AFFIXES} layout needs tasks with demonstrations ({', '.join(DEMO_TASKS)}); "
                          f"{plain[0]} has none")
+    gen_length = getattr(args, "gen_length", None)
+    for task in tasks:  # every task's room is checked before the model loads
+        task_params(task, gen_length)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
     selectors = parse_selectors(args.selectors, bool(args.bicache_profile))
     ratios = parse_ratios(args.ratios)
-    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios)
+    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios,
+                  gen_length=gen_length)
     written = write_report(cells, args.out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,27 @@ class TaskScore:
         return self.correct / self.total if self.total else 0.0
 
 
-def task_params(task: str, **overrides) -> SamplingParams:
+#: the widest block a request with room decodes in (the server's default block_length)
+ROOM_BLOCK = 32
+
+
+def task_params(task: str, gen_length: int | None = None, **overrides) -> SamplingParams:
     """The study's decoding: the task's answer region as one block, threshold 0.9, dual cache. A
     ``block_length`` override must divide the answer region (blocks of 1 column for a 2-column answer, of 2 or 3
-    for a 6-column one), so that far-mask pruning has blocks to prune."""
-    if "gen_length" in overrides:
-        raise ValueError("gen_length is set by the task's answer region, not by the caller")
+    for a 6-column one), so that far-mask pruning has blocks to prune.
+
+    ``gen_length`` gives the answer more room than its region, as a server's ``max_tokens`` does: the model must
+    then end the answer itself (EOS after it), which a region of the answer's own length never asks. It is
+    decoded in blocks of ``min(gen_length, 32)`` unless ``block_length`` says otherwise."""
     n = answer_length(task)
+    if gen_length is not None:
+        if gen_length < n:
+            raise ValueError(f"gen_length {gen_length} is shorter than {task}'s answer region ({n} columns)")
+        block = overrides.pop("block_length", None) or min(gen_length, ROOM_BLOCK)
+        if gen_length % block:
+            raise ValueError(f"gen_length {gen_length} is not a whole number of blocks of {block}")
+        return SamplingParams(**{"gen_length": gen_length, "block_length": block, "threshold": 0.9,
+                                 "cache": "dual", **overrides})
     block = overrides.pop("block_length", n) or n
     if n % block:
         block = n  # a task whose answer region the blocks do not divide decodes it as one block
@@ -52,8 +66,10 @@ def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example],
 
 
 def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
-             layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None) -> list[TaskScore]:
-    """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask)."""
+             layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None,
+             gen_length: int | None = None) -> list[TaskScore]:
+    """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask),
+    ``gen_length`` the answer's room (:func:`task_params`)."""
     if "suffix" in layouts and getattr(llm.model, "block_causal", False):
         raise ValueError(f"a {llm.model.family} model is block-causal: it cannot read text after its answer, so "
                          "the suffix layout says nothing of it; use the prefix or infix layout")
@@ -61,7 +77,7 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
-            params = task_params(task, **dict(overrides or {}))
+            params = task_params(task, gen_length, **dict(overrides or {}))
             correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
             scores.append(TaskScore(task, layout, correct, len(exs)))
     return scores
@@ -69,19 +85,23 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
 
 def main(args) -> int:
     tasks = parse_tasks(getattr(args, "tasks", None))
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
                                                "far_mask_window")
                  if getattr(args, k, None) is not None}
+    gen_length = getattr(args, "gen_length", None)
+    for task in tasks:  # every task's room is checked before the model loads
+        task_params(task, gen_length, **dict(overrides))
     layouts = tuple(x.strip() for x in args.layouts.split(",")) if getattr(args, "layouts", None) else LAYOUTS
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
         raise ValueError(f"unknown layout {bad[0] if bad else args.layouts!r}; known: {', '.join(LAYOUTS)}")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size)
     scores = evaluate(llm, args.examples, args.sentences, args.seed, tasks=tasks, layouts=layouts,
-                      overrides=overrides)
+                      overrides=overrides, gen_length=gen_length)
+    room = f", answers in {gen_length} columns (EOS after the answer)" if gen_length else ""
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
           "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
-          + "".join(f", {k} {v}" for k, v in overrides.items()))
+          + "".join(f", {k} {v}" for k, v in overrides.items()) + room)
     print("| task | " + " | ".join(layouts) + " |")
     print("|---|" + "---:|" * len(layouts))
     for task in tasks:

@@ -87,8 +87,16 @@ def test_task_params_decode_the_task_answer_region_in_one_block():
     assert (arith.gen_length, arith.block_length, arith.selector) == (6, 6, "none")
     # the study's defaults are defaults: the reference path without a cache, or another threshold
     assert (task_params("qa1", cache="none").cache, task_params("qa1", threshold=0.5).threshold) == ("none", 0.5)
-    with pytest.raises(ValueError, match="gen_length is set by the task's answer region"):
-        task_params("qa1", gen_length=8)
+    # more room than the region, as a server's max_tokens gives: one block up to 32 columns, blocks of 32 past it
+    assert [(p.gen_length, p.block_length) for p in (task_params("qa1", 8), task_params("arith", 64))] == \
+        [(8, 8), (64, 32)]
+    assert task_params("qa1", 8, block_length=4, selector="none").block_length == 4
+    with pytest.raises(ValueError, match="gen_length 4 is shorter than arith's answer region \\(6 columns\\)"):
+        task_params("arith", 4)
+    with pytest.raises(ValueError, match="gen_length 40 is not a whole number of blocks of 32"):
+        task_params("qa1", 40)
+    with pytest.raises(ValueError, match="gen_length 8 is not a whole number of blocks of 3"):
+        task_params("qa1", 8, block_length=3)
     # blocks that divide the answer region, for far-mask pruning; one that does not is the region as one block
     assert [task_params("arith", block_length=b).block_length for b in (2, 3, 4)] == [2, 3, 6]
     assert task_params("qa1", block_length=1, far_mask_window=0).far_mask_window == 0
@@ -171,3 +179,37 @@ def test_eval_tasks_runs_a_state_cache_family_on_the_engine(tmp_path, capsys):
                  "--layouts", "suffix"]) == 2
     assert "cannot read text after its answer" in capsys.readouterr().err
 
+
+
+def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkeypatch):
+    """``gen_length`` reaches every decode of the sweep and of the task scores, and the sweep's compute counts
+    the wider canvas."""
+    from acache_lab.eval.tasks import evaluate
+
+    seen = []
+    real = task_llm.generate
+    monkeypatch.setattr(task_llm, "generate", lambda prompts, params, **kw: seen.append(params.gen_length) or
+                        real(prompts, params, **kw))
+    kw = dict(examples=2, tasks=("qa1",), layouts=("prefix",), selectors=("attention",), ratios=(0.5,),
+              progress=False)
+    tight, roomy = sweep(task_llm, **kw), sweep(task_llm, **kw, gen_length=32)
+    assert set(seen[:len(seen) // 2]) == {2} and set(seen[len(seen) // 2:]) == {32}
+    assert [(c.selector, c.ratio) for c in tight] == [(c.selector, c.ratio) for c in roomy]
+    direct = [(a.compute, b.compute) for a, b in zip(tight, roomy, strict=True) if a.selector == "none"]
+    assert len(direct) == 1 and 0 < direct[0][0] < direct[0][1] < 1  # the affix a smaller share of a wider canvas
+    seen.clear()
+    assert [s.total for s in evaluate(task_llm, examples=2, tasks=("qa1",), layouts=("infix",), gen_length=8)] == [2]
+    assert seen == [8]
+
+
+def test_an_answer_that_does_not_end_is_not_an_exact_match():
+    from types import SimpleNamespace
+
+    from acache_lab.eval.tasks import exact_matches, task_params
+
+    class Model:
+        def generate(self, prompts, params, use_tqdm):
+            return [SimpleNamespace(text=t) for t in ("kitchen", "kitchen kitchen", "garden")]
+
+    examples = [SimpleNamespace(answer=("kitchen",))] * 3
+    assert exact_matches(Model(), [None] * 3, examples, task_params("qa1", 8)) == 1
