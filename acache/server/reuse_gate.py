@@ -3,7 +3,8 @@
 Reusing a span's K/V computed elsewhere is exact under causal attention (vLLM's prefix caching), not under
 bidirectional attention: a span reused with a few anchors recomputed can change a diffusion model's answer.
 So automatic reuse (a chat's system prompt or document seen before) is earned span by span. In ``verified``
-mode (the default) the first ``checks`` requests that could reuse a span under a given policy are answered
+mode (the default) the first ``checks`` requests that could reuse a span under a given policy (its selector and
+ratio, and the request's decoding: its length, blocks and commit rule, :func:`policy_key`) are answered
 without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
 once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. Every
 ``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
@@ -55,9 +56,14 @@ class Plan:
 
 
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
-    """What a check vouches for: these spans, reused by this selector at this ratio, pass and depth."""
+    """What a check vouches for: these spans, reused by this selector at this ratio, pass and depth, on a canvas
+    decoded the same way. A diffusion model fills the whole generation region at once, so an answer reuse left
+    unchanged in two columns says little of the same question given four (the affix-trained model's two-column
+    answers matched, then in four it answered "office" with reuse and "office office" without): the region, its
+    blocks, the commit rule and the cache are part of it."""
     return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_depth,
-            params.anchor_query)
+            params.anchor_query, params.gen_length, params.block_length, params.steps, params.remasking,
+            params.threshold, params.factor, params.cache, params.refresh_interval)
 
 
 class ReuseGate:

@@ -79,8 +79,11 @@ def test_a_span_that_gives_the_same_answers_is_trusted_then_reused(llm):
     with served(llm, reuse_checks=2, reuse_audit_every=0) as client:
         answers = [ask(client, messages, anchor_ratio=1.0) for _ in range(4)]
         after = answers[-1]
+        longer = ask(client, messages, anchor_ratio=1.0, max_tokens=4)  # trust earned in 2 columns is not for 4
     decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
     assert decisions == ["none", "checking", "checking", "reused"]
+    assert longer["usage"]["affix_reuse"]["decision"] == "checking"
+    assert longer["choices"][0]["token_ids"] == plain_answer(llm, messages, gen_length=4, block_length=4)[:4]
     usage = after["usage"]
     assert usage["affix_reuse"]["state"] == "trusted" and usage["affix_reuse"]["anchor_ratio"] == 1.0
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # every token recomputed at ratio 1

@@ -55,6 +55,21 @@ def test_trust_is_per_policy():
     assert gate.plan(SPANS, shallower, True, False).decision is Decision.CHECK  # other anchors: not vouched for
 
 
+@pytest.mark.parametrize("change", [{"gen_length": 16}, {"block_length": 4}, {"steps": 4}, {"threshold": 0.5},
+                                    {"remasking": "low_confidence"}, {"refresh_interval": 4}])
+def test_trust_is_per_decoding(change):
+    """A check vouches for the canvas it decoded: the same spans and anchors asked with another length, blocks,
+    step count, commit rule or refresh interval are checked again."""
+    gate = ReuseGate("verified", checks=1)
+    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
+    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE
+    other = SamplingParams(**{"gen_length": 8, "block_length": 8, "selector": "attention", **change})
+    assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
+    # what does not change the tokens of a deterministic request keeps the trust: its stop tokens, its seed
+    same = SamplingParams(gen_length=8, block_length=8, selector="attention", stop_token_ids=(5,), seed=3)
+    assert gate.plan(SPANS, same, True, False).decision is Decision.REUSE
+
+
 def test_every_nth_trusted_use_is_audited_and_a_failed_audit_revokes_trust():
     gate = ReuseGate("verified", checks=1, audit_every=4)
     gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)  # trusted; that check counts as use 1
