@@ -133,6 +133,12 @@ class TrainConfig:
     answer_reduction: str = "mean"  # a row's weighted CE over its answer columns: "mean" (LLaDA's) or "sum"
     answer_masking: str = "rate_t"  # answer columns masked at rate t (LLaDA's) or "all" of them (t = 1)
     eos_weight: float = 1.0  # loss weight of the answer's EOS padding columns relative to its words
+    #: up to this many EOS columns added after a row's answer region, on ``answer_room_share`` of the rows (each
+    #: drawn 1..answer_room, within the model's max_seq_len): a served request's max_tokens is rarely its answer's
+    #: length, and a model that only ever saw its task's own region does not learn to end an answer in more room.
+    #: 0 adds none (and draws nothing, so a run without it is unchanged)
+    answer_room: int = 0
+    answer_room_share: float = 0.5
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
@@ -276,6 +282,12 @@ class TrainConfig:
                 raise ValueError(f"answer_masking must be 'rate_t' or 'all', not {masking!r}")
         if self.eos_weight < 0:
             raise ValueError("eos_weight must be >= 0")
+        if isinstance(self.answer_room, bool) or not isinstance(self.answer_room, int) or self.answer_room < 0:
+            raise ValueError(f"answer_room is a number of extra answer columns >= 0, not {self.answer_room!r}")
+        if isinstance(self.answer_room_share, bool) or not isinstance(self.answer_room_share, int | float) \
+                or not 0 < self.answer_room_share <= 1:
+            raise ValueError(f"answer_room_share is the share of rows given room, in (0, 1], not "
+                             f"{self.answer_room_share!r}")
         if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.scan_init not in SCAN_INITS:
@@ -436,15 +448,20 @@ class Batcher:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def row(self, example, layout: str, rng: random.Random | None = None) -> Row:
+    def row(self, example, layout: str, rng: random.Random | None = None, room: int = 0) -> Row:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
         spans on that sequence (those after the answer moved past it). A task without demonstrations drawn in
-        the two-affix layout takes a plain layout of the config: one ``rng`` draws, or without it the first."""
+        the two-affix layout takes a plain layout of the config: one ``rng`` draws, or without it the first.
+        ``room`` EOS columns follow the task's answer region, as many as the model's max_seq_len leaves."""
         if layout == TWO_AFFIXES and not example.context:
             plain = [x for x in self.config.layouts if x != TWO_AFFIXES]
             layout = plain[0] if rng is None else rng.choice(plain)
         r = render(example, layout, self.encode, self.eos)
-        row = answer_row(r.prompt, r.answer)
+        answer = r.answer
+        if room:
+            fits = self.config.model.max_seq_len - len(r.prompt.token_ids) - len(r.answer)
+            answer = answer + (self.eos,) * max(0, min(room, fits))
+        row = answer_row(r.prompt, answer)._replace(room=len(answer) > len(r.answer))
         if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
             row = row._replace(bridge=self.token(example.bridge[0]))
         return row
@@ -469,7 +486,11 @@ class Batcher:
             sentences = self.rng.randint(lo, hi)
             example = self.rng.choice(TRAIN_GENERATORS[task](rng, sentences))
             draw = self.rng if self.config.two_affix_fallback == "draw" else None
-            rows.append(self.row(example, self.rng.choice(self.config.layouts), draw))
+            layout = self.rng.choice(self.config.layouts)
+            room = 0
+            if self.config.answer_room and self.rng.random() < self.config.answer_room_share:
+                room = self.rng.randint(1, self.config.answer_room)
+            rows.append(self.row(example, layout, draw, room))
         return self.collate(rows)
 
     def collate(self, rows: list[Row]) -> Batch:
@@ -482,6 +503,7 @@ class Row(NamedTuple):
     answer_len: int
     spans: tuple[tuple[int, int], ...]  # the affixes, [start, end) on ids
     bridge: int = -1  # the first hop's token for the bridge term, -1: none
+    room: bool = False  # EOS columns follow the task's answer region (``TrainConfig.answer_room``)
 
 
 def answer_row(prompt: AffixPrompt, answer: Sequence[int]) -> Row:
@@ -506,7 +528,8 @@ def collate_rows(rows: Sequence[Row], pad: int) -> Batch:
         answer[i, r.answer_at:r.answer_at + r.answer_len] = True
     positions = torch.arange(width).expand(b, -1).contiguous()
     bridge = torch.tensor([r.bridge for r in rows], dtype=torch.long)
-    return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows), bridge)
+    room = torch.tensor([r.room for r in rows], dtype=torch.bool)
+    return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows), bridge, room)
 
 
 class Batch(NamedTuple):
@@ -516,11 +539,13 @@ class Batch(NamedTuple):
     valid: torch.Tensor
     spans: tuple[tuple[tuple[int, int], ...], ...]
     bridge: torch.Tensor | None = None  # [B]: each row's first-hop token for the bridge term, -1 where none
+    room: torch.Tensor | None = None  # [B]: rows whose answer region has room after it (``Row.room``)
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch's tensors on ``device`` (the spans are plain indices)."""
-        bridge = None if self.bridge is None else self.bridge.to(device)
-        return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans, bridge)
+        bridge, room = (None if x is None else x.to(device) for x in (self.bridge, self.room))
+        return Batch(*(x.to(device) for x in (self.ids, self.answer, self.positions, self.valid)), self.spans, bridge,
+                     room)
 
     def isolated_spans(self, isolated: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
         """Each row's affix spans where ``isolated [B]`` says so, none on the other rows."""
@@ -545,7 +570,7 @@ class Batch(NamedTuple):
         build = {"one": with_one_pass_anchors, "two": with_anchors}[anchor_pass]
         ids, positions, valid, mask = build(self.ids, self.positions, self.valid, spans, anchors)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
-        return Batch(ids, answer, positions, valid, self.spans, self.bridge), mask
+        return Batch(ids, answer, positions, valid, self.spans, self.bridge, self.room), mask
 
     def attention(self, isolated: torch.Tensor | None) -> torch.Tensor:
         """What the forward attends with: ``valid``, or where ``isolated [B]`` says so the affix-isolated mask
@@ -1119,9 +1144,12 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
         if hop is not None:  # its rows: the isolated ones with a first hop
             bridge = Bridge(config.affix_bridge, hop, config.affix_bridge_layer,
                             torch.where(isolated, batch.bridge, -1).to(ids.device))
-        if teacher is not None:  # the rows attending in context (every row when none is isolated)
-            taught = Teacher(config.affix_teacher_weight, frozen_predictions(teacher),
-                             ~isolated if isolated is not None else torch.ones(len(ids), dtype=torch.bool))
+        if teacher is not None:  # the rows attending in context (every row when none is isolated), but those with
+            # room: the teacher never learnt to end an answer in more columns than its region, so it cannot teach it
+            rows = ~isolated if isolated is not None else torch.ones(len(ids), dtype=torch.bool)
+            if batch.room is not None:
+                rows = rows & ~batch.room
+            taught = Teacher(config.affix_teacher_weight, frozen_predictions(teacher), rows)
         if config.affix_distill > 0:
             distill = (config.affix_distill, batch.outside_affixes(isolated))
         if heads is not None:

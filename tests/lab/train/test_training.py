@@ -434,6 +434,59 @@ def test_the_training_loop_gives_the_teacher_the_rows_in_context(tmp_path, monke
     assert rows == [n for n in in_context if n > 0] and 0 < sum(rows) < 24
 
 
+def test_answer_room_puts_eos_columns_after_a_share_of_answers_within_max_seq_len(tmp_path):
+    """``answer_room`` gives a share of rows 1..answer_room EOS columns after the task's answer region, flagged,
+    and never past the model's max_seq_len."""
+    tok = build_word_tokenizer()
+    common = dict(out=str(tmp_path / "m"), batch_size=16, tasks=("qa1",), min_sentences=2, max_sentences=3)
+    batcher = Batcher(TrainConfig(**common, answer_room=6, answer_room_share=0.5), tok)
+    eos = batcher.eos
+    counts = []
+    for step in range(4):
+        batch = batcher.batch(step)
+        widths = batch.answer.sum(1)
+        assert torch.equal(batch.room, widths > 2)  # qa1's region is 2 columns: its word and an EOS
+        assert bool(((widths >= 2) & (widths <= 8)).all())
+        for row in range(16):
+            columns = batch.ids[row][batch.answer[row]]
+            assert bool((columns[1:] == eos).all()) and columns[0] != eos
+        counts.append(int(batch.room.sum()))
+    assert 0 < sum(counts) < 64, counts
+    tight = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64, max_seq_len=40)
+    batch = Batcher(TrainConfig(**common, model=tight, answer_room=30, answer_room_share=1.0), tok).batch(0)
+    assert int(batch.valid.sum(1).max()) <= 40 and bool(batch.room.any())
+    plain = Batcher(TrainConfig(**common), tok).batch(0)
+    assert int(plain.answer.sum()) == 2 * 16 and not bool(plain.room.any())
+    for bad in ({"answer_room": -1}, {"answer_room": 1.5}, {"answer_room": True}, {"answer_room_share": 0},
+                {"answer_room_share": 1.5}, {"answer_room_share": "half"}):
+        with pytest.raises(ValueError, match="answer_room"):
+            TrainConfig(**common, **bad)
+
+
+def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
+    """The teacher never learnt to end an answer in more room than its region, so rows with room are not its."""
+    import acache_lab.train.trainer as trainer
+
+    taught, roomy = [], []
+    real, real_batch = trainer.teacher_divergence, trainer.Batcher.batch
+    monkeypatch.setattr(trainer, "teacher_divergence", lambda s, t, c: taught.append(len(s)) or real(s, t, c))
+
+    def batch(self, step):
+        out = real_batch(self, step)
+        roomy.append(int(out.room.sum()))
+        return out
+
+    monkeypatch.setattr(trainer.Batcher, "batch", batch)
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = dict(steps=4, batch_size=8, warmup=1, bf16=False, model=shape, tasks=("qa1",), min_sentences=2,
+                  max_sentences=2)
+    train(TrainConfig(out=str(tmp_path / "t"), **common), progress=False)
+    roomy.clear()
+    train(TrainConfig(out=str(tmp_path / "s"), affix_teacher=str(tmp_path / "t"), answer_room=4, **common),
+          progress=False)
+    assert taught == [8 - n for n in roomy if n < 8] and 0 < sum(roomy) < 32, (taught, roomy)
+
+
 def test_a_teacher_is_refused_when_it_cannot_teach(tmp_path, llada_dir):
     for weight in (0.0, -1.0, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="affix_teacher_weight is a positive loss weight"):
