@@ -60,10 +60,12 @@ def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
     decoded the same way. A diffusion model fills the whole generation region at once, so an answer reuse left
     unchanged in two columns says little of the same question given four (the affix-trained model's two-column
     answers matched, then in four it answered "office" with reuse and "office office" without): the region, its
-    blocks, the commit rule and the cache are part of it."""
+    blocks, the commit rule, the cache and the step's pruning (FOCUS, far masks) are part of it. The temperature is
+    not: a sampled request cannot be checked, and reuses a span trusted at temperature 0 (the module's rule)."""
     return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_depth,
-            params.anchor_query, params.gen_length, params.block_length, params.steps, params.remasking,
-            params.threshold, params.factor, params.cache, params.refresh_interval)
+            params.anchor_query, params.probe_step, params.gen_length, params.block_length, params.steps,
+            params.remasking, params.threshold, params.factor, params.cache, params.refresh_interval,
+            params.far_mask_window, params.focus_layers, params.focus_ratio)
 
 
 class ReuseGate:

@@ -176,8 +176,8 @@ class OpenAIServing:
                 same = list(task.result().token_ids) == want
                 gate.record(check.key, same)
                 if not same:
-                    log.warning("automatic reuse changed an answer: its spans are recomputed from now on (%s)",
-                                check.key[1:])
+                    log.warning("automatic reuse changed an answer: its spans are recomputed from now on under this "
+                                "policy and decoding (%s)", check.key[1:])
 
         shadow.add_done_callback(compare)
 

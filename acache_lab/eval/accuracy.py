@@ -62,7 +62,8 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 bare = render_prompts(llm.tokenizer, exs, layout, drop_affix=True)
                 correct = exact_matches(llm, bare, exs, task_params(task, gen_length, selector=None, seed=seed))
                 cells.append(Cell(task, layout, "without", 0.0, correct, len(exs),
-                                  compute_cost(llm, bare, task, None, "probe", 0.0, gen_length=gen_length)))
+                                  compute_cost(llm, bare, task, None, "probe", 0.0, gen_length=gen_length),
+                                  gen_length))
                 bar.update(1)
             for label, ratio, policy in runs:
                 extra = {k: v for k, v in VARIANTS.get(label, {}).items() if k != "selector"}
@@ -71,9 +72,9 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
                                     params.anchor_pass, params.anchor_depth, gen_length)
-                cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost))
+                cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost, gen_length))
                 if label == "none":  # ratio 0 is direct reuse for every selector
-                    cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost) for s in selectors
+                    cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost, gen_length) for s in selectors
                               if 0.0 in ratios]
                 bar.update(1)
     bar.close()
@@ -178,6 +179,11 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
     parts = ["## Summary (anchor ratio 0.2)", "", summary_table(cells), ""]
+    rooms = sorted({c.gen_length for c in cells if c.gen_length is not None})
+    if rooms:
+        columns = ", ".join(map(str, rooms))
+        parts[1:1] = ["", f"Answers decoded in {columns} columns (`--gen-length`), not in each task's own region: "
+                      "a right answer also ends itself."]
     for ours in (s for s in OURS if any(c.selector == s for c in cells)):
         parts += [f"## Our selector `{ours}` against the target (anchor ratio 0.2: at least 90% of the gap, above "
                   "every non-oracle selector beyond the intervals)", "", target_table(cells, ours), ""]

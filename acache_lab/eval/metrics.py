@@ -46,6 +46,7 @@ class Cell:
     correct: int
     total: int
     compute: float | None = None  # mean selection + refresh passes a request, in full forwards of its canvas
+    gen_length: int | None = None  # the answer's room when it was not the task's region (``--gen-length``)
 
     @property
     def accuracy(self) -> float:
@@ -61,6 +62,8 @@ class Cell:
                "correct": self.correct, "total": self.total, "accuracy": self.accuracy, "ci95": [lo, hi]}
         if self.compute is not None:
             out["compute"] = self.compute
+        if self.gen_length is not None:
+            out["gen_length"] = self.gen_length
         return out
 
     @classmethod

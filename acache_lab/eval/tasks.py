@@ -20,6 +20,7 @@ class TaskScore:
     layout: str
     correct: int
     total: int
+    gen_length: int | None = None  # the answer's room when it was not the task's region (``--gen-length``)
 
     @property
     def accuracy(self) -> float:
@@ -79,7 +80,7 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
         for layout in layouts:
             params = task_params(task, gen_length, **dict(overrides or {}))
             correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
-            scores.append(TaskScore(task, layout, correct, len(exs)))
+            scores.append(TaskScore(task, layout, correct, len(exs), gen_length))
     return scores
 
 
@@ -109,5 +110,6 @@ def main(args) -> int:
         print(f"| {task} | " + " | ".join(f"{100 * row[lay].accuracy:.1f}%" for lay in layouts) + " |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([s.__dict__ | {"accuracy": s.accuracy} for s in scores], indent=2))
+        records = [{k: v for k, v in s.__dict__.items() if v is not None} | {"accuracy": s.accuracy} for s in scores]
+        Path(args.json).write_text(json.dumps(records, indent=2))
     return 0

@@ -288,6 +288,9 @@ class TrainConfig:
                 or not 0 < self.answer_room_share <= 1:
             raise ValueError(f"answer_room_share is the share of rows given room, in (0, 1], not "
                              f"{self.answer_room_share!r}")
+        if self.affix_teacher is not None and self.answer_room and self.answer_room_share == 1:
+            raise ValueError("affix_teacher holds the rows without answer room to its predictions: with "
+                             "answer_room_share 1 there are none, so the teacher would teach nothing")
         if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.scan_init not in SCAN_INITS:

@@ -56,17 +56,21 @@ def test_trust_is_per_policy():
 
 
 @pytest.mark.parametrize("change", [{"gen_length": 16}, {"block_length": 4}, {"steps": 4}, {"threshold": 0.5},
-                                    {"remasking": "low_confidence"}, {"refresh_interval": 4}])
+                                    {"remasking": "low_confidence"}, {"refresh_interval": 4}, {"probe_step": True},
+                                    {"far_mask_window": 1}, {"focus_layers": 1},
+                                    {"focus_layers": 1, "focus_ratio": 0.5}])
 def test_trust_is_per_decoding(change):
     """A check vouches for the canvas it decoded: the same spans and anchors asked with another length, blocks,
     step count, commit rule or refresh interval are checked again."""
     gate = ReuseGate("verified", checks=1)
-    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
-    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.REUSE
-    other = SamplingParams(**{"gen_length": 8, "block_length": 8, "selector": "attention", **change})
+    base = {"gen_length": 8, "block_length": 8, "selector": "attention",
+            **({"focus_layers": 1} if "focus_ratio" in change else {})}
+    gate.record(gate.plan(SPANS, SamplingParams(**base), True, False).key, True)
+    assert gate.plan(SPANS, SamplingParams(**base), True, False).decision is Decision.REUSE
+    other = SamplingParams(**{**base, **change})
     assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
     # what does not change the tokens of a deterministic request keeps the trust: its stop tokens, its seed
-    same = SamplingParams(gen_length=8, block_length=8, selector="attention", stop_token_ids=(5,), seed=3)
+    same = SamplingParams(**base, stop_token_ids=(5,), seed=3)
     assert gate.plan(SPANS, same, True, False).decision is Decision.REUSE
 
 

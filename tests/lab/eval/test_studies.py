@@ -180,8 +180,7 @@ def test_eval_tasks_runs_a_state_cache_family_on_the_engine(tmp_path, capsys):
     assert "cannot read text after its answer" in capsys.readouterr().err
 
 
-
-def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkeypatch):
+def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkeypatch, tmp_path):
     """``gen_length`` reaches every decode of the sweep and of the task scores, and the sweep's compute counts
     the wider canvas."""
     from acache_lab.eval.tasks import evaluate
@@ -197,9 +196,12 @@ def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkey
     assert [(c.selector, c.ratio) for c in tight] == [(c.selector, c.ratio) for c in roomy]
     direct = [(a.compute, b.compute) for a, b in zip(tight, roomy, strict=True) if a.selector == "none"]
     assert len(direct) == 1 and 0 < direct[0][0] < direct[0][1] < 1  # the affix a smaller share of a wider canvas
+    assert all(c.as_dict()["gen_length"] == 32 for c in roomy) and not any("gen_length" in c.as_dict() for c in tight)
+    write_report(roomy, tmp_path / "roomy")
+    assert "Answers decoded in 32 columns (`--gen-length`)" in (tmp_path / "roomy" / "accuracy.md").read_text()
     seen.clear()
-    assert [s.total for s in evaluate(task_llm, examples=2, tasks=("qa1",), layouts=("infix",), gen_length=8)] == [2]
-    assert seen == [8]
+    scores = evaluate(task_llm, examples=2, tasks=("qa1",), layouts=("infix",), gen_length=8)
+    assert [(s.total, s.gen_length) for s in scores] == [(2, 8)] and seen == [8]
 
 
 def test_an_answer_that_does_not_end_is_not_an_exact_match():

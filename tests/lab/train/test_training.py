@@ -461,6 +461,8 @@ def test_answer_room_puts_eos_columns_after_a_share_of_answers_within_max_seq_le
                 {"answer_room_share": 1.5}, {"answer_room_share": "half"}):
         with pytest.raises(ValueError, match="answer_room"):
             TrainConfig(**common, **bad)
+    with pytest.raises(ValueError, match="answer_room_share 1 there are none, so the teacher would teach nothing"):
+        TrainConfig(**common, affix_teacher=str(tmp_path / "t"), answer_room=4, answer_room_share=1.0)
 
 
 def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
