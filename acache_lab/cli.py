@@ -351,15 +351,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", default=None)
     p.add_argument("--block-length", type=int, default=None,
-                   help="blocks that divide each task's answer region (default: the region as one block)")
+                   help="blocks that divide each task's answer region, or --gen-length (default: the region as one "
+                   "block)")
     p.add_argument("--threshold", type=float, default=None,
                    help="the threshold rule's confidence (default 0.9; 1.0 commits one token a step)")
     p.add_argument("--focus-layers", type=int, default=None, help="FOCUS: layers run on the whole block")
     p.add_argument("--focus-ratio", type=float, default=None, help="FOCUS: share of a block's masks kept")
     p.add_argument("--far-mask-window", type=int, default=None, help="far-mask pruning: blocks attended ahead")
     p.add_argument("--gen-length", type=int, default=None,
-                   help="columns each answer is generated in (default: the task's answer region); more room, as a "
-                   "server's max_tokens gives, also asks the model to end its answer (EOS after it)")
+                   help="columns each answer is generated in (default: the task's answer region), one block up to 32 "
+                   "and whole blocks of 32 past it; more room, as a server's max_tokens gives, also asks the model to "
+                   "end its answer (EOS after it)")
     p.add_argument("--layouts", default=None, help="comma-separated layouts (default: prefix,infix,suffix; a "
                    "block-causal model cannot read an affix placed after the answer)")
     _add_model_args(p)
@@ -388,8 +390,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "attention-probe-step is ACache with probe_step)")
     p.add_argument("--ratios", default=None, help="comma-separated anchor ratios (default: 0,0.1,0.2,0.3,0.5,1)")
     p.add_argument("--gen-length", type=int, default=None,
-                   help="columns each answer is generated in (default: the task's answer region); more room, as a "
-                   "server's max_tokens gives, also asks the model to end its answer (EOS after it)")
+                   help="columns each answer is generated in (default: the task's answer region), one block up to 32 "
+                   "and whole blocks of 32 past it; more room, as a server's max_tokens gives, also asks the model to "
+                   "end its answer (EOS after it)")
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_accuracy))

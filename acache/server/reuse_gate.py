@@ -4,7 +4,7 @@ Reusing a span's K/V computed elsewhere is exact under causal attention (vLLM's 
 bidirectional attention: a span reused with a few anchors recomputed can change a diffusion model's answer.
 So automatic reuse (a chat's system prompt or document seen before) is earned span by span. In ``verified``
 mode (the default) the first ``checks`` requests that could reuse a span under a given policy (its selector and
-ratio, and the request's decoding: its length, blocks and commit rule, :func:`policy_key`) are answered
+anchor settings and the request's decoding: the fields of :func:`policy_key`) are answered
 without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
 once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. Every
 ``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
@@ -56,16 +56,16 @@ class Plan:
 
 
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
-    """What a check vouches for: these spans, reused by this selector at this ratio, pass and depth, on a canvas
-    decoded the same way. A diffusion model fills the whole generation region at once, so an answer reuse left
-    unchanged in two columns says little of the same question given four (the affix-trained model's two-column
-    answers matched, then in four it answered "office" with reuse and "office office" without): the region, its
-    blocks, the commit rule, the cache and the step's pruning (FOCUS, far masks) are part of it. The temperature is
-    not: a sampled request cannot be checked, and reuses a span trusted at temperature 0 (the module's rule)."""
+    """What a check vouches for: these spans, reused with these anchors (selector, ratio, pass, depth, query,
+    probe step), on a canvas decoded the same way (length, blocks, steps, commit rule, temperature, cache, refresh
+    interval, FOCUS and far-mask pruning). A diffusion model fills the whole generation region at once, so reuse
+    that leaves a two-column answer unchanged can still change the same question's four-column one
+    (docs/accuracy.md, "Answers given room"). The seed is not part of it: a check at one seed vouches for the reuse,
+    not for one draw."""
     return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_depth,
             params.anchor_query, params.probe_step, params.gen_length, params.block_length, params.steps,
-            params.remasking, params.threshold, params.factor, params.cache, params.refresh_interval,
-            params.far_mask_window, params.focus_layers, params.focus_ratio)
+            params.remasking, params.threshold, params.factor, params.temperature, params.cache,
+            params.refresh_interval, params.far_mask_window, params.focus_layers, params.focus_ratio)
 
 
 class ReuseGate:

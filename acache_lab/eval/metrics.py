@@ -69,7 +69,7 @@ class Cell:
     @classmethod
     def from_dict(cls, raw: dict) -> Cell:
         return cls(raw["task"], raw["layout"], raw["selector"], float(raw["ratio"]), int(raw["correct"]),
-                   int(raw["total"]), raw.get("compute"))
+                   int(raw["total"]), raw.get("compute"), raw.get("gen_length"))
 
 
 def _pct(cell: Cell | None) -> str:

@@ -27,7 +27,7 @@ class TaskScore:
         return self.correct / self.total if self.total else 0.0
 
 
-#: the widest block a request with room decodes in (the server's default block_length)
+#: the default block of a request with room (the server's default block_length)
 ROOM_BLOCK = 32
 
 

@@ -57,11 +57,11 @@ def test_trust_is_per_policy():
 
 @pytest.mark.parametrize("change", [{"gen_length": 16}, {"block_length": 4}, {"steps": 4}, {"threshold": 0.5},
                                     {"remasking": "low_confidence"}, {"refresh_interval": 4}, {"probe_step": True},
-                                    {"far_mask_window": 1}, {"focus_layers": 1},
+                                    {"far_mask_window": 1}, {"focus_layers": 1}, {"temperature": 0.7, "seed": 3},
                                     {"focus_layers": 1, "focus_ratio": 0.5}])
 def test_trust_is_per_decoding(change):
     """A check vouches for the canvas it decoded: the same spans and anchors asked with another length, blocks,
-    step count, commit rule or refresh interval are checked again."""
+    step count, commit rule, temperature, refresh interval, probe step, FOCUS or far-mask pruning are checked again."""
     gate = ReuseGate("verified", checks=1)
     base = {"gen_length": 8, "block_length": 8, "selector": "attention",
             **({"focus_layers": 1} if "focus_ratio" in change else {})}

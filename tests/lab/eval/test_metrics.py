@@ -85,7 +85,7 @@ def test_target_table_reads_the_share_of_the_gap_and_the_margin_over_non_oracles
 
 
 def test_cells_round_trip_through_dicts():
-    for cell in _cells():
+    for cell in [*_cells(), Cell("qa1", "prefix", "none", 0.0, 3, 4, 0.5, gen_length=32)]:
         raw = cell.as_dict()
         assert Cell.from_dict(raw) == cell
         assert raw["ci95"][0] <= raw["accuracy"] <= raw["ci95"][1]

@@ -79,7 +79,7 @@ def test_staleness_profile_first_layer_is_context_free(task_llm, tmp_path):
     assert plot_profile(records, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
 
 
-def test_task_params_decode_the_task_answer_region_in_one_block():
+def test_task_params_decode_the_answer_region_in_one_block_or_the_room_asked():
     from acache_lab.eval.tasks import task_params
 
     qa1, arith = task_params("qa1"), task_params("arith", selector="none", seed=3)
@@ -204,7 +204,7 @@ def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkey
     assert [(s.total, s.gen_length) for s in scores] == [(2, 8)] and seen == [8]
 
 
-def test_an_answer_that_does_not_end_is_not_an_exact_match():
+def test_a_repeated_answer_is_not_an_exact_match():
     from types import SimpleNamespace
 
     from acache_lab.eval.tasks import exact_matches, task_params
