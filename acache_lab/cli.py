@@ -17,6 +17,13 @@ def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
 
 
+def _add_gen_length(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gen-length", type=int, default=None,
+                   help="columns each answer is generated in (default: the task's answer region), one block up to 32 "
+                   "and whole blocks of 32 past it; more room, as a server's max_tokens gives, also asks the model to "
+                   "end its answer (EOS after it)")
+
+
 def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     from acache.affix.store import AffixStore
     from acache.models.loader import load_model
@@ -358,10 +365,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--focus-layers", type=int, default=None, help="FOCUS: layers run on the whole block")
     p.add_argument("--focus-ratio", type=float, default=None, help="FOCUS: share of a block's masks kept")
     p.add_argument("--far-mask-window", type=int, default=None, help="far-mask pruning: blocks attended ahead")
-    p.add_argument("--gen-length", type=int, default=None,
-                   help="columns each answer is generated in (default: the task's answer region), one block up to 32 "
-                   "and whole blocks of 32 past it; more room, as a server's max_tokens gives, also asks the model to "
-                   "end its answer (EOS after it)")
+    _add_gen_length(p)
     p.add_argument("--layouts", default=None, help="comma-separated layouts (default: prefix,infix,suffix; a "
                    "block-causal model cannot read an affix placed after the answer)")
     _add_model_args(p)
@@ -389,10 +393,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selectors", default=None, help="comma-separated study selectors (default: every one; "
                    "attention-probe-step is ACache with probe_step)")
     p.add_argument("--ratios", default=None, help="comma-separated anchor ratios (default: 0,0.1,0.2,0.3,0.5,1)")
-    p.add_argument("--gen-length", type=int, default=None,
-                   help="columns each answer is generated in (default: the task's answer region), one block up to 32 "
-                   "and whole blocks of 32 past it; more room, as a server's max_tokens gives, also asks the model to "
-                   "end its answer (EOS after it)")
+    _add_gen_length(p)
     _add_model_args(p)
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_eval_accuracy))

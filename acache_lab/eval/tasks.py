@@ -40,18 +40,17 @@ def task_params(task: str, gen_length: int | None = None, **overrides) -> Sampli
     then end the answer itself (EOS after it), which a region of the answer's own length never asks. It is
     decoded in blocks of ``min(gen_length, 32)`` unless ``block_length`` says otherwise."""
     n = answer_length(task)
-    if gen_length is not None:
+    if gen_length is None:
+        gen, block = n, overrides.pop("block_length", n) or n
+        if n % block:
+            block = n  # a task whose answer region the blocks do not divide decodes it as one block
+    else:
         if gen_length < n:
             raise ValueError(f"gen_length {gen_length} is shorter than {task}'s answer region ({n} columns)")
-        block = overrides.pop("block_length", None) or min(gen_length, ROOM_BLOCK)
-        if gen_length % block:
-            raise ValueError(f"gen_length {gen_length} is not a whole number of blocks of {block}")
-        return SamplingParams(**{"gen_length": gen_length, "block_length": block, "threshold": 0.9,
-                                 "cache": "dual", **overrides})
-    block = overrides.pop("block_length", n) or n
-    if n % block:
-        block = n  # a task whose answer region the blocks do not divide decodes it as one block
-    return SamplingParams(**{"gen_length": n, "block_length": block, "threshold": 0.9, "cache": "dual",
+        gen, block = gen_length, overrides.pop("block_length", None) or min(gen_length, ROOM_BLOCK)
+        if gen % block:
+            raise ValueError(f"gen_length {gen} is not a whole number of blocks of {block}")
+    return SamplingParams(**{"gen_length": gen, "block_length": block, "threshold": 0.9, "cache": "dual",
                              **overrides})
 
 
