@@ -139,6 +139,9 @@ class TrainConfig:
     #: 0 adds none (and draws nothing, so a run without it is unchanged)
     answer_room: int = 0
     answer_room_share: float = 0.5
+    #: the layouts whose rows may be given room (None: every one). A row's layout is the one it is rendered in: a
+    #: task without demonstrations drawn in ``two-affix`` takes its plain layout's rule
+    answer_room_layouts: tuple[str, ...] | None = None
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
@@ -380,6 +383,14 @@ class TrainConfig:
         bad = [x for x in self.layouts if x not in known]
         if bad or not self.layouts:
             raise ValueError(f"layouts must be some of {', '.join(known)}, got {list(self.layouts)}")
+        if self.answer_room_layouts is not None:
+            if not self.answer_room:
+                raise ValueError("answer_room_layouts says which rows get answer room: set answer_room too")
+            rooms = self.answer_room_layouts
+            if not isinstance(rooms, list | tuple) or not rooms or any(x not in self.layouts for x in rooms):
+                raise ValueError(f"answer_room_layouts must list one or more of the layouts trained "
+                                 f"({', '.join(dict.fromkeys(self.layouts))}), not {rooms!r}")
+            self.answer_room_layouts = tuple(rooms)
         if self.layouts == (TWO_AFFIXES,):
             raise ValueError(f"layouts needs a plain layout ({', '.join(LAYOUTS)}) beside {TWO_AFFIXES}, for the "
                              "rows of tasks without demonstrations")
@@ -455,10 +466,13 @@ class Batcher:
         """The example's full sequence (answer in place), where its answer starts, its length, and its affix
         spans on that sequence (those after the answer moved past it). A task without demonstrations drawn in
         the two-affix layout takes a plain layout of the config: one ``rng`` draws, or without it the first.
-        ``room`` EOS columns follow the task's answer region, as many as the model's max_seq_len leaves."""
+        ``room`` EOS columns follow the task's answer region, as many as the model's max_seq_len leaves, where the
+        config's ``answer_room_layouts`` lets the row's layout have them."""
         if layout == TWO_AFFIXES and not example.context:
             plain = [x for x in self.config.layouts if x != TWO_AFFIXES]
             layout = plain[0] if rng is None else rng.choice(plain)
+        if self.config.answer_room_layouts is not None and layout not in self.config.answer_room_layouts:
+            room = 0
         r = render(example, layout, self.encode, self.eos)
         answer = r.answer
         if room:

@@ -465,6 +465,25 @@ def test_answer_room_puts_eos_columns_after_a_share_of_answers_within_max_seq_le
         TrainConfig(**common, affix_teacher=str(tmp_path / "t"), answer_room=4, answer_room_share=1.0)
 
 
+def test_answer_room_layouts_gives_room_to_the_rows_rendered_in_those_layouts_only(tmp_path):
+    """With ``answer_room_layouts`` only rows rendered in the layouts named get room: a two-affix row (two affix
+    spans) gets none, while a task without demonstrations drawn in two-affix takes its plain layout's rule."""
+    tok = build_word_tokenizer()
+    common = dict(out=str(tmp_path / "m"), batch_size=32, tasks=("codes", "qa1"), min_sentences=2, max_sentences=3,
+                  layouts=("prefix", "two-affix"), answer_room=6, answer_room_share=1.0)
+    batch = Batcher(TrainConfig(**common, answer_room_layouts=["prefix"]), tok).batch(0)
+    two = torch.tensor([len(s) == 2 for s in batch.spans])
+    assert bool(two.any()) and bool((~two).any())
+    assert torch.equal(batch.room, ~two)
+    every = Batcher(TrainConfig(**common), tok).batch(0)
+    assert bool(every.room.all())
+    for bad in (["suffix"], [], "prefix", ["prefix", "nowhere"]):
+        with pytest.raises(ValueError, match="answer_room_layouts must list one or more of the layouts trained"):
+            TrainConfig(**common, answer_room_layouts=bad)
+    with pytest.raises(ValueError, match="answer_room_layouts says which rows get answer room: set answer_room"):
+        TrainConfig(**{**common, "answer_room": 0}, answer_room_layouts=["prefix"])
+
+
 def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
     """The teacher never learnt to end an answer in more room than its region, so rows with room are not its."""
     import acache_lab.train.trainer as trainer
