@@ -62,6 +62,7 @@ from acache_lab.train.neighbours import (
 WEIGHTINGS = ("inverse_t", "masked_count")
 REDUCTIONS = ("mean", "sum")
 MASKINGS = ("rate_t", "all")
+ROOM_LOSSES = ("columns", "region")
 TWO_AFFIX_FALLBACKS = ("first", "draw")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
 
@@ -142,6 +143,11 @@ class TrainConfig:
     #: the layouts whose rows may be given room (None: every one). A row's layout is the one it is rendered in: a
     #: task without demonstrations drawn in ``two-affix`` takes its plain layout's rule
     answer_room_layouts: tuple[str, ...] | None = None
+    #: what a row given room weighs in the loss: "columns", each of its answer columns as any (with
+    #: ``answer_reduction`` "sum" a row with 30 columns of room weighs fifteen times a 2-column one, and its easy EOS
+    #: columns crowd the batch's gradient), or "region", what its task's region alone would (its answer columns
+    #: scaled by region / (region + room))
+    answer_room_loss: str = "columns"
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
     bf16: bool = True
@@ -291,6 +297,11 @@ class TrainConfig:
                 or not 0 < self.answer_room_share <= 1:
             raise ValueError(f"answer_room_share is the share of rows given room, in (0, 1], not "
                              f"{self.answer_room_share!r}")
+        if self.answer_room_loss not in ROOM_LOSSES:
+            raise ValueError(f"answer_room_loss must be one of {', '.join(ROOM_LOSSES)}, not {self.answer_room_loss!r}")
+        if self.answer_room_loss == "region" and (not self.answer_room or self.answer_reduction != "sum"):
+            raise ValueError("answer_room_loss 'region' scales the rows given room (answer_room) under "
+                             "answer_reduction 'sum'; with 'mean' every row already weighs one row")
         if self.affix_teacher is not None and self.answer_room and self.answer_room_share == 1:
             raise ValueError("affix_teacher holds the rows without answer room to its predictions: with "
                              "answer_room_share 1 there are none, so the teacher would teach nothing")
@@ -478,7 +489,7 @@ class Batcher:
         if room:
             fits = self.config.model.max_seq_len - len(r.prompt.token_ids) - len(r.answer)
             answer = answer + (self.eos,) * max(0, min(room, fits))
-        row = answer_row(r.prompt, answer)._replace(room=len(answer) > len(r.answer))
+        row = answer_row(r.prompt, answer)._replace(room=len(answer) - len(r.answer))
         if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
             row = row._replace(bridge=self.token(example.bridge[0]))
         return row
@@ -520,7 +531,7 @@ class Row(NamedTuple):
     answer_len: int
     spans: tuple[tuple[int, int], ...]  # the affixes, [start, end) on ids
     bridge: int = -1  # the first hop's token for the bridge term, -1: none
-    room: bool = False  # EOS columns follow the task's answer region (``TrainConfig.answer_room``)
+    room: int = 0  # EOS columns after the task's answer region, counted in answer_len (``TrainConfig.answer_room``)
 
 
 def answer_row(prompt: AffixPrompt, answer: Sequence[int]) -> Row:
@@ -545,7 +556,7 @@ def collate_rows(rows: Sequence[Row], pad: int) -> Batch:
         answer[i, r.answer_at:r.answer_at + r.answer_len] = True
     positions = torch.arange(width).expand(b, -1).contiguous()
     bridge = torch.tensor([r.bridge for r in rows], dtype=torch.long)
-    room = torch.tensor([r.room for r in rows], dtype=torch.bool)
+    room = torch.tensor([r.room for r in rows], dtype=torch.long)
     return Batch(ids, answer, positions, valid, tuple(r.spans for r in rows), bridge, room)
 
 
@@ -556,7 +567,7 @@ class Batch(NamedTuple):
     valid: torch.Tensor
     spans: tuple[tuple[tuple[int, int], ...], ...]
     bridge: torch.Tensor | None = None  # [B]: each row's first-hop token for the bridge term, -1 where none
-    room: torch.Tensor | None = None  # [B]: rows whose answer region has room after it (``Row.room``)
+    room: torch.Tensor | None = None  # [B]: each row's room columns after its answer region (``Row.room``)
 
     def to(self, device: torch.device | str) -> Batch:
         """The batch's tensors on ``device`` (the spans are plain indices)."""
@@ -679,7 +690,7 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
                           eos_weight: float = 1.0, attention: torch.Tensor | LayeredMask | None = None,
                           distill: tuple[float, torch.Tensor] | None = None,
                           neighbours: Neighbours | None = None, teacher: Teacher | None = None,
-                          bridge: Bridge | None = None) -> torch.Tensor:
+                          bridge: Bridge | None = None, room: torch.Tensor | None = None) -> torch.Tensor:
     """LLaDA's objective on the answer (and optionally some context): weighted CE on masked tokens.
 
     ``weighting="inverse_t"`` is LLaDA's ``1/t``. ``"masked_count"`` uses its empirical counterpart,
@@ -698,6 +709,8 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     weight times :func:`teacher_divergence` from a frozen model's in-context predictions on its rows' masked answer
     columns (the same noisy rows, attending with ``valid``). ``bridge`` adds its weight times
     :func:`~acache_lab.train.bridge.bridge_loss` of its layer's output states at each row's first answer column.
+    ``room [B]``, each row's EOS columns after its task's region (counted in ``answer``), scales a row's answer
+    weights by region / (region + room): a row given room weighs what its region alone would.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
@@ -742,6 +755,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0:
         weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
+    if room is not None:
+        width = answer.sum(-1, keepdim=True).clamp_min(1)
+        weight = torch.where(answer, weight * (width - room[:, None]).clamp_min(1) / width, weight)
     if reduction == "mean":  # answer columns over the row's answer length, context over its length
         context = valid & ~answer
         weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
@@ -1165,7 +1181,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             # room: the teacher never learnt to end an answer in more columns than its region, so it cannot teach it
             rows = ~isolated if isolated is not None else torch.ones(len(ids), dtype=torch.bool)
             if batch.room is not None:
-                rows = rows & ~batch.room
+                rows = rows & (batch.room == 0)
             taught = Teacher(config.affix_teacher_weight, frozen_predictions(teacher), rows)
         if config.affix_distill > 0:
             distill = (config.affix_distill, batch.outside_affixes(isolated))
@@ -1178,7 +1194,8 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                                          config.context_mask_rate, config.loss_weighting,
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
-                                         config.eos_weight, attention, distill, neighbours, taught, bridge)
+                                         config.eos_weight, attention, distill, neighbours, taught, bridge,
+                                         batch.room if config.answer_room_loss == "region" else None)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)  # the model's; the maps are discarded

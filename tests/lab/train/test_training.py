@@ -445,16 +445,16 @@ def test_answer_room_puts_eos_columns_after_a_share_of_answers_within_max_seq_le
     for step in range(4):
         batch = batcher.batch(step)
         widths = batch.answer.sum(1)
-        assert torch.equal(batch.room, widths > 2)  # qa1's region is 2 columns: its word and an EOS
+        assert torch.equal(batch.room, widths - 2)  # qa1's region is 2 columns: its word and an EOS
         assert bool(((widths >= 2) & (widths <= 8)).all())
         for row in range(16):
             columns = batch.ids[row][batch.answer[row]]
             assert bool((columns[1:] == eos).all()) and columns[0] != eos
-        counts.append(int(batch.room.sum()))
+        counts.append(int((batch.room > 0).sum()))
     assert 0 < sum(counts) < 64, counts
     tight = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64, max_seq_len=40)
     batch = Batcher(TrainConfig(**common, model=tight, answer_room=30, answer_room_share=1.0), tok).batch(0)
-    assert int(batch.valid.sum(1).max()) <= 40 and bool(batch.room.any())
+    assert int(batch.valid.sum(1).max()) <= 40 and bool((batch.room > 0).any())
     plain = Batcher(TrainConfig(**common), tok).batch(0)
     assert int(plain.answer.sum()) == 2 * 16 and not bool(plain.room.any())
     for bad in ({"answer_room": -1}, {"answer_room": 1.5}, {"answer_room": True}, {"answer_room_share": 0},
@@ -474,14 +474,47 @@ def test_answer_room_layouts_gives_room_to_the_rows_rendered_in_those_layouts_on
     batch = Batcher(TrainConfig(**common, answer_room_layouts=["prefix"]), tok).batch(0)
     two = torch.tensor([len(s) == 2 for s in batch.spans])
     assert bool(two.any()) and bool((~two).any())
-    assert torch.equal(batch.room, ~two)
+    assert torch.equal(batch.room > 0, ~two)
     every = Batcher(TrainConfig(**common), tok).batch(0)
-    assert bool(every.room.all())
+    assert bool((every.room > 0).all())
     for bad in (["suffix"], [], "prefix", ["prefix", "nowhere"]):
         with pytest.raises(ValueError, match="answer_room_layouts must list one or more of the layouts trained"):
             TrainConfig(**common, answer_room_layouts=bad)
     with pytest.raises(ValueError, match="answer_room_layouts says which rows get answer room: set answer_room"):
         TrainConfig(**{**common, "answer_room": 0}, answer_room_layouts=["prefix"])
+
+
+def test_answer_room_loss_region_weighs_a_row_with_room_as_its_region_alone(tmp_path):
+    """Under "region" a row with room has each answer column's weight scaled by region / (region + room), so the
+    row weighs what its region alone would; rows without room and the default "columns" are unchanged."""
+    from acache.models.checkpoint import family_model
+    from acache_lab.train.trainer import init_for_training_
+
+    tok = build_word_tokenizer()
+    common = dict(out=str(tmp_path / "m"), batch_size=8, tasks=("qa1",), min_sentences=2, max_sentences=2,
+                  answer_room=6, answer_room_share=0.5, answer_reduction="sum", loss_weighting="masked_count")
+    batcher = Batcher(TrainConfig(**common, answer_room_loss="region"), tok)
+    batch = batcher.batch(0)
+    assert bool((batch.room > 0).any()) and bool((batch.room == 0).any())
+    model = family_model("llada", tok.get_vocab_size(with_added_tokens=True), batcher.mask, batcher.eos, layers=1,
+                         hidden_size=32, heads=2, intermediate_size=64, max_seq_len=256)
+    init_for_training_(model, 0, 0.2, 1.0, torch.Generator().manual_seed(0))
+
+    def loss(row, room):
+        one = slice(row, row + 1)
+        return float(masked_diffusion_loss(model, batch.ids[one], batch.answer[one], batch.positions[one],
+                                           batch.valid[one], batcher.mask, torch.Generator().manual_seed(5),
+                                           weighting="masked_count", reduction="sum", masking="all",
+                                           room=None if room is None else room[one]))
+
+    with torch.no_grad():
+        for row in range(8):
+            width, extra = int(batch.answer[row].sum()), int(batch.room[row])
+            assert loss(row, batch.room) == pytest.approx(loss(row, None) * (width - extra) / width, rel=1e-5)
+    for bad in ({"answer_room_loss": "rows"}, {"answer_room_loss": "region", "answer_room": 0},
+                {"answer_room_loss": "region", "answer_reduction": "mean"}):
+        with pytest.raises(ValueError, match="answer_room_loss"):
+            TrainConfig(**{**common, **bad})
 
 
 def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
@@ -494,7 +527,7 @@ def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
 
     def batch(self, step):
         out = real_batch(self, step)
-        roomy.append(int(out.room.sum()))
+        roomy.append(int((out.room > 0).sum()))
         return out
 
     monkeypatch.setattr(trainer.Batcher, "batch", batch)
