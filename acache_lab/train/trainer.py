@@ -144,9 +144,9 @@ class TrainConfig:
     #: task without demonstrations drawn in ``two-affix`` takes its plain layout's rule
     answer_room_layouts: tuple[str, ...] | None = None
     #: what a row given room weighs in the loss: "columns", each of its answer columns as any (with
-    #: ``answer_reduction`` "sum" a row with 30 columns of room weighs fifteen times a 2-column one, and its easy EOS
-    #: columns crowd the batch's gradient), or "region", what its task's region alone would (its answer columns
-    #: scaled by region / (region + room))
+    #: ``answer_reduction`` "sum" a 2-column region with 30 columns of room weighs sixteen times a row without, and
+    #: its easy EOS columns crowd the batch's gradient), or "region", in total what its task's region alone would:
+    #: every answer column of the row scaled by region / (region + room), the answer's own ones too
     answer_room_loss: str = "columns"
     init_std: float = 0.02  # weight matrices at init
     embed_init_std: float = 0.02  # token embeddings at init (see docs/model.md, run 3)
@@ -299,12 +299,15 @@ class TrainConfig:
                              f"{self.answer_room_share!r}")
         if self.answer_room_loss not in ROOM_LOSSES:
             raise ValueError(f"answer_room_loss must be one of {', '.join(ROOM_LOSSES)}, not {self.answer_room_loss!r}")
-        if self.answer_room_loss == "region" and (not self.answer_room or self.answer_reduction != "sum"):
-            raise ValueError("answer_room_loss 'region' scales the rows given room (answer_room) under "
-                             "answer_reduction 'sum'; with 'mean' every row already weighs one row")
-        if self.affix_teacher is not None and self.answer_room and self.answer_room_share == 1:
-            raise ValueError("affix_teacher holds the rows without answer room to its predictions: with "
-                             "answer_room_share 1 there are none, so the teacher would teach nothing")
+        if self.answer_room_loss == "region":
+            if not self.answer_room:
+                raise ValueError("answer_room_loss 'region' scales the rows given room: set answer_room too")
+            if self.answer_reduction != "sum":
+                raise ValueError("answer_room_loss 'region' scales rows under answer_reduction 'sum'; with 'mean' "
+                                 "every row already weighs one row")
+            if self.eos_weight != 1.0:
+                raise ValueError("answer_room_loss 'region' scales a row by its columns, which holds only while its "
+                                 "EOS columns weigh as its words: leave eos_weight at 1")
         if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(f"loss_weighting must be 'inverse_t' or 'masked_count', not {self.loss_weighting!r}")
         if self.scan_init not in SCAN_INITS:
@@ -401,7 +404,13 @@ class TrainConfig:
             if not isinstance(rooms, list | tuple) or not rooms or any(x not in self.layouts for x in rooms):
                 raise ValueError(f"answer_room_layouts must list one or more of the layouts trained "
                                  f"({', '.join(dict.fromkeys(self.layouts))}), not {rooms!r}")
-            self.answer_room_layouts = tuple(rooms)
+            # one spelling a set of layouts: the config's order, each once, and every layout as None
+            rooms = tuple(x for x in dict.fromkeys(self.layouts) if x in rooms)
+            self.answer_room_layouts = None if set(rooms) == set(self.layouts) else rooms
+        if self.affix_teacher is not None and self.answer_room and self.answer_room_share == 1 \
+                and self.answer_room_layouts is None:
+            raise ValueError("affix_teacher holds the rows without answer room to its predictions: with "
+                             "answer_room_share 1 in every layout there are none, so the teacher would teach nothing")
         if self.layouts == (TWO_AFFIXES,):
             raise ValueError(f"layouts needs a plain layout ({', '.join(LAYOUTS)}) beside {TWO_AFFIXES}, for the "
                              "rows of tasks without demonstrations")
@@ -710,12 +719,15 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     columns (the same noisy rows, attending with ``valid``). ``bridge`` adds its weight times
     :func:`~acache_lab.train.bridge.bridge_loss` of its layer's output states at each row's first answer column.
     ``room [B]``, each row's EOS columns after its task's region (counted in ``answer``), scales a row's answer
-    weights by region / (region + room): a row given room weighs what its region alone would.
+    weights by region / (region + room): in total a row given room weighs what its region alone would (exactly
+    under ``masked_count``, in expectation under ``inverse_t``), its answer's own columns scaled with its room's.
     """
     if masking not in MASKINGS or reduction not in REDUCTIONS or weighting not in WEIGHTINGS:
         raise ValueError(f"unknown masking {masking!r}, reduction {reduction!r} or weighting {weighting!r}")
     if eos_weight != 1.0 and eos_id is None:
         raise ValueError("eos_weight needs eos_id")
+    if room is not None and (reduction != "sum" or eos_weight != 1.0):
+        raise ValueError("room scales a row by its columns: it needs reduction 'sum' and eos_weight 1")
     if neighbours is not None:  # refused before the forward, not after it
         if context_mask_rate > 0:
             raise ValueError("neighbours trains clean affix tokens, as the cache holds them: context_mask_rate must "
@@ -755,13 +767,12 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     weight = loss_weights(masked, answer, t, weighting)
     if eos_weight != 1.0:
         weight = torch.where(answer & (ids == eos_id), weight * eos_weight, weight)
+    width = answer.sum(-1, keepdim=True).clamp_min(1)
     if room is not None:
-        width = answer.sum(-1, keepdim=True).clamp_min(1)
-        weight = torch.where(answer, weight * (width - room[:, None]).clamp_min(1) / width, weight)
+        weight = torch.where(answer, weight * (width - room.to(ids.device)[:, None]).clamp_min(1) / width, weight)
     if reduction == "mean":  # answer columns over the row's answer length, context over its length
         context = valid & ~answer
-        weight = torch.where(answer, weight / answer.sum(-1, keepdim=True).clamp_min(1),
-                             weight / context.sum(-1, keepdim=True).clamp_min(1))
+        weight = torch.where(answer, weight / width, weight / context.sum(-1, keepdim=True).clamp_min(1))
     loss = (ce * weight).sum() / b
     if in_context is not None:
         loss = loss + distill[0] * reuse_distillation([x[rows] for x in states], in_context, distill[1][rows])
@@ -1195,7 +1206,7 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
                                          config.answer_reduction,
                                          config.stage_at(step).answer_masking or config.answer_masking, batcher.eos,
                                          config.eos_weight, attention, distill, neighbours, taught, bridge,
-                                         batch.room if config.answer_room_loss == "region" else None)
+                                         room=batch.room if config.answer_room_loss == "region" else None)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)  # the model's; the maps are discarded

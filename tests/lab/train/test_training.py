@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from dataclasses import asdict
 from itertools import pairwise
@@ -15,6 +16,7 @@ import torch
 
 from acache.models.config import AFFIX_TRAINING_KEY
 from acache.paths import SHIPPED_MODEL
+from acache_lab.tasks.generators import TRAIN_GENERATORS
 from acache_lab.tasks.render import build_word_tokenizer
 from acache_lab.train.isolation import LayeredMask
 from acache_lab.train.trainer import (
@@ -461,7 +463,7 @@ def test_answer_room_puts_eos_columns_after_a_share_of_answers_within_max_seq_le
                 {"answer_room_share": 1.5}, {"answer_room_share": "half"}):
         with pytest.raises(ValueError, match="answer_room"):
             TrainConfig(**common, **bad)
-    with pytest.raises(ValueError, match="answer_room_share 1 there are none, so the teacher would teach nothing"):
+    with pytest.raises(ValueError, match="answer_room_share 1 in every layout there are none, so the teacher"):
         TrainConfig(**common, affix_teacher=str(tmp_path / "t"), answer_room=4, answer_room_share=1.0)
 
 
@@ -477,6 +479,17 @@ def test_answer_room_layouts_gives_room_to_the_rows_rendered_in_those_layouts_on
     assert torch.equal(batch.room > 0, ~two)
     every = Batcher(TrainConfig(**common), tok).batch(0)
     assert bool((every.room > 0).all())
+    rng = random.Random(1)
+    batcher = Batcher(TrainConfig(**common, answer_room_layouts=["prefix"]), tok)
+    for task, room in (("qa1", 6), ("codes", 0)):  # qa1 has no demonstrations: its two-affix draw renders in prefix
+        example = TRAIN_GENERATORS[task](rng, 3)[0]
+        assert batcher.row(example, "two-affix", room=6).room == room
+        assert batcher.row(example, "prefix", room=6).room == 6
+    # one spelling of a set: the config's order, each once; every layout is None
+    assert TrainConfig(**common, answer_room_layouts=["prefix", "prefix"]).answer_room_layouts == ("prefix",)
+    assert TrainConfig(**common, answer_room_layouts=("two-affix", "prefix")).answer_room_layouts is None
+    # a teacher with every row of the layouts named given room still has the others
+    TrainConfig(**common, answer_room_layouts=["prefix"], affix_teacher=str(tmp_path / "t"))
     for bad in (["suffix"], [], "prefix", ["prefix", "nowhere"]):
         with pytest.raises(ValueError, match="answer_room_layouts must list one or more of the layouts trained"):
             TrainConfig(**common, answer_room_layouts=bad)
@@ -508,13 +521,45 @@ def test_answer_room_loss_region_weighs_a_row_with_room_as_its_region_alone(tmp_
                                            room=None if room is None else room[one]))
 
     with torch.no_grad():
+        want = []
         for row in range(8):
             width, extra = int(batch.answer[row].sum()), int(batch.room[row])
-            assert loss(row, batch.room) == pytest.approx(loss(row, None) * (width - extra) / width, rel=1e-5)
-    for bad in ({"answer_room_loss": "rows"}, {"answer_room_loss": "region", "answer_room": 0},
-                {"answer_room_loss": "region", "answer_reduction": "mean"}):
-        with pytest.raises(ValueError, match="answer_room_loss"):
-            TrainConfig(**{**common, **bad})
+            want.append(loss(row, None) * (width - extra) / width)
+            assert loss(row, batch.room) == pytest.approx(want[-1], rel=1e-5)
+        whole = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                                      torch.Generator().manual_seed(5), weighting="masked_count", reduction="sum",
+                                      masking="all", room=batch.room)
+        assert float(whole) == pytest.approx(sum(want) / 8, rel=1e-4)
+        for bad in ({"reduction": "mean"}, {"eos_weight": 0.5, "eos_id": batcher.eos}):
+            with pytest.raises(ValueError, match="room scales a row by its columns"):
+                masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid, batcher.mask,
+                                      torch.Generator().manual_seed(5), room=batch.room, **bad)
+    for bad, why in (({"answer_room_loss": "rows"}, "must be one of columns, region"),
+                     ({"answer_room": 0}, "set answer_room too"),
+                     ({"answer_reduction": "mean"}, "with 'mean' every row already weighs one row"),
+                     ({"eos_weight": 0.5}, "leave eos_weight at 1")):
+        with pytest.raises(ValueError, match=why):
+            TrainConfig(**{**common, "answer_room_loss": "region", **bad})
+
+
+def test_the_trainer_passes_the_room_to_the_loss_under_region_only(tmp_path, monkeypatch):
+    """``answer_room_loss`` reaches the loss: each batch's room counts under "region", none under "columns"."""
+    import acache_lab.train.trainer as trainer
+
+    seen, batches = [], []
+    real_loss, real_batch = trainer.masked_diffusion_loss, trainer.Batcher.batch
+    monkeypatch.setattr(trainer, "masked_diffusion_loss", lambda *a, **k: seen.append(k["room"]) or real_loss(*a, **k))
+    monkeypatch.setattr(trainer.Batcher, "batch", lambda self, step: batches.append(real_batch(self, step))
+                        or batches[-1])
+    shape = ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64)
+    common = dict(steps=2, batch_size=8, warmup=1, bf16=False, model=shape, tasks=("qa1",), min_sentences=2,
+                  max_sentences=2, answer_room=6, answer_reduction="sum", loss_weighting="masked_count")
+    train(TrainConfig(out=str(tmp_path / "r"), answer_room_loss="region", **common), progress=False)
+    assert len(seen) == 2 and all(torch.equal(r, b.room) for r, b in zip(seen, batches, strict=True))
+    assert any(bool((r > 0).any()) for r in seen)
+    seen.clear()
+    train(TrainConfig(out=str(tmp_path / "c"), **common), progress=False)
+    assert seen == [None, None]
 
 
 def test_the_teacher_is_not_given_the_rows_with_room(tmp_path, monkeypatch):
