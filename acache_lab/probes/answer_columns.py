@@ -1,10 +1,12 @@
 """Where a model puts an answer given more columns than its region: the first decoding step's most likely token in
 each column of an all-masked region, in context (full recomputation), over held-out requests.
 
-A server reads an answer as the text up to the first EOS; a model that places its answer late in the region (against
-the span that follows it, in the suffix layout) then returns nothing, though its words are there. This counts, over
-``requests``, the columns that hold a word at the first step, and how many requests those first-step words answer
-right when read up to the first EOS and with every EOS dropped (docs/accuracy.md, "Room beside the binding").
+A server reads an answer as the text up to the first stop token; a model that places its answer late in the region
+(against the span that follows it, in the suffix layout) then returns nothing, though its words are there. This
+counts, over ``requests``, the columns whose first-step token is not a stop token, and how many requests those
+first-step tokens answer right read up to the first stop token and with every stop token dropped (docs/accuracy.md,
+"Room beside the binding"). Past the first block (32 columns) the engine commits nothing at its first step; the
+probe still reads what the model predicts there.
 
     python -m acache_lab.probes.answer_columns MODEL [MODEL ...] --task qa1 --layout suffix --gen-length 8 \\
         [--requests 100] [--seed 0]
@@ -27,8 +29,8 @@ from acache_lab.tasks.generators import TASKS, held_out
 
 @dataclass(frozen=True)
 class Placement:
-    """Over the requests: how often each column held a word at the first step, and how many first-step answers are
-    right read up to the first EOS and with every EOS dropped."""
+    """Over the requests: how often each column held a token other than a stop token at the first step, and how many
+    first-step answers are right read up to the first stop token and with every stop token dropped."""
 
     requests: int
     word_columns: Counter
@@ -36,33 +38,41 @@ class Placement:
     right_without_eos: int
 
 
-def readings(tokens: list[str | None], answer: list[str]) -> tuple[bool, bool]:
-    """Whether ``tokens`` (one per column, None for EOS) answer ``answer`` read up to the first EOS, and with every
-    EOS dropped."""
-    cut = tokens[:tokens.index(None)] if None in tokens else tokens
-    return cut == answer, [t for t in tokens if t is not None] == answer
+def readings(ids: list[int], stops: set[int], decode, answer: list[str]) -> tuple[bool, bool]:
+    """Whether the token ``ids`` (one per column) answer ``answer`` word for word, as the task scores do, read up to
+    the first of ``stops`` and with every one of them dropped."""
+    first = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return (decode(ids[:first]).split() == answer,
+            decode([t for t in ids if t not in stops]).split() == answer)
 
 
 def placement(model: str, task: str, layout: str, gen_length: int, requests: int = 100,
               seed: int = 0) -> Placement:
     """The first step's most likely token in each of ``gen_length`` masked columns, for ``requests`` held-out
-    requests of ``task`` in ``layout``, each decoded alone in context."""
+    requests of ``task`` in ``layout``: one in-context forward each over the prompt with its region masked."""
     params = task_params(task, gen_length)  # refuses a room shorter than the task's region, or not whole blocks
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     llm = LLM(model)
+    if hasattr(llm.model, "train_logits"):
+        raise ValueError(f"{model}: a {llm.model.family} model carries a state, not a forward over the whole canvas")
+    if layout == "suffix" and getattr(llm.model, "block_causal", False):
+        raise ValueError(f"{model}: a {llm.model.family} model is block-causal: it cannot read text after its answer")
     examples = held_out(task, requests, 6, seed)
-    mask, eos = llm.config.mask_token_id, llm.config.eos_token_id
+    stops = llm.stop_token_ids
     columns: Counter = Counter()
     first = dropped = 0
     for prompt, example in zip(task_prompts(llm, examples, layout), examples, strict=True):
-        ids = [*prompt.token_ids[:prompt.gen_at], *[mask] * params.gen_length, *prompt.token_ids[prompt.gen_at:]]
+        region = slice(prompt.gen_at, prompt.gen_at + params.gen_length)
+        ids = [*prompt.token_ids[:region.start], *[llm.config.mask_token_id] * params.gen_length,
+               *prompt.token_ids[region.start:]]
         x = torch.tensor([ids], device=llm.model.device)
-        with torch.no_grad():
+        with torch.no_grad():  # logits over the whole canvas: a shifted family reads column c from column c - 1
             hidden = llm.model(x, torch.arange(len(ids), device=x.device)[None]).hidden
-            best = llm.model.logits(hidden[:, prompt.gen_at:prompt.gen_at + params.gen_length])[0].argmax(-1)
-        tokens = [None if int(t) == eos else llm.tokenizer.decode([int(t)]) for t in best]
-        columns.update(i for i, t in enumerate(tokens) if t is not None)
-        to_eos, without = readings(tokens, list(example.answer))
-        first += to_eos
+            best = llm.model.logits(hidden, region)[0].argmax(-1).tolist()
+        columns.update(i for i, t in enumerate(best) if t not in stops)
+        to_stop, without = readings(best, stops, llm.tokenizer.decode, list(example.answer))
+        first += to_stop
         dropped += without
     return Placement(requests, columns, first, dropped)
 
@@ -76,6 +86,10 @@ def main() -> None:
     parser.add_argument("--requests", type=_positive_int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    try:
+        task_params(args.task, args.gen_length)
+    except ValueError as e:
+        parser.error(str(e))
     for model in args.models:
         p = placement(model, args.task, args.layout, args.gen_length, args.requests, args.seed)
         where = ", ".join(f"column {c}: {n}" for c, n in sorted(p.word_columns.items()))
