@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +66,19 @@ def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example],
     return sum(o.text.split() == list(e.answer) for o, e in zip(outs, examples, strict=True))
 
 
+def refuse_unread_suffix(llm: LLM, layouts: Sequence[str]) -> None:
+    """A block-causal model cannot read text after its answer, so a suffix layout says nothing of it."""
+    if "suffix" in layouts and getattr(llm.model, "block_causal", False):
+        raise ValueError(f"a {llm.model.family} model is block-causal: it cannot read text after its answer, so "
+                         "the suffix layout says nothing of it; use the prefix or infix layout")
+
+
 def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
              layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None,
              gen_length: int | None = None) -> list[TaskScore]:
     """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask),
     ``gen_length`` the answer's room (:func:`task_params`)."""
-    if "suffix" in layouts and getattr(llm.model, "block_causal", False):
-        raise ValueError(f"a {llm.model.family} model is block-causal: it cannot read text after its answer, so "
-                         "the suffix layout says nothing of it; use the prefix or infix layout")
+    refuse_unread_suffix(llm, layouts)
     scores = []
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)

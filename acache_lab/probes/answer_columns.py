@@ -22,8 +22,9 @@ import torch
 
 from acache import LLM
 from acache.cli import _positive_int
+from acache.decoding.canvas import Layout, build_canvas
 from acache.policies import LAYOUTS
-from acache_lab.eval.tasks import task_params, task_prompts
+from acache_lab.eval.tasks import refuse_unread_suffix, task_params, task_prompts
 from acache_lab.tasks.generators import TASKS, held_out
 
 
@@ -56,19 +57,17 @@ def placement(model: str, task: str, layout: str, gen_length: int, requests: int
     llm = LLM(model)
     if hasattr(llm.model, "train_logits"):
         raise ValueError(f"{model}: a {llm.model.family} model carries a state, not a forward over the whole canvas")
-    if layout == "suffix" and getattr(llm.model, "block_causal", False):
-        raise ValueError(f"{model}: a {llm.model.family} model is block-causal: it cannot read text after its answer")
+    refuse_unread_suffix(llm, (layout,))
     examples = held_out(task, requests, 6, seed)
     stops = llm.stop_token_ids
     columns: Counter = Counter()
     first = dropped = 0
     for prompt, example in zip(task_prompts(llm, examples, layout), examples, strict=True):
-        region = slice(prompt.gen_at, prompt.gen_at + params.gen_length)
-        ids = [*prompt.token_ids[:region.start], *[llm.config.mask_token_id] * params.gen_length,
-               *prompt.token_ids[region.start:]]
-        x = torch.tensor([ids], device=llm.model.device)
+        canvas = build_canvas([Layout(prompt.token_ids, prompt.gen_at)], params.gen_length, llm.config.mask_token_id,
+                              llm.config.pad_token_id, llm.model.device)
         with torch.no_grad():  # logits over the whole canvas: a shifted family reads column c from column c - 1
-            hidden = llm.model(x, torch.arange(len(ids), device=x.device)[None]).hidden
+            hidden = llm.model(canvas.tokens, canvas.positions).hidden
+            region = slice(canvas.gen_start, canvas.gen_start + canvas.gen_length)
             best = llm.model.logits(hidden, region)[0].argmax(-1).tolist()
         columns.update(i for i, t in enumerate(best) if t not in stops)
         to_stop, without = readings(best, stops, llm.tokenizer.decode, list(example.answer))
