@@ -20,7 +20,7 @@ from acache.affix.context import SelectionContext, request_seed
 from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import make_selector
+from acache.affix.selectors import drop_uncounted, make_selector, placed_anchor_counts
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
@@ -81,6 +81,9 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
                 values[layer][c0:c0 + span.length] = entry.values[layer]
         depth = split = None
         done = False
+        cols = [(c0, c1) for c0, c1, _ in spans]
+        counts = [] if bicache else placed_anchor_counts(params.anchor_ratio, params.selector, cols,
+                                                         state.exact_affixes(cols))
         if bicache:
             depth = bicache_depth(params.selector, params.anchor_ratio, len(model.layers),
                                   int(shared.sum()) / t, bicache_profile)
@@ -88,6 +91,8 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             for entry in held:
                 store.ensure_hidden(entry)
             state.admit()
+        elif reuse and spans and not params.probe_step and not any(counts):
+            state.admit(shared, torch.zeros_like(shared))  # no affix takes anchors: nothing to choose
         elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
             state.admit(shared, select=True)
         elif reuse:
@@ -98,7 +103,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             ctx = SelectionContext(model, canvas, slot, kv, [request_seed(params.seed, prompt.token_ids)],
                                    state.base_recompute(shared)[None])
             anchors = make_selector(params.selector, params.anchor_query).select(ctx, params.anchor_ratio)[0]
-            state.admit(shared, anchors)
+            state.admit(shared, drop_uncounted(anchors, cols, counts))
             if params.probe_step:
                 x0, conf = propose(ctx.probe_logits(params.block_length), params.temperature,
                                    [generator] if params.temperature > 0 else None, mask_token_id=cfg.mask_token_id)

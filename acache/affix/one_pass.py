@@ -7,7 +7,8 @@ The first refresh of a request with shared affixes runs layer by layer:
 * from layer 2 on, only the request's own columns (the ones every refresh recomputes) and the carried
   candidates, against the cached K/V of the other affix tokens; after each layer from 1 on, the candidates
   of each affix are filtered by the selector's score, from ``min(n, 2k)`` after layer 1 down linearly to
-  ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors;
+  ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors (none on an affix whose cached K/V
+  are exact where it is placed, short of the whole affix: ``placed_anchor_counts``);
 * at ``anchor_depth`` d < 1 the filtering reaches ``k`` after the first ``ceil(d * (L - 1))`` of those layers
   instead, and the layers after it run the own columns and the anchors alone, in one call, with no score.
 
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from acache.affix.context import AffixMass, compact_index, kv_deviation
-from acache.affix.selectors import SELECTORS, anchor_count
+from acache.affix.selectors import SELECTORS, placed_anchor_counts
 from acache.affix.selectors.base import (
     OnePass,
     carried_counts,
@@ -115,7 +116,7 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
         own[i, :state.length] = state.base_recompute(shared)
         gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
     rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
-    counts = [[anchor_count(state.params.anchor_ratio, c1 - c0, state.params.selector) for c0, c1 in spans]
+    counts = [placed_anchor_counts(state.params.anchor_ratio, state.params.selector, spans, state.exact_affixes(spans))
               for state, spans in rows]
     depths = [state.params.anchor_depth for state, _ in rows]
     return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts, depths)

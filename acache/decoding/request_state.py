@@ -17,7 +17,8 @@ K/V cache (:meth:`RequestState.plan`), and takes the proposals of the current bl
 * block-causal models (``attention_block``): a step feeds the whole attention blocks its block touches
   (and, for a shifted model, the column before it) against the K/V of the attention blocks before them,
   which are final, so every cache is exact; shared affix columns in an attention block that also holds
-  other columns are recomputed at every refresh (their K/V depend on those columns).
+  other columns are recomputed at every refresh (their K/V depend on those columns), and an affix at column 0
+  is exact where it is placed (:meth:`RequestState.exact_affixes`: it takes no anchors).
 * models whose cache is their own object (``state_cache``: the state-space variant, R2LM): every step of a
   cached policy feeds the blocks the current block touches against a cache of every column before them, which
   the executor advances over the newly finished columns on the block's first step (the refresh); the cache
@@ -119,6 +120,21 @@ class RequestState:
             own = F.pad(~shared, (0, blocks * size - self.length)).view(blocks, size).any(-1)
             recompute = recompute | own.repeat_interleave(size)[:self.length]
         return recompute
+
+    def exact_affixes(self, spans: list[tuple[int, int]]) -> list[bool]:
+        """For each shared affix at canvas columns ``[c0, c1)``: whether the K/V it was cached with (computed
+        alone, at positions ``0..n-1``) are exactly the K/V this request's forwards would compute for the columns
+        they do not recompute anyway. Only on a block-causal model, for an affix at column 0 whose attention blocks
+        hold nothing but it, or whose last, partial block is recomputed (it holds the request's own columns): each
+        of its other columns then sees only earlier columns of the same affix, at the same positions. Anchors
+        there would recompute what the cache already holds."""
+        if self.attention_block is None or self.state_cache:
+            return [False] * len(spans)
+        shared = torch.zeros(self.length, dtype=torch.bool, device=self.tokens.device)
+        for c0, c1 in spans:
+            shared[c0:c1] = True
+        base = self.base_recompute(shared)
+        return [c0 == 0 and c1 > 0 and (c1 % self.attention_block == 0 or bool(base[c1 - 1])) for c0, c1 in spans]
 
     def admit(self, shared: torch.Tensor | None = None, anchors: torch.Tensor | None = None,
               select: bool = False) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import anchor_count
+from acache.affix.selectors import placed_anchor_counts
 from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
@@ -97,9 +97,14 @@ class Request:
         if self.bicache or not self.reuse:
             return self.length
         base = int(self.state.base_recompute(self.shared_mask(shared_indices)).sum())
+        return base + sum(self.anchor_counts(shared_indices))
+
+    def anchor_counts(self, shared_indices: list[int] | None = None) -> list[int]:
+        """The anchor count of each shared affix (``shared_indices``; default: those shared now), in that order."""
+        indices = [i for i, _ in self.shared] if shared_indices is None else shared_indices
+        spans = [self.span_columns(i) for i in indices]
         p = self.params
-        return base + sum(anchor_count(p.anchor_ratio, self.prompt.affixes[i].length, p.selector)
-                          for i in shared_indices)
+        return placed_anchor_counts(p.anchor_ratio, p.selector, spans, self.state.exact_affixes(spans))
 
     @property
     def affix_tokens(self) -> int:

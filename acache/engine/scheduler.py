@@ -19,7 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from acache.affix.bicache import BiCacheProfile, bicache_depth
+from acache.affix.selectors import drop_uncounted
 from acache.decoding.request_state import Phase
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
@@ -122,6 +125,11 @@ class Scheduler:
             req.status = Status.RUNNING
             if not req.reuse:  # nothing to select: every column is the request's own
                 req.state.admit()
+            elif req.shared and not req.bicache and not req.params.probe_step and not any(req.anchor_counts()):
+                # no shared affix takes anchors (direct reuse, ratio 0, exact affixes): nothing to choose
+                req.state.admit(req.shared_columns, torch.zeros_like(req.shared_columns))
+                self.kv.map_slots(req)
+                self._count_anchors(req)
             elif req.params.anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
                 if req.shared:
                     req.state.admit(req.shared_columns, select=True)
@@ -177,7 +185,8 @@ class Scheduler:
             if req.bicache:
                 req.state.admit()
             else:
-                req.state.admit(req.shared_columns, anchors)
+                spans = [req.span_columns(i) for i, _ in req.shared]
+                req.state.admit(req.shared_columns, drop_uncounted(anchors, spans, req.anchor_counts()))
                 self.kv.map_slots(req)
             self._count_anchors(req)
             if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from acache.affix.context import CanvasKV, SelectionContext, shallow_layers
-from acache.affix.selectors import SELECTORS, anchor_count, make_selector
+from acache.affix.selectors import SELECTORS, anchor_count, drop_uncounted, make_selector, placed_anchor_counts
 from acache.decoding.canvas import Layout, build_canvas
 from acache.models.base import ForwardOutput
 from acache.models.config import ModelConfig
@@ -301,6 +301,25 @@ def test_first_k_and_counts_per_affix():
     assert anchors.nonzero().flatten().tolist() == [0, 1, 4, 5]
     assert anchor_count(0.3, 10) == 3 and anchor_count(0.2, 7) == 2 and anchor_count(1.0, 5) == 5
     assert anchor_count(0.0, 9) == 0
+
+
+def test_an_exact_affix_takes_no_anchors_short_of_the_whole_affix():
+    """placed_anchor_counts: anchor_count for each placed affix, zero for an exact one unless the whole of it is
+    recomputed (`all`, ratio 1: the reference decoding); drop_uncounted clears what a selection of its own chose
+    in the affixes counted zero and nothing else."""
+    spans, exact = [(0, 10), (12, 17)], [True, False]
+    assert placed_anchor_counts(0.2, "attention", spans, exact) == [0, 1]
+    assert placed_anchor_counts(0.2, "attention", spans, [False, False]) == [2, 1]
+    assert placed_anchor_counts(1.0, "attention", spans, exact) == [10, 5]
+    assert placed_anchor_counts(0.0, "all", spans, exact) == [10, 5]
+    assert placed_anchor_counts(0.9, "none", spans, exact) == [0, 0]
+    with pytest.raises(ValueError):
+        placed_anchor_counts(0.2, "attention", spans, [True])
+    chosen = torch.zeros(20, dtype=torch.bool)
+    chosen[[1, 4, 13]] = True
+    kept = drop_uncounted(chosen, spans, [0, 1])
+    assert kept.nonzero().flatten().tolist() == [13] and chosen.sum() == 3  # the caller's mask is left alone
+    assert torch.equal(drop_uncounted(chosen, spans, [2, 1]), chosen)
 
 
 def test_random_none_all():

@@ -234,3 +234,23 @@ def test_admission_fixes_the_recompute_set_once_and_refuses_a_mixed_call():
                          (dict(shared=shared, anchors=shared, select=True), "either given or chosen")]:
         with pytest.raises(ValueError, match=message):
             fresh().admit(**bad)
+
+
+def test_exact_affixes_are_a_block_causal_models_affixes_at_column_0():
+    """An affix's cached K/V (computed alone at positions 0..n-1) are exact where the request would compute the same:
+    a block-causal model's affix at column 0 whose blocks hold only it, or whose last, partial block is recomputed
+    for the request's own columns. Not after another token, not beside another affix in one block, never on a
+    bidirectional model."""
+    def state(prompt_len: int, gen_at: int, block: int | None) -> RequestState:
+        return RequestState(Layout(tuple(range(1, prompt_len + 1)), gen_at),
+                            SamplingParams(gen_length=4, block_length=4), 99, 0, False, torch.device("cpu"),
+                            attention_block=block)
+
+    assert state(12, 12, 4).exact_affixes([(0, 8)]) == [True]  # whole blocks
+    assert state(12, 12, 4).exact_affixes([(0, 6)]) == [True]  # block [4, 8) holds own columns: recomputed
+    assert state(12, 12, 4).exact_affixes([(1, 9)]) == [False]  # a token before it: computed alone it never saw it
+    assert state(12, 12, 4).exact_affixes([(0, 6), (6, 10)]) == [False, False]  # [4, 8) mixes the two affixes
+    assert state(12, 12, 4).exact_affixes([(0, 8), (8, 12)]) == [True, False]  # the second sees the first
+    assert state(8, 0, 4).exact_affixes([(4, 12)]) == [False]  # after the masks (an infill's suffix)
+    assert state(12, 12, None).exact_affixes([(0, 8)]) == [False]  # bidirectional: it sees what follows
+    assert state(12, 12, 4).exact_affixes([]) == []

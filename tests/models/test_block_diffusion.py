@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
+from acache.engine import EngineConfig, LLMEngine
 from acache.models import ConfigError, FastDLLMv2Model, Tokenizer, load_model
 from acache.models.layers import block_causal_mask
 from acache.reference import reference_generate
@@ -106,10 +107,59 @@ def test_prefix_affix_reuse_is_exact(model, affix_len):
         assert out.token_ids == want
 
 
+def infix_prompt() -> AffixPrompt:
+    return AffixPrompt.from_spans(random_prompts([3], seed=5)[0] + random_prompts([8], seed=6)[0] + [1, 2],
+                                  None, [(3, 11)])
+
+
+def test_an_exact_prefix_affix_takes_no_anchors(model):
+    """A prefix affix's cached K/V are exact, so no selector spends anchors on it short of recomputing it whole:
+    the one-pass selectors' first refresh is direct reuse's, a pass of its own is skipped, a probe's choice is
+    dropped, and each request decodes as under direct reuse; an infix affix keeps its anchors, and ratio 1 is
+    still full recomputation. Mixed parameters, staggered arrivals, engine equals the reference path."""
+    cases = [(prefix_prompt(8, 1), dict(selector="attention", anchor_ratio=0.2)),  # chosen in one pass
+             (prefix_prompt(10, 2), dict(selector="cacheblend", anchor_ratio=0.5, gen_length=16, block_length=8)),
+             (prefix_prompt(8, 3), dict(selector="kv-deviation", anchor_ratio=0.3)),  # a pass of its own
+             (prefix_prompt(10, 4), dict(selector="random", anchor_ratio=0.4, seed=3)),
+             (infix_prompt(), dict(selector="attention", anchor_ratio=0.25)),
+             (prefix_prompt(10, 2), dict(selector="attention", anchor_ratio=1.0)),
+             (prefix_prompt(8, 1), dict(selector="attention", anchor_ratio=0.3, probe_step=True))]  # the probe runs
+    base = dict(gen_length=8, block_length=4, threshold=0.6)
+    prompts = [prompt for prompt, _ in cases]
+    params = [SamplingParams(**{**base, **kw}) for _, kw in cases]
+    outs = run_engine(model, prompts, params, arrivals=[0, 1, 0, 2, 1, 3, 0])
+    store = AffixStore(model)
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        ref = reference_generate(model, prompt, sp, store)
+        assert out.token_ids == ref.token_ids and out.anchors == ref.anchors, sp
+    assert [len(out.anchors) for out in outs] == [0, 0, 0, 0, 2, 10, 0]
+    for i in range(4):
+        kw = {k: v for k, v in cases[i][1].items() if k not in ("selector", "anchor_ratio")}
+        direct = SamplingParams(**{**base, **kw, "selector": "none"})
+        assert outs[i].token_ids == reference_generate(model, prompts[i], direct, store).token_ids
+
+
+@pytest.mark.parametrize("selector", ["attention", "kv-deviation"])
+def test_an_exact_prefix_affix_runs_no_selection(model, selector):
+    """Each layer runs once a decoding step (NFE) for a request whose only affix is exact: neither the selecting
+    refresh's layer-by-layer calls nor a selection pass of its own."""
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 26))
+    prompt, params = prefix_prompt(8, 1), SamplingParams(gen_length=8, block_length=4, threshold=0.6,
+                                                         selector=selector, anchor_ratio=0.3)
+    run_engine(model, [prompt], params, engine=engine)  # the affix's own forward, cached for the run counted
+    calls = []
+    hooks = [layer.register_forward_hook(lambda *_: calls.append(1)) for layer in model.layers]
+    try:
+        (out,) = run_engine(model, [prompt], params, engine=engine)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.anchors == [] and len(calls) == len(model.layers) * out.nfe
+
+
 def test_engine_matches_reference_with_mixed_requests(model):
     prompts = [prefix_prompt(10, 7)] + [AffixPrompt.from_spans(p) for p in random_prompts([3, 6, 9], seed=2)]
-    prompts.append(AffixPrompt.from_spans(random_prompts([3], seed=5)[0] + random_prompts([8], seed=6)[0] + [1, 2],
-                                          None, [(3, 11)]))  # an infix affix: approximate, anchors as for LLaDA
+    prompts.append(infix_prompt())  # an infix affix: approximate, anchors as for LLaDA
     params = [SamplingParams(gen_length=8, block_length=4, selector="attention", anchor_ratio=0.5),
               SamplingParams(gen_length=8, block_length=2, remasking="low_confidence", steps=8),
               SamplingParams(gen_length=16, block_length=8, cache="prefix", threshold=0.4),

@@ -23,6 +23,29 @@ def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
+def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tuple[int, int]],
+                         exact: Sequence[bool]) -> list[int]:
+    """The anchor count of each of a request's affixes at canvas columns ``[c0, c1)``: :func:`anchor_count`, but
+    none short of the whole affix where its cached K/V are exact where it is placed (``exact``, from
+    ``RequestState.exact_affixes``: a block-causal model's affix at column 0), since anchors there would recompute
+    what the cache holds. The whole affix (``all``, ratio 1) is still recomputed: it is the reference decoding."""
+    counts = []
+    for (c0, c1), is_exact in zip(spans, exact, strict=True):
+        k = anchor_count(ratio, c1 - c0, selector)
+        counts.append(0 if is_exact and k < c1 - c0 else k)
+    return counts
+
+
+def drop_uncounted(anchors: torch.Tensor, spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> torch.Tensor:
+    """``anchors [T]`` a selection of its own chose, without those in the affixes whose count is zero (an exact
+    affix's, :func:`placed_anchor_counts`): a selector scores every affix by :func:`anchor_count` alone."""
+    anchors = anchors.clone()
+    for (c0, c1), k in zip(spans, counts, strict=True):
+        if k == 0:
+            anchors[c0:c1] = False
+    return anchors
+
+
 def affix_sizes(ctx: SelectionContext) -> list[list[int]]:
     """The token count of each affix (slot) of each row."""
     slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
