@@ -2,9 +2,10 @@
 
 Model FLOPs count the useful arithmetic of every decoder layer call and every logit computed, from the
 shapes that reach them: ``2 x (the layer's linear weights)`` a real fed token, plus ``4 x heads x head_dim``
-a (real fed token, valid key) pair for the attention scores and their weighted sum, plus ``2 x hidden x
-vocab`` a logit row. Padding is left out: it is work the machine does, not work the model needs. The peak is
-measured, not looked up: a matmul in the model's dtype on its device, timed in the same run.
+a (real fed token, valid key) pair for the attention scores and their weighted sum (on a block-causal model, the
+keys each token's block sees), plus ``2 x hidden x vocab`` a logit row. Padding is left out: it is work the
+machine does, not work the model needs. The peak is measured, not looked up: a matmul in the model's dtype on
+its device, timed in the same run.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ class FlopCounter:
                 keys = (0 if fill else t) + (0 if past_k is None else past_k.shape[1])
                 self._counted += b * (2 * linear * t + 4 * width * t * keys)  # shapes only: no tensor, no sync
                 return
-            fed = key_mask[:, -x.shape[1]:].sum(dim=1)  # the fed tokens are the key set's last columns
+            t = x.shape[1]
+            if key_mask.dim() == 3:  # block-causal, a key set per query [B, T, S]: a real token sees itself
+                at = torch.arange(t, device=key_mask.device)
+                real = key_mask[:, at, key_mask.shape[2] - t + at]
+                self._pending.append(2 * linear * real.sum() + 4 * width * (key_mask.sum(dim=2) * real).sum())
+                return
+            fed = key_mask[:, -t:].sum(dim=1)  # the fed tokens are the key set's last columns
             keys = key_mask.sum(dim=1)
             self._pending.append(2 * linear * fed.sum() + 4 * width * (fed * keys).sum())
         return hook
