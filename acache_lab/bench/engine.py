@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import anchor_count
+from acache.affix.selectors import placed_anchor_counts
 from acache.engine import EngineConfig, LLMEngine
 from acache.models.base import DiffusionLM
 from acache.models.loader import load_model, parse_device, parse_dtype
@@ -30,7 +30,7 @@ from acache.sampling_params import SamplingParams
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.fastdllm import fastdllm_generate
 from acache_lab.bench.flops import FlopCounter, matmul_peak
-from acache_lab.eval.cost import filtering_passes
+from acache_lab.eval.cost import exact_affixes, filtering_passes
 
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
@@ -52,6 +52,12 @@ class Workload:
     ratio: float = 0.2
     selector: str = DEFAULT_SELECTOR
     anchor_pass: str | None = None  # None: the selector's default (one pass where it has one)
+    exact: bool = False  # the affix is exact where it is placed (a block-causal model's prefix): no anchors taken
+
+    @property
+    def anchors(self) -> int:
+        """The affix's anchor count, as the engine counts it."""
+        return placed_anchor_counts(self.ratio, self.selector, [(0, self.affix_len)], [self.exact])[0]
 
     @property
     def blocks(self) -> int:
@@ -65,18 +71,20 @@ class Workload:
         in_block = (self.steps - self.blocks) * self.block_length
         if not reuse:
             return self.blocks * (self.affix_len + self.question_len + self.gen_length) + in_block
+        if self.anchors == 0:  # nothing to choose: every refresh is direct reuse's
+            return self.blocks * self.refresh_tokens(True) + in_block
         one = layers is not None and SamplingParams(selector=self.selector, anchor_pass=self.anchor_pass,
                                                     probe_step=False).anchor_pass == "one"
         if one:
             canvas = self.affix_len + self.question_len + self.gen_length
-            first = filtering_passes(self.selector, canvas, [self.affix_len], layers, self.ratio) / layers
+            first = filtering_passes(self.selector, canvas, [self.affix_len], layers, self.ratio,
+                                     exact=[self.exact]) / layers
             return first + (self.blocks - 1) * self.refresh_tokens(True) + in_block
         probe = self.question_len + self.gen_length
         return probe + self.blocks * self.refresh_tokens(True) + in_block
 
     def refresh_tokens(self, reuse: bool) -> int:
-        anchors = anchor_count(self.ratio, self.affix_len) if reuse else self.affix_len
-        return anchors + self.question_len + self.gen_length
+        return (self.anchors if reuse else self.affix_len) + self.question_len + self.gen_length
 
 
 @dataclass
@@ -399,6 +407,9 @@ def main(args) -> int:
         _, w = make_task_requests(args.model, 1, args.sentences, args.seed)
         w = replace(w, selector=args.selector, anchor_pass=args.anchor_pass)
         described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
+    sample = make_task_requests(args.model, 1, args.sentences, args.seed)[0][0] if args.workload == "tasks" \
+        else make_requests(model, w, 1, args.seed)[0]
+    w = replace(w, exact=all(exact_affixes(model.config, sample, w.gen_length)))  # the ideal counts as the engine
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())

@@ -16,6 +16,10 @@ every policy (left out, being equal). Selection is counted from each selector's 
   probe, as for ``attention``);
 * ``first-k``, ``random``, ``none``, ``all``: nothing.
 
+An affix whose cached K/V are exact where it is placed (``exact``: a block-causal model's affix at column 0,
+``RequestState.exact_affixes``) takes no anchors short of the whole affix, as the engine serves it; a request none
+of whose affixes takes anchors selects nothing.
+
 A one-pass selector (``anchor_pass="one"``) chooses inside the refresh: nothing is spent before it, and its
 refresh runs layers 0 and 1 of every column, then the non-affix columns and the carried candidates (from
 ``min(n, 2k)`` down to ``k``) through each later layer, the pass CacheBlend's selection runs.
@@ -25,19 +29,45 @@ BiCache is left out: it recomputes layers, not tokens, and selects nothing.
 
 from __future__ import annotations
 
+import torch
+
 from acache.affix.context import shallow_layers
-from acache.affix.selectors import anchor_count
+from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import placed_anchor_counts
 from acache.affix.selectors.base import carried_counts
+from acache.decoding.request_state import RequestState
+from acache.models.config import ModelConfig
 from acache.policies import QUERY_SELECTORS
+from acache.sampling_params import SamplingParams
 
 FREE = ("first-k", "random", "none", "all")
 
 
-def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+def exact_affixes(config: ModelConfig, prompt: AffixPrompt, gen_length: int) -> list[bool]:
+    """Which of ``prompt``'s affixes are exact where they are placed, by the engine's rule
+    (``RequestState.exact_affixes``: a block-causal model's affix at column 0)."""
+    state = RequestState(prompt.layout, SamplingParams(gen_length=gen_length, block_length=gen_length),
+                         config.mask_token_id, config.pad_token_id, False, torch.device("cpu"),
+                         attention_block=config.block_size)
+    starts = [state.canvas.column(0, a.start) for a in prompt.affixes]
+    return state.exact_affixes([(c0, c0 + a.length) for c0, a in zip(starts, prompt.affixes, strict=True)])
+
+
+def counts(policy: str, affixes: list[int], ratio: float, exact: list[bool] | None = None) -> list[int]:
+    """Each affix's anchor count, as the engine counts it (the affixes laid end to end: only the flags matter)."""
+    spans, start = [], 0
+    for n in affixes:
+        spans.append((start, start + n))
+        start += n
+    return placed_anchor_counts(ratio, policy, spans, exact or [False] * len(affixes))
+
+
+def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], layers: int, ratio: float,
+                     exact: list[bool] | None = None) -> int:
     """Token-layer passes of choosing the anchors of one request: a ``canvas``-column request whose affixes
     have ``affixes`` tokens each, on a ``layers``-layer model."""
     other = canvas - sum(affixes)
-    if policy in FREE:
+    if policy in FREE or not any(counts(policy, affixes, ratio, exact)):
         return 0
     if policy == "influence":
         return other * layers + sum(affixes) * layers
@@ -48,40 +78,46 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     if policy in ("attention", "query-attention"):
         return probe
     if policy == "attention-deviation":
-        candidates = sum(min(n, 2 * anchor_count(ratio, n, policy)) for n in affixes)
+        candidates = sum(min(n, 2 * k) for n, k in zip(affixes, counts(policy, affixes, ratio, exact), strict=True))
         return probe + (other + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0
-        return filtering_passes(policy, canvas, affixes, layers, ratio)
+        return filtering_passes(policy, canvas, affixes, layers, ratio, exact=exact)
     raise ValueError(f"no cost model for policy {policy!r}")
 
 
 def filtering_passes(policy: str, canvas: int, affixes: list[int], layers: int, ratio: float,
-                     depth: float = 1.0) -> int:
-    """Layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens through each later
-    layer: CacheBlend's selection, and a one-pass selector's whole first refresh (at ``depth``: carried down to
-    the anchors sooner)."""
+                     depth: float = 1.0, exact: list[bool] | None = None) -> int:
+    """Layers 0 and 1 of every column (but those of an affix taking no anchors), then the non-affix columns and the
+    carried affix tokens through each later layer: CacheBlend's selection, and a one-pass selector's whole first
+    refresh (at ``depth``: carried down to the anchors sooner)."""
     other = canvas - sum(affixes)
-    plans = [carried_counts(anchor_count(ratio, n, policy), n, max(layers - 1, 1), depth) for n in affixes]
+    ks = counts(policy, affixes, ratio, exact)
+    plans = [carried_counts(k, n, max(layers - 1, 1), depth) for k, n in zip(ks, affixes, strict=True)]
     later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
-    return canvas * min(2, layers) + later
+    first = other + sum(n for n, k in zip(affixes, ks, strict=True) if k)  # an affix taking no anchor stays cached
+    return first * min(2, layers) + later
 
 
-def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: int, ratio: float) -> int:
+def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: int, ratio: float,
+                   exact: list[bool] | None = None) -> int:
     """Token-layer passes of one refresh: the anchors and every non-affix column through every layer (the
     whole canvas without the affix cache)."""
     if policy is None:
         return canvas * layers
-    anchors = sum(anchor_count(ratio, n, policy) for n in affixes)
-    return (canvas - sum(affixes) + anchors) * layers
+    return (canvas - sum(affixes) + sum(counts(policy, affixes, ratio, exact))) * layers
 
 
 def request_passes(policy: str | None, query: str, canvas: int, affixes: list[int], layers: int,
-                   ratio: float, anchor_pass: str | None = None, anchor_depth: float = 1.0) -> int:
-    """Selection plus the block-boundary refresh (one pass: the refresh that selects)."""
+                   ratio: float, anchor_pass: str | None = None, anchor_depth: float = 1.0,
+                   exact: list[bool] | None = None) -> int:
+    """Selection plus the block-boundary refresh (one pass: the refresh that selects; neither selects where no
+    affix takes anchors)."""
+    if policy is not None and affixes and not any(counts(policy, affixes, ratio, exact)):
+        return refresh_passes(policy, canvas, affixes, layers, ratio, exact)
     if anchor_pass == "one":  # at ratio 0 and 1 the one pass is the refresh of direct reuse or full recomputation
-        return filtering_passes(policy, canvas, affixes, layers, ratio, anchor_depth) if 0 < ratio < 1 and layers > 1 \
-            else refresh_passes(policy, canvas, affixes, layers, ratio)
-    select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio)
-    return select + refresh_passes(policy, canvas, affixes, layers, ratio)
+        return filtering_passes(policy, canvas, affixes, layers, ratio, anchor_depth, exact) \
+            if 0 < ratio < 1 and layers > 1 else refresh_passes(policy, canvas, affixes, layers, ratio, exact)
+    select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio, exact)
+    return select + refresh_passes(policy, canvas, affixes, layers, ratio, exact)

@@ -29,6 +29,16 @@ def test_paper_shape_ideal_bounds():
     assert w.token_passes(True) == (60 + 256) + 8 * 456 + in_block  # the selection probe, then refreshes
 
 
+def test_an_exact_affix_or_no_anchors_bounds_as_direct_reuse():
+    """An exact affix (a block-causal model's prefix) takes no anchors short of the whole, and `none` takes none:
+    every refresh is direct reuse's, with no selection; ratio 1 still recomputes the whole affix."""
+    in_block = (64 - 8) * 32
+    for w in (Workload(exact=True), Workload(selector="none"), Workload(selector="cacheblend", exact=True)):
+        assert w.anchors == 0 and w.refresh_tokens(True) == 60 + 256
+        assert w.token_passes(True) == w.token_passes(True, layers=30) == 8 * 316 + in_block
+    assert Workload(exact=True, ratio=1.0).refresh_tokens(True) == 1016
+
+
 def test_comparison_ratios_and_page_bounds():
     w = Workload(affix_len=64, question_len=8, gen_length=8, block_length=8, steps=8, ratio=0.25)
     dual = ModeResult("dual", 2, 1.0, 16, 16.0, 0.8, 0.1, 0.0, 10, 10 * 1024)

@@ -48,6 +48,22 @@ def test_one_pass_request_passes_by_depth():
     assert one(0.25) == 48 * 2 + (10 + 8) * 2
 
 
+def test_an_exact_affix_costs_what_direct_reuse_costs():
+    """An affix exact where it is placed takes no anchors short of the whole affix, so a request whose affixes all are
+    selects nothing and refreshes its own columns alone, in either pass; beside an approximate affix only that one's
+    anchors and candidates count. Ratio 0 selects nothing either (the engine skips it)."""
+    direct = request_passes("none", "probe", CANVAS, AFFIX, LAYERS, 0.0)
+    for policy, anchor_pass in (("attention", "one"), ("attention", "two"), ("kv-deviation", "two"),
+                                ("cacheblend", "one"), ("attention-deviation", "two")):
+        assert request_passes(policy, "probe", CANVAS, AFFIX, LAYERS, RATIO, anchor_pass, exact=[True]) == direct == 40
+        assert request_passes(policy, "probe", CANVAS, AFFIX, LAYERS, 0.0, anchor_pass) == direct
+    assert request_passes("attention", "probe", CANVAS, AFFIX, LAYERS, 1.0, "one", exact=[True]) == 48 * 4
+    assert request_passes("attention", "probe", CANVAS, [20, 18], LAYERS, 0.5, "one", exact=[True, False]) == (
+        (10 + 18) * 2 + (10 + 18) + (10 + 14))  # the first stays cached; the second carries 18, then 14, keeps 9
+    assert selection_passes("attention", "probe", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 0
+    assert refresh_passes("attention", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 10 * 4
+
+
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="no cost model for policy 'bicache-matched'"):
         selection_passes("bicache-matched", "probe", CANVAS, AFFIX, LAYERS, RATIO)
