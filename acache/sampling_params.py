@@ -33,8 +33,9 @@ class SamplingParams:
     ``selector`` turns on cross-request affix reuse for prompts that mark affixes: the anchor
     selector (``attention`` is ACache; ``none`` is direct reuse, ``all`` full recompute; baselines
     ``kv-deviation``, ``query-attention``, ``first-k``, ``random``), recomputing ``anchor_ratio`` of each
-    affix's tokens; ``anchor_query`` is where ACache's queries come from: ``probe``, ``full`` (a no-cache
-    forward) or ``shallow`` (the probe through its first three tenths of the layers only: see
+    affix's tokens (none of an affix exact where it is placed: a block-causal model's affix at column 0);
+    ``anchor_query`` is where ACache's queries come from: ``probe``, ``full`` (a no-cache forward) or
+    ``shallow`` (the probe through its first three tenths of the layers only: see
     :func:`acache.affix.context.shallow_layers`).
     ``bicache-matched`` recomputes the deepest ``ceil(anchor_ratio * layers)`` layers instead, and
     ``bicache-profiled`` takes that depth from a profile (``LLM(bicache_profile=...)``).

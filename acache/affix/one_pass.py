@@ -3,7 +3,7 @@
 The first refresh of a request with shared affixes runs layer by layer:
 
 * layers 0 and 1 (up to the first stale one: layer 0's K/V depend on each token alone) on every column in
-  context, affix tokens included, as CacheBlend's first layers run;
+  context, affix tokens included (but those of an affix that takes no anchors), as CacheBlend's first layers run;
 * from layer 2 on, only the request's own columns (the ones every refresh recomputes) and the carried
   candidates, against the cached K/V of the other affix tokens; after each layer from 1 on, the candidates
   of each affix are filtered by the selector's score, from ``min(n, 2k)`` after layer 1 down linearly to
@@ -15,7 +15,8 @@ The first refresh of a request with shared affixes runs layer by layer:
 Every K/V the forward computes for the own columns and the anchors is kept (the executor writes them where a
 refresh writes them: the request's private slots), its final states decode the block's first step, and the
 later refreshes recompute the own columns and the anchors as any refresh does. A row whose affixes take no
-anchors (ratio 0) feeds its own columns alone at every layer: direct reuse, the same forward. A row whose
+anchors (ratio 0, or exact affixes) feeds its own columns alone at every layer: direct reuse, the same forward (the
+engine does not send such a request here: it has nothing to choose). A row whose
 affixes are all anchors (ratio 1) feeds every column at every layer: full recomputation.
 
 Each one-pass selector is a :class:`OnePass` rule (``AnchorSelector.one_pass``): the score at layer ``l`` is

@@ -17,12 +17,13 @@ every policy (left out, being equal). Selection is counted from each selector's 
 * ``first-k``, ``random``, ``none``, ``all``: nothing.
 
 An affix whose cached K/V are exact where it is placed (``exact``: a block-causal model's affix at column 0,
-``RequestState.exact_affixes``) takes no anchors short of the whole affix, as the engine serves it; a request none
-of whose affixes takes anchors selects nothing.
+``RequestState.exact_affixes``) takes no anchors short of the whole affix, as the engine serves it, and a one-pass
+refresh feeds none of its columns; a request none of whose affixes takes anchors selects nothing. A pass of its own
+still scores such an affix beside an approximate one (its anchors there are dropped after).
 
-A one-pass selector (``anchor_pass="one"``) chooses inside the refresh: nothing is spent before it, and its
-refresh runs layers 0 and 1 of every column, then the non-affix columns and the carried candidates (from
-``min(n, 2k)`` down to ``k``) through each later layer, the pass CacheBlend's selection runs.
+A one-pass selector (``anchor_pass="one"``) chooses inside the refresh: nothing is spent before it, and its refresh
+runs layers 0 and 1 of every column (but an exact affix's), then the non-affix columns and the carried candidates
+(from ``min(n, 2k)`` down to ``k``) through each later layer, the pass CacheBlend's selection runs.
 
 BiCache is left out: it recomputes layers, not tokens, and selects nothing.
 """
@@ -69,6 +70,7 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     other = canvas - sum(affixes)
     if policy in FREE or not any(counts(policy, affixes, ratio, exact)):
         return 0
+    exact = None  # a pass of its own scores every affix by anchor_count: its anchors in an exact one are dropped after
     if policy == "influence":
         return other * layers + sum(affixes) * layers
     own_query = policy in QUERY_SELECTORS

@@ -23,8 +23,8 @@ BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
 @pytest.mark.parametrize("selector", ONE_PASS_SELECTORS)
 def test_zero_ratio_is_direct_reuse(family_model, selector):
-    """Ratio 0 feeds the request's own columns alone at every layer: direct reuse, in every layout, alone and
-    batched beside a request that does take anchors."""
+    """Ratio 0 takes no anchors: the request skips the selecting refresh and decodes as direct reuse, in every
+    layout, alone and batched beside a request that does take anchors."""
     prompts = list(layouts().values())
     store = AffixStore(family_model)
     want = affix_run(family_model, prompts, SamplingParams(**BASE, selector="none"), store)

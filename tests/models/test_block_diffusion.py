@@ -16,6 +16,7 @@ from acache.models import ConfigError, FastDLLMv2Model, Tokenizer, load_model
 from acache.models.layers import block_causal_mask
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
+from tests.affix.helpers import layouts
 from tests.conftest import random_prompts, tiny_checkpoint
 from tests.helpers import run_engine
 
@@ -123,16 +124,20 @@ def test_an_exact_prefix_affix_takes_no_anchors(model):
              (prefix_prompt(10, 4), dict(selector="random", anchor_ratio=0.4, seed=3)),
              (infix_prompt(), dict(selector="attention", anchor_ratio=0.25)),
              (prefix_prompt(10, 2), dict(selector="attention", anchor_ratio=1.0)),
-             (prefix_prompt(8, 1), dict(selector="attention", anchor_ratio=0.3, probe_step=True))]  # the probe runs
+             (prefix_prompt(8, 1), dict(selector="attention", anchor_ratio=0.3, probe_step=True)),  # the probe runs
+             (layouts()["two-affix"], dict(selector="attention", anchor_ratio=0.3)),  # the first exact, the second not
+             (layouts()["two-affix"], dict(selector="cacheblend", anchor_ratio=0.3, anchor_pass="two"))]
     base = dict(gen_length=8, block_length=4, threshold=0.6)
     prompts = [prompt for prompt, _ in cases]
     params = [SamplingParams(**{**base, **kw}) for _, kw in cases]
-    outs = run_engine(model, prompts, params, arrivals=[0, 1, 0, 2, 1, 3, 0])
+    outs = run_engine(model, prompts, params, arrivals=[0, 1, 0, 2, 1, 3, 0, 2, 1])
     store = AffixStore(model)
     for prompt, sp, out in zip(prompts, params, outs, strict=True):
         ref = reference_generate(model, prompt, sp, store)
         assert out.token_ids == ref.token_ids and out.anchors == ref.anchors, sp
-    assert [len(out.anchors) for out in outs] == [0, 0, 0, 0, 2, 10, 0]
+    assert [len(out.anchors) for out in outs] == [0, 0, 0, 0, 2, 10, 0, 6, 6]  # ceil(0.3 * 20): the second affix's
+    doc = prompts[-1].affixes[1]
+    assert all(doc.start <= a < doc.start + doc.length for out in outs[-2:] for a in out.anchors)
     for i in range(4):
         kw = {k: v for k, v in cases[i][1].items() if k not in ("selector", "anchor_ratio")}
         direct = SamplingParams(**{**base, **kw, "selector": "none"})
@@ -140,9 +145,14 @@ def test_an_exact_prefix_affix_takes_no_anchors(model):
 
 
 @pytest.mark.parametrize("selector", ["attention", "kv-deviation"])
-def test_an_exact_prefix_affix_runs_no_selection(model, selector):
-    """Each layer runs once a decoding step (NFE) for a request whose only affix is exact: neither the selecting
-    refresh's layer-by-layer calls nor a selection pass of its own."""
+def test_an_exact_prefix_affix_runs_no_selection(model, selector, monkeypatch):
+    """A request whose only affix is exact runs neither a selecting refresh nor a selection pass of its own: each
+    layer runs once a decoding step (NFE), and the one-pass forward is never called."""
+    from acache.engine import model_runner
+
+    selecting = []
+    real = model_runner.refresh_selecting
+    monkeypatch.setattr(model_runner, "refresh_selecting", lambda *a: selecting.append(1) or real(*a))
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 26))
     prompt, params = prefix_prompt(8, 1), SamplingParams(gen_length=8, block_length=4, threshold=0.6,
                                                          selector=selector, anchor_ratio=0.3)
@@ -154,7 +164,11 @@ def test_an_exact_prefix_affix_runs_no_selection(model, selector):
     finally:
         for hook in hooks:
             hook.remove()
-    assert out.anchors == [] and len(calls) == len(model.layers) * out.nfe
+    assert out.anchors == [] and len(calls) == len(model.layers) * out.nfe and not selecting
+    # the same request with its affix after a token is approximate: it selects (in one pass for attention)
+    infix = SamplingParams(gen_length=8, block_length=4, threshold=0.6, selector=selector, anchor_ratio=0.3)
+    (out,) = run_engine(model, [infix_prompt()], infix, engine=engine)
+    assert len(out.anchors) == 3 and bool(selecting) == (selector == "attention")
 
 
 def test_engine_matches_reference_with_mixed_requests(model):

@@ -15,7 +15,8 @@ from acache.affix.context import SelectionContext
 def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
     """How many of an ``n``-token affix's tokens a request recomputes: none for direct reuse (``none``),
     all for full recompute (``all``), otherwise ``ceil(ratio * n)``, robust to float error (0.3 * 10 is
-    3, not 4). The one place this count is defined: selection and page sizing both read it."""
+    3, not 4). The one place this count is defined: selection reads it, and :func:`placed_anchor_counts` (page
+    sizing, the one-pass refresh) from it."""
     if selector == "none":
         return 0
     if selector == "all":

@@ -60,6 +60,9 @@ def test_an_exact_affix_costs_what_direct_reuse_costs():
     assert request_passes("attention", "probe", CANVAS, AFFIX, LAYERS, 1.0, "one", exact=[True]) == 48 * 4
     assert request_passes("attention", "probe", CANVAS, [20, 18], LAYERS, 0.5, "one", exact=[True, False]) == (
         (10 + 18) * 2 + (10 + 18) + (10 + 14))  # the first stays cached; the second carries 18, then 14, keeps 9
+    # a pass of its own (two-pass cacheblend) scores both affixes; only the approximate one's anchors are refreshed
+    assert request_passes("cacheblend", "probe", CANVAS, [20, 18], LAYERS, 0.5, exact=[True, False]) == (
+        48 * 2 + (10 + 20 + 18) + (10 + 15 + 14) + (10 + 9) * 4)
     assert selection_passes("attention", "probe", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 0
     assert refresh_passes("attention", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 10 * 4
 
