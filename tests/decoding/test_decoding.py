@@ -254,3 +254,11 @@ def test_exact_affixes_are_a_block_causal_models_affixes_at_column_0():
     assert state(8, 0, 4).exact_affixes([(4, 12)]) == [False]  # after the masks (an infill's suffix)
     assert state(12, 12, None).exact_affixes([(0, 8)]) == [False]  # bidirectional: it sees what follows
     assert state(12, 12, 4).exact_affixes([]) == []
+    # the rule, read on the host, is the recompute set's: the last block is recomputed, or the affix fills it
+    for spans in ([(0, 5)], [(0, 7), (7, 9)], [(0, 3), (4, 11)], [(0, 9)], [(0, 12)], [(2, 6)]):
+        s = state(12, 12, 4)
+        shared = torch.zeros(s.length, dtype=torch.bool)
+        for c0, c1 in spans:
+            shared[c0:c1] = True
+        base = s.base_recompute(shared)
+        assert s.exact_affixes(spans) == [c0 == 0 and (c1 % 4 == 0 or bool(base[c1 - 1])) for c0, c1 in spans]
