@@ -4,8 +4,9 @@ Hypothesis draws batches of 1-12 requests that mix prompt lengths; no affix, pre
 two affixes; ``gen_length`` and ``block_length``; each commit rule; thresholds and factors; temperature
 0 and > 0 with seeds; every cache policy; every selector (with and without ``probe_step``) and both
 BiCache modes; ratios in [0, 1]; refresh intervals; and arrivals at different engine steps, on engines
-of different page sizes, slots and token budgets. Each request's tokens, anchors and NFE must
-equal the reference's. ``make test`` runs a derandomized profile; ``make test-long`` the long one.
+of different page sizes, slots and token budgets, on LLaDA, Dream and the block-diffusion family (whose prefix
+affixes are exact and take no anchors). Each request's tokens, anchors and NFE must equal the reference's.
+``make test`` runs a derandomized profile; ``make test-long`` the long one.
 """
 
 from __future__ import annotations
@@ -88,15 +89,15 @@ def profile(llada_dir):
     return BiCacheProfile(num_layers=2, tau=0.97, max_share=[0.3, 0.6, 1.0], safe_layers=[2, 1, 0], samples=[1, 1, 1])
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("family", ["llada", "dream", "fast_dllm_v2"])
 @settings(settings.get_profile(PROFILE))
 @given(batch=st.lists(requests(), min_size=1, max_size=12), page_size=st.sampled_from([2, 4, 16]),
        max_num_seqs=st.integers(1, 12), token_budget=st.sampled_from([16384, 16384, 64, 8]))
-def test_any_mix_of_requests_decodes_each_as_alone(family, llada_dir, dream_dir, profile, batch, page_size,
-                                                   max_num_seqs, token_budget):
+def test_any_mix_of_requests_decodes_each_as_alone(family, llada_dir, dream_dir, blockdiff_dir, profile, batch,
+                                                   page_size, max_num_seqs, token_budget):
     from acache.engine import EngineConfig, LLMEngine
 
-    model = _model(family, llada_dir, dream_dir)
+    model = _model(family, {"llada": llada_dir, "dream": dream_dir, "fast_dllm_v2": blockdiff_dir})
     prompts = [p for p, _, _ in batch]
     params = [sp for _, sp, _ in batch]
     config = EngineConfig(page_size=page_size, kv_cache_memory=1 << 24, max_num_seqs=max_num_seqs,
@@ -116,9 +117,9 @@ def test_any_mix_of_requests_decodes_each_as_alone(family, llada_dir, dream_dir,
 _MODELS: dict[str, object] = {}
 
 
-def _model(family, llada_dir, dream_dir):
+def _model(family, dirs):
     from acache.models.loader import load_model
 
     if family not in _MODELS:
-        _MODELS[family] = load_model(llada_dir if family == "llada" else dream_dir)
+        _MODELS[family] = load_model(dirs[family])
     return _MODELS[family]
