@@ -20,7 +20,7 @@ from acache.affix.context import SelectionContext, request_seed
 from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import drop_uncounted, make_selector, placed_anchor_counts
+from acache.affix.selectors import drop_uncounted, make_selector, request_anchor_counts
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
@@ -82,8 +82,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
         depth = split = None
         done = False
         cols = [(c0, c1) for c0, c1, _ in spans]
-        counts = [] if bicache else placed_anchor_counts(params.anchor_ratio, params.selector, cols,
-                                                         state.exact_affixes(cols))
+        counts = [] if bicache else request_anchor_counts(state, cols)
         if bicache:
             depth = bicache_depth(params.selector, params.anchor_ratio, len(model.layers),
                                   int(shared.sum()) / t, bicache_profile)

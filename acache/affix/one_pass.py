@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from acache.affix.context import AffixMass, compact_index, kv_deviation
-from acache.affix.selectors import SELECTORS, placed_anchor_counts
+from acache.affix.selectors import SELECTORS, request_anchor_counts
 from acache.affix.selectors.base import (
     OnePass,
     carried_counts,
@@ -117,8 +117,7 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
         own[i, :state.length] = state.base_recompute(shared)
         gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
     rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
-    counts = [placed_anchor_counts(state.params.anchor_ratio, state.params.selector, spans, state.exact_affixes(spans))
-              for state, spans in rows]
+    counts = [request_anchor_counts(state, spans) for state, spans in rows]
     depths = [state.params.anchor_depth for state, _ in rows]
     return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts, depths)
 

@@ -237,7 +237,7 @@ class ModelRunner:
         K/V of each request's own columns and anchors are written to the private slots its slot map will give
         them once the scheduler fixes the anchors."""
         reqs, plans, dev, pool = batch.requests, batch.plans, self.device, self.pool
-        inputs = selecting_inputs([(r.state, [r.span_columns(index) for index, _ in r.shared]) for r in reqs], dev)
+        inputs = selecting_inputs([(r.state, r.shared_spans) for r in reqs], dev)
         trash, width = pool.trash_slot, inputs.tokens.shape[1]
         shared_slots = torch.full((len(reqs), width), trash, dtype=torch.long, device=dev)
         for i, req in enumerate(reqs):

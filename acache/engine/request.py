@@ -13,7 +13,7 @@ import torch
 
 from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import placed_anchor_counts
+from acache.affix.selectors import request_anchor_counts
 from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
@@ -99,12 +99,15 @@ class Request:
         base = int(self.state.base_recompute(self.shared_mask(shared_indices)).sum())
         return base + sum(self.anchor_counts(shared_indices))
 
+    @property
+    def shared_spans(self) -> list[tuple[int, int]]:
+        """Canvas columns ``[c0, c1)`` of each affix shared now, in :attr:`shared`'s order."""
+        return [self.span_columns(i) for i, _ in self.shared]
+
     def anchor_counts(self, shared_indices: list[int] | None = None) -> list[int]:
         """The anchor count of each shared affix (``shared_indices``; default: those shared now), in that order."""
-        indices = [i for i, _ in self.shared] if shared_indices is None else shared_indices
-        spans = [self.span_columns(i) for i in indices]
-        p = self.params
-        return placed_anchor_counts(p.anchor_ratio, p.selector, spans, self.state.exact_affixes(spans))
+        spans = self.shared_spans if shared_indices is None else [self.span_columns(i) for i in shared_indices]
+        return request_anchor_counts(self.state, spans)
 
     @property
     def affix_tokens(self) -> int:

@@ -185,8 +185,7 @@ class Scheduler:
             if req.bicache:
                 req.state.admit()
             else:
-                spans = [req.span_columns(i) for i, _ in req.shared]
-                req.state.admit(req.shared_columns, drop_uncounted(anchors, spans, req.anchor_counts()))
+                req.state.admit(req.shared_columns, drop_uncounted(anchors, req.shared_spans, req.anchor_counts()))
                 self.kv.map_slots(req)
             self._count_anchors(req)
             if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step

@@ -404,12 +404,12 @@ def main(args) -> int:
     if args.workload == "tasks":
         if not args.model:
             raise ValueError("--workload tasks runs on a trained model: pass --model (the shipped one)")
-        _, w = make_task_requests(args.model, 1, args.sentences, args.seed)
+        sample, w = make_task_requests(args.model, 1, args.sentences, args.seed)
         w = replace(w, selector=args.selector, anchor_pass=args.anchor_pass)
         described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
-    sample = make_task_requests(args.model, 1, args.sentences, args.seed)[0][0] if args.workload == "tasks" \
-        else make_requests(model, w, 1, args.seed)[0]
-    w = replace(w, exact=all(exact_affixes(model.config, sample, w.gen_length)))  # the ideal counts as the engine
+    else:
+        sample = make_requests(model, w, 1, args.seed)
+    w = replace(w, exact=all(exact_affixes(model.config, sample[0], w.gen_length)))  # the ideal counts as the engine
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())

@@ -70,7 +70,7 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     other = canvas - sum(affixes)
     if policy in FREE or not any(counts(policy, affixes, ratio, exact)):
         return 0
-    exact = None  # a pass of its own scores every affix by anchor_count: its anchors in an exact one are dropped after
+    # from here a pass of its own scores every affix by anchor_count (its anchors in an exact one are dropped after)
     if policy == "influence":
         return other * layers + sum(affixes) * layers
     own_query = policy in QUERY_SELECTORS
@@ -80,12 +80,12 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     if policy in ("attention", "query-attention"):
         return probe
     if policy == "attention-deviation":
-        candidates = sum(min(n, 2 * k) for n, k in zip(affixes, counts(policy, affixes, ratio, exact), strict=True))
+        candidates = sum(min(n, 2 * k) for n, k in zip(affixes, counts(policy, affixes, ratio), strict=True))
         return probe + (other + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0
-        return filtering_passes(policy, canvas, affixes, layers, ratio, exact=exact)
+        return filtering_passes(policy, canvas, affixes, layers, ratio)
     raise ValueError(f"no cost model for policy {policy!r}")
 
 

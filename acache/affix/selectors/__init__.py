@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnchors
 from acache.affix.selectors.attention_deviation import AttentionDeviationAnchors
-from acache.affix.selectors.base import AnchorSelector, anchor_count, drop_uncounted, placed_anchor_counts
+from acache.affix.selectors.base import (
+    AnchorSelector,
+    anchor_count,
+    drop_uncounted,
+    placed_anchor_counts,
+    request_anchor_counts,
+)
 from acache.affix.selectors.cacheblend import CacheBlendAnchors
 from acache.affix.selectors.influence import InfluenceAnchors
 from acache.affix.selectors.kv_deviation import KVDeviationAnchors
@@ -29,4 +35,5 @@ def make_selector(name: str, query: str = "probe") -> AnchorSelector:
     return SELECTORS[name]()
 
 
-__all__ = ["SELECTORS", "AnchorSelector", "anchor_count", "drop_uncounted", "make_selector", "placed_anchor_counts"]
+__all__ = ["SELECTORS", "AnchorSelector", "anchor_count", "drop_uncounted", "make_selector", "placed_anchor_counts",
+           "request_anchor_counts"]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from acache.affix.context import SelectionContext
+
+if TYPE_CHECKING:
+    from acache.decoding.request_state import RequestState
 
 
 def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
@@ -37,9 +40,17 @@ def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tup
     return counts
 
 
+def request_anchor_counts(state: RequestState, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """:func:`placed_anchor_counts` of a request's shared affixes at ``spans``, by its parameters and placement."""
+    p = state.params
+    return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)))
+
+
 def drop_uncounted(anchors: torch.Tensor, spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> torch.Tensor:
     """``anchors [T]`` a selection of its own chose, without those in the affixes whose count is zero (an exact
     affix's, :func:`placed_anchor_counts`): a selector scores every affix by :func:`anchor_count` alone."""
+    if all(counts):
+        return anchors
     anchors = anchors.clone()
     for (c0, c1), k in zip(spans, counts, strict=True):
         if k == 0:
