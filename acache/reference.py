@@ -20,7 +20,7 @@ from acache.affix.context import SelectionContext, request_seed
 from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import drop_uncounted, make_selector, request_anchor_counts
+from acache.affix.selectors import admission_anchors, drop_uncounted, make_selector, request_anchor_counts
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
@@ -90,8 +90,10 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             for entry in held:
                 store.ensure_hidden(entry)
             state.admit()
-        elif reuse and spans and not params.probe_step and not any(counts):
-            state.admit(shared, torch.zeros_like(shared))  # no affix takes anchors: nothing to choose
+        elif reuse and spans and (anchors := admission_anchors(
+                make_selector(params.selector, params.anchor_query), state, cols, counts,
+                request_seed(params.seed, prompt.token_ids))) is not None:
+            state.admit(shared, anchors)  # nothing to choose with a forward (no anchors, or a layout-only selector)
         elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
             state.admit(shared, select=True)
         elif reuse:

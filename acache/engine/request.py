@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from acache.affix.context import request_seed
 from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import request_anchor_counts
+from acache.affix.selectors import admission_anchors, make_selector, request_anchor_counts
 from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
@@ -108,6 +109,13 @@ class Request:
         """The anchor count of each shared affix (``shared_indices``; default: those shared now), in that order."""
         spans = self.shared_spans if shared_indices is None else [self.span_columns(i) for i in shared_indices]
         return request_anchor_counts(self.state, spans)
+
+    def admission_anchors(self) -> torch.Tensor | None:
+        """``[T]``: the anchors this request takes among its shared affixes when it is admitted, or None when a
+        forward chooses them (:func:`~acache.affix.selectors.admission_anchors`)."""
+        p = self.params
+        return admission_anchors(make_selector(p.selector, p.anchor_query), self.state, self.shared_spans,
+                                 self.anchor_counts(), request_seed(p.seed, self.prompt.token_ids))
 
     @property
     def affix_tokens(self) -> int:

@@ -19,8 +19,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from acache.affix.bicache import BiCacheProfile, bicache_depth
 from acache.affix.selectors import drop_uncounted
 from acache.decoding.request_state import Phase
@@ -125,9 +123,10 @@ class Scheduler:
             req.status = Status.RUNNING
             if not req.reuse:  # nothing to select: every column is the request's own
                 req.state.admit()
-            elif req.shared and not req.bicache and not req.params.probe_step and not any(req.anchor_counts()):
-                # no shared affix takes anchors (direct reuse, ratio 0, exact affixes): nothing to choose
-                req.state.admit(req.shared_columns, torch.zeros_like(req.shared_columns))
+            elif req.shared and not req.bicache and (anchors := req.admission_anchors()) is not None:
+                # no shared affix takes anchors (direct reuse, ratio 0, exact affixes), or a selector that needs
+                # no forward chose them: no selection step
+                req.state.admit(req.shared_columns, anchors)
                 self.kv.map_slots(req)
                 self._count_anchors(req)
             elif req.params.anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh

@@ -9,12 +9,23 @@ import pytest
 import torch
 
 from acache.affix.context import CanvasKV, SelectionContext, shallow_layers
-from acache.affix.selectors import SELECTORS, anchor_count, drop_uncounted, make_selector, placed_anchor_counts
+from acache.affix.prompt import AffixPrompt
+from acache.affix.selectors import (
+    SELECTORS,
+    admission_anchors,
+    anchor_count,
+    drop_uncounted,
+    make_selector,
+    placed_anchor_counts,
+    request_anchor_counts,
+)
 from acache.decoding.canvas import Layout, build_canvas
+from acache.decoding.request_state import RequestState
 from acache.models.base import ForwardOutput
 from acache.models.config import ModelConfig
 from acache.models.kv import KVCache
 from acache.models.layers import rope_tables
+from acache.sampling_params import SamplingParams
 from tests.affix.helpers import layouts, selection_context
 from tests.conftest import DEVICE
 
@@ -334,6 +345,70 @@ def test_random_none_all():
     assert len(draws) > 1
     assert not make_selector("none").select(ctx, 0.9).any()
     assert torch.equal(make_selector("all").select(ctx, 0.0), ctx.affix_mask)
+
+
+@pytest.mark.parametrize("name", ["random", "first-k", "all"])
+def test_layout_only_selectors_choose_at_admission_what_a_canvas_chooses(name):
+    """A selector that scores from the layout alone is chosen when the request is admitted (admission_anchors),
+    with no canvas: the same anchors as select() on a padded canvas of requests of other lengths, layouts (prefix,
+    infix, suffix, two affixes), ratios, seeds and far-mask windows, read row by row."""
+    ids = list(range(1, 41))
+    cases = [(AffixPrompt.from_spans(ids[:20], None, [(0, 12)]), dict(anchor_ratio=0.25, seed=1)),
+             (AffixPrompt.from_spans(ids[:30], 26, [(3, 17), (19, 26)]), dict(anchor_ratio=0.4, seed=2)),
+             (AffixPrompt.from_spans(ids[:24], 4, [(6, 24)]), dict(anchor_ratio=0.2, far_mask_window=1)),
+             (AffixPrompt.from_spans(ids[:15], None, [(2, 11)]), dict(anchor_ratio=0.5, seed=9))]
+    cfg = hand_context().model.config
+    states, spans, seeds = [], [], []
+    for prompt, kw in cases:
+        params = SamplingParams(gen_length=8, block_length=2, selector=name, **kw)
+        state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, False, torch.device("cpu"))
+        states.append(state)
+        spans.append([(state.canvas.column(0, a.start), state.canvas.column(0, a.start) + a.length)
+                      for a in prompt.affixes])
+        seeds.append(1000 + len(seeds))
+    chosen = [admission_anchors(make_selector(name), st, sp, request_anchor_counts(st, sp), seed)
+              for st, sp, seed in zip(states, spans, seeds, strict=True)]
+    canvas = build_canvas([prompt.layout for prompt, _ in cases], 8, cfg.mask_token_id, cfg.pad_token_id,
+                          torch.device("cpu"))
+    slot = torch.full(canvas.tokens.shape, -1)
+    for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
+        pad = canvas.pad_left[row]
+        canvas.valid[row, pad:pad + state.length] &= ~state.far_columns()
+        for a, (c0, c1) in enumerate(row_spans):
+            slot[row, pad + c0:pad + c1] = a
+    ctx = SelectionContext(hand_context().model, canvas, slot, None, seeds)
+    on_canvas = make_selector(name).select(ctx, [kw["anchor_ratio"] for _, kw in cases])
+    for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
+        pad = canvas.pad_left[row]
+        assert torch.equal(chosen[row], on_canvas[row, pad:pad + state.length]), (name, row)
+        counts = [int(chosen[row][c0:c1].sum()) for c0, c1 in row_spans]
+        assert counts == [anchor_count(cases[row][1]["anchor_ratio"], c1 - c0, name) for c0, c1 in row_spans]
+    if name == "first-k":
+        assert chosen[1].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 19, 20, 21]  # ceil(0.4 * 14), ceil(0.4 * 7)
+    if name == "random":  # each request's own draw: another seed, other anchors
+        again = admission_anchors(make_selector(name), states[0], spans[0],
+                                  request_anchor_counts(states[0], spans[0]), 7)
+        assert not torch.equal(again, chosen[0]) and int(again.sum()) == int(chosen[0].sum())
+
+
+def test_admission_leaves_to_a_forward_what_needs_one():
+    """admission_anchors: no anchors where no affix takes any (whatever the selector), None (a forward chooses)
+    for a selector that scores with one, and for a probe_step request of any selector (its probe decodes)."""
+    cfg = hand_context().model.config
+    prompt = AffixPrompt.from_spans(list(range(1, 21)), None, [(0, 12)])
+
+    def admitted(selector, **kw):
+        params = SamplingParams(gen_length=4, block_length=2, selector=selector, **kw)
+        state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, False, torch.device("cpu"))
+        return admission_anchors(make_selector(selector), state, [(0, 12)],
+                                 request_anchor_counts(state, [(0, 12)]), 0)
+
+    for selector in ("attention", "kv-deviation", "random", "none"):
+        none = admitted(selector, anchor_ratio=0.0)
+        assert none is not None and none.shape == (24,) and not none.any()
+    assert admitted("attention", anchor_ratio=0.2) is None and admitted("cacheblend", anchor_ratio=0.2) is None
+    assert admitted("random", anchor_ratio=0.2, probe_step=True) is None
+    assert int(admitted("random", anchor_ratio=0.2).sum()) == 3 and int(admitted("all").sum()) == 12
 
 
 def test_selector_registry():

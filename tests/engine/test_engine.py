@@ -312,6 +312,37 @@ def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_mod
         assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors)
 
 
+def test_a_selector_that_needs_no_forward_chooses_at_admission(family_model, monkeypatch):
+    """``random``, ``first-k`` and ``all`` score from the layout alone: their requests take no selection step
+    (the runner's selection, its canvas and its placed K/V, never sees them) and decode as on the reference
+    path, anchors included; a ``probe_step`` request of theirs still runs its probe, and a selector that scores
+    with a forward its pass. Mixed selectors, ratios, lengths, layouts and far-mask windows, arriving staggered."""
+    from acache.engine.model_runner import ModelRunner
+
+    selected, real = [], ModelRunner._select
+    monkeypatch.setattr(ModelRunner, "_select", lambda self, reqs: selected.extend(r.request_id for r in reqs) or
+                        real(self, reqs))
+    kinds = layouts()
+    cases = [(kinds["prefix"], dict(BASE, selector="random", anchor_ratio=0.3, seed=1)),
+             (kinds["infix"], dict(gen_length=8, block_length=4, selector="first-k", anchor_ratio=0.5)),
+             (kinds["suffix"], dict(BASE, selector="all")),
+             (kinds["two-affix"], dict(gen_length=24, block_length=8, threshold=0.7, selector="random",
+                                       anchor_ratio=0.2, far_mask_window=1)),
+             (layouts(seed=1)["prefix"], dict(BASE, selector="random", anchor_ratio=0.3, probe_step=True)),
+             (layouts(seed=1)["infix"], dict(BASE, selector="attention", anchor_ratio=0.3, anchor_pass="two"))]
+    prompts, params = [c for c, _ in cases], [SamplingParams(**kw) for _, kw in cases]
+    engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))
+    outs = run_engine(family_model, prompts, params, arrivals=[0, 1, 0, 2, 1, 3], engine=engine)
+    assert sorted(selected) == sorted(out.request_id for out in outs[4:])  # the probe, the pass; no other
+    store = AffixStore(family_model)
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        ref = reference_generate(family_model, prompt, sp, store)
+        assert (out.token_ids, out.anchors) == (ref.token_ids, ref.anchors), sp
+    assert len(outs[2].anchors) == sum(a.length for a in prompts[2].affixes)
+    infix = prompts[1].affixes[0]  # EPIC's first tokens, ceil(0.5 * n) of them
+    assert outs[1].anchors == list(range(infix.start, infix.start + -(-infix.length // 2)))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_cache_memory=0), "kv_cache_memory must be a positive integer or None, got 0"),
     (dict(kv_cache_memory=1.5), "kv_cache_memory must be a positive integer"),

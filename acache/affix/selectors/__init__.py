@@ -6,6 +6,7 @@ from acache.affix.selectors.attention import AttentionAnchors, QueryAttentionAnc
 from acache.affix.selectors.attention_deviation import AttentionDeviationAnchors
 from acache.affix.selectors.base import (
     AnchorSelector,
+    admission_anchors,
     anchor_count,
     drop_uncounted,
     placed_anchor_counts,
@@ -35,5 +36,5 @@ def make_selector(name: str, query: str = "probe") -> AnchorSelector:
     return SELECTORS[name]()
 
 
-__all__ = ["SELECTORS", "AnchorSelector", "anchor_count", "drop_uncounted", "make_selector", "placed_anchor_counts",
-           "request_anchor_counts"]
+__all__ = ["SELECTORS", "AnchorSelector", "admission_anchors", "anchor_count", "drop_uncounted", "make_selector",
+           "placed_anchor_counts", "request_anchor_counts"]

@@ -46,6 +46,28 @@ def request_anchor_counts(state: RequestState, spans: Sequence[tuple[int, int]])
     return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)))
 
 
+def admission_anchors(selector: AnchorSelector, state: RequestState, spans: Sequence[tuple[int, int]],
+                      counts: Sequence[int], seed: int) -> torch.Tensor | None:
+    """``[T]``: the anchors a request with shared affixes at ``spans`` (their ``counts``,
+    :func:`request_anchor_counts`) takes when it is admitted, or None when a forward chooses them (a selection
+    step, or the first refresh). None are taken where no affix takes any (direct reuse, ratio 0, exact affixes);
+    a :attr:`~AnchorSelector.layout_only` selector's are, in each affix, the ``counts`` columns of highest
+    :meth:`~AnchorSelector.row_scores`, which :meth:`~AnchorSelector.select` chooses on a canvas. A ``probe_step``
+    request runs its probe all the same: the probe decodes its first step."""
+    if state.params.probe_step:
+        return None
+    anchors = torch.zeros(state.length, dtype=torch.bool, device=state.tokens.device)
+    if not any(counts):
+        return anchors
+    if not selector.layout_only:
+        return None
+    scores = selector.row_scores(state.canvas.valid[0] & ~state.far_columns(), seed)
+    for (c0, c1), k in zip(spans, counts, strict=True):
+        if k:
+            anchors[c0 + scores[c0:c1].topk(k, sorted=False).indices] = True
+    return anchors
+
+
 def drop_uncounted(anchors: torch.Tensor, spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> torch.Tensor:
     """``anchors [T]`` a selection of its own chose, without those in the affixes whose count is zero (an exact
     affix's, :func:`placed_anchor_counts`): a selector scores every affix by :func:`anchor_count` alone."""
@@ -164,10 +186,19 @@ class AnchorSelector:
     name: ClassVar[str]
     #: how the selector scores inside the first refresh (``anchor_pass="one"``); None: it needs a pass of its own
     one_pass: ClassVar[OnePass | None] = None
+    #: it scores a request's columns from their places and its seed alone (:meth:`row_scores`), with no forward
+    #: and no cached K/V: the engine and the reference path choose its anchors when the request is admitted
+    #: (:func:`admission_anchors`), with no selection step
+    layout_only: ClassVar[bool] = False
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         """``[B, T]`` importance of each canvas column; only affix columns are read."""
         raise NotImplementedError
+
+    def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
+        """A :attr:`layout_only` selector's ``[T]`` scores of one request's columns in order (``valid``: those a
+        forward may read, far masks out) from the request's own seed; :meth:`scores` is them row by row."""
+        raise NotImplementedError(f"anchor selector {self.name!r} scores with a forward, not from the layout alone")
 
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
         """Anchor mask ``[B, T]``: in each affix of each row, its :func:`anchor_count` best columns, with

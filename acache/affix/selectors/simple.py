@@ -12,9 +12,13 @@ class NoAnchors(AnchorSelector):
     """Direct reuse: no affix token is recomputed, whatever the ratio (its count is zero)."""
 
     name = "none"
+    layout_only = True
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         return torch.zeros(ctx.affix_slot.shape, device=ctx.affix_slot.device)
+
+    def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
+        return torch.zeros(valid.shape, device=valid.device)
 
 
 class AllAnchors(NoAnchors):
@@ -27,10 +31,13 @@ class FirstK(AnchorSelector):
     """EPIC-style: the first tokens of each affix."""
 
     name = "first-k"
+    layout_only = True
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        cols = torch.arange(ctx.canvas.total, device=ctx.affix_slot.device, dtype=torch.float32)
-        return -cols.expand_as(ctx.affix_slot)
+        return torch.stack([self.row_scores(row, 0) for row in ctx.canvas.valid])
+
+    def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
+        return -torch.arange(valid.shape[0], device=valid.device, dtype=torch.float32)
 
 
 class RandomAnchors(AnchorSelector):
@@ -38,12 +45,16 @@ class RandomAnchors(AnchorSelector):
     tokens, so a request's anchors do not depend on its batch."""
 
     name = "random"
+    layout_only = True
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         valid = ctx.canvas.valid
-        scores = torch.zeros(valid.shape, dtype=torch.float32)
         seeds = ctx.row_seeds or [0] * valid.shape[0]
-        for row, seed in enumerate(seeds):
-            gen = torch.Generator().manual_seed(seed)
-            scores[row, valid[row].cpu()] = torch.rand(int(valid[row].sum()), generator=gen)
+        return torch.stack([self.row_scores(row, seed) for row, seed in zip(valid, seeds, strict=True)])
+
+    def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
+        """Drawn on the host (the same numbers on every device): one uniform number a valid column, in order."""
+        on_host = valid.cpu()
+        scores = torch.zeros(on_host.shape, dtype=torch.float32)
+        scores[on_host] = torch.rand(int(on_host.sum()), generator=torch.Generator().manual_seed(seed))
         return scores.to(valid.device)
