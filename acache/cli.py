@@ -185,6 +185,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 record["affix"] = {"selector": affix.selector, "anchor_ratio": affix.anchor_ratio,
                                    "anchor_depth": params.anchor_depth,
                                    "anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
+                                   "cached_tokens": affix.cached_tokens,
                                    "hits": affix.affix_hits, "misses": affix.affix_misses,
                                    "selection_time_s": affix.selection_time_s}
             print(json.dumps(record))

@@ -248,7 +248,8 @@ class LLM:
         if params.selector is not None:
             affix = AffixRequestStats(params.selector, params.anchor_ratio, out.affix_tokens, out.anchors,
                                       out.recomputed_per_refresh, list(s.refresh_times_s), s.selection_time_s,
-                                      s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth)
+                                      s.affix_hits, s.affix_queries - s.affix_hits, out.bicache_depth,
+                                      out.cached_tokens)
         wall = (s.finished or s.arrival) - s.arrival
         return RequestStats(len(out.token_ids), out.nfe, out.refreshes, s.forward_time_s, wall, s.max_batch, affix)
 

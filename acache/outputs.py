@@ -17,6 +17,9 @@ class AffixRequestStats:
     affix_hits: int = 0
     affix_misses: int = 0
     bicache_depth: int | None = None  # deep layers recomputed, for the BiCache policies
+    #: of ``affix_tokens``, those read from the shared copy at every refresh: not the anchors, nor the affix columns
+    #: recomputed beside the request's own (an attention block they share, the column before a shifted model's region)
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -63,6 +63,7 @@ class EngineOutput:
     anchors: list[int]  # absolute positions of the recomputed affix tokens
     affix_tokens: int  # affix tokens the request reused
     recomputed_per_refresh: int
+    cached_tokens: int  # of the affix tokens, those read from the shared copy at every refresh (Request.cached_tokens)
     stats: RequestMetrics
     nfe: int = 0
     refreshes: int = 0

@@ -15,7 +15,7 @@ from acache.affix.context import request_seed
 from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import admission_anchors, make_selector, request_anchor_counts
-from acache.decoding.request_state import RequestState
+from acache.decoding.request_state import Phase, RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
 from acache.sampling_params import SamplingParams
@@ -116,6 +116,18 @@ class Request:
         p = self.params
         return admission_anchors(make_selector(p.selector, p.anchor_query), self.state, self.shared_spans,
                                  self.anchor_counts(), request_seed(p.seed, self.prompt.token_ids))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of :attr:`affix_tokens`, those whose K/V every refresh reads from the shared copy: not the anchors, nor the
+        affix columns recomputed beside the request's own (an attention block they share, the column before a
+        shifted model's region: ``RequestState.base_recompute``). A BiCache request reads every affix token's
+        shallow layers from its copy."""
+        if self.bicache:
+            return self.affix_tokens
+        if self.state.phase is Phase.SELECT or self.state.selecting:  # nothing fixed yet
+            return 0
+        return int((self.shared_columns & ~self.state.recompute).sum())
 
     @property
     def affix_tokens(self) -> int:

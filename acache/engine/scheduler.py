@@ -245,7 +245,8 @@ class Scheduler:
         state = req.state
         ids, stop_token = ([], None) if error else state.output(finished_blocks_only=not finished)
         anchors = state.positions[state.anchors].tolist() if finished else []
-        return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count, req.stats,
+        return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count,
+                            req.cached_tokens, req.stats,
                             state.nfe, state.refreshes, req.bicache_depth, finished=finished,
                             stop_token_id=stop_token, error=error)
 

@@ -112,9 +112,11 @@ class OpenAIServingChat(OpenAIServing):
     def reuse_usage(self, prompt: AffixPrompt, params: SamplingParams, plan: Plan | None, registered_key: str | None,
                     logprobs: bool, out) -> dict:
         """What the answer reused, and why: OpenAI's ``prompt_tokens_details.cached_tokens`` (prompt tokens
-        whose K/V came from a shared copy, anchors not counted) and acache's ``affix_reuse``."""
+        whose K/V came from a shared copy, anchors and the affix columns recomputed beside the request's own not
+        counted) and acache's ``affix_reuse``."""
         reused = out.affix_tokens if out is not None else 0
         anchors = len(out.anchors) if out is not None else 0
+        cached = out.cached_tokens if out is not None else 0
         report = {"decision": (plan.decision.value if plan is not None else
                                Decision.REUSE.value if prompt.affixes else "none"),
                   "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
@@ -129,4 +131,4 @@ class OpenAIServingChat(OpenAIServing):
         if logprobs:
             report["logprobs"] = ("estimated over the full context without reuse" + (
                 "; the tokens were decoded with reuse" if prompt.affixes else ", as the tokens were decoded"))
-        return {"prompt_tokens_details": {"cached_tokens": max(0, reused - anchors)}, "affix_reuse": report}
+        return {"prompt_tokens_details": {"cached_tokens": cached}, "affix_reuse": report}

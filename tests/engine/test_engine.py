@@ -343,6 +343,31 @@ def test_a_selector_that_needs_no_forward_chooses_at_admission(family_model, mon
     assert outs[1].anchors == list(range(infix.start, infix.start + -(-infix.length // 2)))
 
 
+def test_cached_tokens_are_the_affix_tokens_no_refresh_recomputes(family_model):
+    """cached_tokens (the server's ``prompt_tokens_details.cached_tokens``) counts the shared affix tokens that
+    every refresh reads from the shared copy: not the anchors, nor the affix columns recomputed beside the
+    request's own, which a model's layout decides (blocks of 4 on the block-diffusion model: the affix's first
+    and last columns share a block with the question or the region; on the shifted Dream model the column before
+    the region). An infix and an affix just before the region, at different selectors and ratios, staggered."""
+    from acache.affix.prompt import AffixPrompt
+
+    ids = list(range(1, 16))
+    infix = AffixPrompt.from_spans(ids, None, [(3, 13)])  # columns 3-12, the question 13-14, the region from 15
+    before = AffixPrompt.from_spans(ids[:13], None, [(3, 13)])  # columns 3-12, the region from 13
+    family = family_model.config.family
+    beside = {"llada": (set(), set()), "dream": (set(), {12}), "fast_dllm_v2": ({3, 12}, {3, 12})}[family]
+    cases = [(infix, dict(selector="random", anchor_ratio=0.2, seed=3), beside[0]),
+             (before, dict(selector="none"), beside[1]),
+             (infix, dict(selector="attention", anchor_ratio=0.3, gen_length=8, block_length=4), beside[0]),
+             (before, dict(selector="all"), beside[1])]
+    outs = run_engine(family_model, [p for p, _, _ in cases], [SamplingParams(**{**BASE, **kw}) for _, kw, _ in cases],
+                      arrivals=[0, 1, 1, 2])
+    for (_, kw, extra), out in zip(cases, outs, strict=True):
+        assert out.affix_tokens == 10
+        assert out.cached_tokens == 10 - len(set(out.anchors) | extra), (family, kw)
+    assert outs[3].cached_tokens == 0 and outs[1].cached_tokens == 10 - len(beside[1])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kv_cache_memory=0), "kv_cache_memory must be a positive integer or None, got 0"),
     (dict(kv_cache_memory=1.5), "kv_cache_memory must be a positive integer"),
