@@ -45,18 +45,27 @@ def shallow_layers(num_layers: int) -> int:
     return max(1, math.floor(SHALLOW_SHARE * num_layers + 1e-9))
 
 
-def compact_index(mask: torch.Tensor, fill: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_index(mask: torch.Tensor, fill: int, width: int | None = None,
+                  keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns where ``mask [B, T]`` holds, in order, per row: ``index [B, F]`` padded with ``fill``
     and ``valid [B, F]``; ``F`` is the largest count of any row, read from the device unless the caller passes it
-    as ``width`` (having read several such counts at once: each read waits for the device)."""
+    as ``width`` (having read several such counts at once: each read waits for the device). A caller compacting
+    many masks of one shape passes ``keys`` (:func:`compact_keys`), made once instead of at every call."""
     b, t = mask.shape
-    cols = torch.arange(t, device=mask.device).expand(b, -1)
-    keyed = torch.where(mask, cols, cols + t)
+    cols, past_end = keys if keys is not None else compact_keys(b, t, mask.device)
+    keyed = torch.where(mask, cols, past_end)
     if width is None:
         width = int(mask.sum(-1).max()) if b else 0
     index = keyed.sort(-1).values[:, :width]
     valid = index < t
-    return torch.where(valid, index, torch.full_like(index, fill)), valid
+    return torch.where(valid, index, fill), valid
+
+
+def compact_keys(b: int, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compact_index`'s sort keys for ``[B, T]`` masks: each column's index, and past the end for a column
+    left out (so the kept ones sort first, in order)."""
+    cols = torch.arange(t, device=device).expand(b, -1)
+    return cols, cols + t
 
 
 @dataclass

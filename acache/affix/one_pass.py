@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from acache.affix.context import AffixMass, compact_index, kv_deviation
+from acache.affix.context import AffixMass, compact_index, compact_keys, kv_deviation
 from acache.affix.selectors import SELECTORS, request_anchor_counts
 from acache.affix.selectors.base import (
     OnePass,
@@ -136,6 +136,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     cfg = model.config
     layers, width, dev = cfg.num_layers, cfg.hidden_size, tokens.device
     affix = (affix_slot >= 0) & valid
+    sort_keys = compact_keys(b, t, dev)  # every mask compacted below is [B, T]
     # each row's own affixes: a row with one affix batches beside a row with two
     slots = max((len(row_k) for row_k in counts), default=0)
     k0 = count_tensor(counts, dev)  # [B, S]
@@ -163,13 +164,14 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     weight = valid & ((masks & gen) | (question & own & ~gen & ~affix))
     mass = None
     if filtering and bool(weight.any()) and bool(affix.any()):
-        q_cols, q_valid = compact_index(weight, fill=t)
-        k_cols, k_valid = compact_index(affix, fill=t)
+        q_cols, q_valid = compact_index(weight, fill=t, keys=sort_keys)
+        k_cols, k_valid = compact_index(affix, fill=t, keys=sort_keys)
         k_slot = torch.where(k_valid, affix_slot.gather(1, k_cols.clamp_max(t - 1)), -1)
         mass = AffixMass(cfg, q_valid, k_slot)
         q_rope = model.rope(positions.gather(1, q_cols.clamp_max(t - 1)))
         k_rope = model.rope(positions.gather(1, k_cols.clamp_max(t - 1)))
     mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+    no_deviation = torch.zeros_like(mass_sum)  # what a rule that reads no deviation is handed: read by none
 
     hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -184,11 +186,12 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         spans.append(range(stop, layers))
     for span in spans:
         scoring = filtering and span.start < stop
-        fed_mask, past_mask = valid & (own | cand), affix & ~own & ~cand
+        own_or_cand = own | cand
+        fed_mask, past_mask = valid & own_or_cand, affix & ~own_or_cand
         # the three widths this span needs, in one read of the device
         fed_width, past_width, cand_width = torch.stack((fed_mask, past_mask, cand)).sum(-1).amax(-1).tolist()
-        fed, fed_valid = compact_index(fed_mask, fill=t, width=fed_width)
-        past, past_valid = compact_index(past_mask, fill=t, width=past_width)
+        fed, fed_valid = compact_index(fed_mask, fill=t, width=fed_width, keys=sort_keys)
+        past, past_valid = compact_index(past_mask, fill=t, width=past_width, keys=sort_keys)
         at = fed.clamp_max(t - 1)
         kv = None
         if past.shape[1]:
@@ -212,9 +215,11 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                 attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
                 mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
         layer = span[-1]
-        deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+        deviation = no_deviation
         if by_dev and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation
-            scored, _ = compact_index(cand, fill=t, width=cand_width)  # only the candidates' deviation is read
+            deviation = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
+            # only the candidates' deviation is read
+            scored, _ = compact_index(cand, fill=t, width=cand_width, keys=sort_keys)
             at_scored = scored.clamp_max(t - 1)
             index = _index_in(fed, scored)[..., None, None].expand(-1, -1, *out.kv.keys[-1].shape[2:])
             stale_keys, stale_values = cached(layer, at_scored, True)
@@ -224,7 +229,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         cand = _filter(affix_slot, cand, mass_sum[:, :t], deviation[:, :t], {r: c[step] for r, c in by_rule.items()},
                        step)
 
-    kept, kept_valid = compact_index(valid & (own | cand), fill=t)
+    kept, kept_valid = compact_index(valid & (own | cand), fill=t, keys=sort_keys)
     out_keys, out_values = [], []
     for fed, keys, values in saved:
         index = _index_in(fed, kept)[..., None, None].expand(-1, -1, *keys.shape[2:])

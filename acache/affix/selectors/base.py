@@ -101,10 +101,13 @@ def ranks_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: 
     affixes, and no read of a device value."""
     if slots == 0:
         return torch.full_like(affix_slot, -1)
-    candidates = candidates & (affix_slot >= 0) & (affix_slot < slots)
+    candidates = candidates & ((affix_slot == 0) if slots == 1 else (affix_slot >= 0) & (affix_slot < slots))
     order = torch.sort(torch.where(candidates, scores, float("-inf")), dim=-1, descending=True, stable=True).indices
-    slot = affix_slot.gather(1, order).clamp(0, max(slots - 1, 0))
     member = candidates.gather(1, order)
+    if slots == 1:  # one affix a row (the common case): the running count of the candidates alone, half the work
+        ranked = torch.where(member, member.cumsum(1) - 1, -1)
+        return torch.empty_like(ranked).scatter_(1, order, ranked)
+    slot = affix_slot.gather(1, order).clamp(0, max(slots - 1, 0))
     # a running count of each affix's candidates along the sorted row: the count before a column is its rank
     seen = ((slot[..., None] == torch.arange(slots, device=slot.device)) & member[..., None]).cumsum(1)
     ranked = torch.where(member, seen.gather(2, slot[..., None]).squeeze(-1) - 1, -1)
@@ -122,6 +125,8 @@ def keep_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: t
     if slots == 0:
         return torch.zeros_like(candidates)
     ranks = ranks_per_affix(affix_slot, scores, candidates, slots)
+    if slots == 1:  # -1 off the candidates: below any count, and no per-column gather of the counts
+        return (ranks >= 0) & (ranks < counts)
     return (ranks >= 0) & (ranks < counts.gather(1, affix_slot.clamp(0, slots - 1)))
 
 
