@@ -34,14 +34,15 @@ import torch
 
 from acache.affix.context import shallow_layers
 from acache.affix.prompt import AffixPrompt
-from acache.affix.selectors import placed_anchor_counts
+from acache.affix.selectors import SELECTORS, placed_anchor_counts
 from acache.affix.selectors.base import carried_counts
 from acache.decoding.request_state import RequestState
 from acache.models.config import ModelConfig
 from acache.policies import QUERY_SELECTORS
 from acache.sampling_params import SamplingParams
 
-FREE = ("first-k", "random", "none", "all")
+#: the selectors that choose from the layout alone, at admission: no selection pass (``AnchorSelector.layout_only``)
+FREE = tuple(name for name, selector in SELECTORS.items() if selector.layout_only)
 
 
 def exact_affixes(config: ModelConfig, prompt: AffixPrompt, gen_length: int) -> list[bool]:
