@@ -58,7 +58,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "first layers only (shallow: three tenths of them, at least one)")
     a.add_argument("--anchor-pass", default=None, choices=ANCHOR_PASSES,
                    help="where anchors are chosen: one (inside the first refresh) or two (a selection of its own "
-                        "first); default: one where the selector has that form")
+                        "first; first-k, random, none and all need none and choose at admission); default: one "
+                        "where the selector has that form")
     a.add_argument("--anchor-depth", type=float, default=None,
                    help="share of the layers a one-pass selection scores through, in (0, 1]: lower is cheaper on a "
                         "deep model, the layers after it run with the anchors alone; default: 1, every layer")

@@ -90,9 +90,8 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
             for entry in held:
                 store.ensure_hidden(entry)
             state.admit()
-        elif reuse and spans and (anchors := admission_anchors(
-                make_selector(params.selector, params.anchor_query), state, cols, counts,
-                request_seed(params.seed, prompt.token_ids))) is not None:
+        elif reuse and spans and (anchors := admission_anchors(make_selector(params.selector, params.anchor_query),
+                                                               state, cols, counts, prompt.token_ids)) is not None:
             state.admit(shared, anchors)  # nothing to choose with a forward (no anchors, or a layout-only selector)
         elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
             state.admit(shared, select=True)

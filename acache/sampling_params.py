@@ -51,7 +51,9 @@ class SamplingParams:
     kept, so selection adds no forward (``attention``, ``attention-deviation``, ``cacheblend``,
     ``query-attention``: :mod:`acache.affix.one_pass` says what it computes and where it differs from the
     selection of its own). ``"two"``: a selection of its own before the first refresh (the probe, a full
-    forward, CacheBlend's layer-by-layer pass), as the selectors were first defined. ``None`` resolves at
+    forward, CacheBlend's layer-by-layer pass), as the selectors were first defined; a selector that scores from
+    the request's layout alone (``first-k``, ``random``, ``none``, ``all``) needs no forward and chooses when the
+    request is admitted. ``None`` resolves at
     construction to ``"one"`` where the selector has that form and neither ``probe_step`` nor an
     ``anchor_query`` other than ``probe`` asks for the separate pass, otherwise to ``"two"``. ``anchor_depth``
     d in (0, 1] is how far into the layers the one pass scores: it filters its candidates down to the anchor

@@ -171,7 +171,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         q_rope = model.rope(positions.gather(1, q_cols.clamp_max(t - 1)))
         k_rope = model.rope(positions.gather(1, k_cols.clamp_max(t - 1)))
     mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
-    no_deviation = torch.zeros_like(mass_sum)  # what a rule that reads no deviation is handed: read by none
+    no_deviation = torch.zeros_like(mass_sum)  # a layer with no deviation scored: one zero buffer, never written
 
     hidden = F.pad(model.embed(tokens), (0, 0, 0, 1))  # a trash column t for padded writes
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

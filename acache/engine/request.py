@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from acache.affix.context import request_seed
 from acache.affix.entry import AffixEntry
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import admission_anchors, make_selector, request_anchor_counts
-from acache.decoding.request_state import Phase, RequestState
+from acache.decoding.request_state import RequestState
 from acache.engine.affix_pages import SharedAffix
 from acache.models.config import ModelConfig
 from acache.sampling_params import SamplingParams
@@ -64,6 +63,7 @@ class Request:
         self.shared: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared pool affix)
         self.entries: list[tuple[int, AffixEntry]] = []  # BiCache: (index, dense entry with hidden states)
         self.bicache_depth: int | None = None
+        self.num_layers = config.num_layers
         self.private_pages: list[int] = []
         self.private_slots: torch.Tensor | None = None
         self.slot_map: torch.Tensor | None = None  # canvas column -> physical pool slot
@@ -115,18 +115,17 @@ class Request:
         forward chooses them (:func:`~acache.affix.selectors.admission_anchors`)."""
         p = self.params
         return admission_anchors(make_selector(p.selector, p.anchor_query), self.state, self.shared_spans,
-                                 self.anchor_counts(), request_seed(p.seed, self.prompt.token_ids))
+                                 self.anchor_counts(), self.prompt.token_ids)
 
     @property
     def cached_tokens(self) -> int:
         """Of :attr:`affix_tokens`, those whose K/V every refresh reads from the shared copy: not the anchors, nor the
         affix columns recomputed beside the request's own (an attention block they share, the column before a
-        shifted model's region: ``RequestState.base_recompute``). A BiCache request reads every affix token's
-        shallow layers from its copy."""
+        shifted model's region: ``RequestState.base_recompute``), and none before they are fixed (every column is in
+        the recompute set until then). A BiCache request reads every affix token's layers below its split from its
+        copy, and none when it recomputes every layer."""
         if self.bicache:
-            return self.affix_tokens
-        if self.state.phase is Phase.SELECT or self.state.selecting:  # nothing fixed yet
-            return 0
+            return self.affix_tokens if (self.bicache_depth or 0) < self.num_layers else 0
         return int((self.shared_columns & ~self.state.recompute).sum())
 
     @property

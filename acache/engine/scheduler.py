@@ -125,7 +125,8 @@ class Scheduler:
                 req.state.admit()
             elif req.shared and not req.bicache and (anchors := req.admission_anchors()) is not None:
                 # no shared affix takes anchors (direct reuse, ratio 0, exact affixes), or a selector that needs
-                # no forward chose them: no selection step
+                # no forward chose them: no selection step. Outside the runner's containment, as the counts are: a
+                # few host-side operations on the request's own columns, with no model and no pool read
                 req.state.admit(req.shared_columns, anchors)
                 self.kv.map_slots(req)
                 self._count_anchors(req)

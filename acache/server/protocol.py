@@ -56,7 +56,8 @@ class DiffusionFields(BaseModel):
                                                          "come from: probe (default), full or shallow")
     anchor_pass: Literal[ANCHOR_PASSES] | None = Field(default=None, description="where anchors are chosen: one "
                                                        "(inside the first refresh; the default where the selector "
-                                                       "has that form) or two (a selection of its own first)")
+                                                       "has that form) or two (a selection of its own first; "
+                                                       "first-k, random, none and all choose at admission)")
     anchor_depth: float | None = Field(default=None, gt=0, le=1, description="share of the layers a one-pass "
                                        "selection scores through (default 1.0: every layer)")
     probe_step: bool | None = Field(default=None, description="the anchor-selection probe also decodes the first "

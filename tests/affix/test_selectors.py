@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from acache.affix.context import CanvasKV, SelectionContext, shallow_layers
+from acache.affix.context import CanvasKV, SelectionContext, request_seed, shallow_layers
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import (
     SELECTORS,
@@ -351,24 +351,69 @@ def test_random_none_all():
 def test_layout_only_selectors_choose_at_admission_what_a_canvas_chooses(name):
     """A selector that scores from the layout alone is chosen when the request is admitted (admission_anchors),
     with no canvas: the same anchors as select() on a padded canvas of requests of other lengths, layouts (prefix,
-    infix, suffix, two affixes), ratios, seeds and far-mask windows, read row by row."""
+    infix, suffix, two affixes), ratios, seeds and far-mask windows, read row by row; on a block-causal model an
+    exact affix at column 0 takes none, as select() then drop_uncounted leave it."""
     ids = list(range(1, 41))
-    cases = [(AffixPrompt.from_spans(ids[:20], None, [(0, 12)]), dict(anchor_ratio=0.25, seed=1)),
-             (AffixPrompt.from_spans(ids[:30], 26, [(3, 17), (19, 26)]), dict(anchor_ratio=0.4, seed=2)),
-             (AffixPrompt.from_spans(ids[:24], 4, [(6, 24)]), dict(anchor_ratio=0.2, far_mask_window=1)),
-             (AffixPrompt.from_spans(ids[:15], None, [(2, 11)]), dict(anchor_ratio=0.5, seed=9))]
+    cases = [(AffixPrompt.from_spans(ids[:20], None, [(0, 12)]), dict(anchor_ratio=0.25, seed=1), None),
+             (AffixPrompt.from_spans(ids[:30], 26, [(3, 17), (19, 26)]), dict(anchor_ratio=0.4, seed=2), None),
+             (AffixPrompt.from_spans(ids[:24], 4, [(6, 24)]), dict(anchor_ratio=0.2, far_mask_window=1), None),
+             (AffixPrompt.from_spans(ids[:15], None, [(2, 11)]), dict(anchor_ratio=0.5, seed=9), None),
+             (AffixPrompt.from_spans(ids[5:27], None, [(0, 8), (10, 19)]), dict(anchor_ratio=0.5, seed=4), 4)]
+    chosen, on_canvas, spans, states = canvas_and_admission(make_selector(name), cases)
+    for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
+        assert torch.equal(chosen[row], on_canvas[row]), (name, row)
+        counts = [int(chosen[row][c0:c1].sum()) for c0, c1 in row_spans]
+        assert counts == request_anchor_counts(state, row_spans)
+    assert request_anchor_counts(states[4], spans[4]) == ([0, 5] if name != "all" else [8, 9])  # the prefix is exact
+    if name == "first-k":
+        assert chosen[1].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 19, 20, 21]  # ceil(0.4 * 14), ceil(0.4 * 7)
+    if name == "random":  # each request's own draw: other token ids, other anchors
+        prompt = AffixPrompt.from_spans([7] + list(cases[0][0].token_ids[1:]), None, [(0, 12)])
+        other = admission_anchors(make_selector(name), states[0], spans[0],
+                                  request_anchor_counts(states[0], spans[0]), prompt.token_ids)
+        assert not torch.equal(other, chosen[0]) and int(other.sum()) == int(chosen[0].sum())
+
+
+class TiedScores(SELECTORS["first-k"]):
+    """Every column scored alike: which of the tied columns a selection keeps is the rule under test."""
+
+    name = "tied"
+
+    def row_scores(self, valid, seed):
+        return torch.zeros(valid.shape)
+
+
+def test_tied_scores_go_to_the_earlier_columns_on_a_canvas_and_at_admission():
+    """topk leaves ties to the layout of its input, so a padded canvas row and a request's own columns could keep
+    different tied columns; both keep the earliest (top_columns)."""
+    ids = list(range(1, 41))
+    cases = [(AffixPrompt.from_spans(ids[:30], 26, [(3, 17), (19, 26)]), dict(anchor_ratio=0.5), None),
+             (AffixPrompt.from_spans(ids[:12], None, [(2, 9)]), dict(anchor_ratio=0.3), None)]
+    chosen, on_canvas, _, _ = canvas_and_admission(TiedScores(), cases)
+    assert [torch.equal(a, b) for a, b in zip(chosen, on_canvas, strict=True)] == [True, True]
+    assert chosen[0].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 9, 19, 20, 21, 22]
+    assert chosen[1].nonzero().flatten().tolist() == [2, 3, 4]
+
+
+def canvas_and_admission(selector, cases):
+    """Each case's anchors chosen at admission and by select() on one padded canvas of them all (far masks out),
+    the canvas rows cut to each request's columns; and each request's affix spans and state. ``cases``: (prompt,
+    SamplingParams fields, block-causal block or None)."""
     cfg = hand_context().model.config
     states, spans, seeds = [], [], []
-    for prompt, kw in cases:
+    for prompt, kw, block in cases:
+        name = selector.name if selector.name in SELECTORS else "first-k"  # a test-only selector counts as first-k
         params = SamplingParams(gen_length=8, block_length=2, selector=name, **kw)
-        state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, False, torch.device("cpu"))
+        state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, False, torch.device("cpu"),
+                             attention_block=block)
         states.append(state)
         spans.append([(state.canvas.column(0, a.start), state.canvas.column(0, a.start) + a.length)
                       for a in prompt.affixes])
-        seeds.append(1000 + len(seeds))
-    chosen = [admission_anchors(make_selector(name), st, sp, request_anchor_counts(st, sp), seed)
-              for st, sp, seed in zip(states, spans, seeds, strict=True)]
-    canvas = build_canvas([prompt.layout for prompt, _ in cases], 8, cfg.mask_token_id, cfg.pad_token_id,
+        seeds.append(request_seed(params.seed, prompt.token_ids))
+    counts = [request_anchor_counts(st, sp) for st, sp in zip(states, spans, strict=True)]
+    chosen = [admission_anchors(selector, st, sp, c, prompt.token_ids)
+              for st, sp, c, (prompt, _, _) in zip(states, spans, counts, cases, strict=True)]
+    canvas = build_canvas([prompt.layout for prompt, _, _ in cases], 8, cfg.mask_token_id, cfg.pad_token_id,
                           torch.device("cpu"))
     slot = torch.full(canvas.tokens.shape, -1)
     for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
@@ -377,18 +422,10 @@ def test_layout_only_selectors_choose_at_admission_what_a_canvas_chooses(name):
         for a, (c0, c1) in enumerate(row_spans):
             slot[row, pad + c0:pad + c1] = a
     ctx = SelectionContext(hand_context().model, canvas, slot, None, seeds)
-    on_canvas = make_selector(name).select(ctx, [kw["anchor_ratio"] for _, kw in cases])
-    for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
-        pad = canvas.pad_left[row]
-        assert torch.equal(chosen[row], on_canvas[row, pad:pad + state.length]), (name, row)
-        counts = [int(chosen[row][c0:c1].sum()) for c0, c1 in row_spans]
-        assert counts == [anchor_count(cases[row][1]["anchor_ratio"], c1 - c0, name) for c0, c1 in row_spans]
-    if name == "first-k":
-        assert chosen[1].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 19, 20, 21]  # ceil(0.4 * 14), ceil(0.4 * 7)
-    if name == "random":  # each request's own draw: another seed, other anchors
-        again = admission_anchors(make_selector(name), states[0], spans[0],
-                                  request_anchor_counts(states[0], spans[0]), 7)
-        assert not torch.equal(again, chosen[0]) and int(again.sum()) == int(chosen[0].sum())
+    picked = selector.select(ctx, [kw.get("anchor_ratio", 0.2) for _, kw, _ in cases])
+    on_canvas = [drop_uncounted(picked[row, canvas.pad_left[row]:canvas.pad_left[row] + state.length],
+                                spans[row], counts[row]) for row, state in enumerate(states)]
+    return chosen, on_canvas, spans, states
 
 
 def test_admission_leaves_to_a_forward_what_needs_one():
@@ -401,7 +438,7 @@ def test_admission_leaves_to_a_forward_what_needs_one():
         params = SamplingParams(gen_length=4, block_length=2, selector=selector, **kw)
         state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, False, torch.device("cpu"))
         return admission_anchors(make_selector(selector), state, [(0, 12)],
-                                 request_anchor_counts(state, [(0, 12)]), 0)
+                                 request_anchor_counts(state, [(0, 12)]), prompt.token_ids)
 
     for selector in ("attention", "kv-deviation", "random", "none"):
         none = admitted(selector, anchor_ratio=0.0)

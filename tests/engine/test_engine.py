@@ -360,12 +360,19 @@ def test_cached_tokens_are_the_affix_tokens_no_refresh_recomputes(family_model):
              (before, dict(selector="none"), beside[1]),
              (infix, dict(selector="attention", anchor_ratio=0.3, gen_length=8, block_length=4), beside[0]),
              (before, dict(selector="all"), beside[1])]
-    outs = run_engine(family_model, [p for p, _, _ in cases], [SamplingParams(**{**BASE, **kw}) for _, kw, _ in cases],
-                      arrivals=[0, 1, 1, 2])
-    for (_, kw, extra), out in zip(cases, outs, strict=True):
+    bicache = [(infix, dict(selector="bicache-matched", anchor_ratio=0.2)),  # the layers below its split: cached
+               (before, dict(selector="bicache-matched", anchor_ratio=1.0))]  # every layer recomputed: none
+    prompts = [p for p, _, _ in cases] + [p for p, _ in bicache]
+    params = [SamplingParams(**{**BASE, **kw}) for _, kw, _ in cases] + [SamplingParams(**{**BASE, **kw})
+                                                                         for _, kw in bicache]
+    outs = run_engine(family_model, prompts, params, arrivals=[0, 1, 1, 2, 0, 2])
+    for (_, kw, extra), out in zip(cases, outs[:4], strict=True):
         assert out.affix_tokens == 10
         assert out.cached_tokens == 10 - len(set(out.anchors) | extra), (family, kw)
     assert outs[3].cached_tokens == 0 and outs[1].cached_tokens == 10 - len(beside[1])
+    layers = family_model.config.num_layers
+    assert (outs[4].bicache_depth < layers, outs[5].bicache_depth) == (True, layers)
+    assert (outs[4].affix_tokens, outs[4].cached_tokens, outs[5].cached_tokens) == (10, 10, 0)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from acache.affix.context import SelectionContext
+from acache.affix.context import SelectionContext, request_seed
 
 if TYPE_CHECKING:
     from acache.decoding.request_state import RequestState
@@ -46,14 +46,22 @@ def request_anchor_counts(state: RequestState, spans: Sequence[tuple[int, int]])
     return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)))
 
 
+def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` highest of ``scores [T]``, ties to the earlier column: one rule for a canvas row and
+    a request's own columns, so both choose the same anchors however the row is padded (``topk`` leaves ties to
+    the layout of its input)."""
+    return torch.sort(scores, descending=True, stable=True).indices[:k]
+
+
 def admission_anchors(selector: AnchorSelector, state: RequestState, spans: Sequence[tuple[int, int]],
-                      counts: Sequence[int], seed: int) -> torch.Tensor | None:
+                      counts: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor | None:
     """``[T]``: the anchors a request with shared affixes at ``spans`` (their ``counts``,
     :func:`request_anchor_counts`) takes when it is admitted, or None when a forward chooses them (a selection
     step, or the first refresh). None are taken where no affix takes any (direct reuse, ratio 0, exact affixes);
     a :attr:`~AnchorSelector.layout_only` selector's are, in each affix, the ``counts`` columns of highest
-    :meth:`~AnchorSelector.row_scores`, which :meth:`~AnchorSelector.select` chooses on a canvas. A ``probe_step``
-    request runs its probe all the same: the probe decodes its first step."""
+    :meth:`~AnchorSelector.row_scores` (from the request's own seed, ``request_seed`` of its ``token_ids``), which
+    :meth:`~AnchorSelector.select` chooses on a canvas. A ``probe_step`` request runs its probe all the same: the probe
+    decodes its first step."""
     if state.params.probe_step:
         return None
     anchors = torch.zeros(state.length, dtype=torch.bool, device=state.tokens.device)
@@ -61,10 +69,11 @@ def admission_anchors(selector: AnchorSelector, state: RequestState, spans: Sequ
         return anchors
     if not selector.layout_only:
         return None
-    scores = selector.row_scores(state.canvas.valid[0] & ~state.far_columns(), seed)
+    scores = selector.row_scores(state.canvas.valid[0] & ~state.far_columns(),
+                                 request_seed(state.params.seed, token_ids))
     for (c0, c1), k in zip(spans, counts, strict=True):
         if k:
-            anchors[c0 + scores[c0:c1].topk(k, sorted=False).indices] = True
+            anchors[c0 + top_columns(scores[c0:c1], k)] = True
     return anchors
 
 
@@ -189,7 +198,8 @@ class AnchorSelector:
     """Chooses which affix tokens a request recomputes. Subclasses define :meth:`scores`."""
 
     name: ClassVar[str]
-    #: how the selector scores inside the first refresh (``anchor_pass="one"``); None: it needs a pass of its own
+    #: how the selector scores inside the first refresh (``anchor_pass="one"``); None: it needs a pass of its own,
+    #: or none at all (:attr:`layout_only`)
     one_pass: ClassVar[OnePass | None] = None
     #: it scores a request's columns from their places and its seed alone (:meth:`row_scores`), with no forward
     #: and no cached K/V: the engine and the reference path choose its anchors when the request is admitted
@@ -219,7 +229,5 @@ class AnchorSelector:
                 k = anchor_count(ratios[row], int(counts[row]), self.name)
                 if k == 0:
                     continue
-                row_scores = torch.where(member[row], scores[row], float("-inf"))
-                top = row_scores.topk(k, sorted=False).indices
-                anchors[row, top] = True
+                anchors[row, top_columns(torch.where(member[row], scores[row], float("-inf")), k)] = True
         return anchors
