@@ -6,9 +6,11 @@ The first refresh of a request with shared affixes runs layer by layer:
   context, affix tokens included (but those of an affix that takes no anchors), as CacheBlend's first layers run;
 * from layer 2 on, only the request's own columns (the ones every refresh recomputes) and the carried
   candidates, against the cached K/V of the other affix tokens; after each layer from 1 on, the candidates
-  of each affix are filtered by the selector's score, from ``min(n, 2k)`` after layer 1 down linearly to
+  of each affix are filtered by the selector's score, from ``min(m, 2k)`` after layer 1 down linearly to
   ``k = ceil(ratio * n)`` after the last, and the ``k`` left are the anchors (none on an affix whose cached K/V
-  are exact where it is placed, short of the whole affix: ``placed_anchor_counts``);
+  are exact where it is placed, short of the whole affix: ``placed_anchor_counts``). The candidates are the
+  ``m`` affix columns that are not the request's own (on a block-causal model an attention block the affix
+  shares with them is: ``free_columns``), and ``k`` is at most ``m``;
 * at ``anchor_depth`` d < 1 the filtering reaches ``k`` after the first ``ceil(d * (L - 1))`` of those layers
   instead, and the layers after it run the own columns and the anchors alone, in one call, with no score.
 
@@ -141,7 +143,9 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
     slots = max((len(row_k) for row_k in counts), default=0)
     k0 = count_tensor(counts, dev)  # [B, S]
     member = affix_slot[..., None] == torch.arange(slots, device=dev)
-    sizes = [row[:len(row_k)] for row, row_k in zip(member.sum(1).tolist(), counts, strict=True)]  # one read
+    # the columns each affix's anchors are chosen from: not those every refresh recomputes anyway (own)
+    free = (member & ~own[..., None]).sum(1).tolist()  # one read
+    sizes = [row[:len(row_k)] for row, row_k in zip(free, counts, strict=True)]
     steps = max(layers - FIRST_STALE, 1)
     plans = [[carried_counts(k, n, steps, depth) for k, n in zip(row_k, row_n, strict=True)]
              for row_k, row_n, depth in zip(counts, sizes, depths, strict=True)]
@@ -152,7 +156,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
                for rule in set(rules)}
     # affix columns whose affix takes anchors
     takes = (member & (k0[:, None, :] > 0)).any(-1)
-    cand = affix & takes
+    cand = affix & takes & ~own
     row_filters = [any(0 < k < n for k, n in zip(row_k, row_n, strict=True))
                    for row_k, row_n in zip(counts, sizes, strict=True)]
     filtering = any(row_filters)

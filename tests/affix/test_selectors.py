@@ -364,7 +364,10 @@ def test_layout_only_selectors_choose_at_admission_what_a_canvas_chooses(name):
         assert torch.equal(chosen[row], on_canvas[row]), (name, row)
         counts = [int(chosen[row][c0:c1].sum()) for c0, c1 in row_spans]
         assert counts == request_anchor_counts(state, row_spans)
-    assert request_anchor_counts(states[4], spans[4]) == ([0, 5] if name != "all" else [8, 9])  # the prefix is exact
+    # the prefix is exact; of the second affix (columns 10-18, blocks of 4), 10-11 and 16-18 share a block with the
+    # request's own columns: recomputed anyway, never anchors, so at most 4 of them (ceil(0.5 * 9) = 5 capped)
+    assert request_anchor_counts(states[4], spans[4]) == ([0, 4] if name != "all" else [8, 4])
+    assert chosen[4][10:12].sum() + chosen[4][16:19].sum() == 0
     if name == "first-k":
         assert chosen[1].nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 19, 20, 21]  # ceil(0.4 * 14), ceil(0.4 * 7)
     if name == "random":  # each request's own draw: other token ids, other anchors
@@ -416,12 +419,16 @@ def canvas_and_admission(selector, cases):
     canvas = build_canvas([prompt.layout for prompt, _, _ in cases], 8, cfg.mask_token_id, cfg.pad_token_id,
                           torch.device("cpu"))
     slot = torch.full(canvas.tokens.shape, -1)
+    own = torch.zeros_like(canvas.valid)  # as the engine's selection step builds it
     for row, (state, row_spans) in enumerate(zip(states, spans, strict=True)):
         pad = canvas.pad_left[row]
         canvas.valid[row, pad:pad + state.length] &= ~state.far_columns()
+        shared = torch.zeros(state.length, dtype=torch.bool)
         for a, (c0, c1) in enumerate(row_spans):
             slot[row, pad + c0:pad + c1] = a
-    ctx = SelectionContext(hand_context().model, canvas, slot, None, seeds)
+            shared[c0:c1] = True
+        own[row, pad:pad + state.length] = state.base_recompute(shared)
+    ctx = SelectionContext(hand_context().model, canvas, slot, None, seeds, own)
     picked = selector.select(ctx, [kw.get("anchor_ratio", 0.2) for _, kw, _ in cases])
     on_canvas = [drop_uncounted(picked[row, canvas.pad_left[row]:canvas.pad_left[row] + state.length],
                                 spans[row], counts[row]) for row, state in enumerate(states)]
@@ -592,10 +599,10 @@ def test_influence_definition_on_a_hand_built_case():
     assert make_selector("influence").select(ctx, 0.3)[0].nonzero().flatten().tolist() == [0]
     assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [0, 1]
     # an affix column every refresh recomputes anyway (Dream's column before the answer, a block-causal model's
-    # mixed block) is not worth an anchor: it goes last, taken only when every other column is
+    # mixed block) is not worth an anchor: it is never one, and the count stops at the other columns
     ctx.own = torch.tensor([[True, False, False, True, True, True, True]])
     assert make_selector("influence").select(ctx, 0.6)[0].nonzero().flatten().tolist() == [1, 2]
-    assert make_selector("influence").select(ctx, 1.0)[0, :3].all()
+    assert make_selector("influence").select(ctx, 1.0)[0].nonzero().flatten().tolist() == [1, 2]
 
 
 def _ranks_by_hand(slot_row, score_row, cand_row):

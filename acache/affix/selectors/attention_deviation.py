@@ -23,7 +23,14 @@ import torch
 
 from acache.affix.context import SelectionContext
 from acache.affix.selectors.attention import AttentionAnchors
-from acache.affix.selectors.base import AnchorSelector, OnePass, affix_sizes, anchor_counts, keep_per_affix
+from acache.affix.selectors.base import (
+    AnchorSelector,
+    OnePass,
+    affix_sizes,
+    anchor_candidates,
+    anchor_counts,
+    keep_per_affix,
+)
 
 
 class AttentionDeviationAnchors(AnchorSelector):
@@ -37,9 +44,10 @@ class AttentionDeviationAnchors(AnchorSelector):
         raise NotImplementedError("attention-deviation scores its attention candidates only: call select()")
 
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
-        sizes = affix_sizes(ctx)
+        free = anchor_candidates(ctx)
+        sizes = affix_sizes(ctx, free)
         counts = anchor_counts(ctx, ratio, self.name)
         mass = self.attention.scores(ctx).float()
         wide = [[min(n, 2 * k) for n, k in zip(row, ks, strict=True)] for row, ks in zip(sizes, counts, strict=True)]
-        candidates = keep_per_affix(ctx.affix_slot, mass, ctx.affix_mask, wide)
+        candidates = keep_per_affix(ctx.affix_slot, mass, free, wide)
         return keep_per_affix(ctx.affix_slot, mass * ctx.stale_deviation(candidates), candidates, counts)

@@ -28,22 +28,38 @@ def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
 
 
 def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tuple[int, int]],
-                         exact: Sequence[bool]) -> list[int]:
+                         exact: Sequence[bool], free: Sequence[int] | None = None) -> list[int]:
     """The anchor count of each of a request's affixes at canvas columns ``[c0, c1)``: :func:`anchor_count`, but
     none short of the whole affix where its cached K/V are exact where it is placed (``exact``, from
     ``RequestState.exact_affixes``: a block-causal model's affix at column 0), since anchors there would recompute
-    what the cache holds. The whole affix (``all``, ratio 1) is still recomputed: it is the reference decoding."""
+    what the cache holds. The whole affix (``all``, ratio 1) is still recomputed: it is the reference decoding.
+    At most ``free[i]`` of affix ``i``: anchors are chosen among the columns a refresh would otherwise read from
+    the cache, not those it recomputes anyway (:func:`free_columns`)."""
     counts = []
-    for (c0, c1), is_exact in zip(spans, exact, strict=True):
+    for i, ((c0, c1), is_exact) in enumerate(zip(spans, exact, strict=True)):
         k = anchor_count(ratio, c1 - c0, selector)
-        counts.append(0 if is_exact and k < c1 - c0 else k)
+        k = 0 if is_exact and k < c1 - c0 else k
+        counts.append(k if free is None else min(k, free[i]))
     return counts
+
+
+def free_columns(state: RequestState, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``[T]``: the columns of the shared affixes at ``spans`` that a refresh reads from the cache unless they are
+    anchors: not those it recomputes anyway (``RequestState.base_recompute``: on a block-causal model an attention
+    block an affix shares with the request's own columns, on a shifted one the column before the region). Anchors
+    are chosen among these alone, so none is spent on a column that is fresh already."""
+    shared = torch.zeros(state.length, dtype=torch.bool, device=state.tokens.device)
+    for c0, c1 in spans:
+        shared[c0:c1] = True
+    return shared & ~state.base_recompute(shared)
 
 
 def request_anchor_counts(state: RequestState, spans: Sequence[tuple[int, int]]) -> list[int]:
     """:func:`placed_anchor_counts` of a request's shared affixes at ``spans``, by its parameters and placement."""
     p = state.params
-    return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)))
+    free = free_columns(state, spans)
+    return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)),
+                                [int(free[c0:c1].sum()) for c0, c1 in spans])
 
 
 def top_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,6 +87,7 @@ def admission_anchors(selector: AnchorSelector, state: RequestState, spans: Sequ
         return None
     scores = selector.row_scores(state.canvas.valid[0] & ~state.far_columns(),
                                  request_seed(state.params.seed, token_ids))
+    scores = torch.where(free_columns(state, spans), scores, float("-inf"))  # counts are at most the free columns
     for (c0, c1), k in zip(spans, counts, strict=True):
         if k:
             anchors[c0 + top_columns(scores[c0:c1], k)] = True
@@ -89,17 +106,27 @@ def drop_uncounted(anchors: torch.Tensor, spans: Sequence[tuple[int, int]], coun
     return anchors
 
 
-def affix_sizes(ctx: SelectionContext) -> list[list[int]]:
-    """The token count of each affix (slot) of each row."""
+def affix_sizes(ctx: SelectionContext, within: torch.Tensor | None = None) -> list[list[int]]:
+    """The token count of each affix (slot) of each row (``within``: of those columns only)."""
     slots = int(ctx.affix_slot.max()) + 1 if ctx.affix_slot.numel() else 0
-    return [[int((row == s).sum()) for s in range(slots)] for row in ctx.affix_slot]
+    slot = ctx.affix_slot if within is None else torch.where(within, ctx.affix_slot, -1)
+    return [[int((row == s).sum()) for s in range(slots)] for row in slot]
+
+
+def anchor_candidates(ctx: SelectionContext) -> torch.Tensor:
+    """``[B, T]``: the affix columns anchors are chosen from, those a refresh would otherwise read from the cache
+    (not ``ctx.own``, the columns it recomputes anyway; :func:`free_columns` on one request)."""
+    candidates = ctx.affix_mask & ctx.canvas.valid
+    return candidates if ctx.own is None else candidates & ~ctx.own
 
 
 def anchor_counts(ctx: SelectionContext, ratio: float | Sequence[float], selector: str) -> list[list[int]]:
-    """:func:`anchor_count` of each affix of each row, for ``ratio`` one for the batch or one per row."""
-    sizes = affix_sizes(ctx)
+    """:func:`anchor_count` of each affix of each row, for ``ratio`` one for the batch or one per row, at most its
+    :func:`anchor_candidates`."""
+    sizes, free = affix_sizes(ctx), affix_sizes(ctx, anchor_candidates(ctx))
     ratios = [ratio] * len(sizes) if isinstance(ratio, (int, float)) else list(ratio)
-    return [[anchor_count(r, n, selector) for n in row] for r, row in zip(ratios, sizes, strict=True)]
+    return [[min(anchor_count(r, n, selector), m) for n, m in zip(row, row_free, strict=True)]
+            for r, row, row_free in zip(ratios, sizes, free, strict=True)]
 
 
 def ranks_per_affix(affix_slot: torch.Tensor, scores: torch.Tensor, candidates: torch.Tensor,
@@ -216,18 +243,13 @@ class AnchorSelector:
         raise NotImplementedError(f"anchor selector {self.name!r} scores with a forward, not from the layout alone")
 
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
-        """Anchor mask ``[B, T]``: in each affix of each row, its :func:`anchor_count` best columns, with
-        ``ratio`` one for the batch or one per row."""
-        ratios = [ratio] * ctx.affix_slot.shape[0] if isinstance(ratio, (int, float)) else list(ratio)
-        scores = self.scores(ctx).float()
+        """Anchor mask ``[B, T]``: in each affix of each row, its :func:`anchor_count` best columns of its
+        :func:`anchor_candidates`, with ``ratio`` one for the batch or one per row."""
+        scores = torch.where(anchor_candidates(ctx), self.scores(ctx).float(), float("-inf"))
         anchors = torch.zeros_like(ctx.affix_mask)
-        slot = ctx.affix_slot
-        for slot_id in range(int(slot.max()) + 1 if slot.numel() else 0):
-            member = slot == slot_id
-            counts = member.sum(-1)
-            for row in range(slot.shape[0]):
-                k = anchor_count(ratios[row], int(counts[row]), self.name)
-                if k == 0:
-                    continue
-                anchors[row, top_columns(torch.where(member[row], scores[row], float("-inf")), k)] = True
+        for row, row_counts in enumerate(anchor_counts(ctx, ratio, self.name)):
+            for slot_id, k in enumerate(row_counts):
+                if k:
+                    member = ctx.affix_slot[row] == slot_id
+                    anchors[row, top_columns(torch.where(member, scores[row], float("-inf")), k)] = True
         return anchors

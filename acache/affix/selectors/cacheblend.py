@@ -23,6 +23,7 @@ from acache.affix.selectors.base import (
     AnchorSelector,
     OnePass,
     affix_sizes,
+    anchor_candidates,
     anchor_counts,
     carried_counts,
     keep_per_affix,
@@ -42,23 +43,25 @@ class CacheBlendAnchors(AnchorSelector):
         b, t = c.tokens.shape
         layers = model.config.num_layers
         affix = ctx.affix_mask & c.valid
+        free = anchor_candidates(ctx)  # the affix columns a refresh would read from the cache: where anchors go
         steps = max(layers - 1, 1)
         plan = plan_tensor([[carried_counts(k, n, steps) for k, n in zip(counts, sizes, strict=True)]
-                            for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx),
+                            for counts, sizes in zip(anchor_counts(ctx, ratio, self.name), affix_sizes(ctx, free),
                                                      strict=True)], steps, c.tokens.device)
 
         def keep(scores: torch.Tensor, candidates: torch.Tensor, step: int) -> torch.Tensor:
             return keep_per_affix(ctx.affix_slot, scores, candidates, plan[step])
 
         if layers < 2:  # every K/V is context-free: nothing deviates; keep the first tokens
-            return keep(torch.zeros(b, t, device=c.tokens.device), affix, 0)
+            return keep(torch.zeros(b, t, device=c.tokens.device), free, 0)
         out = ctx.first_layers()  # layers 0 and 1 on every token, in full context
         hidden = torch.cat((out.hidden, out.hidden[:, :1]), 1)  # plus a trash column for padded writes
         width = hidden.shape[-1]
-        carried = keep(ctx.first_stale_deviation(), affix, 0)
+        carried = keep(ctx.first_stale_deviation(), free, 0)
+        fresh_anyway = ~affix if ctx.own is None else ~affix | ctx.own  # the affix columns every refresh recomputes
         for layer in range(2, layers):
-            fed, fed_valid = compact_index(c.valid & (~affix | carried), fill=t)
-            cached, cached_valid = compact_index(affix & ~carried, fill=t)
+            fed, fed_valid = compact_index(c.valid & (fresh_anyway | carried), fill=t)
+            cached, cached_valid = compact_index(affix & ~fresh_anyway & ~carried, fill=t)
             at = fed.clamp_max(t - 1)
             step = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)),
                                     c.positions.gather(1, at), fed_valid,

@@ -17,7 +17,7 @@ a first-order estimate of what CacheBlend's oracle measures (the K/V deviation o
 one above layer 0, whose K/V are context-free) without running the affix in context. It needs the affix's
 own queries (:meth:`SelectionContext.affix_queries`: question-free, the same for every request that shares
 the affix) and the request's own K/V from the serving-path probe; the rest is attention arithmetic. Affix
-columns every refresh recomputes anyway (``SelectionContext.own``) are taken last.
+columns every refresh recomputes anyway (``SelectionContext.own``) are never anchors, as for every selector.
 
 It keeps its probe and the affix's own forward (no ``anchor_pass="one"``): its propagation reads the affix
 tokens' queries alone and every layer's probe K/V before any anchor is known.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from acache.affix.context import SelectionContext, compact_index
-from acache.affix.selectors.base import AnchorSelector, anchor_counts, keep_per_affix
+from acache.affix.selectors.base import AnchorSelector, anchor_candidates, anchor_counts, keep_per_affix
 from acache.models.layers import apply_rope, block_causal_mask
 
 
@@ -79,10 +79,8 @@ class InfluenceAnchors(AnchorSelector):
     def select(self, ctx: SelectionContext, ratio: float | Sequence[float]) -> torch.Tensor:
         """The top scores of each affix, ties to the earlier column: tokens nothing reaches score exactly zero
         (a block-causal prefix affix, whole), and a batch must break those ties as the request alone does."""
-        scores = self.scores(ctx)
-        if ctx.own is not None:  # affix columns every refresh recomputes anyway go last (scores are >= 0)
-            scores = torch.where(ctx.own & ctx.affix_mask, -1.0, scores)
-        return keep_per_affix(ctx.affix_slot, scores, ctx.affix_mask, anchor_counts(ctx, ratio, self.name))
+        return keep_per_affix(ctx.affix_slot, self.scores(ctx), anchor_candidates(ctx),
+                              anchor_counts(ctx, ratio, self.name))
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
         c, model = ctx.canvas, ctx.model
