@@ -30,7 +30,7 @@ from acache.sampling_params import SamplingParams
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.fastdllm import fastdllm_generate
 from acache_lab.bench.flops import FlopCounter, matmul_peak
-from acache_lab.eval.cost import exact_affixes, filtering_passes
+from acache_lab.eval.cost import exact_affixes, filtering_passes, fresh_affix_columns
 
 # LLaDA layout at SmolLM2-135M size.
 SMOL_SHAPE = {"layers": 30, "hidden_size": 576, "heads": 9, "kv_heads": 3, "intermediate_size": 1536,
@@ -53,11 +53,13 @@ class Workload:
     selector: str = DEFAULT_SELECTOR
     anchor_pass: str | None = None  # None: the selector's default (one pass where it has one)
     exact: bool = False  # the affix is exact where it is placed (a block-causal model's prefix): no anchors taken
+    fresh: int = 0  # affix columns every refresh recomputes anyway (cost.fresh_affix_columns): never anchors
 
     @property
     def anchors(self) -> int:
         """The affix's anchor count, as the engine counts it."""
-        return placed_anchor_counts(self.ratio, self.selector, [(0, self.affix_len)], [self.exact])[0]
+        return placed_anchor_counts(self.ratio, self.selector, [(0, self.affix_len)], [self.exact],
+                                    [self.affix_len - self.fresh])[0]
 
     @property
     def blocks(self) -> int:
@@ -78,13 +80,13 @@ class Workload:
         if one:
             canvas = self.affix_len + self.question_len + self.gen_length
             first = filtering_passes(self.selector, canvas, [self.affix_len], layers, self.ratio,
-                                     exact=[self.exact]) / layers
+                                     exact=[self.exact], fresh=[self.fresh]) / layers
             return first + (self.blocks - 1) * self.refresh_tokens(True) + in_block
-        probe = self.question_len + self.gen_length
+        probe = self.question_len + self.gen_length + self.fresh
         return probe + self.blocks * self.refresh_tokens(True) + in_block
 
     def refresh_tokens(self, reuse: bool) -> int:
-        return (self.anchors if reuse else self.affix_len) + self.question_len + self.gen_length
+        return (self.anchors + self.fresh if reuse else self.affix_len) + self.question_len + self.gen_length
 
 
 @dataclass
@@ -409,7 +411,9 @@ def main(args) -> int:
         described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
     else:
         sample = make_requests(model, w, 1, args.seed)
-    w = replace(w, exact=all(exact_affixes(model.config, sample[0], w.gen_length)))  # the ideal counts as the engine
+    # the ideal counts as the engine
+    w = replace(w, exact=all(exact_affixes(model.config, sample[0], w.gen_length)),
+                fresh=sum(fresh_affix_columns(model.config, sample[0], w.gen_length, model.shifted_logits)))
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())

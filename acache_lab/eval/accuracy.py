@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from acache.llm import LLM
 from acache.policies import LAYOUTS, ONE_PASS_SELECTORS
-from acache_lab.eval.cost import exact_affixes, request_passes
+from acache_lab.eval.cost import exact_affixes, fresh_affix_columns, request_passes
 from acache_lab.eval.metrics import REFERENCE_LABELS, REFERENCES, Cell, summary_table, sweep_table, target_table
 from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
 from acache_lab.tasks.generators import DEMO_TASKS, TASKS, held_out, parse_tasks
@@ -93,7 +93,8 @@ def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, r
     for p in prompts:
         canvas = len(p.token_ids) + gen
         spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio, anchor_pass,
-                               anchor_depth, exact_affixes(llm.config, p, gen))
+                               anchor_depth, exact_affixes(llm.config, p, gen),
+                               fresh_affix_columns(llm.config, p, gen, llm.model.shifted_logits))
         shares.append(spent / (canvas * layers))
     return sum(shares) / len(shares)
 

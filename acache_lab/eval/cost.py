@@ -35,7 +35,7 @@ import torch
 from acache.affix.context import shallow_layers
 from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import SELECTORS, placed_anchor_counts
-from acache.affix.selectors.base import carried_counts
+from acache.affix.selectors.base import carried_counts, free_columns
 from acache.decoding.request_state import RequestState
 from acache.models.config import ModelConfig
 from acache.policies import QUERY_SELECTORS
@@ -48,79 +48,105 @@ FREE = tuple(name for name, selector in SELECTORS.items() if selector.layout_onl
 def exact_affixes(config: ModelConfig, prompt: AffixPrompt, gen_length: int) -> list[bool]:
     """Which of ``prompt``'s affixes are exact where they are placed, by the engine's rule
     (``RequestState.exact_affixes``: a block-causal model's affix at column 0)."""
+    state, spans = _placed(config, prompt, gen_length, False)
+    return state.exact_affixes(spans)
+
+
+def fresh_affix_columns(config: ModelConfig, prompt: AffixPrompt, gen_length: int, shifted: bool = False) -> list[int]:
+    """How many columns of each of ``prompt``'s affixes every refresh recomputes anyway, by the engine's rule
+    (``free_columns``: an attention block a block-causal model's affix shares with the request's own columns, the
+    column before a ``shifted`` model's region): they are never anchors, and they cost what own columns cost."""
+    state, spans = _placed(config, prompt, gen_length, shifted)
+    free = free_columns(state, spans)
+    return [c1 - c0 - int(free[c0:c1].sum()) for c0, c1 in spans]
+
+
+def _placed(config: ModelConfig, prompt: AffixPrompt, gen_length: int, shifted: bool,
+            ) -> tuple[RequestState, list[tuple[int, int]]]:
     state = RequestState(prompt.layout, SamplingParams(gen_length=gen_length, block_length=gen_length),
-                         config.mask_token_id, config.pad_token_id, False, torch.device("cpu"),
+                         config.mask_token_id, config.pad_token_id, shifted, torch.device("cpu"),
                          attention_block=config.block_size)
     starts = [state.canvas.column(0, a.start) for a in prompt.affixes]
-    return state.exact_affixes([(c0, c0 + a.length) for c0, a in zip(starts, prompt.affixes, strict=True)])
+    return state, [(c0, c0 + a.length) for c0, a in zip(starts, prompt.affixes, strict=True)]
 
 
-def counts(policy: str, affixes: list[int], ratio: float, exact: list[bool] | None = None) -> list[int]:
-    """Each affix's anchor count, as the engine counts it (the affixes laid end to end: only the flags matter)."""
+def counts(policy: str, affixes: list[int], ratio: float, exact: list[bool] | None = None,
+           fresh: list[int] | None = None) -> list[int]:
+    """Each affix's anchor count, as the engine counts it (the affixes laid end to end: only the flags and the
+    ``fresh`` counts of :func:`fresh_affix_columns` matter)."""
     spans, start = [], 0
     for n in affixes:
         spans.append((start, start + n))
         start += n
-    return placed_anchor_counts(ratio, policy, spans, exact or [False] * len(affixes))
+    fresh = fresh or [0] * len(affixes)
+    return placed_anchor_counts(ratio, policy, spans, exact or [False] * len(affixes),
+                                [n - f for n, f in zip(affixes, fresh, strict=True)])
 
 
 def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], layers: int, ratio: float,
-                     exact: list[bool] | None = None) -> int:
+                     exact: list[bool] | None = None, fresh: list[int] | None = None) -> int:
     """Token-layer passes of choosing the anchors of one request: a ``canvas``-column request whose affixes
-    have ``affixes`` tokens each, on a ``layers``-layer model."""
-    other = canvas - sum(affixes)
-    if policy in FREE or not any(counts(policy, affixes, ratio, exact)):
+    have ``affixes`` tokens each (``fresh`` of them recomputed anyway, :func:`fresh_affix_columns`), on a
+    ``layers``-layer model."""
+    fresh = fresh or [0] * len(affixes)
+    own = canvas - sum(affixes) + sum(fresh)  # the columns the probe feeds, as a refresh does
+    ks = counts(policy, affixes, ratio, exact, fresh)
+    if policy in FREE or not any(ks):
         return 0
     # from here a pass of its own scores every affix by anchor_count (its anchors in an exact one are dropped after)
     if policy == "influence":
-        return other * layers + sum(affixes) * layers
+        return own * layers + sum(affixes) * layers
     own_query = policy in QUERY_SELECTORS
     if policy == "kv-deviation" or (own_query and query == "full"):  # a full forward (holds layer 1's K/V too)
         return canvas * layers
-    probe = other * (shallow_layers(layers) if own_query and query == "shallow" else layers)
+    probe = own * (shallow_layers(layers) if own_query and query == "shallow" else layers)
     if policy in ("attention", "query-attention"):
         return probe
-    if policy == "attention-deviation":
-        candidates = sum(min(n, 2 * k) for n, k in zip(affixes, counts(policy, affixes, ratio), strict=True))
-        return probe + (other + candidates) * min(2, layers)
+    if policy == "attention-deviation":  # its pass scores an exact affix too
+        scored = counts(policy, affixes, ratio, None, fresh)
+        candidates = sum(min(n - f, 2 * k) for n, f, k in zip(affixes, fresh, scored, strict=True))
+        return probe + (own + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0
-        return filtering_passes(policy, canvas, affixes, layers, ratio)
+        return filtering_passes(policy, canvas, affixes, layers, ratio, fresh=fresh)
     raise ValueError(f"no cost model for policy {policy!r}")
 
 
 def filtering_passes(policy: str, canvas: int, affixes: list[int], layers: int, ratio: float,
-                     depth: float = 1.0, exact: list[bool] | None = None) -> int:
-    """Layers 0 and 1 of every column (but those of an affix taking no anchors), then the non-affix columns and the
-    carried affix tokens through each later layer: CacheBlend's selection, and a one-pass selector's whole first
-    refresh (at ``depth``: carried down to the anchors sooner)."""
-    other = canvas - sum(affixes)
-    ks = counts(policy, affixes, ratio, exact)
-    plans = [carried_counts(k, n, max(layers - 1, 1), depth) for k, n in zip(ks, affixes, strict=True)]
-    later = sum(other + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
-    first = other + sum(n for n, k in zip(affixes, ks, strict=True) if k)  # an affix taking no anchor stays cached
+                     depth: float = 1.0, exact: list[bool] | None = None, fresh: list[int] | None = None) -> int:
+    """Layers 0 and 1 of every column (but those of an affix taking no anchors, short of its ``fresh`` ones), then
+    the request's own columns and the carried affix tokens through each later layer: CacheBlend's selection, and a
+    one-pass selector's whole first refresh (at ``depth``: carried down to the anchors sooner)."""
+    fresh = fresh or [0] * len(affixes)
+    own = canvas - sum(affixes) + sum(fresh)
+    ks = counts(policy, affixes, ratio, exact, fresh)
+    plans = [carried_counts(k, n - f, max(layers - 1, 1), depth) for k, n, f in zip(ks, affixes, fresh, strict=True)]
+    later = sum(own + sum(plan[layer - 2] for plan in plans) for layer in range(2, layers))
+    # an affix taking no anchor stays cached, but for its columns every refresh recomputes anyway
+    first = canvas - sum(affixes) + sum(n if k else f for n, k, f in zip(affixes, ks, fresh, strict=True))
     return first * min(2, layers) + later
 
 
 def refresh_passes(policy: str | None, canvas: int, affixes: list[int], layers: int, ratio: float,
-                   exact: list[bool] | None = None) -> int:
-    """Token-layer passes of one refresh: the anchors and every non-affix column through every layer (the
-    whole canvas without the affix cache)."""
+                   exact: list[bool] | None = None, fresh: list[int] | None = None) -> int:
+    """Token-layer passes of one refresh: the anchors and the request's own columns (every non-affix column, and
+    the ``fresh`` affix columns) through every layer (the whole canvas without the affix cache)."""
     if policy is None:
         return canvas * layers
-    return (canvas - sum(affixes) + sum(counts(policy, affixes, ratio, exact))) * layers
+    fresh = fresh or [0] * len(affixes)
+    return (canvas - sum(affixes) + sum(fresh) + sum(counts(policy, affixes, ratio, exact, fresh))) * layers
 
 
 def request_passes(policy: str | None, query: str, canvas: int, affixes: list[int], layers: int,
                    ratio: float, anchor_pass: str | None = None, anchor_depth: float = 1.0,
-                   exact: list[bool] | None = None) -> int:
+                   exact: list[bool] | None = None, fresh: list[int] | None = None) -> int:
     """Selection plus the block-boundary refresh (one pass: the refresh that selects; neither selects where no
     affix takes anchors)."""
-    if policy is not None and affixes and not any(counts(policy, affixes, ratio, exact)):
-        return refresh_passes(policy, canvas, affixes, layers, ratio, exact)
+    if policy is not None and affixes and not any(counts(policy, affixes, ratio, exact, fresh)):
+        return refresh_passes(policy, canvas, affixes, layers, ratio, exact, fresh)
     if anchor_pass == "one":  # at ratio 0 and 1 the one pass is the refresh of direct reuse or full recomputation
-        return filtering_passes(policy, canvas, affixes, layers, ratio, anchor_depth, exact) \
-            if 0 < ratio < 1 and layers > 1 else refresh_passes(policy, canvas, affixes, layers, ratio, exact)
-    select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio, exact)
-    return select + refresh_passes(policy, canvas, affixes, layers, ratio, exact)
+        return filtering_passes(policy, canvas, affixes, layers, ratio, anchor_depth, exact, fresh) \
+            if 0 < ratio < 1 and layers > 1 else refresh_passes(policy, canvas, affixes, layers, ratio, exact, fresh)
+    select = 0 if policy is None else selection_passes(policy, query, canvas, affixes, layers, ratio, exact, fresh)
+    return select + refresh_passes(policy, canvas, affixes, layers, ratio, exact, fresh)

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from acache_lab.eval.cost import refresh_passes, request_passes, selection_passes
+from acache.affix.prompt import AffixPrompt
+from acache.models.loader import load_model
+from acache.sampling_params import SamplingParams
+from acache_lab.eval.cost import (
+    counts,
+    exact_affixes,
+    fresh_affix_columns,
+    refresh_passes,
+    request_passes,
+    selection_passes,
+)
+from tests.helpers import run_engine
 
 # a 48-column canvas: an affix of 38 tokens, 8 other prompt tokens, 2 masks; 4 layers; k = ceil(0.2 * 38) = 8
 CANVAS, AFFIX, LAYERS, RATIO = 48, [38], 4, 0.2
@@ -65,6 +76,34 @@ def test_an_exact_affix_costs_what_direct_reuse_costs():
         48 * 2 + (10 + 20 + 18) + (10 + 15 + 14) + (10 + 9) * 4)
     assert selection_passes("attention", "probe", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 0
     assert refresh_passes("attention", CANVAS, AFFIX, LAYERS, RATIO, [True]) == 10 * 4
+
+
+def test_columns_recomputed_anyway_cost_as_own_and_are_never_anchors():
+    """A block-causal model's affix shares its first and last attention blocks with the request's own columns (blocks
+    of 8: an affix at columns 3-40 has 3-7 and 40 so), a shifted model recomputes the column before the region: those
+    columns are counted as own ones, anchors come from the rest (capped there), and the cost model's refresh feeds
+    what the engine's does, request for request."""
+    model = load_model("models/acache-tiny-blockdiff")
+    cfg = model.config
+    ids = list(range(1, 60))
+    infix = AffixPrompt.from_spans(ids[:48], None, [(3, 41)])
+    before_region = AffixPrompt.from_spans(ids[:41], None, [(3, 41)])
+    assert cfg.block_size == 8 and fresh_affix_columns(cfg, infix, 2) == [5 + 1]
+    assert fresh_affix_columns(cfg, before_region, 2) == [5 + 1]  # 40 shares a block with the region
+    assert fresh_affix_columns(load_model("models/acache-tiny").config, before_region, 2, shifted=True) == [1]
+    assert fresh_affix_columns(load_model("models/acache-tiny").config, infix, 2) == [0]
+    assert counts("attention", [38], 0.2, None, [6]) == [8] and counts("all", [38], 0.0, None, [6]) == [32]
+    assert refresh_passes("attention", 50, [38], 4, 0.2, None, [6]) == (12 + 6 + 8) * 4
+    prompts = [infix, before_region, AffixPrompt.from_spans(ids[:20], None, [(0, 12)])]
+    params = [SamplingParams(gen_length=2, block_length=2, selector=s, anchor_ratio=r)
+              for s, r in (("attention", 0.2), ("random", 0.5), ("attention", 0.3))]
+    outs = run_engine(model, prompts, params, arrivals=[0, 1, 0])
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        canvas, affixes = len(prompt.token_ids) + 2, [a.length for a in prompt.affixes]
+        fresh = fresh_affix_columns(cfg, prompt, 2)
+        assert out.recomputed_per_refresh * cfg.num_layers == refresh_passes(
+            sp.selector, canvas, affixes, cfg.num_layers, sp.anchor_ratio, exact_affixes(cfg, prompt, 2), fresh)
+        assert out.cached_tokens == sum(affixes) - sum(fresh) - len(out.anchors)
 
 
 def test_unknown_policy_is_named():
