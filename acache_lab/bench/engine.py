@@ -413,7 +413,7 @@ def main(args) -> int:
         sample = make_requests(model, w, 1, args.seed)
     # the ideal counts as the engine
     w = replace(w, exact=all(exact_affixes(model.config, sample[0], w.gen_length)),
-                fresh=sum(fresh_affix_columns(model.config, sample[0], w.gen_length, model.shifted_logits)))
+                fresh=sum(fresh_affix_columns(model.config, sample[0], w.gen_length, shifted=model.shifted_logits)))
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())

@@ -94,7 +94,7 @@ def compute_cost(llm: LLM, prompts, task: str, policy: str | None, query: str, r
         canvas = len(p.token_ids) + gen
         spent = request_passes(policy, query, canvas, [a.length for a in p.affixes], layers, ratio, anchor_pass,
                                anchor_depth, exact_affixes(llm.config, p, gen),
-                               fresh_affix_columns(llm.config, p, gen, llm.model.shifted_logits))
+                               fresh_affix_columns(llm.config, p, gen, shifted=llm.model.shifted_logits))
         shares.append(spent / (canvas * layers))
     return sum(shares) / len(shares)
 

@@ -4,12 +4,12 @@ Counted for the study's setting: the answer region is one block on the dual cach
 refresh at its block boundary (the recompute set through every layer) and the same in-block steps under
 every policy (left out, being equal). Selection is counted from each selector's definition:
 
-* ``attention``, ``query-attention``: the probe, every non-affix column through every layer (``attention``
+* ``attention``, ``query-attention``: the probe, the request's own columns through every layer (``attention``
   with the shallow probe: through its first ``shallow_layers`` only);
 * ``attention`` with full queries, ``kv-deviation``: a full forward of the canvas;
 * ``attention-deviation``: the probe (or the shallow one), then layers 0 and 1 of the non-affix columns and of
   its ``min(n, 2k)`` candidates an affix;
-* ``cacheblend``: layers 0 and 1 of every column, then the non-affix columns and the carried affix tokens
+* ``cacheblend``: layers 0 and 1 of every column, then the request's own columns and the carried affix tokens
   through each later layer;
 * ``influence``: the probe, and each affix alone through every layer for its queries (the same for every
   request that shares the affix: stored beside its K/V, they would cost nothing per request and leave the
@@ -18,12 +18,17 @@ every policy (left out, being equal). Selection is counted from each selector's 
 
 An affix whose cached K/V are exact where it is placed (``exact``: a block-causal model's affix at column 0,
 ``RequestState.exact_affixes``) takes no anchors short of the whole affix, as the engine serves it, and a one-pass
-refresh feeds none of its columns; a request none of whose affixes takes anchors selects nothing. A pass of its own
-still scores such an affix beside an approximate one (its anchors there are dropped after).
+refresh feeds none of its columns but those it recomputes anyway; a request none of whose affixes takes anchors selects
+nothing. A pass of its own still scores such an affix beside an approximate one (its anchors there are dropped after).
+
+The request's own columns are every non-affix column and the ``fresh`` affix columns every refresh recomputes anyway
+(:func:`fresh_affix_columns`: an attention block a block-causal model's affix shares with them, the column before a
+shifted model's region); anchors are counted among the other affix columns, as the engine chooses them.
 
 A one-pass selector (``anchor_pass="one"``) chooses inside the refresh: nothing is spent before it, and its refresh
-runs layers 0 and 1 of every column (but an exact affix's), then the non-affix columns and the carried candidates
-(from ``min(n, 2k)`` down to ``k``) through each later layer, the pass CacheBlend's selection runs.
+runs layers 0 and 1 of every column (but an exact affix's), then the request's own columns and the carried candidates
+(from ``min(m, 2k)`` down to ``k``, ``m`` the affix's columns not recomputed anyway) through each later layer, the
+pass CacheBlend's selection runs.
 
 BiCache is left out: it recomputes layers, not tokens, and selects nothing.
 """
@@ -52,7 +57,8 @@ def exact_affixes(config: ModelConfig, prompt: AffixPrompt, gen_length: int) -> 
     return state.exact_affixes(spans)
 
 
-def fresh_affix_columns(config: ModelConfig, prompt: AffixPrompt, gen_length: int, shifted: bool = False) -> list[int]:
+def fresh_affix_columns(config: ModelConfig, prompt: AffixPrompt, gen_length: int, *,
+                        shifted: bool) -> list[int]:
     """How many columns of each of ``prompt``'s affixes every refresh recomputes anyway, by the engine's rule
     (``free_columns``: an attention block a block-causal model's affix shares with the request's own columns, the
     column before a ``shifted`` model's region): they are never anchors, and they cost what own columns cost."""
@@ -105,7 +111,8 @@ def selection_passes(policy: str, query: str, canvas: int, affixes: list[int], l
     if policy == "attention-deviation":  # its pass scores an exact affix too
         scored = counts(policy, affixes, ratio, None, fresh)
         candidates = sum(min(n - f, 2 * k) for n, f, k in zip(affixes, fresh, scored, strict=True))
-        return probe + (own + candidates) * min(2, layers)
+        # its layers 0-1 feed the non-affix columns and the candidates (SelectionContext.stale_deviation)
+        return probe + (canvas - sum(affixes) + candidates) * min(2, layers)
     if policy == "cacheblend":
         if layers < 2:  # nothing to measure: no forward runs
             return 0

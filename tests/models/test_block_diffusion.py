@@ -138,6 +138,11 @@ def test_an_exact_prefix_affix_takes_no_anchors(model):
     # ratio 1 on a 10-token prefix: 8 anchors, its columns 8-9 sharing the request's block are recomputed anyway
     assert [len(out.anchors) for out in outs] == [0, 0, 0, 0, 2, 8, 0, 6, 6]  # ceil(0.3 * 20): the second affix's
     assert outs[5].cached_tokens == 0
+    # no anchor on a column recomputed anyway (a block shared with the question): the infix affix (3-10) keeps 4-7,
+    # the two-affix requests' second affix (11-30) neither 11 nor 28-30, in one pass and in a pass of its own
+    assert set(outs[4].anchors) <= {4, 5, 6, 7}
+    assert not {11, 28, 29, 30} & {a for out in outs[-2:] for a in out.anchors}
+    assert [outs[-2].cached_tokens, outs[-1].cached_tokens] == [8 + 20 - 4 - 6] * 2
     doc = prompts[-1].affixes[1]
     assert all(doc.start <= a < doc.start + doc.length for out in outs[-2:] for a in out.anchors)
     for i in range(4):

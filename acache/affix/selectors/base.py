@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
     """How many of an ``n``-token affix's tokens a request recomputes: none for direct reuse (``none``),
     all for full recompute (``all``), otherwise ``ceil(ratio * n)``, robust to float error (0.3 * 10 is
-    3, not 4). The one place this count is defined: selection reads it, and :func:`placed_anchor_counts` (page
-    sizing, the one-pass refresh) from it."""
+    3, not 4). The one place this count is defined: :func:`placed_anchor_counts` (page sizing, the one-pass
+    refresh, admission) and :func:`anchor_counts` (a pass of its own) read it, each capped at the affix's
+    columns that are not recomputed anyway."""
     if selector == "none":
         return 0
     if selector == "all":
@@ -43,21 +44,24 @@ def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tup
     return counts
 
 
-def free_columns(state: RequestState, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+def free_columns(state: RequestState, spans: Sequence[tuple[int, int]],
+                 device: torch.device | None = None) -> torch.Tensor:
     """``[T]``: the columns of the shared affixes at ``spans`` that a refresh reads from the cache unless they are
     anchors: not those it recomputes anyway (``RequestState.base_recompute``: on a block-causal model an attention
     block an affix shares with the request's own columns, on a shifted one the column before the region). Anchors
-    are chosen among these alone, so none is spent on a column that is fresh already."""
-    shared = torch.zeros(state.length, dtype=torch.bool, device=state.tokens.device)
+    are chosen among these alone, so none is spent on a column that is fresh already. Made on ``device`` (default:
+    the request's), from host values alone: a mask made on the host is counted without a device read."""
+    shared = torch.zeros(state.length, dtype=torch.bool, device=device or state.tokens.device)
     for c0, c1 in spans:
         shared[c0:c1] = True
     return shared & ~state.base_recompute(shared)
 
 
 def request_anchor_counts(state: RequestState, spans: Sequence[tuple[int, int]]) -> list[int]:
-    """:func:`placed_anchor_counts` of a request's shared affixes at ``spans``, by its parameters and placement."""
+    """:func:`placed_anchor_counts` of a request's shared affixes at ``spans``, by its parameters and placement (its
+    free columns counted on the host: no device read, at admission or in a selecting refresh)."""
     p = state.params
-    free = free_columns(state, spans)
+    free = free_columns(state, spans, torch.device("cpu"))
     return placed_anchor_counts(p.anchor_ratio, p.selector, spans, state.exact_affixes(list(spans)),
                                 [int(free[c0:c1].sum()) for c0, c1 in spans])
 
@@ -96,7 +100,8 @@ def admission_anchors(selector: AnchorSelector, state: RequestState, spans: Sequ
 
 def drop_uncounted(anchors: torch.Tensor, spans: Sequence[tuple[int, int]], counts: Sequence[int]) -> torch.Tensor:
     """``anchors [T]`` a selection of its own chose, without those in the affixes whose count is zero (an exact
-    affix's, :func:`placed_anchor_counts`): a selector scores every affix by :func:`anchor_count` alone."""
+    affix's, :func:`placed_anchor_counts`): a pass of its own counts every affix by :func:`anchor_counts`, which
+    knows nothing of exactness."""
     if all(counts):
         return anchors
     anchors = anchors.clone()

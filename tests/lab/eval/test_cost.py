@@ -88,19 +88,23 @@ def test_columns_recomputed_anyway_cost_as_own_and_are_never_anchors():
     ids = list(range(1, 60))
     infix = AffixPrompt.from_spans(ids[:48], None, [(3, 41)])
     before_region = AffixPrompt.from_spans(ids[:41], None, [(3, 41)])
-    assert cfg.block_size == 8 and fresh_affix_columns(cfg, infix, 2) == [5 + 1]
-    assert fresh_affix_columns(cfg, before_region, 2) == [5 + 1]  # 40 shares a block with the region
+    assert cfg.block_size == 8 and fresh_affix_columns(cfg, infix, 2, shifted=True) == [5 + 1]
+    assert fresh_affix_columns(cfg, before_region, 2, shifted=True) == [5 + 1]  # 40: a block with the region
     assert fresh_affix_columns(load_model("models/acache-tiny").config, before_region, 2, shifted=True) == [1]
-    assert fresh_affix_columns(load_model("models/acache-tiny").config, infix, 2) == [0]
+    assert fresh_affix_columns(load_model("models/acache-tiny").config, infix, 2, shifted=False) == [0]
     assert counts("attention", [38], 0.2, None, [6]) == [8] and counts("all", [38], 0.0, None, [6]) == [32]
     assert refresh_passes("attention", 50, [38], 4, 0.2, None, [6]) == (12 + 6 + 8) * 4
+    # one pass: layers 0-1 on all 50, then the 18 own columns and the carried candidates (16, then 12 -> k = 8)
+    assert request_passes("attention", "probe", 50, [38], 4, 0.2, "one", 1.0, None, [6]) == 50 * 2 + 18 + 16 + 18 + 12
+    # attention-deviation's pass: the probe (18 own), then layers 0-1 of the 12 non-affix columns and 16 candidates
+    assert selection_passes("attention-deviation", "probe", 50, [38], 4, 0.2, None, [6]) == 18 * 4 + (12 + 16) * 2
     prompts = [infix, before_region, AffixPrompt.from_spans(ids[:20], None, [(0, 12)])]
     params = [SamplingParams(gen_length=2, block_length=2, selector=s, anchor_ratio=r)
               for s, r in (("attention", 0.2), ("random", 0.5), ("attention", 0.3))]
     outs = run_engine(model, prompts, params, arrivals=[0, 1, 0])
     for prompt, sp, out in zip(prompts, params, outs, strict=True):
         canvas, affixes = len(prompt.token_ids) + 2, [a.length for a in prompt.affixes]
-        fresh = fresh_affix_columns(cfg, prompt, 2)
+        fresh = fresh_affix_columns(cfg, prompt, 2, shifted=model.shifted_logits)
         assert out.recomputed_per_refresh * cfg.num_layers == refresh_passes(
             sp.selector, canvas, affixes, cfg.num_layers, sp.anchor_ratio, exact_affixes(cfg, prompt, 2), fresh)
         assert out.cached_tokens == sum(affixes) - sum(fresh) - len(out.anchors)
