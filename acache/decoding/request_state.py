@@ -130,13 +130,12 @@ class RequestState:
         there would recompute what the cache already holds."""
         if self.attention_block is None or self.state_cache:
             return [False] * len(spans)
-        size = self.attention_block
-
-        def holds_own(c: int) -> bool:  # column c's attention block holds a column of no affix (read on the host)
-            b0, b1 = c - c % size, min(c - c % size + size, self.length)
-            return sum(max(0, min(e, b1) - max(s, b0)) for s, e in spans) < b1 - b0
-
-        return [c0 == 0 and c1 > 0 and (c1 % size == 0 or holds_own(c1 - 1)) for c0, c1 in spans]
+        shared = torch.zeros(self.length, dtype=torch.bool)  # on the host: read with no wait for the device
+        for c0, c1 in spans:
+            shared[c0:c1] = True
+        recomputed = self.base_recompute(shared)  # a last, partial block that holds own columns is recomputed
+        return [c0 == 0 and c1 > 0 and (c1 % self.attention_block == 0 or bool(recomputed[c1 - 1]))
+                for c0, c1 in spans]
 
     def admit(self, shared: torch.Tensor | None = None, anchors: torch.Tensor | None = None,
               select: bool = False) -> None:
