@@ -3,6 +3,7 @@ statuses. Each route family's work is a handler class of its own (``serving_*.py
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,18 @@ SCORING_REQUESTS = 8  # scoring requests that may wait for, or share, one pass
 log = logging.getLogger("acache.server")
 
 
+async def finish_checks(running: set[asyncio.Task], grace_s: float) -> None:
+    """Lets the reuse checks still running when the server stops finish within what is left of the grace
+    period, then cancels the rest. A check outlives its answer (the client had the answer without reuse), so
+    uvicorn, which waits for open connections only, would otherwise cut it off: its record and the shared
+    affix it computed, which ``--affix-cache-dir`` is about to save, would be lost."""
+    pending = set(running)
+    if pending and grace_s > 0:
+        _, pending = await asyncio.wait(pending, timeout=grace_s)
+    for task in pending:
+        task.cancel()
+
+
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
                affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES,
@@ -70,6 +83,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         try:
             yield
         finally:
+            await finish_checks(ctx.checks_running, ctx.drain.remaining())
             ctx.drain.expire()  # whatever the grace period left running stops now
             ctx.score_pool.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()

@@ -9,6 +9,7 @@ aborted and every scoring job stopped between two batches, and each gets :class:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 
@@ -26,6 +27,7 @@ class Drain:
         self._cancels: set[threading.Event] = set()
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._deadline: float | None = None  # time.monotonic() when the grace period ends
 
     def begin(self, grace_s: float) -> None:
         """Starts the grace period (once; a second signal does not extend it)."""
@@ -35,11 +37,20 @@ class Drain:
             if self.started:
                 return
             self.started = True
+            self._deadline = time.monotonic() + grace_s
             self._timer = threading.Timer(grace_s, self.expire, args=(
                 f"the server shut down: this request was still running {grace_s:g} s after the shutdown began "
                 "(--shutdown-grace)",))
             self._timer.daemon = True
             self._timer.start()
+
+    def remaining(self) -> float:
+        """Seconds of the grace period left: 0 before it starts (a shutdown no signal began waits for nothing)
+        and once it has ended."""
+        with self._lock:
+            if self._deadline is None or self.expired is not None:
+                return 0.0
+            return max(0.0, self._deadline - time.monotonic())
 
     def expire(self, message: str = "the server shut down while this request was in flight") -> None:
         """Cancels everything still in flight, now (also at the end of the app's lifespan)."""

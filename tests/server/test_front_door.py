@@ -10,7 +10,7 @@ import pytest
 
 from acache import LLM, SamplingParams
 from acache.paths import default_model
-from tests.server.helpers import start_server
+from tests.server.helpers import start_server, wait_until
 
 KEY = "front-door-key"
 STORY = "mary moved to the kitchen . john went to the garden . mary journeyed to the office ."
@@ -226,12 +226,15 @@ def test_a_restart_with_an_affix_cache_dir_serves_warm(tmp_path):
     finally:
         first.terminate()
         first.wait(timeout=30)  # uvicorn shuts down gracefully, then re-raises SIGTERM
-    assert (cache / "manifest.json").is_file()
+    # the check the second request started computed the affix; the shutdown waited for it, then saved it
+    assert len(json.loads((cache / "manifest.json").read_text())["entries"]) == 1
     second, port = start_server(["--affix-cache-dir", str(cache)])
     try:
         assert hits(port) == 0
-        status, text = call(port, "POST", CH, body)  # the first request after the restart
-        assert status == 200 and hits(port) == 1  # served from the loaded copy
+        status, text = call(port, "POST", CH, body)  # the first request after the restart: checked
+        assert status == 200
+        # its check, the same request with reuse, is served from the loaded copy; it may end after the answer
+        assert wait_until(lambda: hits(port) == 1, 30)
         after = json.loads(text)["choices"][0]
         assert (after["token_ids"], after["message"]["content"]) == (before["token_ids"], before["message"]["content"])
         status, text = call(port, "POST", "/v1/affixes/save", {})

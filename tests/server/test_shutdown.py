@@ -3,6 +3,7 @@ SIGTERM during a long scoring request ends the process within the grace period."
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import signal
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from acache import LLM
 from acache.cli import build_parser
+from acache.paths import SHIPPED_MODEL
 from acache.server.app import create_app
 from acache.server.shutdown import Drain, ShuttingDown
 from tests.conftest import tiny_checkpoint
@@ -87,6 +89,60 @@ def test_the_drain_starts_once_and_cancels_what_arrives_after():
     late = threading.Event()
     drain.track(late)
     assert late.is_set() and len(told) == 1 and "0.05 s after the shutdown began" in str(told[0])
+
+
+def test_the_grace_left_is_zero_before_the_drain_and_after_it():
+    drain = Drain(lambda exc: None)
+    assert drain.remaining() == 0.0  # a shutdown no signal began waits for nothing
+    drain.begin(60)
+    assert 59 < drain.remaining() <= 60
+    drain.expire()
+    assert drain.remaining() == 0.0
+
+
+@pytest.mark.parametrize(("grace", "lasts", "finished"), [(10.0, 0.3, True), (0.3, 30.0, False), (0.0, 0.3, False)])
+def test_a_reuse_check_running_at_shutdown_gets_what_is_left_of_the_grace(llada_dir, grace, lasts, finished):
+    """A check outlives its answer; the shutdown waits for it within the grace period and cancels it after."""
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    app = create_app(llm, "tiny")
+    ended: list[str] = []
+
+    async def check() -> None:
+        try:
+            await asyncio.sleep(lasts)
+            ended.append("finished")
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    async def start() -> None:
+        task = asyncio.ensure_future(check())
+        app.state.checks_running.add(task)
+        task.add_done_callback(app.state.checks_running.discard)
+
+    with TestClient(app) as client:
+        client.portal.call(start)
+        app.state.drain.begin(grace)
+        began = time.monotonic()
+    elapsed = time.monotonic() - began
+    assert ended == ["finished" if finished else "cancelled"]
+    assert elapsed < (lasts if finished else grace) + 5.0
+
+
+def test_an_affix_a_check_is_computing_at_shutdown_is_saved(tmp_path):
+    """The second sight of a system prompt starts a check, whose request with reuse computes the shared affix;
+    a shutdown right after the answer still saves it (before, the check could be cancelled first)."""
+    cache = tmp_path / "affixes"
+    llm = LLM(SHIPPED_MODEL, page_size=8)
+    chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
+                         {"role": "user", "content": "where is john?"}], "max_tokens": 2}
+    with TestClient(create_app(llm, "acache-tiny", affix_cache_dir=cache)) as client:
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        second = client.post("/v1/chat/completions", json=chat)
+        assert second.json()["usage"]["affix_reuse"]["decision"] == "checking"
+        client.app.state.drain.begin(30)
+    assert client.app.state.counters["auto_reuse_checking_total"] == 1 and not client.app.state.checks_running
+    assert len(LLM(SHIPPED_MODEL, page_size=8, affix_cache_dir=cache).engine.affixes) == 1
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
