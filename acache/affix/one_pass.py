@@ -61,7 +61,6 @@ from acache.affix.selectors.base import (
 from acache.decoding.request_state import RequestState
 from acache.models.base import DiffusionLM
 from acache.models.kv import LayerView, LayerwiseKV
-from acache.models.layers import apply_rope
 
 #: the first layer whose K/V depend on context: the forward runs every column through it before filtering
 FIRST_STALE = 1
@@ -172,8 +171,6 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         k_cols, k_valid = compact_index(affix, fill=t, keys=sort_keys)
         k_slot = torch.where(k_valid, affix_slot.gather(1, k_cols.clamp_max(t - 1)), -1)
         mass = AffixMass(cfg, q_valid, k_slot)
-        q_rope = model.rope(positions.gather(1, q_cols.clamp_max(t - 1)))
-        k_rope = model.rope(positions.gather(1, k_cols.clamp_max(t - 1)))
     mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
     no_deviation = torch.zeros_like(mass_sum)  # a layer with no deviation scored: one zero buffer, never written
 
@@ -203,21 +200,23 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
             kv = LayerwiseKV(*_layer_views(cached, at_past, layers), positions.gather(1, at_past), past_valid)
         out = model.run_layers(hidden.gather(1, at[..., None].expand(-1, -1, width)), positions.gather(1, at),
                                fed_valid, kv, span, return_kv=True,
-                               capture_queries=scoring and mass is not None)
+                               capture_rotated=scoring and mass is not None)
         hidden.scatter_(1, fed[..., None].expand(-1, -1, width), out.hidden)
         saved += [(fed, keys, values) for keys, values in zip(out.kv.keys, out.kv.values, strict=True)]
         if not scoring:
             continue
         if mass is not None:
+            # the scored queries and affix keys, read from the rotated tensors the layer's attention read: an affix
+            # key is the fed one (fresh) where its column was fed, else the cached one it attended (the past's)
             q_at, k_at = _index_in(fed, q_cols), _index_in(fed, k_cols)
-            is_fed = (fed.gather(1, k_at) == k_cols)[..., None, None]
-            for j, layer in enumerate(span):
-                queries, keys = out.queries[j], out.kv.keys[j]
-                q = queries.gather(1, q_at[..., None, None].expand(-1, -1, *queries.shape[2:]))
-                fresh = keys.gather(1, k_at[..., None, None].expand(-1, -1, *keys.shape[2:]))
-                stale, _ = cached(layer, k_cols.clamp_max(t - 1), False)
-                attended = apply_rope(torch.where(is_fed, fresh, stale.to(fresh.dtype)), *k_rope)
-                mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(apply_rope(q, *q_rope), attended) * k_valid))
+            is_fed = fed.gather(1, k_at) == k_cols
+            key_at = k_at + past.shape[1]
+            if past.shape[1]:
+                key_at = torch.where(is_fed, key_at, _index_in(past, k_cols))
+            for q_rotated, keys_rotated in out.rotated:
+                q = q_rotated.gather(1, q_at[..., None, None].expand(-1, -1, *q_rotated.shape[2:]))
+                attended = keys_rotated.gather(1, key_at[..., None, None].expand(-1, -1, *keys_rotated.shape[2:]))
+                mass_sum.scatter_add_(1, k_cols, model.reduce_heads(mass(q, attended) * k_valid))
         layer = span[-1]
         deviation = no_deviation
         if by_dev and layer >= FIRST_STALE:  # a one-layer model's K/V are context-free: no deviation

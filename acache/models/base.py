@@ -35,6 +35,9 @@ class ForwardOutput:
     kv: KVCache | None = None  # pre-RoPE K/V of the fed tokens, with ``return_kv``
     queries: list[torch.Tensor] | None = None  # pre-RoPE queries [B, T, H, D], with ``capture_queries``
     layer_inputs: list[torch.Tensor] | None = None  # each layer's input states, with ``capture_inputs``
+    #: with ``capture_rotated``: each layer's rotated queries ``[B, T, H, D]`` and the rotated keys it attended
+    #: ``[B, S, Hkv, D]`` (the past's, then the fed tokens'), the very tensors its attention read
+    rotated: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _fuse(linears: tuple[nn.Linear, ...], attr: str) -> torch.Tensor:
@@ -142,11 +145,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
                 past_v: torch.Tensor | None, key_mask: torch.Tensor | None, past_rotated: bool = False,
-                fill: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                fill: bool = False, rotated: list | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the new states and the fed tokens' pre-RoPE q, k, v. With ``past_rotated`` the past keys
         are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once); with
         ``fill`` too, the past's last ``T`` columns are room for the fed keys, written there in place of a
-        concatenation (the same key set, one copy fewer)."""
+        concatenation (the same key set, one copy fewer). ``rotated``, a list, gets the rotated queries and
+        keys attention read (a score of that attention then rotates nothing again)."""
         b, t, _ = x.shape
         h = self.attn_norm(x)
         q, k, v = self._projections(h)
@@ -163,7 +168,10 @@ class DecoderLayer(nn.Module):
             keys, values = torch.cat((past_k, apply_rope(k, *rope_k)), dim=1), torch.cat((past_v, v), dim=1)
         else:
             keys, values = apply_rope(torch.cat((past_k, k), dim=1), *rope_k), torch.cat((past_v, v), dim=1)
-        out = attend(apply_rope(q, *rope_q), keys, values, key_mask)
+        q_rotated = apply_rope(q, *rope_q)
+        if rotated is not None:
+            rotated.append((q_rotated, keys))
+        out = attend(q_rotated, keys, values, key_mask)
         attn = self.o_proj(out.reshape(b, t, -1))
         x = x + (attn if self.tp is None else self.tp.reduce(attn))
         h = self.mlp_norm(x)
@@ -275,7 +283,8 @@ class DiffusionLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None,
                    past: KVCache | None, layers: range, return_kv: bool = False,
-                   capture_queries: bool = False, capture_inputs: bool = False) -> ForwardOutput:
+                   capture_queries: bool = False, capture_inputs: bool = False,
+                   capture_rotated: bool = False) -> ForwardOutput:
         """Runs states ``x [B, T, hidden]`` through ``layers`` only (no final norm).
 
         ``past`` holds every layer of the model and is read at the absolute layer index, so a caller
@@ -314,6 +323,7 @@ class DiffusionLM(nn.Module):
                 if layer.fused and not layer.fused_current():
                     layer.fuse_projections()
         keys, values, queries, inputs = [], [], [], []
+        rotated = [] if capture_rotated else None
         for i in layers:
             if capture_inputs:
                 inputs.append(x)
@@ -321,7 +331,7 @@ class DiffusionLM(nn.Module):
             if past is not None:
                 past_k, past_v = (past.full_keys[i], past.full_values[i]) if fill else (past.keys[i], past.values[i])
             x, q, k, v = self.layers[i](x, rope_q, rope_k, past_k, past_v, key_mask,
-                                        past is not None and past.rotated, fill)
+                                        past is not None and past.rotated, fill, rotated)
             if return_kv:
                 keys.append(k)
                 values.append(v)
@@ -334,6 +344,7 @@ class DiffusionLM(nn.Module):
             kv=KVCache(keys, values, positions, attention_mask) if return_kv else None,
             queries=queries if capture_queries else None,
             layer_inputs=inputs if capture_inputs else None,
+            rotated=rotated,
         )
 
     def logits(self, hidden: torch.Tensor, cols: slice | torch.Tensor | None = None,

@@ -67,7 +67,7 @@ def test_anchors_are_those_of_the_model_cut_after_the_last_scoring_layer(deep_mo
                                                   (0.2, 2, 1)])
 def test_the_layers_after_the_last_scoring_one_run_in_one_call(deep_model, depth, calls, scored, monkeypatch):
     """Layers 0-1 run together, then each scoring layer alone (the candidates are filtered between them), then
-    the rest in one call that reads no queries for a score; each layer still runs once a forward (no forward
+    the rest in one call that captures nothing for a score; each layer still runs once a forward (no forward
     besides the decoding ones), and the token-layers fed are the study's cost model's (bidirectional families)."""
     prompt = layouts()["infix"]
     store = AffixStore(deep_model)
@@ -76,7 +76,7 @@ def test_the_layers_after_the_last_scoring_one_run_in_one_call(deep_model, depth
     real = type(deep_model).run_layers
 
     def counting(self, hidden, positions, valid, past, layers, *args, **kw):
-        seen.append((tuple(layers), hidden.shape[1], kw.get("capture_queries", False)))
+        seen.append((tuple(layers), hidden.shape[1], kw.get("capture_rotated", False)))
         return real(self, hidden, positions, valid, past, layers, *args, **kw)
 
     monkeypatch.setattr(type(deep_model), "run_layers", counting)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from acache.models.kv import KVCache
+from acache.models.layers import apply_rope
 from tests.conftest import DEVICE, random_prompts
 
 
@@ -131,3 +132,26 @@ def test_model_rope_tables_are_rope_tables_bit_for_bit(family_model):
     assert all(torch.equal(q, w) for q, w in zip(queries, rope_tables(fed, cfg.head_dim, cfg.rope_theta), strict=True))
     assert all(torch.equal(k[:, :13], w) for k, w in zip(keys, rope_tables(past, cfg.head_dim, cfg.rope_theta),
                                                           strict=True))
+
+
+def test_captured_rotated_tensors_are_what_attention_read(family_model):
+    """``capture_rotated`` hands back each layer's rotated queries and the rotated keys it attended, the past's (in
+    the order given, at their own positions) then the fed tokens': the same values as rotating the captured pre-RoPE
+    ones, bit for bit, so a score of that attention (one-pass selection) need not rotate them again."""
+    model = family_model
+    ids = torch.tensor(random_prompts([20, 20], seed=11))
+    full = _hidden(model, ids, return_kv=True)
+    fed = torch.tensor([1, 4, 5, 12, 19])
+    rest = torch.tensor([c for c in range(20) if c not in set(fed.tolist())])
+    gen = torch.Generator().manual_seed(2)
+    past = full.kv.gather(torch.stack([rest[torch.randperm(len(rest), generator=gen)] for _ in range(2)]))
+    positions = fed.expand(2, -1)
+    with torch.inference_mode():
+        out = model.run_layers(model.embed(ids[:, fed]), positions, None, past, range(model.config.num_layers),
+                               return_kv=True, capture_queries=True, capture_rotated=True)
+    q_rope = model.rope(positions)
+    k_rope = model.rope(torch.cat((past.positions, positions), 1))
+    assert len(out.rotated) == model.config.num_layers
+    for layer, (queries, keys) in enumerate(out.rotated):
+        assert torch.equal(queries, apply_rope(out.queries[layer], *q_rope))
+        assert torch.equal(keys, apply_rope(torch.cat((past.keys[layer], out.kv.keys[layer]), 1), *k_rope))
