@@ -20,6 +20,7 @@ estimated over the full context, so its tokens come from that computation too).
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
@@ -69,7 +70,13 @@ def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
 
 
 class ReuseGate:
-    """Per (spans, policy) records of how automatic reuse compared with recomputation; thread-safe."""
+    """Per (spans, policy) records of how automatic reuse compared with recomputation; thread-safe.
+
+    At most ``max_tracked`` records are kept. A refusal is never forgotten (a span forgotten would be checked
+    again and could be trusted, and reuse then change an answer), nor is a record with a check running; the
+    others give way least recently used first (forgetting one only means checking it again). A key met while
+    every record is a refusal or a running check is not tracked, and its request recomputes. A request that could
+    not be checked (sampled, without a seed) makes no record."""
 
     def __init__(self, mode: str = "verified", checks: int = 4, audit_every: int = 16,
                  max_tracked: int = 65536) -> None:
@@ -80,7 +87,8 @@ class ReuseGate:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.mode, self.checks, self.audit_every, self.max_tracked = mode, checks, audit_every, max_tracked
-        self._records: dict[tuple, SpanRecord] = {}
+        self._records: OrderedDict[tuple, SpanRecord] = OrderedDict()  # not refused, least recently used first
+        self._refused: dict[tuple, SpanRecord] = {}
         self._lock = threading.Lock()
         self.totals = {"checks": 0, "mismatches": 0}
 
@@ -95,14 +103,12 @@ class ReuseGate:
         if self.mode == "on":
             return Plan(Decision.REUSE, key, "automatic reuse is on, unchecked")
         with self._lock:
-            record = self._records.get(key)
-            if record is None:
-                if len(self._records) >= self.max_tracked:
-                    self._records.pop(next(iter(self._records)))
-                record = self._records[key] = SpanRecord()
-            if record.refused:
+            if key in self._refused:
                 return Plan(Decision.RECOMPUTE, key, "reuse changed an answer for this span and policy")
-            if record.trusted:
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+            if record is not None and record.trusted:
                 due = self.audit_every and (record.served + 1) % self.audit_every == 0
                 if not (due and deterministic and record.pending == 0):
                     record.served += 1
@@ -111,23 +117,43 @@ class ReuseGate:
                 return Plan(Decision.CHECK, key, "an audit of a trusted span")
             if not deterministic:
                 return Plan(Decision.RECOMPUTE, key, "a sampled request without a seed cannot be checked")
+            if record is None:
+                if not self._make_room():
+                    return Plan(Decision.RECOMPUTE, key, f"not checked: the gate tracks {self.max_tracked} spans, "
+                                                         "each refused or being checked")
+                record = self._records[key] = SpanRecord()
             if record.checks + record.pending >= self.checks:  # a burst runs no more checks than it needs
                 return Plan(Decision.RECOMPUTE, key, f"{record.pending} checks of this span are still running")
             record.pending += 1
             return Plan(Decision.CHECK, key, f"check {record.checks + record.pending} of {self.checks}")
+
+    def _make_room(self) -> bool:
+        """Room for one more record (called under the lock): the least recently used record with no check
+        running gives way; False when there is none to give."""
+        if len(self._records) + len(self._refused) < self.max_tracked:
+            return True
+        for key, record in self._records.items():
+            if record.pending == 0:
+                del self._records[key]
+                return True
+        return False
 
     def record(self, key: tuple, same: bool) -> None:
         """The outcome of one check: the answer with reuse was (or was not) the answer without it."""
         with self._lock:
             self.totals["checks"] += 1
             self.totals["mismatches"] += not same
-            record = self._records.setdefault(key, SpanRecord())
+            record = self._refused.get(key) or self._records.get(key)
+            if record is None:  # a check this gate did not plan (a planned one's record is never let go)
+                record = self._records[key] = SpanRecord(pending=1)
             record.pending = max(0, record.pending - 1)
             record.checks += 1
             if not same:
                 record.mismatches += 1
                 record.trusted, record.refused = False, True
-            elif record.checks >= self.checks:
+                self._records.pop(key, None)
+                self._refused[key] = record
+            elif not record.refused and record.checks >= self.checks:
                 record.trusted = True
             if record.trusted:
                 record.served += 1  # an audit counts as a use: the next audit is a full period later
@@ -135,19 +161,18 @@ class ReuseGate:
     def drop(self, key: tuple) -> None:
         """A check that ended without an outcome (its client went away, a request failed)."""
         with self._lock:
-            record = self._records.get(key)
+            record = self._refused.get(key) or self._records.get(key)
             if record is not None:
                 record.pending = max(0, record.pending - 1)
 
     def state(self, key: tuple) -> str:
         with self._lock:
-            record = self._records.get(key)
+            record = self._refused.get(key) or self._records.get(key)
             return record.state if record is not None else "unseen"
 
     def counts(self) -> dict[str, int]:
         """Spans by state and the checks made, for /metrics."""
         with self._lock:
             trusted = sum(r.trusted for r in self._records.values())
-            refused = sum(r.refused for r in self._records.values())
-            return {"trusted": trusted, "refused": refused, "checking": len(self._records) - trusted - refused,
+            return {"trusted": trusted, "refused": len(self._refused), "checking": len(self._records) - trusted,
                     **self.totals}

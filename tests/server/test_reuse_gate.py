@@ -117,3 +117,52 @@ def test_the_records_stay_bounded():
     for n in range(50):
         gate.plan((f"span-{n}",), PARAMS, True, False)
     assert sum(gate.counts()[k] for k in ("trusted", "refused", "checking")) == 8
+
+
+def test_a_refusal_is_never_forgotten_however_many_spans_follow():
+    """The records are bounded, but a refused span that gave way to others would be checked again from nothing and
+    could be trusted: reuse would then change answers. Neither a flood of new policies (distinct temperatures,
+    sampled or seeded) nor of new spans lets it go."""
+    gate = ReuseGate("verified", checks=1, max_tracked=3)
+    refused = gate.plan(SPANS, PARAMS, True, False)
+    gate.record(refused.key, False)
+    for n in range(20):
+        sampled = SamplingParams(gen_length=8, block_length=8, selector="attention", temperature=0.1 + n / 100)
+        gate.plan(SPANS, sampled, deterministic=False, wants_logprobs=False)
+        fresh = gate.plan((f"span-{n}",), PARAMS, True, False)
+        gate.record(fresh.key, True)
+    again = gate.plan(SPANS, PARAMS, True, False)
+    assert again.decision is Decision.RECOMPUTE and "changed an answer" in again.reason
+    assert gate.counts()["refused"] == 1 and sum(gate.counts()[k] for k in ("trusted", "refused", "checking")) == 3
+
+
+def test_a_request_that_cannot_be_checked_makes_no_record():
+    gate = ReuseGate("verified", max_tracked=2)
+    for n in range(5):
+        assert gate.plan((f"span-{n}",), PARAMS, False, False).decision is Decision.RECOMPUTE
+    assert gate.counts() == {"trusted": 0, "refused": 0, "checking": 0, "checks": 0, "mismatches": 0}
+
+
+def test_the_least_recently_used_record_gives_way_and_a_running_check_never_does():
+    gate = ReuseGate("verified", checks=1, audit_every=0, max_tracked=2)
+    first, second = (gate.plan((name,), PARAMS, True, False) for name in ("a", "b"))
+    assert gate.plan(("c",), PARAMS, True, False).decision is Decision.RECOMPUTE  # both checks still running
+    assert "each refused or being checked" in gate.plan(("c",), PARAMS, True, False).reason
+    gate.record(first.key, True)
+    gate.record(second.key, True)
+    assert gate.plan(("a",), PARAMS, True, False).decision is Decision.REUSE  # "a" used after "b"
+    assert gate.plan(("c",), PARAMS, True, False).decision is Decision.CHECK  # "b" gave way, not "a"
+    assert gate.state(first.key) == "trusted" and gate.state(second.key) == "unseen"
+
+
+def test_a_match_recorded_after_a_mismatch_does_not_trust_a_refused_span():
+    """Four checks of a burst settle as same, same, different, same: the span stays refused, and no state count
+    goes negative on /metrics."""
+    gate = ReuseGate("verified", checks=4)
+    plans = [gate.plan(SPANS, PARAMS, True, False) for _ in range(4)]
+    assert [p.decision for p in plans] == [Decision.CHECK] * 4
+    for same in (True, True, False, True):
+        gate.record(plans[0].key, same)
+    assert gate.state(plans[0].key) == "refused"
+    assert gate.counts() == {"trusted": 0, "refused": 1, "checking": 0, "checks": 4, "mismatches": 1}
+    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.RECOMPUTE
