@@ -267,7 +267,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve_until_signalled(app, args)
     finally:
-        llm.close()
+        # after a forced quit (a second Ctrl-C) the app's shutdown did not run: the engine thread may still step,
+        # and the tensor-parallel ranks are stopped only once it has
+        app.state.engine.shutdown()
+        if app.state.engine.stopped:
+            llm.close()
     return 0
 
 
@@ -284,8 +288,12 @@ def serve_until_signalled(app, args: argparse.Namespace) -> None:
             app.state.drain.begin(args.shutdown_grace)
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=json_error_protocol(),
-                          timeout_graceful_shutdown=int(args.shutdown_grace) + 5)).run()
+    try:
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                              http=json_error_protocol(), timeout_graceful_shutdown=int(args.shutdown_grace) + 5)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has shut down on: handled, so no traceback
+        print("stopped", flush=True)
+        raise SystemExit(130) from None  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 def _serve_llm_kwargs(args: argparse.Namespace) -> dict:

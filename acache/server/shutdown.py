@@ -25,7 +25,9 @@ class Drain:
         self.started = False
         self.expired: ShuttingDown | None = None
         self._cancels: set[threading.Event] = set()
-        self._lock = threading.Lock()
+        # reentrant: uvicorn calls begin() from a Python signal handler, which runs on the main thread between two
+        # bytecodes, possibly while that thread is inside track() or remaining() holding this lock
+        self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
         self._deadline: float | None = None  # time.monotonic() when the grace period ends
 

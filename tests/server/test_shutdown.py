@@ -7,6 +7,8 @@ import asyncio
 import http.client
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -176,3 +178,43 @@ def test_sigterm_during_scoring_exits_within_the_grace_period(llada_dir):
             proc.kill()
     assert elapsed < 2 + 8, f"exited {elapsed:.1f} s after SIGTERM with a 2 s grace period"
     assert answer["status"] == 503 and answer["body"]["error"]["code"] == "shutting_down"
+
+
+def test_a_signal_that_lands_while_the_drain_is_locked_does_not_hang():
+    """uvicorn starts the drain from a Python signal handler, which runs on the main thread between two bytecodes:
+    one that lands while that thread holds the drain's lock (a scoring request tracking its cancel event) must
+    not wait for the lock it holds. Run apart, so that a hang fails the test instead of stopping the suite."""
+    code = (
+        "import signal\n"
+        "from acache.server.shutdown import Drain\n"
+        "drain = Drain(lambda exc: None)\n"
+        "signal.signal(signal.SIGUSR1, lambda *_: drain.begin(60))\n"
+        "with drain._lock:\n"
+        "    signal.raise_signal(signal.SIGUSR1)\n"
+        "    x = 1\n"
+        "print('started' if drain.started else 'not started')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr
+
+
+def test_ctrl_c_saves_the_affixes_and_exits_without_a_traceback(tmp_path):
+    """Ctrl-C (SIGINT) shuts down as SIGTERM does, affixes saved; uvicorn then raises the interrupt again, which
+    the CLI reports as one line and exit status 130 instead of a KeyboardInterrupt traceback."""
+    cache = tmp_path / "affixes"
+    proc, port = start_server(["--affix-cache-dir", str(cache)])
+    chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
+                         {"role": "user", "content": "where is john?"}], "max_tokens": 2}
+    try:
+        for _ in range(2):  # seen twice: the check of the second computes the shared affix
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(chat),
+                         headers={"Content-Type": "application/json"})
+            assert conn.getresponse().status == 200
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read().decode()
+    assert proc.returncode == 130 and "Traceback" not in out and out.rstrip().endswith("stopped"), out[-2000:]
+    assert len(json.loads((cache / "manifest.json").read_text())["entries"]) == 1
