@@ -18,6 +18,8 @@ from ray import serve
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart, call_app
 
 log = logging.getLogger("acache.cluster")
+#: how long a stopping replica waits for its running reuse checks: within Serve's graceful shutdown (20 s by default)
+CHECKS_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,16 @@ class EngineReplica:
         finally:
             await self._flush()
 
-    def __del__(self) -> None:
-        """Ray Serve's graceful shutdown: stop the engine thread, save the affixes and the registered ids to the
-        shared directory."""
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown (Serve awaits it, after the requests in flight): let the reuse checks still
+        running finish (a check outlives the answer it checks, and its request computes the shared affix the save
+        is about to write), stop the engine thread, save the affixes and the registered ids to the shared
+        directory."""
+        from acache.server.app import finish_checks
+
         if getattr(self, "app", None) is None:  # the constructor failed: nothing was started
             return
+        await finish_checks(self.app.state.checks_running, CHECKS_GRACE_S)
         self.app.state.engine.shutdown()
         if self.cache_dir is not None:
             try:

@@ -4,6 +4,7 @@ a dead replica's requests are retried or fail clearly, and a replica starts warm
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -143,3 +144,22 @@ def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload
         assert stats["affix_hits"] == stats["affix_queries"] == len(picked) + len(asked)
     finally:
         stop(settings)
+
+
+def test_a_stopping_replica_saves_the_affix_its_running_check_computes(local_ray, tmp_path):
+    """Ray Serve's graceful shutdown awaits the replica's destructor: a chat's system prompt seen twice starts a
+    check whose request with reuse computes the shared affix, possibly after the answer; the application is
+    deleted right after that answer, and the affix is in the shared directory all the same."""
+    settings, url = cluster(local_ray, "span", "test-stop-save", affix_cache_dir=str(tmp_path))
+    chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
+                         {"role": "user", "content": "where is john?"}], "max_tokens": 2}
+    try:
+        for _ in range(2):  # the span router sends both to one replica
+            status, out = call(url, "/v1/chat/completions", chat)
+            assert status == 200, out
+        assert out["usage"]["affix_reuse"]["decision"] == "checking"
+    finally:
+        stop(settings)
+    manifest = tmp_path / "manifest.json"
+    assert wait_until(manifest.is_file, 60)
+    assert len(json.loads(manifest.read_text())["entries"]) == 1
