@@ -5,6 +5,7 @@ documents to it from its first request."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ class EngineReplica:
         self.app.state.affixer.listeners.append(lambda key, n: self._events.append(("seen", key, n)))
         self.directory = ray.get_actor(settings.directory, namespace=settings.namespace)
         self._started = False
+        self._late_flushes: set[asyncio.Task] = set()
         if self._events:
             log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(self._events), cache_dir)
         ray.get(self._report())  # before its first request: the router knows at once what it holds
@@ -84,7 +86,8 @@ class EngineReplica:
             log.warning("replica %s could not report to the affix directory: %s", self.replica_id, exc)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serves one forwarded request; the directory hears of its affix events before the request ends."""
+        """Serves one forwarded request; the directory hears of its affix events before the request ends (those of
+        the reuse checks it started, which can end later, when they end)."""
         if not self._started:
             self.app.state.engine.start()
             self._started = True
@@ -99,6 +102,15 @@ class EngineReplica:
                 yield item
         finally:
             await self._flush()
+            checks = set(self.app.state.checks_running)
+            if checks:  # a check can store the affix it computes after the answer: reported once it ends
+                task = asyncio.ensure_future(self._flush_after(checks))
+                self._late_flushes.add(task)  # the loop keeps only a weak reference to a task
+                task.add_done_callback(self._late_flushes.discard)
+
+    async def _flush_after(self, checks: set[asyncio.Task]) -> None:
+        await asyncio.wait(checks)
+        await self._flush()
 
     async def __del__(self) -> None:
         """Ray Serve's graceful shutdown (Serve awaits it, after the requests in flight): let the reuse checks still

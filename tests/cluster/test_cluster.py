@@ -147,9 +147,9 @@ def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload
 
 
 def test_a_stopping_replica_saves_the_affix_its_running_check_computes(local_ray, tmp_path):
-    """Ray Serve's graceful shutdown awaits the replica's destructor: a chat's system prompt seen twice starts a
-    check whose request with reuse computes the shared affix, possibly after the answer; the application is
-    deleted right after that answer, and the affix is in the shared directory all the same."""
+    """A chat's system prompt seen twice starts a check whose request with reuse computes the shared affix, possibly
+    after the answer: the affix directory hears of it when the check ends, and Ray Serve's graceful shutdown, which
+    awaits the replica's destructor, saves it to the shared directory."""
     settings, url = cluster(local_ray, "span", "test-stop-save", affix_cache_dir=str(tmp_path))
     chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
                          {"role": "user", "content": "where is john?"}], "max_tokens": 2}
@@ -158,6 +158,9 @@ def test_a_stopping_replica_saves_the_affix_its_running_check_computes(local_ray
             status, out = call(url, "/v1/chat/completions", chat)
             assert status == 200, out
         assert out["usage"]["affix_reuse"]["decision"] == "checking"
+        # the directory hears of the affix the check stored without another request to that replica
+        assert wait_until(lambda: sum(row["affixes"] for row in call(url, "/cluster/stats")[1]["replicas"].values())
+                          == 1, 30)
     finally:
         stop(settings)
     manifest = tmp_path / "manifest.json"
