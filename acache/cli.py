@@ -267,11 +267,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         serve_until_signalled(app, args)
     finally:
-        # after a forced quit (a second Ctrl-C) the app's shutdown did not run: the engine thread may still step,
-        # and the tensor-parallel ranks are stopped only once it has
-        app.state.engine.shutdown()
-        if app.state.engine.stopped:
-            llm.close()
+        app.state.close()  # done already unless a forced quit (a second Ctrl-C) made uvicorn skip the app's end
     return 0
 
 
@@ -279,14 +275,26 @@ def serve_until_signalled(app, args: argparse.Namespace) -> None:
     """uvicorn, with the app told when a signal starts the shutdown: its in-flight work then has
     ``--shutdown-grace`` seconds before it is cancelled with a 503 (uvicorn's own timeout, a little later, is
     the backstop)."""
+    import signal
+    import threading
+
     import uvicorn
 
     from acache.server.http import json_error_protocol
 
     class Server(uvicorn.Server):
+        interrupts = 0
+
         def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.interrupts += 1
+                if self.interrupts == 1:  # a second Ctrl-C ends the grace period now (503s, then the usual end); on
+                    # a thread of its own, as cancelling takes the engine's lock, which this thread may hold
+                    threading.Thread(target=app.state.drain.expire, daemon=True, args=(
+                        "the server was told twice to stop while this request was in flight",)).start()
+                    return
             app.state.drain.begin(args.shutdown_grace)
-            super().handle_exit(sig, frame)
+            super().handle_exit(sig, frame)  # a third Ctrl-C: uvicorn quits without waiting (app.state.close saves)
 
     try:
         Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -146,7 +146,7 @@ def _select_refresh(model: DiffusionLM, state: RequestState, spans: list, keys: 
     columns and anchors, and returns the final states in canvas layout ``[1, T, hidden]``."""
     inputs = selecting_inputs([(state, [(c0, c1) for c0, c1, _ in spans])], state.tokens.device)
     result = refresh_selecting(model, *inputs,
-                               lambda layer, cols, vals: (keys[layer][cols], values[layer][cols] if vals else None))
+                               lambda layer, cols: (keys[layer][cols], values[layer][cols]))
     state.fix_anchors(result.anchors[0])
     cols = result.cols[0][result.valid[0]]
     for layer in range(len(keys)):

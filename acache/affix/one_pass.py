@@ -65,9 +65,8 @@ from acache.models.kv import LayerView, LayerwiseKV
 #: the first layer whose K/V depend on context: the forward runs every column through it before filtering
 FIRST_STALE = 1
 
-#: ``cached(layer, cols [B, C], values)`` -> the cached affix ``(keys, values)`` ``[B, C, Hkv, D]`` at those canvas
-#: columns (``values`` False: the keys alone, values None)
-CachedKV = Callable[[int, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+#: ``cached(layer, cols [B, C])`` -> the cached affix ``(keys, values)`` ``[B, C, Hkv, D]`` at those canvas columns
+CachedKV = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -225,7 +224,7 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
             scored, _ = compact_index(cand, fill=t, width=cand_width, keys=sort_keys)
             at_scored = scored.clamp_max(t - 1)
             index = _index_in(fed, scored)[..., None, None].expand(-1, -1, *out.kv.keys[-1].shape[2:])
-            stale_keys, stale_values = cached(layer, at_scored, True)
+            stale_keys, stale_values = cached(layer, at_scored)
             deviation.scatter_(1, scored, model.reduce_heads(kv_deviation(
                 out.kv.keys[-1].gather(1, index), out.kv.values[-1].gather(1, index), stale_keys, stale_values)))
         step = max(layer - FIRST_STALE, 0)
@@ -279,7 +278,7 @@ def _layer_views(cached: CachedKV, cols: torch.Tensor, layers: int) -> tuple[Lay
     def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in memo:
             memo.clear()
-            memo[layer] = cached(layer, cols, True)
+            memo[layer] = cached(layer, cols)
         return memo[layer]
 
     return LayerView(lambda i: layer_kv(i)[0], layers), LayerView(lambda i: layer_kv(i)[1], layers)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -19,8 +20,9 @@ from ray import serve
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart, call_app
 
 log = logging.getLogger("acache.cluster")
-#: how long a stopping replica waits for its running reuse checks: within Serve's graceful shutdown (20 s by default)
-CHECKS_GRACE_S = 10.0
+#: how long a stopping replica waits for its running reuse checks: well inside Serve's graceful shutdown (20 s by
+#: default), which also covers the requests in flight, the engine thread's stop and the save
+CHECKS_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -109,19 +111,32 @@ class EngineReplica:
                 task.add_done_callback(self._late_flushes.discard)
 
     async def _flush_after(self, checks: set[asyncio.Task]) -> None:
+        """Reports once ``checks`` have ended: what they stored after their answers went out."""
         await asyncio.wait(checks)
         await self._flush()
 
-    async def __del__(self) -> None:
-        """Ray Serve's graceful shutdown (Serve awaits it, after the requests in flight): let the reuse checks still
-        running finish (a check outlives the answer it checks, and its request computes the shared affix the save
-        is about to write), stop the engine thread, save the affixes and the registered ids to the shared
-        directory."""
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
+        """Ray Serve's graceful shutdown, after the requests in flight: let the reuse checks still running finish (a
+        check outlives the answer it checks, and its request computes the shared affix the save is about to write),
+        stop the engine thread, save the affixes and the registered ids to the shared directory. Serve calls it on
+        the replica's event loop and awaits the coroutine it returns; collected anywhere else, it stops at once."""
+        if getattr(self, "app", None) is None or getattr(self, "_stopping", False):  # not started, or stopped
+            return None
+        self._stopping = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here to wait for the checks on
+            self._stop_and_save()
+            return None
+        return self._stop_after_checks()
+
+    async def _stop_after_checks(self) -> None:
         from acache.server.app import finish_checks
 
-        if getattr(self, "app", None) is None:  # the constructor failed: nothing was started
-            return
         await finish_checks(self.app.state.checks_running, CHECKS_GRACE_S)
+        self._stop_and_save()
+
+    def _stop_and_save(self) -> None:
         self.app.state.engine.shutdown()
         if self.cache_dir is not None:
             try:

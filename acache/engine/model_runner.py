@@ -245,9 +245,9 @@ class ModelRunner:
                 c0, c1 = req.span_columns(index)
                 shared_slots[i, c0:c1] = affix.slots
 
-        def cached(layer: int, cols: torch.Tensor, values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def cached(layer: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             slots = shared_slots.gather(1, cols)
-            return pool.keys[layer][slots], pool.values[layer][slots] if values else None
+            return pool.keys[layer][slots], pool.values[layer][slots]
 
         result = refresh_selecting(self.model, *inputs, cached)
         slot_maps = []

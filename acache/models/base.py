@@ -36,7 +36,8 @@ class ForwardOutput:
     queries: list[torch.Tensor] | None = None  # pre-RoPE queries [B, T, H, D], with ``capture_queries``
     layer_inputs: list[torch.Tensor] | None = None  # each layer's input states, with ``capture_inputs``
     #: with ``capture_rotated``: each layer's rotated queries ``[B, T, H, D]`` and the rotated keys it attended
-    #: ``[B, S, Hkv, D]`` (the past's, then the fed tokens'), the very tensors its attention read
+    #: ``[B, S, Hkv, D]`` (the past's, then the fed tokens'), the tensors its attention read (on a past with room
+    #: for the fed keys, ``engine.step_keys``, the keys are that buffer, which a later step overwrites)
     rotated: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
@@ -145,7 +146,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_k: tuple[torch.Tensor, torch.Tensor], past_k: torch.Tensor | None,
                 past_v: torch.Tensor | None, key_mask: torch.Tensor | None, past_rotated: bool = False,
-                fill: bool = False, rotated: list | None = None,
+                fill: bool = False, rotated: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the new states and the fed tokens' pre-RoPE q, k, v. With ``past_rotated`` the past keys
         are already rotated and ``rope_k`` covers the fed keys only (the same values, rotated once); with
@@ -288,7 +289,9 @@ class DiffusionLM(nn.Module):
         """Runs states ``x [B, T, hidden]`` through ``layers`` only (no final norm).
 
         ``past`` holds every layer of the model and is read at the absolute layer index, so a caller
-        can run the shallow layers on one token set and the deep layers on another (BiCache).
+        can run the shallow layers on one token set and the deep layers on another (BiCache). With
+        ``capture_rotated`` the output holds each layer's rotated queries and the rotated keys its attention read
+        (:attr:`ForwardOutput.rotated`), for a score of that attention that would otherwise rotate them again.
         """
         if x.shape[:2] != positions.shape:
             raise ValueError(f"input_ids {tuple(x.shape[:2])} and positions {tuple(positions.shape)} "

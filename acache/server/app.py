@@ -53,6 +53,8 @@ async def finish_checks(running: set[asyncio.Task], grace_s: float) -> None:
         _, pending = await asyncio.wait(pending, timeout=grace_s)
     for task in pending:
         task.cancel()
+    if pending:  # each has handled its cancellation (aborted its engine request) before the engine stops
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
@@ -77,6 +79,22 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     affixes, tokenization = OpenAIServingAffixes(ctx, affix_cache_dir), OpenAIServingTokenization(ctx)
     affixes.load()
 
+    closed = []
+
+    def close() -> None:
+        """Cancels what still runs, stops the engine, saves the affixes (with ``affix_cache_dir``); once. The
+        lifespan's end calls it, and the CLI after a forced quit, where uvicorn skips the lifespan's end."""
+        if closed:
+            return
+        closed.append(True)
+        ctx.drain.expire()  # whatever the grace period left running stops now
+        ctx.score_pool.shutdown(wait=False, cancel_futures=True)
+        engine.shutdown()
+        if affix_cache_dir is not None:
+            log.warning("saved %d shared affixes to %s", affixes.save(), affix_cache_dir)
+        if engine.stopped:
+            llm.close()  # the tensor-parallel ranks, if any; never while the engine thread may step
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -84,19 +102,14 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             yield
         finally:
             await finish_checks(ctx.checks_running, ctx.drain.remaining())
-            ctx.drain.expire()  # whatever the grace period left running stops now
-            ctx.score_pool.shutdown(wait=False, cancel_futures=True)
-            engine.shutdown()
-            if affix_cache_dir is not None:
-                log.warning("saved %d shared affixes to %s", affixes.save(), affix_cache_dir)
-            if engine.stopped:
-                llm.close()  # the tensor-parallel ranks, if any; never while the engine thread may step
+            close()
 
     app = FastAPI(title="acache", description="OpenAI-compatible server for diffusion LLMs with ACache",
                   lifespan=lifespan)
     for name in ("engine", "affixer", "registry", "counters", "gate", "drain", "scorer", "checks_running"):
         setattr(app.state, name, getattr(ctx, name))
     app.state.save_affixes = affixes.save  # a cluster replica saves the same way when Serve stops it
+    app.state.close = close
     counters = ctx.counters
     registry_metrics = metrics_registry(llm.engine, counters, ctx.gate)
 

@@ -144,8 +144,8 @@ class ReuseGate:
             self.totals["checks"] += 1
             self.totals["mismatches"] += not same
             record = self._refused.get(key) or self._records.get(key)
-            if record is None:  # a check this gate did not plan (a planned one's record is never let go)
-                record = self._records[key] = SpanRecord(pending=1)
+            if record is None:  # a check this gate did not plan (a planned one's record is never let go): kept
+                record = self._records[key] = SpanRecord(pending=1)  # past max_tracked, as a refusal must be
             record.pending = max(0, record.pending - 1)
             record.checks += 1
             if not same:

@@ -149,7 +149,8 @@ def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload
 def test_a_stopping_replica_saves_the_affix_its_running_check_computes(local_ray, tmp_path):
     """A chat's system prompt seen twice starts a check whose request with reuse computes the shared affix, possibly
     after the answer: the affix directory hears of it when the check ends, and Ray Serve's graceful shutdown, which
-    awaits the replica's destructor, saves it to the shared directory."""
+    awaits the coroutine the replica's destructor returns, saves it to the shared directory. (Whether the check may
+    still run when the replica stops is left to chance here; tests/server/test_shutdown.py makes it run late.)"""
     settings, url = cluster(local_ray, "span", "test-stop-save", affix_cache_dir=str(tmp_path))
     chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
                          {"role": "user", "content": "where is john?"}], "max_tokens": 2}

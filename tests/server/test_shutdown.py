@@ -19,6 +19,7 @@ from acache import LLM
 from acache.cli import build_parser
 from acache.paths import SHIPPED_MODEL
 from acache.server.app import create_app
+from acache.server.serving import OpenAIServing
 from acache.server.shutdown import Drain, ShuttingDown
 from tests.conftest import tiny_checkpoint
 from tests.server.helpers import start_server, wait_until
@@ -131,9 +132,18 @@ def test_a_reuse_check_running_at_shutdown_gets_what_is_left_of_the_grace(llada_
     assert elapsed < (lasts if finished else grace) + 5.0
 
 
-def test_an_affix_a_check_is_computing_at_shutdown_is_saved(tmp_path):
-    """The second sight of a system prompt starts a check, whose request with reuse computes the shared affix;
-    a shutdown right after the answer still saves it (before, the check could be cancelled first)."""
+def test_an_affix_a_check_is_computing_at_shutdown_is_saved(tmp_path, monkeypatch):
+    """The second sight of a system prompt starts a check, whose request with reuse computes the shared affix; here
+    it starts half a second late, so it is still running when the shutdown begins right after the answer: the
+    shutdown waits for it and saves the affix (before, the check was cancelled first and nothing was saved)."""
+    real = OpenAIServing.final_output
+
+    async def late_checks(self, prompt, params, check=None):
+        if check is None and prompt.affixes:  # the check's request (the answer's own prompt has no affix)
+            await asyncio.sleep(0.5)
+        return await real(self, prompt, params, check)
+
+    monkeypatch.setattr(OpenAIServing, "final_output", late_checks)
     cache = tmp_path / "affixes"
     llm = LLM(SHIPPED_MODEL, page_size=8)
     chat = {"messages": [{"role": "system", "content": "mary moved to the kitchen . john went to the garden ."},
@@ -142,8 +152,10 @@ def test_an_affix_a_check_is_computing_at_shutdown_is_saved(tmp_path):
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
         second = client.post("/v1/chat/completions", json=chat)
         assert second.json()["usage"]["affix_reuse"]["decision"] == "checking"
+        assert client.app.state.checks_running  # still running when its answer came back
         client.app.state.drain.begin(30)
     assert client.app.state.counters["auto_reuse_checking_total"] == 1 and not client.app.state.checks_running
+    assert client.app.state.gate.totals["checks"] == 1  # it ran to its end and was recorded
     assert len(LLM(SHIPPED_MODEL, page_size=8, affix_cache_dir=cache).engine.affixes) == 1
 
 
@@ -218,3 +230,37 @@ def test_ctrl_c_saves_the_affixes_and_exits_without_a_traceback(tmp_path):
     out = proc.stdout.read().decode()
     assert proc.returncode == 130 and "Traceback" not in out and out.rstrip().endswith("stopped"), out[-2000:]
     assert len(json.loads((cache / "manifest.json").read_text())["entries"]) == 1
+
+
+def test_a_second_ctrl_c_ends_the_grace_period_and_still_saves(long_dir, tmp_path):
+    """The first Ctrl-C grants 60 s; the second ends them: the long request in flight gets its 503 at once, and the
+    affix cache is written although uvicorn skips the app's own shutdown on a forced quit."""
+    cache = tmp_path / "affixes"
+    proc, port = start_server(["--model", str(long_dir), "--shutdown-grace", "60", "--affix-cache-dir", str(cache)])
+    answer: dict[str, object] = {}
+
+    def ask() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [4, 5], **LONG}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer["status"], answer["body"] = resp.status, json.loads(resp.read())
+
+    client = threading.Thread(target=ask)
+    try:
+        client.start()
+        time.sleep(1.5)  # decoding (it takes about 8 s)
+        began = time.time()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        elapsed = time.time() - began
+        client.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read().decode()
+    assert elapsed < 20 and "Traceback" not in out, out[-2000:]  # not the 60 s grace period
+    assert answer["status"] == 503 and "told twice to stop" in answer["body"]["error"]["message"]
+    assert (cache / "manifest.json").is_file()
