@@ -60,7 +60,12 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest(str(exc)) from None
         reuse_params = body.to_sampling_params(reuse=bool(candidate.affixes), default_selector=llm.default_selector)
         prompt, params, plan, check = self.plan(body, candidate, reuse_params, registered_key)
-        self.prompt_fits(prompt, params)
+        try:
+            self.prompt_fits(prompt, params)
+        except BadRequest:
+            if check is not None:  # the check planned never runs: the gate must not count it as running
+                ctx.gate.drop(check.key)
+            raise
         ctx.counters["requests_total"] += 1
         if plan is not None:
             ctx.counters[f"auto_reuse_{plan.decision.value}_total"] += 1

@@ -212,6 +212,27 @@ def test_a_check_that_cannot_run_leaves_the_request_answered(llm, monkeypatch):
     assert out["choices"][0]["token_ids"] == plain_answer(llm, messages)
 
 
+def test_a_request_refused_after_its_check_was_planned_frees_the_check(llm, monkeypatch):
+    """A request refused (400) after the gate planned its check never runs that check: the gate must not count it
+    as running, or the span (whose record then never gives way) could wait for it for good."""
+    messages = chat(story(("john", "hallway")), "Where is Mary?")
+    engine_check = llm.engine.check_request
+
+    def refuse_plain(prompt, params):
+        if not prompt.affixes:
+            raise ValueError("refused here")
+        return engine_check(prompt, params)
+
+    with served(llm, reuse_checks=1) as client:
+        ask(client, messages)
+        monkeypatch.setattr(llm.engine, "check_request", refuse_plain)
+        resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert resp.status_code == 400 and "refused here" in resp.json()["error"]["message"]
+        monkeypatch.undo()
+        out = ask(client, messages)  # the one check the span allows is free again
+    assert out["usage"]["affix_reuse"]["decision"] == "checking"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"auto_reuse": "sometimes"}, "auto reuse mode must be one of"),
     ({"reuse_checks": 0}, "checks must be an integer >= 1"),
