@@ -24,13 +24,58 @@ class EngineFailed(RuntimeError):
     """The engine itself failed (out of memory, a device error): every request in flight fails."""
 
 
+class FairLock:
+    """A lock granted in the order it was asked for (a ticket lock). The engine thread releases the engine's lock
+    after each step and asks for it again at once; a plain ``threading.Lock`` then goes back to it nearly every
+    time, and a request's add, a cancellation or a scoring forward waiting beside it waited for seconds (3 s and
+    11 s measured behind one long request). Not reentrant."""
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition(threading.Lock())
+        self._next = 0  # the next ticket given out
+        self._serving = 0  # the ticket that holds the lock
+        self._abandoned: set[int] = set()  # tickets whose holder gave up waiting (an exception): skipped
+
+    def acquire(self) -> None:
+        with self._turns:
+            ticket = self._next
+            self._next += 1
+            try:
+                while ticket != self._serving:
+                    self._turns.wait()
+            except BaseException:  # e.g. KeyboardInterrupt while waiting: the turn is passed on, never kept
+                if ticket == self._serving:
+                    self._pass_turn()
+                else:
+                    self._abandoned.add(ticket)
+                raise
+
+    def release(self) -> None:
+        with self._turns:
+            self._pass_turn()
+
+    def _pass_turn(self) -> None:
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._turns.notify_all()
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class AsyncEngine:
-    """The engine is not thread-safe: every call into it holds ``lock``; the loop thread steps it while
-    it has work and sleeps on ``wake`` otherwise."""
+    """The engine is not thread-safe: every call into it holds ``lock`` (granted in turn: :class:`FairLock`);
+    the loop thread steps it while it has work and sleeps on ``wake`` otherwise."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.lock = threading.Lock()
+        self.lock = FairLock()
         self.wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
