@@ -27,7 +27,7 @@ from acache.engine.model_runner import ModelRunner
 from acache.engine.outputs import EngineOutput
 from acache.engine.page_pool import PagePool
 from acache.engine.request import Request
-from acache.engine.scheduler import Scheduler, SchedulerConfig
+from acache.engine.scheduler import Scheduler, SchedulerConfig, StepFailed
 from acache.engine.state_cache_manager import StateCacheManager, check_state_request
 from acache.engine.state_runner import StateRunner
 from acache.models.base import DiffusionLM
@@ -122,6 +122,7 @@ class LLMEngine:
                                    len(model.layers), self.metrics, bicache_profile)
         self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
+        self.undelivered: list[EngineOutput] = []  # finished by a step that then failed (take_undelivered)
 
     @property
     def affixes(self):
@@ -193,7 +194,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        return self.scheduler.update_from_output(sched, self.runner.execute(sched))
+        result = self.runner.execute(sched)
+        try:
+            return self.scheduler.update_from_output(sched, result)
+        except StepFailed as failed:  # the caller fails what the engine holds; these it no longer does
+            self.undelivered += failed.outputs
+            raise failed.cause from None
+
+    def take_undelivered(self) -> list[EngineOutput]:
+        """The outputs of requests a failed step had finished before the fault (see :class:`StepFailed`): a
+        caller that fails the requests the engine still holds delivers these too."""
+        out, self.undelivered = self.undelivered, []
+        return out
 
     def reset_metrics(self) -> None:
         """Starts a fresh measurement: run metrics, affix hit counts and the KV peak (from what is in use now)."""

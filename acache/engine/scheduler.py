@@ -15,8 +15,10 @@ ones by split layer), in-block steps that feed only the block, and the wider ste
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from acache.affix.bicache import BiCacheProfile, bicache_depth
@@ -24,9 +26,21 @@ from acache.affix.selectors import drop_uncounted
 from acache.decoding.request_state import Phase
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
+from acache.engine.model_runner import is_engine_fault
 from acache.engine.outputs import EngineOutput, ForwardBatch, RunnerOutput, Sample, SchedulerOutput
 from acache.engine.request import Request, Status
 from acache.engine.state_cache_manager import StateCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+class StepFailed(Exception):
+    """A fault of the machine while a step's results were applied: ``cause``, and the ``outputs`` of the requests
+    the step had already finished (they are out of the engine, so failing what it still holds would miss them)."""
+
+    def __init__(self, cause: BaseException, outputs: list[EngineOutput]) -> None:
+        super().__init__(str(cause))
+        self.cause, self.outputs = cause, outputs
 
 
 @dataclass
@@ -170,49 +184,73 @@ class Scheduler:
     # -- update ---------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
         """Applies the runner's results to the requests; returns what finished or failed (and, for
-        streaming requests, partial outputs of blocks just completed)."""
+        streaming requests, partial outputs of blocks just completed). An error applying one request's result
+        fails that request alone, as the runner's do; only a fault of the machine ends the step, and the outputs
+        of the requests it had finished go with it (:class:`StepFailed`), so that none is lost."""
         outputs: list[EngineOutput] = []
         if sched.select:
             self.metrics.selection_times.add(result.selection_time_s)
-        for req in sched.select:
-            if req.request_id in result.errors:
-                outputs.append(self._fail(req, result.errors[req.request_id]))
-                continue
-            req.stats.selection_time_s = result.selection_time_s
-            if req.stats.first_scheduled is None:
-                req.stats.first_scheduled = time.perf_counter()
-            anchors = result.anchors[req.request_id]
-            if req.bicache:
-                req.state.admit()
-            else:
-                req.state.admit(req.shared_columns, drop_uncounted(anchors, req.shared_spans, req.anchor_counts()))
-                self.kv.map_slots(req)
-            self._count_anchors(req)
-            if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step
-                outputs += self._commit(req, result.probe_samples[req.request_id], probe=True)
-        for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
-            (self.metrics.refresh_times if batch.refresh else self.metrics.step_times).add(elapsed)
-            if batch.select:
-                self.metrics.selecting_refresh_times.add(elapsed)
-            now = time.perf_counter()
-            for req in batch.requests:
-                if req.request_id in result.errors:
-                    outputs.append(self._fail(req, result.errors[req.request_id]))
-                    continue
-                s = req.stats
-                s.forward_time_s += elapsed
-                s.max_batch = max(s.max_batch, len(batch.requests))
-                if s.first_scheduled is None:
-                    s.first_scheduled = now
-                if batch.select:  # the anchors this refresh chose inside its forward
-                    req.state.fix_anchors(result.anchors[req.request_id])
-                    self.kv.map_slots(req)
-                    self._count_anchors(req)
-                if batch.refresh:
-                    s.refresh_times_s.append(elapsed)
-                    self.metrics.refreshed_tokens += req.state.recompute_count
-                outputs += self._commit(req, result.samples[req.request_id])
+        try:
+            for req in sched.select:
+                outputs += self._contained(req, self._apply_selection, req, result)
+            for batch, elapsed in zip(sched.forwards, result.forward_times_s, strict=True):
+                (self.metrics.refresh_times if batch.refresh else self.metrics.step_times).add(elapsed)
+                if batch.select:
+                    self.metrics.selecting_refresh_times.add(elapsed)
+                now = time.perf_counter()
+                for req in batch.requests:
+                    outputs += self._contained(req, self._apply_forward, req, batch, result, elapsed, now)
+        except BaseException as exc:
+            raise StepFailed(exc, outputs) from exc
         return outputs
+
+    def _contained(self, req: Request, update: Callable[..., list[EngineOutput]], *args) -> list[EngineOutput]:
+        """``update(*args)``'s outputs for ``req``; an error of its own (not a fault of the machine) fails it."""
+        try:
+            return update(*args)
+        except Exception as exc:
+            if is_engine_fault(exc):
+                raise
+            logger.exception("applying request %s's step failed; that request fails, the others go on", req.request_id)
+            error = f"the engine failed this request: {type(exc).__name__}: {exc}"
+            if req in self.running:
+                return [self._fail(req, error)]
+            return [self._output(req, Status.FAILED, error=error)]  # finished already: its output was not made
+
+    def _apply_selection(self, req: Request, result: RunnerOutput) -> list[EngineOutput]:
+        if req.request_id in result.errors:
+            return [self._fail(req, result.errors[req.request_id])]
+        req.stats.selection_time_s = result.selection_time_s
+        if req.stats.first_scheduled is None:
+            req.stats.first_scheduled = time.perf_counter()
+        anchors = result.anchors[req.request_id]
+        if req.bicache:
+            req.state.admit()
+        else:
+            req.state.admit(req.shared_columns, drop_uncounted(anchors, req.shared_spans, req.anchor_counts()))
+            self.kv.map_slots(req)
+        self._count_anchors(req)
+        if req.request_id in result.probe_samples:  # probe_step: the probe decoded the first step
+            return self._commit(req, result.probe_samples[req.request_id], probe=True)
+        return []
+
+    def _apply_forward(self, req: Request, batch: ForwardBatch, result: RunnerOutput, elapsed: float,
+                       now: float) -> list[EngineOutput]:
+        if req.request_id in result.errors:
+            return [self._fail(req, result.errors[req.request_id])]
+        s = req.stats
+        s.forward_time_s += elapsed
+        s.max_batch = max(s.max_batch, len(batch.requests))
+        if s.first_scheduled is None:
+            s.first_scheduled = now
+        if batch.select:  # the anchors this refresh chose inside its forward
+            req.state.fix_anchors(result.anchors[req.request_id])
+            self.kv.map_slots(req)
+            self._count_anchors(req)
+        if batch.refresh:
+            s.refresh_times_s.append(elapsed)
+            self.metrics.refreshed_tokens += req.state.recompute_count
+        return self._commit(req, result.samples[req.request_id])
 
     def _count_anchors(self, req: Request) -> None:
         self.metrics.anchors += int(req.state.anchors.sum())

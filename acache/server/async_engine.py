@@ -115,7 +115,9 @@ class AsyncEngine:
                         outputs = [(out.request_id, out) for out in self.engine.step()]
                     except BaseException as exc:  # keep serving: fail the requests in flight, not the server
                         self.error = exc
-                        outputs = self._fail_all(exc)
+                        # those the step finished before the fault first: they are no longer in the engine
+                        outputs = [(out.request_id, out) for out in self.engine.take_undelivered()]
+                        outputs += self._fail_all(exc)
             for request_id, item in outputs:
                 self._deliver(request_id, item)
             if not busy:
@@ -172,8 +174,16 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
+        added: bool | None = None  # True once added, False once refused; None while the add may yet run
         try:
-            await asyncio.to_thread(self._add, prompt, params, request_id, stream, generator)
+            try:
+                await asyncio.to_thread(self._add, prompt, params, request_id, stream, generator)
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                added = False
+                raise
+            added = True
             while True:
                 item = await queue.get()
                 if isinstance(item, ShuttingDown):
@@ -190,12 +200,13 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished:  # no await here: a cancelled task may not get to run another one
-                self.request_abort(request_id)
+            if not finished and added is not False:  # no await here: a cancelled task may not get to run another
+                self.request_abort(request_id, added=bool(added))
 
-    def request_abort(self, request_id: str) -> None:
-        """Asks the loop thread to abort a request (and free its pages) before its next step; a request not
-        added yet is never added."""
-        self._cancelled.add(request_id)
+    def request_abort(self, request_id: str, added: bool = False) -> None:
+        """Asks the loop thread to abort a request (and free its pages) before its next step. Unless ``added``
+        (its add has run), its add may still be waiting for the lock: it is remembered until that add drops it."""
+        if not added:
+            self._cancelled.add(request_id)
         self._aborts.put(request_id)
         self.wake.set()

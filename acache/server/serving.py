@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
@@ -44,12 +44,33 @@ class ClientGone(Exception):
     """The client went away before its answer was ready."""
 
 
-class Check(NamedTuple):
-    """The same request with automatic reuse, run beside its answer without it to see if reuse changes it."""
+@dataclass
+class Check:
+    """The same request with automatic reuse, run beside its answer without it to see if reuse changes it;
+    ``started`` once it runs (a check planned for a stream its client left before it began never does)."""
 
     prompt: AffixPrompt
     params: SamplingParams
     key: tuple
+    started: bool = False
+
+
+class CheckedStream(StreamingResponse):
+    """The events of a request with a planned check: a stream that never began (its client gone before its
+    first byte, so its events never ran) drops the check with the gate, which would otherwise count it as running
+    for good; a stream that began settles it itself."""
+
+    def __init__(self, events: AsyncIterator[str], check: Check, gate: ReuseGate) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.check, self.gate = check, gate
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # one left at a send that failed settles its check now, not at GC
+            if not self.check.started:
+                self.gate.drop(self.check.key)
 
 
 @dataclass
@@ -152,6 +173,7 @@ class OpenAIServing:
         """Runs the checked request with reuse beside the answer without it (the client never sees it)."""
         if check is None:
             return None
+        check.started = True
         task = asyncio.ensure_future(self.final_output(check.prompt, check.params))
         self.ctx.checks_running.add(task)
         task.add_done_callback(self.ctx.checks_running.discard)
@@ -201,11 +223,11 @@ class OpenAIServing:
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
                                           "choices": [choice]}) + "\n\n"
 
-        if chat:
-            yield event(None, None, first=True)
         stops = stop_list(body.stop)
         shadow = self.start_check(check)
         try:
+            if chat:  # inside: a client that leaves at this first event still has its check settled
+                yield event(None, None, first=True)
             async for out in self.ctx.engine.generate(prompt, params, stream=True):
                 cut = self.final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once

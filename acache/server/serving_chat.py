@@ -15,7 +15,7 @@ from acache.affix.prompt import AffixPrompt, affix_key
 from acache.sampling_params import SamplingParams
 from acache.server.protocol import BadRequest, ChatCompletionRequest
 from acache.server.reuse_gate import Decision, Plan
-from acache.server.serving import Check, OpenAIServing, finish_reason, until_disconnect
+from acache.server.serving import Check, CheckedStream, OpenAIServing, finish_reason, until_disconnect
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -72,8 +72,11 @@ class OpenAIServingChat(OpenAIServing):
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         reuse_report = functools.partial(self.reuse_usage, prompt, params, plan, registered_key, bool(body.logprobs))
         if body.stream:
-            return StreamingResponse(self.stream_events(prompt, params, body, rid, created, chat=True, check=check,
-                                                        report=reuse_report), media_type="text/event-stream")
+            events = self.stream_events(prompt, params, body, rid, created, chat=True, check=check,
+                                        report=reuse_report)
+            if check is not None:
+                return CheckedStream(events, check, ctx.gate)
+            return StreamingResponse(events, media_type="text/event-stream")
         out = await until_disconnect(request, self.final_output(prompt, params, check))
         cut = self.final_text(out, body)
         logprobs = None

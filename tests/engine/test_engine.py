@@ -401,3 +401,61 @@ def test_engine_config_resolves_the_limit_and_the_budget_once(llada_model):
     assert engine.max_model_len == 64 and engine.pool.num_pages * engine.pool.page_size > 0
     with pytest.raises(ValueError, match="exceed the model's context of 64"):
         engine.add_request(list(range(1, 60)), SamplingParams(gen_length=16, block_length=8))
+
+
+def _commit_fails_for(monkeypatch, engine, victim: str, exc: BaseException, after: str) -> None:
+    """``victim``'s commit raises ``exc`` at the step that finished ``after`` (applied before it in that step)."""
+    from acache.engine.scheduler import Scheduler
+
+    real = Scheduler._commit
+
+    def commit(self, req, sample, probe=False):
+        finished = next((r for r in (*self.running, *finished_reqs) if r.request_id == after), None)
+        if req.request_id == victim and finished is not None and finished.status is Status.FINISHED:
+            raise exc
+        out = real(self, req, sample, probe)
+        if req.request_id == after and req.status is Status.FINISHED:
+            finished_reqs.append(req)
+        return out
+
+    finished_reqs: list = []
+    monkeypatch.setattr(Scheduler, "_commit", commit)
+
+
+def test_an_error_applying_one_requests_step_fails_it_alone(llada_model, monkeypatch):
+    """An error of one request's own while the step's results are applied (not in the forward, which the runner
+    contains) fails that request alone: the one finished earlier in the same step keeps its output, the one after
+    it decodes on as it would alone, and no page is lost."""
+    prompts = [layouts(seed=s)["prefix"] for s in range(3)]
+    params = [SamplingParams(gen_length=8, block_length=8, threshold=0.5, selector="attention"),
+              SamplingParams(**BASE, selector="attention", anchor_ratio=0.3),
+              SamplingParams(gen_length=24, block_length=8, threshold=0.7, selector="attention")]
+    store = AffixStore(llada_model)
+    want = [reference_generate(llada_model, p, sp, store).token_ids for p, sp in zip(prompts, params, strict=True)]
+    engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24), affix_source=store)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    _commit_fails_for(monkeypatch, engine, ids[1], ValueError("bad commit"), after=ids[0])
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert outs[ids[1]].status is Status.FAILED and "ValueError: bad commit" in outs[ids[1]].error
+    assert [outs[i].token_ids for i in (ids[0], ids[2])] == [want[0], want[2]]
+    assert engine.pool.num_used == engine.affixes.pages_in_use
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
+
+
+def test_a_fault_of_the_machine_mid_update_keeps_the_outputs_already_made(llada_model, monkeypatch):
+    """A fault of the machine ends the step; a request the step had already finished is out of the engine, so its
+    output is kept for the caller (take_undelivered), which fails the ones still held."""
+    prompts = [layouts(seed=s)["prefix"] for s in range(2)]
+    params = [SamplingParams(gen_length=8, block_length=8, threshold=0.5), SamplingParams(**BASE)]
+    engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    _commit_fails_for(monkeypatch, engine, ids[1], MemoryError("out of memory"), after=ids[0])
+    with pytest.raises(MemoryError):
+        while engine.has_unfinished():
+            engine.step()
+    kept = engine.take_undelivered()
+    assert [(o.request_id, o.status) for o in kept] == [(ids[0], Status.FINISHED)] and kept[0].token_ids
+    assert engine.request_ids() == [ids[1]] and engine.take_undelivered() == []

@@ -88,3 +88,79 @@ def test_a_waiter_that_gives_up_with_an_exception_passes_its_turn_on():
     assert order == ["after"] and not after.is_alive()
     with lock:  # and the lock is free again
         pass
+
+
+def test_a_request_finished_by_a_step_that_then_faults_still_gets_its_answer(llada_dir, monkeypatch):
+    """A fault of the machine fails every request the engine still holds; one the same step had finished just
+    before is no longer there, and still gets its output instead of waiting for ever."""
+    import asyncio
+
+    from acache import LLM, SamplingParams
+    from acache.engine import Status
+    from acache.engine.scheduler import Scheduler
+    from acache.server.async_engine import AsyncEngine, EngineFailed
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    real = Scheduler._commit
+
+    def commit(self, req, sample, probe=False):
+        if req.params.gen_length == 16 and any(r.params.gen_length == 2 and r.status is Status.FINISHED
+                                               for r in done):
+            raise MemoryError("out of memory")
+        out = real(self, req, sample, probe)
+        done.append(req)
+        return out
+
+    done: list = []
+    monkeypatch.setattr(Scheduler, "_commit", commit)
+    engine = AsyncEngine(llm.engine)
+    prompt = llm.encode_prompt([5, 6, 7])
+
+    async def final(params: SamplingParams):
+        return [o async for o in engine.generate(prompt, params)][-1]
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(
+            final(SamplingParams(gen_length=2, block_length=2)), final(SamplingParams(gen_length=16, block_length=2)),
+            return_exceptions=True), 30)
+
+    engine.start()
+    try:
+        short, long = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert short.status is Status.FINISHED and short.finished
+    assert isinstance(long, EngineFailed) and "out of memory" in str(long)
+
+
+def test_abandoned_and_refused_requests_leave_nothing_behind(llada_dir):
+    """A request refused at its add, one whose caller stops reading early and one read to its end: once the
+    engine is idle no id is kept (an id aborted after its add ran was kept for good before)."""
+    import asyncio
+
+    from acache import LLM, SamplingParams
+    from acache.server.async_engine import AsyncEngine
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    engine = AsyncEngine(llm.engine)
+    prompt = llm.encode_prompt([5, 6, 7])
+
+    async def run() -> None:
+        with pytest.raises(ValueError, match="gen_length"):  # refused by the engine's own check at its add
+            [o async for o in engine.generate(prompt, SamplingParams(gen_length=10 ** 6))]
+        async for out in engine.generate(prompt, SamplingParams(gen_length=16, block_length=4), stream=True):
+            assert not out.finished
+            break  # the caller leaves after the first block
+        async for out in engine.generate(prompt, SamplingParams(gen_length=4, block_length=4)):
+            assert out.finished
+        for _ in range(100):
+            if not llm.engine.has_unfinished() and engine._aborts.empty():
+                break
+            await asyncio.sleep(0.05)
+
+    engine.start()
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert engine._cancelled == set() and not llm.engine.has_unfinished()

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from acache import LLM, SamplingParams
 from acache.paths import SHIPPED_MODEL
 from acache.server.app import create_app
+from acache.server.reuse_gate import Decision
 
 STORY = "mary moved to the kitchen . john went to the garden ."
 
@@ -241,3 +242,52 @@ def test_a_request_refused_after_its_check_was_planned_frees_the_check(llm, monk
 def test_bad_server_settings_are_named(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         create_app(llm, "acache-tiny", **kwargs)
+
+
+@pytest.mark.parametrize("fails_at", ["http.response.start", "http.response.body"])
+def test_a_stream_whose_client_leaves_at_once_settles_its_check(llm, fails_at):
+    """A streamed chat whose check was planned, and whose client is gone before the stream begins (the events
+    never run) or at its first event: either way the gate no longer counts the check as running, so the span can
+    be checked again (a leak used one of its checks, or an audit, for good)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from acache.server.protocol import ChatCompletionRequest
+    from acache.server.serving import Check, CheckedStream, OpenAIServing, ServerContext
+
+    app = create_app(llm, "acache-tiny", reuse_checks=1)
+    state = app.state
+    ctx = ServerContext(llm=llm, model_name="acache-tiny", engine=state.engine, drain=state.drain, scorer=state.scorer,
+                        score_pool=ThreadPoolExecutor(1), registry=state.registry, affixer=state.affixer,
+                        gate=state.gate, counters=state.counters, checks_running=state.checks_running)
+    serving = OpenAIServing(ctx)
+    messages = chat(story(("sandra", "garden")), "Where is Mary?")
+    prompt = llm.chat_prompt(messages, affix_messages=[])
+    with_affix = llm.chat_prompt(messages)
+    params = SamplingParams(gen_length=2, block_length=2)
+    plan = state.gate.plan(("span",), params, True, False)
+    check = Check(with_affix, params, plan.key)
+    body = ChatCompletionRequest(messages=messages, stream=True, max_tokens=2)
+
+    async def send(message: dict) -> None:
+        if message["type"] == fails_at:
+            raise OSError("the client is gone")
+
+    async def receive() -> dict:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    async def serve() -> None:
+        state.engine.start()
+        response = CheckedStream(serving.stream_events(prompt, params, body, "rid", 0, chat=True, check=check),
+                                 check, state.gate)
+        with pytest.raises(Exception):  # noqa: B017 (Starlette's ClientDisconnect, or the OSError)
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        await asyncio.sleep(0)  # the check's cancellation runs
+
+    try:
+        asyncio.run(serve())
+    finally:
+        state.engine.shutdown()
+    assert check.started is (fails_at == "http.response.body")
+    assert state.gate.plan(("span",), params, True, False).decision is Decision.CHECK  # not still "running"
