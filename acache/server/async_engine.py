@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import queue as queue_module
 import threading
 from collections.abc import AsyncIterator
@@ -14,6 +16,8 @@ from acache.affix.prompt import AffixPrompt
 from acache.engine import EngineOutput, LLMEngine, Status
 from acache.sampling_params import SamplingParams
 from acache.server.shutdown import ShuttingDown
+
+log = logging.getLogger("acache.server")
 
 
 class RequestFailed(RuntimeError):
@@ -85,6 +89,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.closed: ShuttingDown | None = None  # set once in-flight work was cancelled by a shutdown
+        self.dead: BaseException | None = None  # what stopped the engine thread, if anything but a shutdown
 
     def start(self) -> None:
         if self._thread is None:
@@ -105,6 +110,16 @@ class AsyncEngine:
         return self._thread is None or not self._thread.is_alive()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the loop itself failed (outside a step): no caller may wait for it
+            self.error = self.dead = exc
+            log.exception("the engine thread stopped; every request in flight fails, and every later one")
+            for request_id in list(self._queues):
+                with contextlib.suppress(RuntimeError):  # that caller's event loop is closed: nobody waits there
+                    self._deliver(request_id, exc)
+
+    def _serve(self) -> None:
         while not self._stop:
             with self.lock:
                 self._process_aborts()
@@ -163,6 +178,8 @@ class AsyncEngine:
                 return
             if self.closed is not None:
                 raise self.closed
+            if self.dead is not None:
+                raise EngineFailed(f"the engine thread has stopped: {type(self.dead).__name__}: {self.dead}")
             self.engine.add_request(prompt, params, request_id, generator, stream)
         self.wake.set()
 

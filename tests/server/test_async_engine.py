@@ -164,3 +164,38 @@ def test_abandoned_and_refused_requests_leave_nothing_behind(llada_dir):
     finally:
         engine.shutdown()
     assert engine._cancelled == set() and not llm.engine.has_unfinished()
+
+
+def test_a_loop_that_fails_outside_a_step_tells_every_caller_and_refuses_new_ones(llada_dir, monkeypatch):
+    """The engine thread failing outside a step (an abort that raises, say) used to end it silently: the callers
+    waited for ever. Now each gets the error, and a later request is refused at once."""
+    import asyncio
+
+    from acache import LLM, SamplingParams
+    from acache.server.async_engine import AsyncEngine, EngineFailed
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    engine = AsyncEngine(llm.engine)
+    prompt = llm.encode_prompt([5, 6, 7])
+
+    def broken_aborts() -> None:
+        if llm.engine.has_unfinished():
+            raise RuntimeError("released more often than acquired")
+
+    monkeypatch.setattr(engine, "_process_aborts", broken_aborts)
+
+    async def ask():
+        return [o async for o in engine.generate(prompt, SamplingParams(gen_length=16, block_length=4))]
+
+    async def run():
+        first = await asyncio.wait_for(asyncio.gather(ask(), return_exceptions=True), 30)
+        return first[0], await asyncio.wait_for(asyncio.gather(ask(), return_exceptions=True), 30)
+
+    engine.start()
+    try:
+        (first, (later,)) = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert isinstance(first, EngineFailed) and "released more often" in str(first)
+    assert isinstance(later, EngineFailed) and "the engine thread has stopped" in str(later)
+    assert engine.stopped and engine.error is engine.dead
