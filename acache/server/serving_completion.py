@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from acache.affix.prompt import AffixPrompt
+from acache.sampling_params import SamplingParams
 from acache.server.protocol import BadRequest, CompletionRequest
 from acache.server.serving import OpenAIServing, finish_reason, until_disconnect
 from acache.server.stops import Cut
@@ -88,14 +89,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.stream:
             return StreamingResponse(self.stream_events(prompts[0], params, body, rid, created, chat=False),
                                      media_type="text/event-stream")
-        decoded = []
-        for p in prompts:
-            if score_only:
-                decoded.append((None, Cut("", [], False), "length"))
-            else:
-                out = await until_disconnect(request, self.final_output(p, params))
-                cut = self.final_text(out, body)
-                decoded.append((out, cut, finish_reason(out, params, cut, body.max_tokens)))
+        if score_only:
+            decoded = [(None, Cut("", [], False), "length") for _ in prompts]
+        else:
+            decoded = await until_disconnect(request, self.decode_all(prompts, params, body))
         logprobs_list: list = [None] * len(prompts)
         if body.logprobs is not None:  # every prompt of the request in one scoring pass
             logprobs_list = await self.scoring(request, ctx.scorer.completions,
@@ -115,6 +112,33 @@ class OpenAIServingCompletion(OpenAIServing):
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                 "choices": choices, "usage": usage}
+
+    async def decode_all(self, prompts: list[AffixPrompt], params: SamplingParams,
+                         body: CompletionRequest) -> list[tuple]:
+        """Every prompt of one request decoded at once, so that they share the engine's batches (one after the other
+        they took as many times as long); each as ``(output, cut text, finish reason)``. One that fails stops the
+        others."""
+        async def one(prompt: AffixPrompt) -> tuple:
+            out = await self.final_output(prompt, params)
+            cut = self.final_text(out, body)
+            return out, cut, finish_reason(out, params, cut, body.max_tokens)
+
+        return await _first_failure_cancels_the_rest([asyncio.ensure_future(one(p)) for p in prompts])
+
+
+async def _first_failure_cancels_the_rest(tasks: list[asyncio.Task]) -> list:
+    """The tasks' results in order; the first to fail (in order, among those failed) is raised and the others are
+    cancelled, as they are when the caller is (Python 3.10 has no TaskGroup)."""
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
 
 
 def scored_tokens(out, cut: Cut, max_tokens: int | None) -> list[int]:

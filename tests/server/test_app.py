@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -141,3 +142,48 @@ def test_generate_beside_a_running_server_is_refused(llada_dir):
         assert resp.status_code == 200, resp.text
         served = resp.json()["choices"][0]["token_ids"]
     assert llm.generate("Where is Mary?", params, use_tqdm=False)[0].token_ids == served
+
+
+def test_the_prompts_of_one_completion_request_are_decoded_together(llada_dir):
+    """Four prompts in one request share the engine's batches: the forwards taken are about those of one request
+    (32), give or take the steps between their adds, not four times as many; each answers as alone."""
+    llm = LLM(llada_dir, page_size=8, kv_cache_memory=1 << 22)
+    prompts = [[5, 6, 7], [8, 9, 10], [13, 14, 12], [15, 16, 17]]
+    fields = {"max_tokens": 32, "gen_length": 32, "block_length": 8, "steps": 32}
+    with TestClient(create_app(llm, "tiny")) as c:
+        alone = [c.post("/v1/completions", json={"prompt": p, **fields}).json()["choices"][0]["token_ids"]
+                 for p in prompts]
+        llm.engine.reset_metrics()
+        resp = c.post("/v1/completions", json={"prompt": prompts, **fields})
+        steps = llm.engine.summary()["refreshes"] + llm.engine.metrics.step_times.count
+    assert resp.status_code == 200
+    assert [choice["token_ids"] for choice in resp.json()["choices"]] == alone
+    assert steps < 2 * 32  # one after another: 4 x 32
+
+
+def test_one_failing_prompt_of_a_request_stops_the_others(llada_dir, monkeypatch):
+    """A request's prompts decode together; the first to fail answers the request (500 with its message) and the
+    others are aborted, not left decoding."""
+    import asyncio
+
+    from acache.server.serving import OpenAIServing, RequestError
+
+    llm = LLM(llada_dir, page_size=8, kv_cache_memory=1 << 22)
+    real = OpenAIServing.final_output
+
+    async def final_output(self, prompt, params, check=None):
+        if len(prompt.token_ids) == 2:
+            await asyncio.sleep(0.2)  # the other prompt is decoding by now
+            raise RequestError("the request failed: this prompt broke")
+        return await real(self, prompt, params, check)
+
+    monkeypatch.setattr(OpenAIServing, "final_output", final_output)
+    with TestClient(create_app(llm, "tiny")) as c:
+        resp = c.post("/v1/completions", json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 480, "steps": 480})
+        assert resp.status_code == 500 and "this prompt broke" in resp.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
+        for _ in range(100):
+            if not llm.engine.has_unfinished():
+                break
+            time.sleep(0.05)
+    assert not llm.engine.has_unfinished() and llm.engine.summary()["requests_aborted"] == 1
