@@ -190,7 +190,8 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         """One round: schedule, execute, update. Returns what finished or failed (and, for streaming
-        requests, partial outputs of blocks just completed)."""
+        requests, partial outputs of blocks just completed). A fault of the machine is raised; the outputs the
+        step made before it are kept for :meth:`take_undelivered`."""
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -198,7 +199,7 @@ class LLMEngine:
         try:
             return self.scheduler.update_from_output(sched, result)
         except StepFailed as failed:  # the caller fails what the engine holds; these it no longer does
-            self.undelivered += failed.outputs
+            self.undelivered = list(failed.outputs)  # a caller that never takes them keeps only the last step's
             raise failed.cause from None
 
     def take_undelivered(self) -> list[EngineOutput]:

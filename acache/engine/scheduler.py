@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 class StepFailed(Exception):
-    """A fault of the machine while a step's results were applied: ``cause``, and the ``outputs`` of the requests
-    the step had already finished (they are out of the engine, so failing what it still holds would miss them)."""
+    """A fault of the machine while a step's results were applied: ``cause``, and the ``outputs`` the step had made
+    before it (finished, failed alone, or a streaming block): a finished or failed request is out of the engine, so
+    failing what it still holds would miss it."""
 
     def __init__(self, cause: BaseException, outputs: list[EngineOutput]) -> None:
         super().__init__(str(cause))

@@ -36,21 +36,23 @@ class FairLock:
 
     def __init__(self) -> None:
         self._turns = threading.Condition(threading.Lock())
-        self._next = 0  # the next ticket given out
+        self._tickets = itertools.count()  # the tickets given out, in order
+        self.issued = 0  # how many were
         self._serving = 0  # the ticket that holds the lock
         self._abandoned: set[int] = set()  # tickets whose holder gave up waiting (an exception): skipped
 
     def acquire(self) -> None:
         with self._turns:
-            ticket = self._next
-            self._next += 1
+            ticket = None
             try:
+                ticket = next(self._tickets)
+                self.issued = ticket + 1
                 while ticket != self._serving:
-                    self._turns.wait()
+                    self._turns.wait(timeout=1.0)  # a wake-up an interrupt swallowed costs a second, not for ever
             except BaseException:  # e.g. KeyboardInterrupt while waiting: the turn is passed on, never kept
                 if ticket == self._serving:
                     self._pass_turn()
-                else:
+                elif ticket is not None:
                     self._abandoned.add(ticket)
                 raise
 
@@ -116,8 +118,7 @@ class AsyncEngine:
             self.error = self.dead = exc
             log.exception("the engine thread stopped; every request in flight fails, and every later one")
             for request_id in list(self._queues):
-                with contextlib.suppress(RuntimeError):  # that caller's event loop is closed: nobody waits there
-                    self._deliver(request_id, exc)
+                self._deliver(request_id, exc)
 
     def _serve(self) -> None:
         while not self._stop:
@@ -133,6 +134,10 @@ class AsyncEngine:
                         # those the step finished before the fault first: they are no longer in the engine
                         outputs = [(out.request_id, out) for out in self.engine.take_undelivered()]
                         outputs += self._fail_all(exc)
+                        # and any other caller (one a fault dropped from the engine without an output): a caller
+                        # that got its final output already stops reading before this error
+                        told = {request_id for request_id, _ in outputs}
+                        outputs += [(request_id, exc) for request_id in list(self._queues) if request_id not in told]
             for request_id, item in outputs:
                 self._deliver(request_id, item)
             if not busy:
@@ -168,7 +173,8 @@ class AsyncEngine:
         target = self._queues.get(request_id)
         if target is not None:
             loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # that caller's event loop is closed: nobody waits there
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _add(self, prompt: AffixPrompt, params: SamplingParams, request_id: str, stream: bool,
              generator: torch.Generator | None) -> None:
@@ -222,7 +228,8 @@ class AsyncEngine:
 
     def request_abort(self, request_id: str, added: bool = False) -> None:
         """Asks the loop thread to abort a request (and free its pages) before its next step. Unless ``added``
-        (its add has run), its add may still be waiting for the lock: it is remembered until that add drops it."""
+        (its add has run), its add may still be waiting for the lock: it is remembered so that the add drops it (an
+        add that had in fact just run leaves the id there, a few bytes)."""
         if not added:
             self._cancelled.add(request_id)
         self._aborts.put(request_id)

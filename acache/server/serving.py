@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
@@ -64,7 +65,7 @@ class CheckedStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream")
         self.check, self.gate = check, gate
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -77,7 +77,11 @@ class OpenAIServingChat(OpenAIServing):
             if check is not None:
                 return CheckedStream(events, check, ctx.gate)
             return StreamingResponse(events, media_type="text/event-stream")
-        out = await until_disconnect(request, self.final_output(prompt, params, check))
+        try:
+            out = await until_disconnect(request, self.final_output(prompt, params, check))
+        finally:
+            if check is not None and not check.started:  # cancelled before it began: it never will
+                ctx.gate.drop(check.key)
         cut = self.final_text(out, body)
         logprobs = None
         if body.logprobs:

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from acache.affix.prompt import AffixPrompt
 from acache.sampling_params import SamplingParams
 from acache.server.protocol import BadRequest, CompletionRequest
-from acache.server.serving import OpenAIServing, finish_reason, until_disconnect
+from acache.server.serving import OpenAIServing, RequestError, finish_reason, until_disconnect
 from acache.server.stops import Cut
 
 
@@ -129,11 +129,17 @@ class OpenAIServingCompletion(OpenAIServing):
 async def _first_failure_cancels_the_rest(tasks: list[asyncio.Task]) -> list:
     """The tasks' results in order; the first to fail (in order, among those failed) is raised and the others are
     cancelled, as they are when the caller is (Python 3.10 has no TaskGroup)."""
+    for task in tasks:  # every failure is read here or below (never "Task exception was never retrieved")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+        pending = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                if task.done() and task.cancelled():  # by something else than this request: it cannot answer
+                    raise RequestError("a prompt of this request was cancelled")
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
         return [task.result() for task in tasks]
     finally:
         for task in tasks:

@@ -187,3 +187,23 @@ def test_one_failing_prompt_of_a_request_stops_the_others(llada_dir, monkeypatch
                 break
             time.sleep(0.05)
     assert not llm.engine.has_unfinished() and llm.engine.summary()["requests_aborted"] == 1
+
+
+def test_prompts_that_fail_together_leave_no_unread_failure(llada_dir, monkeypatch, caplog):
+    """Every prompt of a request failing at once (a shutdown, an engine fault): one answers the request, and the
+    others' failures are read too (asyncio logged "Task exception was never retrieved" for each before)."""
+    import gc
+    import logging
+
+    from acache.server.serving import OpenAIServing, RequestError
+
+    async def final_output(self, prompt, params, check=None):
+        raise RequestError(f"the request failed: prompt of {len(prompt.token_ids)} tokens")
+
+    monkeypatch.setattr(OpenAIServing, "final_output", final_output)
+    llm = LLM(llada_dir, page_size=8, kv_cache_memory=1 << 22)
+    with caplog.at_level(logging.ERROR, logger="asyncio"), TestClient(create_app(llm, "tiny")) as c:
+        resp = c.post("/v1/completions", json={"prompt": [[5, 6, 7], [8, 9], [10]], "max_tokens": 8})
+        gc.collect()
+    assert resp.status_code == 500 and "prompt of 3 tokens" in resp.json()["error"]["message"]
+    assert "never retrieved" not in caplog.text

@@ -13,7 +13,7 @@ from tests.server.helpers import wait_until
 
 def waiting(lock: FairLock, tickets: int) -> bool:
     """Whether ``tickets`` tickets have been given out (their threads are waiting or hold the lock)."""
-    return lock._next >= tickets
+    return lock.issued >= tickets
 
 
 def test_the_lock_goes_to_its_askers_in_the_order_they_asked():
@@ -199,3 +199,36 @@ def test_a_loop_that_fails_outside_a_step_tells_every_caller_and_refuses_new_one
     assert isinstance(first, EngineFailed) and "released more often" in str(first)
     assert isinstance(later, EngineFailed) and "the engine thread has stopped" in str(later)
     assert engine.stopped and engine.error is engine.dead
+
+
+def test_a_request_a_fault_drops_from_the_engine_without_an_output_is_told(llada_dir, monkeypatch):
+    """A fault of the machine inside a request's finish (its pages freed, no output made): the request is no
+    longer in the engine, so failing what the engine holds would miss it; its caller is told all the same."""
+    import asyncio
+
+    from acache import LLM, SamplingParams
+    from acache.engine.scheduler import Scheduler
+    from acache.server.async_engine import AsyncEngine, EngineFailed
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    real = Scheduler.finish
+
+    def finish(self, req, status=None, **kwargs):
+        real(self, req, *(() if status is None else (status,)))
+        raise MemoryError("out of memory while freeing")
+
+    monkeypatch.setattr(Scheduler, "finish", finish)
+    engine = AsyncEngine(llm.engine)
+
+    async def ask():
+        return [o async for o in engine.generate(llm.encode_prompt([5, 6, 7]), SamplingParams(gen_length=4, block_length=4))]
+
+    async def run():
+        return (await asyncio.wait_for(asyncio.gather(ask(), return_exceptions=True), 30))[0]
+
+    engine.start()
+    try:
+        told = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert isinstance(told, EngineFailed) and "out of memory while freeing" in str(told)
