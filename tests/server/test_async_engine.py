@@ -221,7 +221,8 @@ def test_a_request_a_fault_drops_from_the_engine_without_an_output_is_told(llada
     engine = AsyncEngine(llm.engine)
 
     async def ask():
-        return [o async for o in engine.generate(llm.encode_prompt([5, 6, 7]), SamplingParams(gen_length=4, block_length=4))]
+        params = SamplingParams(gen_length=4, block_length=4)
+        return [o async for o in engine.generate(llm.encode_prompt([5, 6, 7]), params)]
 
     async def run():
         return (await asyncio.wait_for(asyncio.gather(ask(), return_exceptions=True), 30))[0]
