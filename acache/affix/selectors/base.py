@@ -51,9 +51,7 @@ def free_columns(state: RequestState, spans: Sequence[tuple[int, int]],
     block an affix shares with the request's own columns, on a shifted one the column before the region). Anchors
     are chosen among these alone, so none is spent on a column that is fresh already. Made on ``device`` (default:
     the request's), from host values alone: a mask made on the host is counted without a device read."""
-    shared = torch.zeros(state.length, dtype=torch.bool, device=device or state.tokens.device)
-    for c0, c1 in spans:
-        shared[c0:c1] = True
+    shared = state.span_mask(spans, device)
     return shared & ~state.base_recompute(shared)
 
 
@@ -239,8 +237,13 @@ class AnchorSelector:
     layout_only: ClassVar[bool] = False
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        """``[B, T]`` importance of each canvas column; only affix columns are read."""
-        raise NotImplementedError
+        """``[B, T]`` importance of each canvas column; only affix columns are read. A :attr:`layout_only` selector's
+        are its :meth:`row_scores`, row by row, from each request's seed."""
+        if not self.layout_only:
+            raise NotImplementedError
+        valid = ctx.canvas.valid
+        seeds = ctx.row_seeds or [0] * valid.shape[0]
+        return torch.stack([self.row_scores(row, seed) for row, seed in zip(valid, seeds, strict=True)])
 
     def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
         """A :attr:`layout_only` selector's ``[T]`` scores of one request's columns in order (``valid``: those a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from acache.affix.context import SelectionContext
 from acache.affix.selectors.base import AnchorSelector
 
 
@@ -13,9 +12,6 @@ class NoAnchors(AnchorSelector):
 
     name = "none"
     layout_only = True
-
-    def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        return torch.zeros(ctx.affix_slot.shape, device=ctx.affix_slot.device)
 
     def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
         return torch.zeros(valid.shape, device=valid.device)
@@ -33,9 +29,6 @@ class FirstK(AnchorSelector):
     name = "first-k"
     layout_only = True
 
-    def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        return torch.stack([self.row_scores(row, 0) for row in ctx.canvas.valid])
-
     def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
         return -torch.arange(valid.shape[0], device=valid.device, dtype=torch.float32)
 
@@ -46,11 +39,6 @@ class RandomAnchors(AnchorSelector):
 
     name = "random"
     layout_only = True
-
-    def scores(self, ctx: SelectionContext) -> torch.Tensor:
-        valid = ctx.canvas.valid
-        seeds = ctx.row_seeds or [0] * valid.shape[0]
-        return torch.stack([self.row_scores(row, seed) for row, seed in zip(valid, seeds, strict=True)])
 
     def row_scores(self, valid: torch.Tensor, seed: int) -> torch.Tensor:
         """Drawn on the host (the same numbers on every device): one uniform number a valid column, in order."""
