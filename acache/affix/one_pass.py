@@ -110,11 +110,9 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
     affix_slot = torch.full((b, width), -1, dtype=torch.long, device=device)
     for i, (state, spans) in enumerate(rows):
         valid[i, state.plan().fed] = True
-        shared = torch.zeros(state.length, dtype=torch.bool, device=device)
         for a, (c0, c1) in enumerate(spans):
             affix_slot[i, c0:c1] = a
-            shared[c0:c1] = True
-        own[i, :state.length] = state.base_recompute(shared)
+        own[i, :state.length] = state.base_recompute(state.span_mask(spans, device))
         gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
     rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
     counts = [request_anchor_counts(state, spans) for state, spans in rows]

@@ -30,6 +30,7 @@ The executor (the paged engine, or the dense reference loop) runs the forward an
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,14 @@ class RequestState:
         self._plans_block = -1
 
     # -- the columns a refresh recomputes ---------------------------------------------------------
+    def span_mask(self, spans: Sequence[tuple[int, int]], device: torch.device | None = None) -> torch.Tensor:
+        """``[T]``: the columns ``[c0, c1)`` of ``spans``, on ``device`` (default: the request's; the host's to
+        read without waiting for a device)."""
+        mask = torch.zeros(self.length, dtype=torch.bool, device=device or self.tokens.device)
+        for c0, c1 in spans:
+            mask[c0:c1] = True
+        return mask
+
     def base_recompute(self, shared: torch.Tensor) -> torch.Tensor:
         """Columns recomputed at every refresh before any anchor: all but the ``shared`` affix columns,
         and, for a shifted model, the column before the generation region (its state predicts the
@@ -130,10 +139,8 @@ class RequestState:
         there would recompute what the cache already holds."""
         if self.attention_block is None or self.state_cache:
             return [False] * len(spans)
-        shared = torch.zeros(self.length, dtype=torch.bool)  # on the host: read with no wait for the device
-        for c0, c1 in spans:
-            shared[c0:c1] = True
-        recomputed = self.base_recompute(shared)  # a last, partial block that holds own columns is recomputed
+        # on the host, read with no wait for the device; a last, partial block that holds own columns is recomputed
+        recomputed = self.base_recompute(self.span_mask(spans, torch.device("cpu")))
         return [c0 == 0 and c1 > 0 and (c1 % self.attention_block == 0 or bool(recomputed[c1 - 1]))
                 for c0, c1 in spans]
 

@@ -86,11 +86,7 @@ class Request:
         return self.shared_mask([i for i, _ in self.shared])
 
     def shared_mask(self, indices: list[int]) -> torch.Tensor:
-        mask = torch.zeros(self.length, dtype=torch.bool, device=self.state.tokens.device)
-        for index in indices:
-            c0, c1 = self.span_columns(index)
-            mask[c0:c1] = True
-        return mask
+        return self.state.span_mask([self.span_columns(index) for index in indices])
 
     def private_tokens(self, shared_indices: list[int]) -> int:
         """Slots this request owns when the affixes ``shared_indices`` are shared: its base recompute set
