@@ -425,7 +425,7 @@ def _commit_fails_for(monkeypatch, engine, victim: str, exc: BaseException, afte
 def test_an_error_applying_one_requests_step_fails_it_alone(llada_model, monkeypatch):
     """An error of one request's own while the step's results are applied (not in the forward, which the runner
     contains) fails that request alone: the one finished earlier in the same step keeps its output, the one after
-    it decodes on as it would alone, and no page is lost."""
+    it (arriving a step later) decodes on as it would alone, and no page is lost."""
     prompts = [layouts(seed=s)["prefix"] for s in range(3)]
     params = [SamplingParams(gen_length=8, block_length=8, threshold=0.5, selector="attention"),
               SamplingParams(**BASE, selector="attention", anchor_ratio=0.3),
@@ -433,9 +433,10 @@ def test_an_error_applying_one_requests_step_fails_it_alone(llada_model, monkeyp
     store = AffixStore(llada_model)
     want = [reference_generate(llada_model, p, sp, store).token_ids for p, sp in zip(prompts, params, strict=True)]
     engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24), affix_source=store)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2], strict=True)]
     _commit_fails_for(monkeypatch, engine, ids[1], ValueError("bad commit"), after=ids[0])
-    outs = {}
+    outs = {out.request_id: out for out in engine.step()}
+    ids.append(engine.add_request(prompts[2], params[2]))  # the third arrives a step later
     while engine.has_unfinished():
         for out in engine.step():
             outs[out.request_id] = out

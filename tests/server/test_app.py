@@ -161,6 +161,32 @@ def test_the_prompts_of_one_completion_request_are_decoded_together(llada_dir):
     assert steps < 2 * 32  # one after another: 4 x 32
 
 
+def test_the_prompts_of_a_request_beside_another_arriving_later_each_answer_as_alone(llada_dir):
+    """A request of three prompts and, 0.1 s into it, a request of other parameters (length, blocks, steps): each of
+    the four answers decode as they do alone."""
+    import threading
+
+    llm = LLM(llada_dir, page_size=8, kv_cache_memory=1 << 22)
+    many = {"prompt": [[5, 6, 7], [8, 9], [10, 11, 12, 13]], "max_tokens": 32, "gen_length": 32, "block_length": 8,
+            "steps": 32}
+    other = {"prompt": [14, 15, 16], "max_tokens": 16, "gen_length": 16, "block_length": 4, "steps": 8}
+    with TestClient(create_app(llm, "tiny")) as c:
+        alone = [c.post("/v1/completions", json={**many, "prompt": p}).json()["choices"][0]["token_ids"]
+                 for p in many["prompt"]]
+        alone.append(c.post("/v1/completions", json=other).json()["choices"][0]["token_ids"])
+        got: dict[str, list] = {}
+
+        def later() -> None:
+            time.sleep(0.1)
+            got["other"] = [ch["token_ids"] for ch in c.post("/v1/completions", json=other).json()["choices"]]
+
+        t = threading.Thread(target=later)
+        t.start()
+        got["many"] = [ch["token_ids"] for ch in c.post("/v1/completions", json=many).json()["choices"]]
+        t.join(timeout=60)
+    assert got["many"] + got["other"] == alone
+
+
 def test_one_failing_prompt_of_a_request_stops_the_others(llada_dir, monkeypatch):
     """A request's prompts decode together; the first to fail answers the request (500 with its message) and the
     others are aborted, not left decoding."""
