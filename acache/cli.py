@@ -160,7 +160,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache {cache_dir} exists and is not a directory")
     if cache_dir is not None and args.tensor_parallel_size > 1:
-        raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
+        raise ValueError("--affix-cache is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,

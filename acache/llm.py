@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,12 +158,16 @@ class LLM:
             self._engine = MirroredEngine(engine, self._channel) if self._tp_workers else engine
         return self._engine
 
-    def save_affix_cache(self, path: str | Path) -> Path:
-        """Saves every shared affix the engine holds, for a later ``LLM(..., affix_cache_dir=path)``."""
+    def save_affix_cache(self, path: str | Path, lock: AbstractContextManager | None = None) -> Path:
+        """Saves every shared affix the engine holds, for a later ``LLM(..., affix_cache_dir=path)``. ``lock`` is
+        held while the affixes are copied off the engine's pages (a server's engine lock), not while they are
+        written."""
         if self.tensor_parallel_size > 1:
             raise ValueError("saving the affix cache is not supported with tensor parallelism (each rank holds a "
                              "slice of every affix)")
-        return self.engine.affixes.save(path)
+        with lock if lock is not None else nullcontext():
+            snapshot = self.engine.affixes.snapshot()
+        return self.engine.affixes.save(path, snapshot)
 
     @property
     def default_selector(self) -> str:

@@ -33,6 +33,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):
     assert "gen_length (30) must be a multiple of block_length (32)" in capsys.readouterr().err
     assert main(["generate", "--model", str(llada_dir), "--prompt", "x", "--threshold", "2"]) == 2
     assert "threshold must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", str(llada_dir), "--prompt", "x", "--affix-cache", str(tmp_path / "c"),
+                 "--tensor-parallel-size", "2"]) == 2
+    assert "error: --affix-cache is not supported with --tensor-parallel-size > 1" in capsys.readouterr().err
 
 
 def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_dir):

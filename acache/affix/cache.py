@@ -41,6 +41,10 @@ class AffixStorage(Protocol[H]):
 
     def has_room(self, cost: int) -> bool: ...
 
+    @property
+    def capacity(self) -> int | None:
+        """The most capacity affixes may take together (None: unbounded)."""
+
     def put(self, entry: AffixEntry) -> H:
         """Stores the entry's K/V (room is checked first) and returns its handle."""
 
@@ -186,23 +190,52 @@ class AffixCache(Generic[H]):
     def directory(self, path: str | Path) -> AffixDirectory:
         return AffixDirectory(Path(path), self.model, self.fingerprint, self.key_fn)
 
-    def save(self, path: str | Path) -> Path:
-        """Writes every entry to ``path`` atomically, keeping what another process of this model saved there."""
-        return self.directory(path).save([self.storage.read(h) for h in self.entries.values()])
+    def snapshot(self) -> list[AffixEntry]:
+        """Every entry's K/V copied to the CPU, least recently used first: what :meth:`save` writes. The caller
+        stops anything that could evict an entry meanwhile (the server holds the engine's lock); the disk work
+        of a save needs no lock."""
+        return [self.storage.read(h).to_cpu() for h in self.entries.values()]
+
+    def save(self, path: str | Path, snapshot: list[AffixEntry] | None = None) -> Path:
+        """Writes every entry (or ``snapshot``) to ``path`` atomically, with what another process of this model
+        saved there while the cache's capacity holds it all, this process's entries last."""
+        saved = self.snapshot() if snapshot is None else snapshot
+        return self.directory(path).save(saved, self._claims([e.length for e in saved]))
 
     def load(self, path: str | Path) -> int:
-        """Adds the entries saved at ``path`` that fit; returns how many. Any fault is one AffixStoreError
-        naming the file and the problem, and nothing is loaded."""
-        return self._admit(self.directory(path).load())
+        """Adds the entries saved at ``path`` that fit, the most recently saved first; returns how many. Any
+        fault is one AffixStoreError naming the file and the problem, and nothing is loaded."""
+        return self._admit(self.directory(path).load(self._claims(self._held_lengths()), set(self.entries)))
 
     def recover(self, path: str | Path) -> LoadReport:
         """Loads what can be trusted of the store at ``path`` and moves the rest aside (the server's way:
         one fault never keeps it down); never raises for what it finds on disk."""
         directory = self.directory(path)
-        report, checked = directory.recover()
+        report, checked = directory.recover(self._claims(self._held_lengths()), set(self.entries))
         report.loaded = self._admit(checked)
         directory.log(report)
         return report
+
+    def _held_lengths(self) -> list[int]:
+        return [len(h.token_ids) for h in self.entries.values()]
+
+    def _claims(self, held: list[int]) -> Callable[[int], bool]:
+        """Grants room to affixes of ``num_tokens`` one after another until the storage's capacity, less what
+        ``held`` takes, is spent (every one where the storage is unbounded)."""
+        left = self.storage.capacity
+        if left is None:
+            return lambda num_tokens: True
+        left -= sum(self.storage.cost(n) for n in held)
+
+        def claim(num_tokens: int) -> bool:
+            nonlocal left
+            cost = self.storage.cost(num_tokens)
+            if cost > left:
+                return False
+            left -= cost
+            return True
+
+        return claim
 
     def _admit(self, checked: list[AffixEntry]) -> int:
         """Stores the checked entries that are new and fit; how many."""

@@ -28,6 +28,11 @@ class AffixEntry:
     def length(self) -> int:
         return len(self.token_ids)
 
+    def to_cpu(self) -> AffixEntry:
+        """A copy of the K/V (and hidden states) on the CPU, as the store on disk keeps them."""
+        return AffixEntry(self.key, self.token_ids, [t.cpu() for t in self.keys], [t.cpu() for t in self.values],
+                          [t.cpu() for t in self.hidden] if self.hidden is not None else None, self.name)
+
     def nbytes(self) -> int:
         tensors = [*self.keys, *self.values, *(self.hidden or [])]
         return sum(t.numel() * t.element_size() for t in tensors)

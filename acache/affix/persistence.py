@@ -22,8 +22,8 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +61,9 @@ class LoadReport:
 
 def model_fingerprint(model: DiffusionLM) -> str:
     """Identifies the weights an affix cache was computed with: the config, and every parameter's name,
-    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model)."""
+    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model), rounded to
+    bfloat16 so that one checkpoint loaded in float32 or bfloat16 has one fingerprint (the precision the K/V
+    were computed in is the manifest's ``dtype``, checked on its own)."""
     h = hashlib.sha256()
     cfg = {k: v for k, v in vars(model.config).items() if k != "raw"}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -69,7 +71,7 @@ def model_fingerprint(model: DiffusionLM) -> str:
         flat = p.detach().reshape(-1)
         sample = flat[::max(1, flat.numel() // 4096)][:4096]
         h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(sample.float().cpu().numpy().tobytes())
+        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -85,11 +87,15 @@ class AffixDirectory:
         self.fingerprint = fingerprint
         self.key_fn = key_fn
 
-    def save(self, saved: Sequence[AffixEntry]) -> Path:
-        """Writes ``saved`` to the directory: a content-named tensor file, then the manifest naming it, each
-        through a temporary file, fsync and rename, under the directory's lock; a reader sees the old
-        cache or the new one, never a mix, and a crash mid-save leaves the old one loadable. Entries
-        already there (another process's, of this model) are kept, so that two savers lose nothing."""
+    def save(self, saved: Sequence[AffixEntry], claim: Callable[[int], bool] = lambda n: True) -> Path:
+        """Writes ``saved`` (least recently used first) to the directory: a content-named tensor file, then the
+        manifest naming it, each through a temporary file, fsync and rename, under the directory's lock; a
+        reader sees the old cache or the new one, never a mix, and a crash mid-save leaves the old one
+        loadable. Entries already there that ``saved`` lacks (another process's of this model, or ones this
+        one let go) are kept, most recent first, while ``claim(num_tokens)`` grants them room, and written
+        before ``saved``: the store never outgrows the cache, and a load, which keeps the last entries when
+        room runs short, keeps this process's. A store of another model or precision found there is moved
+        aside into ``quarantine/``, never overwritten."""
         root = self.root
         root.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -104,12 +110,13 @@ class AffixDirectory:
                             "hidden": e.hidden is not None, "sha256": _checksum(mine)})
         with store_lock(root, exclusive=True):
             _remove_stale(root)
-            mine = {e["key"] for e in entries}
-            for item, theirs in self._saved_entries(root):
-                if item["key"] not in mine:
-                    entries.append(item)
-                    tensors |= theirs
-            self._write_store(root, entries, tensors)
+            held = {e["key"] for e in entries}
+            theirs = []
+            for item, their_tensors in reversed(self._saved_entries(root)):
+                if item["key"] not in held and claim(len(item["token_ids"])):
+                    theirs.append(item)
+                    tensors |= their_tensors
+            self._write_store(root, theirs[::-1] + entries, tensors)
         return root
 
     def _write_store(self, root: Path, entries: list[dict], tensors: dict[str, torch.Tensor]) -> None:
@@ -128,10 +135,17 @@ class AffixDirectory:
 
     def _saved_entries(self, root: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
         """The entries already saved at ``root`` whose checksums hold, with their tensors (none if the
-        directory holds no readable cache of this model)."""
+        directory holds no readable cache of this model); a sound store of another model or precision is
+        moved aside first (called under the lock)."""
         try:
             manifest = json.loads((root / MANIFEST).read_text())
-            if manifest.get("format") != FORMAT_VERSION or manifest.get("model_fingerprint") != self.fingerprint:
+            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+                return []
+            foreign = self._foreign(manifest)
+            if foreign is not None:
+                files = [root / MANIFEST, *sorted(root.glob("affixes-*.safetensors"))]
+                moved = quarantine(root, "store", f"{foreign}; set aside by a save of this model", files)
+                log.warning("affix cache %s: %s; moved to %s before saving this model's", root, foreign, moved)
                 return []
             tensors = load_file(root / manifest["tensors"], device="cpu")
         except Exception:  # nothing trustworthy there to keep: it is replaced
@@ -140,42 +154,60 @@ class AffixDirectory:
         for item in manifest.get("entries", []):
             try:
                 theirs = {n: t for n, t in tensors.items() if n.startswith(f"{item['key']}.")}
-                if theirs and _checksum(theirs) == item["sha256"]:
+                if theirs and _checksum(theirs) == item["sha256"] and isinstance(item["token_ids"], list):
                     kept.append((item, theirs))
             except (TypeError, KeyError):
                 continue
         return kept
 
-    def load(self) -> list[AffixEntry]:
+    def _foreign(self, manifest: dict) -> str | None:
+        """Why a readable manifest is not this model's at this precision (None: it is)."""
+        if manifest.get("model_fingerprint") != self.fingerprint:
+            return (f"made with another model ({manifest.get('family')}, {manifest.get('num_layers')} layers, "
+                    f"fingerprint {str(manifest.get('model_fingerprint'))[:12]}) than this one "
+                    f"({self.model.family}, {len(self.model.layers)} layers, fingerprint {self.fingerprint[:12]})")
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        if manifest.get("dtype") != dtype:
+            return f"computed in {manifest.get('dtype')}, while this model runs in {dtype}"
+        return None
+
+    def load(self, claim: Callable[[int], bool] = lambda n: True, skip: Collection[str] = ()) -> list[AffixEntry]:
         """The entries saved in the directory, every one checked before the cache takes any room for it (its
         checksum, shapes, dtype and finiteness, and its first layer's K/V recomputed from its token ids,
         which no other model or affix reproduces); any refusal is one :class:`AffixStoreError` naming the
         file and the problem, and nothing is returned (the strict mode: :meth:`recover` loads around a
-        fault)."""
+        fault). Of the sound ones, those ``skip`` names are left out, and the others are placed on the
+        model's device from the most recently saved back while ``claim(num_tokens)`` grants them room (the
+        rest stay on disk); they come back oldest first."""
         root = self.root
         if not (root / MANIFEST).is_file():
             raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
         with store_lock(root, exclusive=False):
             _remove_stale(root)
             manifest, tensors, tensor_file, _ = self._read_store(root, salvage=False)
-        return [self._checked_entry(item, tensors, tensor_file) for item in manifest["entries"]]
+        checked = [self._checked_entry(item, tensors, tensor_file) for item in manifest["entries"]]
+        return self._placed(checked, claim, skip)
 
-    def recover(self) -> tuple[LoadReport, list[AffixEntry]]:
-        """What can be trusted of the store (the report and the checked entries), the rest moved aside, so
-        that one fault never keeps a server down. An entry that fails any check of :meth:`load` is written into a folder
-        of ``quarantine/`` (its manifest item, its tensors, the reason) and dropped from the store: it
-        is simply absent, and the next request that uses the affix computes it again. A manifest that
-        cannot be read, or that another model wrote, or whose tensor file is gone or unreadable, is moved
-        there with every tensor file (the server starts cold); so are tensor files no manifest names. Each
-        is logged by name and reason. A directory this process cannot write is only read: the faults are
-        skipped and reported, not moved. Never raises for what it finds on disk."""
+    def recover(self, claim: Callable[[int], bool] = lambda n: True,
+                skip: Collection[str] = ()) -> tuple[LoadReport, list[AffixEntry]]:
+        """What can be trusted of the store (the report and the checked entries, placed as :meth:`load`
+        places them), the rest moved aside, so that one fault never keeps a server down. An entry that fails
+        any check of :meth:`load` is written into a folder of ``quarantine/`` (its manifest item, its
+        tensors, the reason) and dropped from the store: it is simply absent, and the next request that uses
+        the affix computes it again. A manifest that cannot be read, or that another model (or this one at
+        another precision) wrote, or whose tensor file is gone or unreadable, is moved there with every
+        tensor file (the server starts cold); tensor files no manifest names are moved there too, and those
+        a sound manifest does not name (a save that died before its manifest, or before removing the old
+        file) are deleted. Each is logged by name and reason. A directory this process cannot write, or
+        whose lock file it cannot open, is only read: the faults are skipped and reported, not moved. Running
+        out of memory while placing entries stops the loading, and what is on disk stays as it is. Never
+        raises for what it finds on disk."""
         root = self.root
         report = LoadReport()
-        checked: list[AffixEntry] = []
         if not root.is_dir():
-            return report, checked
-        writable = os.access(root, os.W_OK)
-        with store_lock(root, exclusive=writable):
+            return report, []
+        checked: list[AffixEntry] = []
+        with writing_if_allowed(root) as writable:
             if writable:
                 _remove_stale(root)
             tensor_files = sorted(root.glob("affixes-*.safetensors"))
@@ -189,6 +221,10 @@ class AffixDirectory:
             except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
                 self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
                 return report, checked
+            if writable:
+                for orphan in tensor_files:
+                    if orphan != tensor_file:
+                        orphan.unlink(missing_ok=True)
             if damage is not None:  # a copy of the damaged file aside; the entries it still holds whole stay
                 self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept",
                                 [], writable, {tensor_file.name: tensor_file.read_bytes()})
@@ -198,7 +234,7 @@ class AffixDirectory:
                 theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
                 try:
                     checked.append(self._checked_entry(item, tensors, tensor_file))
-                except Exception as exc:
+                except AffixStoreError as exc:
                     label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
                     kept = {"entry.json": json.dumps(item).encode()}
                     if theirs:
@@ -212,7 +248,23 @@ class AffixDirectory:
                     self._write_store(root, kept_items, kept_tensors)
                 except OSError as exc:  # the faults stay on disk, and are set aside again next time
                     log.warning("affix cache %s: could not rewrite the store without its faults: %s", root, exc)
-        return report, checked
+        return report, self._placed(checked, claim, skip)
+
+    def _placed(self, checked: list[AffixEntry], claim: Callable[[int], bool],
+                skip: Collection[str]) -> list[AffixEntry]:
+        """The checked entries ``claim`` grants room to, the most recently saved first, moved to the model's
+        device; returned oldest first. Out of memory, the ones placed so far."""
+        placed = []
+        for entry in reversed(checked):
+            if entry.key in skip or not claim(entry.length):
+                continue
+            try:
+                placed.append(_to_device(entry, self.model.device, self.model.dtype))
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                log.warning("affix cache %s: out of memory placing affix %s (%s); %d loaded, the rest stay on "
+                            "disk", self.root, entry.key[:12], exc, len(placed))
+                break
+        return placed[::-1]
 
     @staticmethod
     def _set_aside(root: Path, report: LoadReport, label: str, reason: str, files: Sequence[Path],
@@ -242,9 +294,9 @@ class AffixDirectory:
                         "them", root, report.loaded, len(report.quarantined))
 
     def _read_store(self, root: Path, salvage: bool) -> tuple[dict, dict[str, torch.Tensor], Path, str | None]:
-        """The manifest, the tensors and the tensor file of the store at ``root`` (called under its lock), and
-        what is wrong with that file where ``salvage`` read what it still holds whole (None: nothing); an
-        :class:`AffixStoreError` where the store as a whole cannot be trusted."""
+        """The manifest, the tensors (on the CPU) and the tensor file of the store at ``root`` (called under its
+        lock), and what is wrong with that file where ``salvage`` read what it still holds whole (None:
+        nothing); an :class:`AffixStoreError` where the store as a whole cannot be trusted."""
         manifest_file = root / MANIFEST
         try:
             manifest = json.loads(manifest_file.read_text())
@@ -253,12 +305,9 @@ class AffixDirectory:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             found = manifest.get("format") if isinstance(manifest, dict) else None
             raise AffixStoreError(f"{manifest_file}: format {found!r}, this version reads {FORMAT_VERSION}")
-        if manifest.get("model_fingerprint") != self.fingerprint:
-            raise AffixStoreError(
-                f"{manifest_file} was made with another model ({manifest.get('family')}, "
-                f"{manifest.get('num_layers')} layers, fingerprint {str(manifest.get('model_fingerprint'))[:12]}) "
-                f"than this one ({self.model.family}, {len(self.model.layers)} layers, fingerprint "
-                f"{self.fingerprint[:12]}); refusing to load it")
+        foreign = self._foreign(manifest)
+        if foreign is not None:
+            raise AffixStoreError(f"{manifest_file} was {foreign}; refusing to load it")
         tensor_file = root / str(manifest.get("tensors", ""))
         if not isinstance(manifest.get("entries"), list) or tensor_file.parent != root or not tensor_file.is_file():
             raise AffixStoreError(f"{manifest_file}: names no readable tensor file ({tensor_file.name!r})")
@@ -304,15 +353,13 @@ class AffixDirectory:
                 raise AffixStoreError(f"{label}: tensor {tname} has dtype {t.dtype}, expected {dtype}")
             if not bool(torch.isfinite(t).all()):
                 raise AffixStoreError(f"{label}: tensor {tname} holds NaN or infinite values")
-        dev = self.model.device
-        entry = AffixEntry(key, ids, [mine[f"{key}.k.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
-                           [mine[f"{key}.v.{i}"].to(dev, dtype) for i in range(cfg.num_layers)],
-                           [mine[f"{key}.h.{i}"].to(dev, dtype) for i in range(cfg.num_layers + 1)] if has_hidden
-                           else None, name)
+        entry = AffixEntry(key, ids, [mine[f"{key}.k.{i}"] for i in range(cfg.num_layers)],
+                           [mine[f"{key}.v.{i}"] for i in range(cfg.num_layers)],
+                           [mine[f"{key}.h.{i}"] for i in range(cfg.num_layers + 1)] if has_hidden else None, name)
         k0, v0 = first_layer_kv(self.model, ids)
         tol = 1e-3 if dtype == torch.float32 else 5e-2
-        if not (torch.allclose(entry.keys[0].float(), k0.float(), atol=tol, rtol=tol)
-                and torch.allclose(entry.values[0].float(), v0.float(), atol=tol, rtol=tol)):
+        if not (torch.allclose(entry.keys[0].float(), k0.float().cpu(), atol=tol, rtol=tol)
+                and torch.allclose(entry.values[0].float(), v0.float().cpu(), atol=tol, rtol=tol)):
             raise AffixStoreError(f"{label}: its K/V were not computed from its tokens by this model")
         return entry
 
@@ -380,6 +427,12 @@ def _salvage(file: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _to_device(entry: AffixEntry, device: torch.device, dtype: torch.dtype) -> AffixEntry:
+    move = [t.to(device, dtype) for t in entry.keys], [t.to(device, dtype) for t in entry.values]
+    hidden = [t.to(device, dtype) for t in entry.hidden] if entry.hidden is not None else None
+    return AffixEntry(entry.key, entry.token_ids, *move, hidden, entry.name)
+
+
 def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, AffixStoreError) else f"unreadable ({type(exc).__name__}: {exc})"
 
@@ -427,3 +480,19 @@ def store_lock(root: Path, exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@contextmanager
+def writing_if_allowed(root: Path) -> Iterator[bool]:
+    """Holds the directory's lock to write it where this process may (yields True), else to read it (False):
+    a directory it cannot write, or whose lock file it cannot open (a directory there, another user's file),
+    is read without changing anything, with a warning for the lock file."""
+    writable = os.access(root, os.W_OK)
+    with ExitStack() as held:
+        try:
+            held.enter_context(store_lock(root, exclusive=writable))
+        except AffixStoreError as exc:
+            log.warning("%s; reading it without changing anything", exc)
+            writable = False
+            held.enter_context(store_lock(root, exclusive=False))
+        yield writable

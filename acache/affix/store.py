@@ -37,6 +37,10 @@ class DenseStorage:
     def has_room(self, cost: int) -> bool:
         return self.max_bytes is None or self.used + cost <= self.max_bytes
 
+    @property
+    def capacity(self) -> int | None:
+        return self.max_bytes
+
     def put(self, entry: AffixEntry) -> AffixEntry:
         self.stored[entry.key] = entry
         return entry

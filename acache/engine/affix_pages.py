@@ -48,6 +48,10 @@ class PagedStorage:
         capped = self.max_pages is not None and self.used + cost > self.max_pages
         return not capped and self.pool.num_free >= cost
 
+    @property
+    def capacity(self) -> int:
+        return self.pool.num_pages if self.max_pages is None else min(self.max_pages, self.pool.num_pages)
+
     def put(self, entry: AffixEntry) -> SharedAffix:
         pages = self.pool.allocate(self.pool.pages_for(entry.length))
         if pages is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from acache.affix.chat import chat_segments
-from acache.affix.persistence import Quarantined, quarantine, store_lock, write_atomic
+from acache.affix.persistence import Quarantined, quarantine, store_lock, write_atomic, writing_if_allowed
 from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, affix_key, resolve_segments
 from acache.inputs import InputProcessor
 
@@ -108,6 +107,11 @@ class AffixRegistry:
                     if size <= room:
                         theirs.append(item)
                         room -= size
+            except ForeignRegistry as exc:  # another model's: kept aside, never overwritten
+                moved = quarantine(root, "registry", f"{root / REGISTRY}: {exc}; set aside by a save of this model",
+                                   [root / REGISTRY])
+                log.warning("affix registry %s: %s; moved to %s before saving this model's", root, exc, moved)
+                theirs = []
             except Exception:  # nothing sound there to keep: it is replaced
                 theirs = []
             items = theirs[::-1] + mine
@@ -123,9 +127,8 @@ class AffixRegistry:
         root = Path(root)
         if not (root / REGISTRY).is_file():
             return []
-        writable = os.access(root, os.W_OK)
         aside: list[Quarantined] = []
-        with store_lock(root, exclusive=writable):
+        with writing_if_allowed(root) as writable:
             def set_aside(what: str, label: str, reason: str, files: list[Path], written: dict | None) -> None:
                 moved = None
                 if writable:
@@ -185,9 +188,13 @@ def _read_registry(root: Path, fingerprint: str) -> list:
         found = body.get("format") if isinstance(body, dict) else None
         raise ValueError(f"not a registry of format {REGISTRY_FORMAT} (format {found!r})")
     if body.get("model_fingerprint") != fingerprint:
-        raise ValueError(f"made with another model (fingerprint {str(body.get('model_fingerprint'))[:12]}, this "
+        raise ForeignRegistry(f"made with another model (fingerprint {str(body.get('model_fingerprint'))[:12]}, this "
                          f"one {fingerprint[:12]})")
     return body["affixes"]
+
+
+class ForeignRegistry(ValueError):
+    """A sound registry of another model."""
 
 
 def _fault(item: object, vocab_size: int | None) -> str | None:

@@ -91,7 +91,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         ctx.score_pool.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
         if affix_cache_dir is not None:
-            log.warning("saved %d shared affixes to %s", affixes.save(), affix_cache_dir)
+            try:
+                log.warning("saved %d shared affixes to %s", affixes.save(), affix_cache_dir)
+            except Exception as exc:  # a full disk, a directory made unwritable: said, and the shutdown goes on
+                log.error("could not save the shared affixes to %s: %s", affix_cache_dir, exc)
         if engine.stopped:
             llm.close()  # the tensor-parallel ranks, if any; never while the engine thread may step
 

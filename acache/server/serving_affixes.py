@@ -27,9 +27,9 @@ class OpenAIServingAffixes(OpenAIServing):
 
     def save(self) -> int:
         """Writes the engine's shared affixes and the registry; returns how many affixes were saved."""
-        with self.ctx.engine.lock:  # the engine thread is not stepping while its pages are read
-            self.llm.save_affix_cache(self.cache_dir)
-            saved = len(self.llm.engine.affixes)
+        saved = len(self.llm.engine.affixes)
+        # the engine thread is not stepping while its pages are copied off; the disk work runs beside it
+        self.llm.save_affix_cache(self.cache_dir, lock=self.ctx.engine.lock)
         self.ctx.registry.save(self.cache_dir, self.fingerprint)
         return saved
 

@@ -7,9 +7,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from acache import GEN, LLM, Affix, SamplingParams
-from acache.affix.persistence import AffixStoreError, _checksum
+from acache.affix.persistence import AffixDirectory, AffixStoreError, LoadReport, _checksum
 from acache.affix.store import AffixStore
 from tests.conftest import tiny_checkpoint
 
@@ -434,3 +435,155 @@ def test_a_fault_that_cannot_be_moved_aside_is_skipped_and_the_rest_loads(model,
     report = store.recover(tmp_path)
     assert report.loaded == 1 and tuple(B) in store and [q.moved_to for q in report.quarantined] == [None]
     assert "No space left on device" in report.quarantined[0].reason and "could not rewrite" in caplog.text
+
+
+# -- what a store keeps across saves and restarts ------------------------------------------------------
+
+
+C, D = [13, 14, 15, 16, 17, 18], [19, 20, 21, 22, 23, 24]
+
+
+def room_for(model, affixes):
+    """A dense store with room for exactly ``affixes`` affixes of six tokens."""
+    return AffixStore(model, max_bytes=AffixStore(model).storage.cost(6) * affixes)
+
+
+def saved_keys(root):
+    return [e["key"] for e in json.loads((root / "manifest.json").read_text())["entries"]]
+
+
+def test_the_store_on_disk_never_outgrows_the_cache(model, tmp_path):
+    for run in ([A, B], [C, D], [A, C]):
+        store = room_for(model, 2)
+        for ids in run:
+            store.acquire(ids)
+        store.save(tmp_path)
+        assert saved_keys(tmp_path) == [key_of(ids) for ids in run]  # what it held, nothing older beside it
+    assert len(list(tmp_path.glob("affixes-*.safetensors"))) == 1
+
+
+def test_a_restart_with_less_room_keeps_the_most_recently_saved(model, tmp_path):
+    first = room_for(model, 3)
+    for ids in (A, B):
+        first.acquire(ids)
+    first.save(tmp_path)
+    second = room_for(model, 3)  # another process of the model, which saw C alone
+    second.acquire(C)
+    second.save(tmp_path)
+    assert saved_keys(tmp_path) == [key_of(A), key_of(B), key_of(C)]  # theirs kept, older first, its own last
+    for load in ("load", "recover"):
+        restarted = room_for(model, 2)
+        assert getattr(restarted, load)(tmp_path) in (2, LoadReport(2))
+        assert list(restarted.entries) == [key_of(B), key_of(C)]  # C the most recent, as when it was saved
+    third = room_for(model, 2)
+    third.acquire(D)
+    third.save(tmp_path)
+    assert saved_keys(tmp_path) == [key_of(C), key_of(D)]
+
+
+def test_an_affix_already_held_is_neither_checked_nor_loaded_again(model, tmp_path, monkeypatch):
+    saved_store(model, tmp_path, A, B)
+    store = AffixStore(model)
+    store.acquire(A)
+    checked = []
+    original = AffixDirectory._checked_entry
+
+    def counting(self, item, tensors, file):
+        checked.append(item["key"])
+        return original(self, item, tensors, file)
+
+    monkeypatch.setattr(AffixDirectory, "_checked_entry", counting)
+    assert store.load(tmp_path) == 1 and list(store.entries) == [key_of(A), key_of(B)]
+    assert checked == [key_of(A), key_of(B)]  # strict: every entry checked, the held one not placed
+
+
+def test_running_out_of_memory_while_placing_loads_what_fits_and_leaves_the_store(model, tmp_path, monkeypatch,
+                                                                                  caplog):
+    saved_store(model, tmp_path, A, B)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    placed = []
+
+    def one_then_full(entry, device, dtype):
+        if placed:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        placed.append(entry.key)
+        return entry
+
+    monkeypatch.setattr("acache.affix.persistence._to_device", one_then_full)
+    store = AffixStore(model)
+    report = store.recover(tmp_path)
+    assert report.loaded == 1 and report.quarantined == [] and list(store.entries) == [key_of(B)]
+    assert "out of memory placing affix" in caplog.text
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "quarantine").exists()
+
+
+def test_a_lock_file_that_cannot_be_opened_is_read_without_changing_anything(model, tmp_path, caplog):
+    manifest = saved_store(model, tmp_path, A, B)
+    flip_byte(tmp_path, manifest, key_of(A))
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").mkdir()  # an earlier run's debris where the lock file goes
+    store = AffixStore(model)
+    report = store.recover(tmp_path)
+    assert report.loaded == 1 and tuple(B) in store and [q.moved_to for q in report.quarantined] == [None]
+    assert "reading it without changing anything" in caplog.text and not (tmp_path / "quarantine").exists()
+
+
+def test_tensor_files_a_sound_manifest_does_not_name_are_removed(model, tmp_path):
+    manifest = saved_store(model, tmp_path, A)
+    (tmp_path / "affixes-0000000000000000.safetensors").write_bytes(b"a save that died before its manifest")
+    store = AffixStore(model)
+    report = store.recover(tmp_path)
+    assert report.loaded == 1 and report.quarantined == []
+    assert [p.name for p in tmp_path.glob("affixes-*.safetensors")] == [manifest["tensors"]]
+
+
+def test_one_checkpoint_in_two_precisions_has_one_fingerprint_and_two_stores(tmp_path, llada_dir, caplog):
+    from acache.models.loader import load_model
+
+    full, half = load_model(llada_dir), load_model(llada_dir, dtype=torch.bfloat16)
+    assert AffixStore(full).fingerprint == AffixStore(half).fingerprint
+    saved_store(half, tmp_path, A)
+    with pytest.raises(AffixStoreError, match="was computed in bfloat16, while this model runs in float32"):
+        AffixStore(full).load(tmp_path)
+    report = AffixStore(full).recover(tmp_path)
+    assert report.loaded == 0 and "computed in bfloat16" in report.quarantined[0].reason
+    [folder] = (tmp_path / "quarantine").iterdir()
+    assert AffixStore(half).load(folder) == 1  # set aside whole: the bfloat16 server can still load it
+
+
+def test_a_save_sets_another_models_store_aside_rather_than_overwrite_it(model, tmp_path, caplog):
+    from acache.models.loader import load_model
+
+    other = load_model(tiny_checkpoint(tmp_path / "other", "llada", seed=2))
+    root = tmp_path / "cache"
+    saved_store(other, root, A, B)
+    saved_store(model, root, C)
+    assert saved_keys(root) == [key_of(C)] and "made with another model" in caplog.text
+    [folder] = (root / "quarantine").iterdir()
+    assert AffixStore(other).load(folder) == 2
+
+
+def test_a_server_save_copies_the_affixes_under_the_lock_and_writes_them_outside_it(tmp_path, llada_dir,
+                                                                                    monkeypatch):
+    import threading
+
+    llm = LLM(llada_dir)
+    llm.generate([[Affix("Mary moved to the kitchen. John went to the garden. "), "Where is Mary?", GEN]],
+                 SamplingParams(gen_length=8, block_length=8, selector="attention"), use_tqdm=False)
+    lock = threading.Lock()
+    seen = {}
+    snapshot, save = type(llm.engine.affixes).snapshot, AffixDirectory.save
+
+    def watched_snapshot(self):
+        seen["snapshot"] = lock.locked()
+        return snapshot(self)
+
+    def watched_save(self, saved, claim):
+        seen["save"] = lock.locked()
+        return save(self, saved, claim)
+
+    monkeypatch.setattr(type(llm.engine.affixes), "snapshot", watched_snapshot)
+    monkeypatch.setattr(AffixDirectory, "save", watched_save)
+    llm.save_affix_cache(tmp_path, lock=lock)
+    assert seen == {"snapshot": True, "save": False} and len(saved_keys(tmp_path)) == 1

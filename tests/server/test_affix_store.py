@@ -235,3 +235,29 @@ def test_a_save_drops_a_bad_registration_it_finds_and_keeps_the_sound_ones(tmp_p
     b = two.register([4], None, None)
     assert two.save(tmp_path, "fp") == 2
     assert [r["id"] for r in json.loads((tmp_path / "registry.json").read_text())["affixes"]] == [a, b]
+
+
+def test_a_save_sets_another_models_registry_aside_rather_than_overwrite_it(tmp_path, caplog):
+    from acache.server.affix_reuse import AffixRegistry
+
+    theirs, mine = AffixRegistry(), AffixRegistry()
+    a = theirs.register([1, 2, 3], None, "a")
+    theirs.save(tmp_path, "their-model")
+    mine.register([4, 5], None, None)
+    with caplog.at_level(logging.WARNING, logger="acache.server"):
+        assert mine.save(tmp_path, "my-model") == 1
+    assert "made with another model" in caplog.text
+    [folder] = (tmp_path / "quarantine").iterdir()
+    back = AffixRegistry()
+    assert back.load(folder, "their-model", 100) == [] and back.get(a) == ((1, 2, 3), None, "a")
+
+
+def test_a_registry_whose_lock_file_cannot_be_opened_loads_and_the_server_starts(llada_dir, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    (text_id, chat_id), _ = saved_registry(llada_dir, cache)
+    (cache / ".lock").unlink()
+    (cache / ".lock").mkdir()
+    with caplog.at_level(logging.WARNING), server(llada_dir, cache) as second:
+        assert not unknown(second, text_id) and not unknown(second, chat_id)
+    assert "reading it without changing anything" in caplog.text
+    assert "could not save the shared affixes" in caplog.text  # the shutdown's save failed, said, not raised
