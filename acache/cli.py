@@ -111,6 +111,7 @@ def _checked(cast: type, ok, what: str):
 
 _positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda v: v >= 0, "a non-negative integer")
+_port = _checked(int, lambda v: 1 <= v <= 65535, "a port number (1-65535)")
 _non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a non-negative number of seconds")
 
 
@@ -180,7 +181,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         affix = s.affix
         if args.json:
             record = {"prompt": question, "text": out.text, "token_ids": out.token_ids,
-                      "finish_reason": out.finish_reason, "nfe": s.nfe,
+                      "finish_reason": out.finish_reason, "error": out.error, "nfe": s.nfe,
                       "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
             if affix is not None:
                 record["affix"] = {"selector": affix.selector, "anchor_ratio": affix.anchor_ratio,
@@ -192,7 +193,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(record))
             continue
         print(f"> {question}")
-        print(out.text if out.text or out.error else _why_empty(out, llm.tokenizer))
+        if out.error is not None:
+            print(f"error: {out.error}\n")
+            continue
+        print(out.text or _why_empty(out, llm.tokenizer))
         tokens = f"{s.num_generated_tokens} token{'s' if s.num_generated_tokens != 1 else ''}"
         line = (f"[{tokens}, NFE {s.nfe} ({s.refreshes} refreshes), "
                 f"forward {s.forward_time_s:.2f}s, wall {s.wall_time_s:.2f}s, cache {params.cache}")
@@ -201,7 +205,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                      f"{len(affix.anchors)}/{affix.affix_tokens} anchors, "
                      f"{affix.recomputed_per_refresh} tokens a refresh")
         print(line + "]\n")
-    return 0
+    failed = sum(out.error is not None for out in outputs)
+    if failed:
+        print(f"acache generate: error: {failed} of {len(outputs)} prompts failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _why_empty(out, tokenizer) -> str:
@@ -412,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory, as in 'vllm serve MODEL'; without it, the shipped model")
     p.add_argument("--model", default=None, help="the same, as an option")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer endpoints (or set "
                         "ACACHE_API_KEY, which keeps the key out of the process list)")
@@ -426,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "shutdown and on POST /v1/affixes/save, so a restart serves warm; what fails a check is "
                         "moved into DIR/quarantine and the rest loads")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded at once")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests decoded at once")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV pool size, bytes or with a unit (2GiB); default 1GiB on CPU, on CUDA the "
                         "--gpu-memory-utilization share of free memory")

@@ -64,8 +64,10 @@ class LLM:
         engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                      gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,
                                      max_model_len=max_model_len, max_affix_tokens=max_affix_tokens, compile=compile)
-        family = read_config(model)[0]
-        engine_config.check_family(family)  # before the weights load
+        family, model_config = read_config(model)
+        engine_config.check_family(family)  # before the weights load, as the tokenizer and the context length
+        self.tokenizer = Tokenizer.from_dir(model)
+        self.max_model_len = engine_config.model_len(model_config.max_position_embeddings)
         state_cache = getattr(family, "state_cache", False)  # a cache of the family's own, no affix K/V
         if state_cache:
             for name, value in (("tensor_parallel_size", tensor_parallel_size != 1),
@@ -79,7 +81,7 @@ class LLM:
         self._closed = False
         tp = None
         if tensor_parallel_size != 1 or tensor_parallel_rank is not None:
-            check_divisible(read_config(model)[1], tensor_parallel_size)
+            check_divisible(model_config, tensor_parallel_size)
             if affix_cache_dir is not None:
                 raise ValueError("affix_cache_dir is not supported with tensor parallelism (each rank holds a "
                                  "slice of every affix)")
@@ -100,9 +102,7 @@ class LLM:
             self._stop_workers()  # a rank-0 failure at start leaves no worker and no group behind
             raise
         self.dtype = self.model.dtype
-        self.tokenizer = Tokenizer.from_dir(model)
         self.config = self.model.config
-        self.max_model_len = engine_config.model_len(self.config.max_position_embeddings)
         self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len)
         self.max_batch_size = max_batch_size
         self.affix_store = None if state_cache else AffixStore(

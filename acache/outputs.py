@@ -46,5 +46,8 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str:
-        """``stop`` when a stop token ended the text, ``length`` when the generation region did (vLLM's words)."""
+        """``stop`` when a stop token ended the text, ``length`` when the generation region did (vLLM's words),
+        ``error`` when the request failed."""
+        if self.error is not None:
+            return "error"
         return "stop" if self.stop_token_id is not None else "length"

@@ -362,3 +362,45 @@ def test_outputs_say_why_they_ended():
                            "and mary have ? answer :"], SamplingParams(gen_length=2, block_length=2),
                           use_tqdm=False)[0]
     assert len(filled.token_ids) == 2 and filled.finish_reason == "length"
+
+
+def test_generate_says_which_prompt_failed_and_exits_non_zero(capsys, llada_dir, monkeypatch):
+    from dataclasses import replace
+
+    from acache import LLM
+
+    generate = LLM.generate
+
+    def second_fails(self, prompts, params, **kwargs):
+        outs = generate(self, prompts, params, **kwargs)
+        return [outs[0], replace(outs[1], text="", token_ids=[], error="the runner failed: boom")]
+
+    monkeypatch.setattr(LLM, "generate", second_fails)
+    argv = ["generate", "--model", str(llada_dir), "--prompt", "hello", "--prompt", "bye", "--gen-length", "8",
+            "--block-length", "8"]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "> bye\nerror: the runner failed: boom" in out and "1 of 2 prompts failed" in err
+    assert main([*argv, "--json"]) == 1
+    records = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["finish_reason"], r["error"]) for r in records] == [("length", None),
+                                                                   ("error", "the runner failed: boom")]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--port", "99999", "not a port number (1-65535): '99999'"),
+    ("--page-size", "0", "not a positive integer: '0'"),
+    ("--max-num-seqs", "0", "not a positive integer: '0'"),
+])
+def test_serve_refuses_a_bad_flag_by_name(capsys, llada_dir, flag, value, message):
+    with pytest.raises(SystemExit):
+        main(["serve", str(llada_dir), flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_page_size_that_is_not_positive_is_refused_at_construction(llada_dir):
+    from acache import LLM
+
+    for size in (0, -3):
+        with pytest.raises(ValueError, match=f"page_size must be a positive integer, got {size}"):
+            LLM(llada_dir, page_size=size)

@@ -59,10 +59,12 @@ class EngineConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "max_model_len"):
+        for name in ("kv_cache_memory", "max_model_len", "page_size"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if (value is not None or name == "page_size") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer{'' if name == 'page_size' else ' or None'}, "
+                                 f"got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -6,6 +6,7 @@ Each family (LLaDA, Dream) knows its own upstream field names and turns them int
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,13 @@ class ModelConfig:
             raise ConfigError(
                 f"{self.family} config: {self.num_heads} query heads are not a multiple of "
                 f"{self.num_kv_heads} key/value heads")
+        if self.head_dim % 2:
+            raise ConfigError(f"{self.family} config: the head dimension {self.head_dim} is odd; rotary position "
+                              "embeddings rotate pairs of dimensions")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{self.family} config: {name} must be a positive number, got {value}")
         for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
@@ -77,6 +85,37 @@ def require(raw: dict[str, Any], key: str, family: str) -> Any:
     if key not in raw or raw[key] is None:
         raise ConfigError(f"{family} config.json is missing the field '{key}'")
     return raw[key]
+
+
+_REQUIRED = object()
+
+
+def integer(raw: dict[str, Any], key: str, family: str, default: Any = _REQUIRED) -> int | None:
+    """An integer field (mandatory without ``default``; null reads as absent, and a ``default`` of None gives
+    None), naming the field when its value is not a whole number: ``"abc"`` or ``1.7`` layers are refused, never
+    truncated."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{family} config.json is missing the field '{key}'")
+        if default is None:
+            return None
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{family} config.json: '{key}' must be a whole number, got {value!r}")
+    return value
+
+
+def number(raw: dict[str, Any], key: str, family: str, default: float) -> float:
+    """A real-valued field with a default (null reads as absent), naming the field when its value is not a number."""
+    value = raw.get(key)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{family} config.json: '{key}' must be a number, got {value!r}")
+    return float(value)
 
 
 def affix_training(config: object) -> dict | None:

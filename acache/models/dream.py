@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from acache.models.base import DiffusionLM
-from acache.models.config import ConfigError, ModelConfig, require
+from acache.models.config import ConfigError, ModelConfig, integer, number
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -42,22 +42,22 @@ class DreamModel(DiffusionLM):
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{cls.label} config: hidden_act={raw['hidden_act']!r} is not supported "
                               "(expected 'silu')")
-        n_heads = int(require(raw, "num_attention_heads", cls.label))
-        eos = int(require(raw, "eos_token_id", cls.label))
+        n_heads = integer(raw, "num_attention_heads", cls.label)
+        eos = integer(raw, "eos_token_id", cls.label)
         return ModelConfig(
             family=cls.family,
-            vocab_size=int(require(raw, "vocab_size", cls.label)),
-            hidden_size=int(require(raw, "hidden_size", cls.label)),
-            num_layers=int(require(raw, "num_hidden_layers", cls.label)),
+            vocab_size=integer(raw, "vocab_size", cls.label),
+            hidden_size=integer(raw, "hidden_size", cls.label),
+            num_layers=integer(raw, "num_hidden_layers", cls.label),
             num_heads=n_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-            intermediate_size=int(require(raw, "intermediate_size", cls.label)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(require(raw, "max_position_embeddings", cls.label)),
-            mask_token_id=int(require(raw, "mask_token_id", cls.label)),
+            num_kv_heads=integer(raw, "num_key_value_heads", cls.label, n_heads),
+            intermediate_size=integer(raw, "intermediate_size", cls.label),
+            rope_theta=number(raw, "rope_theta", cls.label, 10000.0),
+            rms_norm_eps=number(raw, "rms_norm_eps", cls.label, 1e-6),
+            max_position_embeddings=integer(raw, "max_position_embeddings", cls.label),
+            mask_token_id=integer(raw, "mask_token_id", cls.label),
             eos_token_id=eos,
-            pad_token_id=int(raw.get("pad_token_id", eos)),
+            pad_token_id=integer(raw, "pad_token_id", cls.label, eos),
             qkv_bias=True,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             raw=dict(raw),

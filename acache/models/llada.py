@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from acache.models.base import DiffusionLM
-from acache.models.config import ConfigError, ModelConfig, require
+from acache.models.config import ConfigError, ModelConfig, integer, number
 
 _FAMILY = "LLaDA"
 
@@ -39,25 +39,25 @@ class LLaDAModel(DiffusionLM):
         for key, expected in (("block_type", "llama"), ("activation_type", "silu"), ("layer_norm_type", "rms")):
             if key in raw and raw[key] != expected:
                 raise ConfigError(f"LLaDA config: {key}={raw[key]!r} is not supported (expected {expected!r})")
-        d_model = int(require(raw, "d_model", _FAMILY))
-        n_heads = int(require(raw, "n_heads", _FAMILY))
-        mlp = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model
-        vocab = int(raw.get("embedding_size") or require(raw, "vocab_size", _FAMILY))
-        eos = int(require(raw, "eos_token_id", _FAMILY))
+        d_model = integer(raw, "d_model", _FAMILY)
+        n_heads = integer(raw, "n_heads", _FAMILY)
+        mlp = integer(raw, "mlp_hidden_size", _FAMILY, None) or integer(raw, "mlp_ratio", _FAMILY, 4) * d_model
+        vocab = integer(raw, "embedding_size", _FAMILY, None) or integer(raw, "vocab_size", _FAMILY)
+        eos = integer(raw, "eos_token_id", _FAMILY)
         return ModelConfig(
             family=cls.family,
             vocab_size=vocab,
             hidden_size=d_model,
-            num_layers=int(require(raw, "n_layers", _FAMILY)),
+            num_layers=integer(raw, "n_layers", _FAMILY),
             num_heads=n_heads,
-            num_kv_heads=int(raw.get("n_kv_heads") or n_heads),
-            intermediate_size=int(mlp),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(require(raw, "max_sequence_length", _FAMILY)),
-            mask_token_id=int(require(raw, "mask_token_id", _FAMILY)),
+            num_kv_heads=integer(raw, "n_kv_heads", _FAMILY, n_heads),
+            intermediate_size=mlp,
+            rope_theta=number(raw, "rope_theta", _FAMILY, 10000.0),
+            rms_norm_eps=number(raw, "rms_norm_eps", _FAMILY, 1e-5),
+            max_position_embeddings=integer(raw, "max_sequence_length", _FAMILY),
+            mask_token_id=integer(raw, "mask_token_id", _FAMILY),
             eos_token_id=eos,
-            pad_token_id=int(raw.get("pad_token_id", eos)),
+            pad_token_id=integer(raw, "pad_token_id", _FAMILY, eos),
             qkv_bias=bool(raw.get("include_qkv_bias", False)),
             tie_word_embeddings=bool(raw.get("weight_tying", False)),
             raw=dict(raw),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from acache.models.base import DiffusionLM
 from acache.models.config import ConfigError
@@ -36,7 +38,11 @@ def parse_dtype(dtype: str | torch.dtype, checkpoint: str | None = None) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype.lower() == "auto":
-        return DTYPES.get(str(checkpoint or "float32").lower(), torch.float32)
+        named = str(checkpoint or "float32").lower()
+        if named not in DTYPES:
+            raise ValueError(f"the checkpoint's torch_dtype {checkpoint!r} is not one this engine runs; pass a dtype: "
+                             f"one of {', '.join(sorted(DTYPES))}")
+        return DTYPES[named]
     try:
         return DTYPES[dtype.lower()]
     except (KeyError, AttributeError):
@@ -51,8 +57,12 @@ def parse_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: this engine runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return dev
 
 
@@ -72,8 +82,10 @@ def read_config(path: str | Path) -> tuple[type[DiffusionLM], object]:
         raise FileNotFoundError(f"missing {CONFIG_FILE} in model directory {config_path.parent}")
     try:
         raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path} holds a {type(raw).__name__}, not an object of fields")
     cls = resolve_model_class(raw, str(config_path))
     try:
         return cls, cls.config_from_hf(raw)
@@ -87,17 +99,36 @@ def tensor_files(root: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc!r}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(f"{index} is not a valid safetensors index: its weight_map is not an object of "
+                                  "tensor names to file names")
         files = {name: root / shard for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
             if not shard.is_file():
                 raise FileNotFoundError(f"weight shard {shard.name} listed in {INDEX_FILE} is missing from {root}")
         return files
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return dict.fromkeys(f.keys(), single)  # noqa: SIM118 (safe_open is not iterable)
     raise FileNotFoundError(f"no weights in {root}: expected {WEIGHTS_FILE} or {INDEX_FILE}")
+
+
+@contextmanager
+def _opened(file: Path) -> Iterator:
+    """A safetensors file opened for reading, or a :class:`CheckpointError` naming it where it cannot be (cut
+    short, not safetensors at all)."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file} is damaged: {exc}") from None
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
@@ -106,6 +137,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     root = checkpoint_dir(path)
     cls, config = read_config(root)
     dtype, device = parse_dtype(dtype, config.raw.get("torch_dtype")), parse_device(device)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{device} does not run bfloat16; pass --dtype float16 or float32")
     with torch.device("meta"):
         model = cls(config).to(dtype)
     model.to_empty(device=device)
@@ -125,7 +158,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
         by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with _opened(file) as f:
                 stored = set(f.keys())
                 for name in file_names:
                     if name not in stored:

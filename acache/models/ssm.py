@@ -128,7 +128,7 @@ class OwnLayout:
             raise ConfigError(f"{cls.family} config.json is missing the field '{missing[0]}'")
         try:
             return cls.config_class(**{f.name: raw[f.name] for f in fields if f.name in raw}, raw=dict(raw))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from None
 
     @classmethod

@@ -50,7 +50,12 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise ValueError(f"{file} could not be read as a tokenizer: {exc}") from None
         config_file = root / TOKENIZER_CONFIG_FILE
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file} holds a {type(config).__name__}, not an object of settings")
         return cls(tok, config)
 
     @property

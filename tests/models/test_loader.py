@@ -159,3 +159,89 @@ def test_tokenizer_and_chat_template(llada_dir, dream_dir):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="'role' and 'content'"):
         tok.apply_chat_template([{"content": "no role"}])
+
+
+def _with_config(tmp_path, src, **change):
+    root = shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((root / "config.json").read_text())
+    raw.update(change)
+    (root / "config.json").write_text(json.dumps(raw))
+    return root
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llada", {"d_model": "abc"}, "'d_model' must be a whole number, got 'abc'"),
+    ("llada", {"n_layers": 1.7}, "'n_layers' must be a whole number, got 1.7"),
+    ("dream", {"eos_token_id": [1, 2]}, "'eos_token_id' must be a whole number, got \\[1, 2\\]"),
+    ("dream", {"rope_theta": "big"}, "'rope_theta' must be a number"),
+    ("llada", {"rope_theta": 0}, "rope_theta must be a positive number, got 0.0"),
+    ("dream", {"rms_norm_eps": -1}, "rms_norm_eps must be a positive number, got -1.0"),
+    ("llada", {"d_model": 30, "n_heads": 2, "n_kv_heads": 2}, "the head dimension 15 is odd"),
+], ids=["text-int", "fractional-int", "list-int", "text-float", "zero-theta", "negative-eps", "odd-head-dim"])
+def test_a_config_field_of_the_wrong_kind_is_named(tmp_path, llada_dir, dream_dir, family, change, message):
+    root = _with_config(tmp_path, llada_dir if family == "llada" else dream_dir, **change)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_model(root)
+    assert "config" in str(err.value)
+
+
+def test_a_null_optional_field_takes_its_default(tmp_path, dream_dir):
+    from acache.models.loader import read_config
+
+    root = _with_config(tmp_path, dream_dir, pad_token_id=None, num_key_value_heads=None)
+    config = read_config(root)[1]
+    assert config.pad_token_id == config.eos_token_id and config.num_kv_heads == config.num_heads
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path, llada_dir):
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    (root / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json holds a list, not an object of fields"):
+        load_model(root)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:len(data) // 2], "is not a readable safetensors file"),
+    (lambda data: b"not safetensors at all", "is not a readable safetensors file"),
+], ids=["cut", "garbage"])
+def test_a_damaged_weights_file_is_named(tmp_path, llada_dir, damage, message):
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    weights = root / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(CheckpointError, match=message) as err:
+        load_model(root)
+    assert str(weights) in str(err.value)
+
+
+@pytest.mark.parametrize("index, message", [
+    ({"weight_map": ["model.safetensors"]}, "its weight_map is not an object"),
+    (["weight_map"], "is not a valid safetensors index"),
+    ({"weight_map": {"a": 3}}, "its weight_map is not an object"),
+], ids=["map-a-list", "index-a-list", "shard-a-number"])
+def test_a_malformed_index_is_named(tmp_path, llada_dir, index, message):
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(root)
+
+
+def test_devices_and_dtypes_the_engine_cannot_run_are_refused(tmp_path, llada_dir):
+    for device in ("meta", "mps"):
+        with pytest.raises(ValueError, match=f"device '{device}': this engine runs on cpu or cuda"):
+            load_model(llada_dir, device=device)
+    root = _with_config(tmp_path, llada_dir, torch_dtype="float64")
+    with pytest.raises(ValueError, match="torch_dtype 'float64' is not one this engine runs; pass a dtype"):
+        load_model(root, dtype="auto")
+    assert load_model(root, dtype="float32").dtype == torch.float32
+
+
+def test_a_bad_tokenizer_config_is_named_before_the_weights_load(tmp_path, llada_dir, monkeypatch):
+    from acache import LLM
+
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    (root / "tokenizer_config.json").write_text("{'eos_token': 1}")
+    monkeypatch.setattr("acache.llm.load_model", lambda *a, **k: pytest.fail("the weights loaded first"))
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
+        LLM(root)
+    with pytest.raises(ValueError, match="max_model_len must be an integer in 1..512"):
+        LLM(llada_dir, max_model_len=10_000)
