@@ -86,10 +86,10 @@ class AffixPageTable(AffixCache[SharedAffix]):
         self.pool = pool
 
     def evict_until(self, cost: int, keep: set[str] = frozenset()) -> bool:
-        """As the base rule, but evicts nothing when the affixes requests hold (and ``keep``) leave no room
-        under the cap for ``cost`` pages whatever is evicted."""
+        """As the base rule, but evicts nothing when evicting every affix no request holds (nor ``keep``) would
+        still leave no room for ``cost`` pages, under the cap or in the pool: an affix is never evicted in vain."""
         pinned = sum(len(e.pages) for k, e in self.entries.items() if e.refcount > 0 or k in keep)
-        if not self.fits_pages(pinned + cost):
+        if not self.fits_pages(pinned + cost) or self.pool.num_free + self.reclaimable_pages(keep) < cost:
             return False
         return super().evict_until(cost, keep)
 
@@ -106,5 +106,6 @@ class AffixPageTable(AffixCache[SharedAffix]):
     def pages_in_use(self) -> int:
         return sum(len(e.pages) for e in self.entries.values())
 
-    def reclaimable_pages(self) -> int:
-        return sum(len(e.pages) for e in self.entries.values() if e.refcount == 0)
+    def reclaimable_pages(self, keep: set[str] = frozenset()) -> int:
+        """Pages that evicting every affix no request holds, ``keep`` aside, would give back."""
+        return sum(len(e.pages) for k, e in self.entries.items() if e.refcount == 0 and k not in keep)

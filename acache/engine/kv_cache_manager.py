@@ -29,22 +29,35 @@ class KVCacheManager:
 
     def shareable(self, req: Request) -> list[int]:
         """The request's affixes that take shared pages, in order while their pages together fit the affix cap
-        (the others are computed with it: a request must never wait for room only it holds)."""
-        chosen, pages = [], 0
+        (the others are computed with it: a request must never wait for room only it holds); an affix that
+        appears twice takes its pages once. None where sharing would need more pages than the whole pool (each
+        part is rounded up to whole pages, and anchors take private pages beside the shared copy) while
+        computing the affixes with the request would not."""
+        chosen, pages, seen = [], 0, set()
         for i, span in enumerate(req.prompt.affixes):
+            ids = req.prompt.affix_ids(span)
+            if ids in seen:
+                chosen.append(i)
+                continue
             need = self.pool.pages_for(span.length)
             if self.affixes.fits_pages(pages + need):
                 chosen.append(i)
                 pages += need
+                seen.add(ids)
+        if chosen and pages + self.pool.pages_for(req.private_tokens(chosen)) > self.pool.num_pages:
+            return []
         return chosen
+
+    def _shared_pages(self, req: Request, indices: list[int]) -> int:
+        spans = {req.prompt.affix_ids(req.prompt.affixes[i]) for i in indices}
+        return sum(self.pool.pages_for(len(ids)) for ids in spans)
 
     def pages_needed_alone(self, req: Request) -> int:
         """Pages the request needs in an empty pool: its private pages plus its shared affixes' pages."""
         if req.bicache or not req.reuse:
             return self.pool.pages_for(req.length)
         indices = self.shareable(req)
-        shared = sum(self.pool.pages_for(req.prompt.affixes[i].length) for i in indices)
-        return shared + self.pool.pages_for(req.private_tokens(indices))
+        return self._shared_pages(req, indices) + self.pool.pages_for(req.private_tokens(indices))
 
     def check(self, req: Request) -> None:
         """Raises a ValueError when the request needs more pages than the whole pool."""
@@ -74,6 +87,7 @@ class KVCacheManager:
         """Takes the request's shared affixes and private pages, all or nothing (also when computing an
         affix raises: what it took so far goes back through :meth:`free`); fills its slot map for every
         column but the shared ones (set once its anchors are known). False when they cannot be had now."""
+        hits = self.affixes.stats.hits
         try:
             if self._allocate(req):
                 return True
@@ -81,6 +95,7 @@ class KVCacheManager:
             self.free(req)
             raise
         self.free(req)
+        self.affixes.stats.hits = hits  # a try that admits nothing reused nothing (an affix it computed stays)
         return False
 
     def _allocate(self, req: Request) -> bool:
@@ -99,8 +114,9 @@ class KVCacheManager:
                 req.stats.affix_hits += got[1]
         need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
-        if pages is None and self.affixes.evict_while(lambda: self.pool.num_free < need,
-                                                       keep={a.key for _, a in req.shared}):
+        keep = {a.key for _, a in req.shared}
+        if pages is None and self.pool.num_free + self.affixes.reclaimable_pages(keep) >= need \
+                and self.affixes.evict_while(lambda: self.pool.num_free < need, keep=keep):
             pages = self.pool.allocate(need)
         if pages is None:
             return False

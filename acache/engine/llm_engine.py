@@ -121,7 +121,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, self.pool, reuse_step_keys=reuse)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv,
-                                   len(model.layers), self.metrics, bicache_profile)
+                                   len(model.layers), self.metrics, bicache_profile, self.runner.release)
         self.stop_token_ids = frozenset({model.config.eos_token_id, *stop_token_ids})
         self._ids = itertools.count()
         self.undelivered: list[EngineOutput] = []  # finished by a step that then failed (take_undelivered)

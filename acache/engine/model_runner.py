@@ -68,6 +68,11 @@ class ModelRunner:
         self.step_keys = StepKeyCache(pool, model.config.head_dim, model.config.rope_theta) if reuse_step_keys \
             else None
 
+    def release(self, request_id: str) -> None:
+        """What the runner keeps for a request that finished, failed or was aborted."""
+        if self.step_keys is not None:
+            self.step_keys.drop(request_id)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()

@@ -83,9 +83,11 @@ def split_ragged(batch: ForwardBatch, max_padding: float = MAX_PADDING) -> list[
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager | StateCacheManager, num_layers: int,
-                 metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None) -> None:
+                 metrics: EngineMetrics, bicache_profile: BiCacheProfile | None = None,
+                 release: Callable[[str], None] = lambda request_id: None) -> None:
         self.config = config
         self.kv = kv
+        self.release = release  # what the runner keeps for a request, dropped when it leaves
         self.num_layers = num_layers
         self.metrics = metrics
         self.bicache_profile = bicache_profile
@@ -124,6 +126,7 @@ class Scheduler:
     def finish(self, req: Request, status: Status = Status.FINISHED) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self.release(req.request_id)
         req.status = status
         req.stats.finished = time.perf_counter()
 

@@ -66,6 +66,9 @@ class StateRunner:
         self.caches = caches
         self.device = model.device
 
+    def release(self, request_id: str) -> None:
+        """Nothing is kept for a request outside its state cache (freed by the cache manager)."""
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()

@@ -90,6 +90,12 @@ class StepKeyCache:
             self._stack = key, StackedKV(sets, device, room)
         return self._stack[1]
 
+    def drop(self, request_id: str) -> None:
+        """Forgets a request that left the engine (its copies would otherwise live until the next step)."""
+        self.entries.pop(request_id, None)
+        if self._stack is not None and request_id in self._stack[0][0]:
+            self._stack = None
+
     def keep_only(self, request_ids: set[str]) -> None:
         self.entries = {k: v for k, v in self.entries.items() if k in request_ids}
         if self._stack is not None and not set(self._stack[0][0]) <= request_ids:
