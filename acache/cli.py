@@ -22,6 +22,7 @@ from acache.policies import (
 )
 from acache.sampling_params import SamplingParams
 from acache.scoring import DEFAULT_SAMPLES
+from acache.server.logprobs import DEFAULT_SCORING_TOKENS
 from acache.server.reuse_gate import AUTO_REUSE_MODES
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
@@ -322,7 +323,8 @@ def _serve_llm_kwargs(args: argparse.Namespace) -> dict:
 def _serve_app_kwargs(args: argparse.Namespace, api_key: str | None) -> dict:
     return {"api_key": api_key, "max_request_bytes": args.max_request_bytes,
             "min_document_tokens": args.min_document_tokens, "affix_registry_bytes": args.affix_registry_bytes,
-            "loglikelihood_samples": args.loglikelihood_samples, "auto_reuse": args.auto_reuse,
+            "loglikelihood_samples": args.loglikelihood_samples, "max_scoring_tokens": args.max_scoring_tokens,
+            "auto_reuse": args.auto_reuse,
             "reuse_checks": args.reuse_checks, "reuse_audit_every": args.reuse_audit_every}
 
 
@@ -428,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loglikelihood-samples", type=_positive_int, default=DEFAULT_SAMPLES,
                    help="Monte Carlo draws per split behind echo+logprobs (a request's mc_samples overrides it); "
                         "the estimate's standard error shrinks as 1/sqrt(draws), see docs/lm_eval.md")
+    p.add_argument("--max-scoring-tokens", type=_positive_int, default=DEFAULT_SCORING_TOKENS,
+                   help="token positions one request's echo+logprobs may forward (about draws x prompt length^2 / 2); "
+                        "a request past it gets a 400 naming its size")
     p.add_argument("--affix-cache-dir", default=None,
                    help="load the shared and the registered affixes from DIR at start, save them there at "
                         "shutdown and on POST /v1/affixes/save, so a restart serves warm; what fails a check is "

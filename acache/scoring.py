@@ -82,6 +82,24 @@ def _check(model: DiffusionLM, ids: Sequence[int], starts: Sequence[int], sample
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    mask = model.config.mask_token_id
+    if mask in ids:
+        raise ValueError(f"token id {mask} is the model's mask token: a sequence holding it cannot be scored (the "
+                         "estimate masks tokens itself, and a visible mask reads as one it masked)")
+
+
+def scoring_work(job: ScoreJob) -> int:
+    """About how many token positions the forwards of ``job`` run: each split's draws, coupled along the chain,
+    give about ``samples x (continuation) / 2`` distinct masked rows, plus one row a position for the top tokens,
+    each a forward of the whole sequence."""
+    n, length = len(job.token_ids), len(job.token_ids) - job.start
+    return (job.samples * length // 2 + (length if job.top_k else 0) + 1) * n
+
+
+def validate(model: DiffusionLM, job: ScoreJob) -> None:
+    """Raises the ValueError :func:`score_jobs` would raise for ``job``, before any work."""
+    _check_top_k(job.top_k)
+    _check(model, job.token_ids, range(job.start, len(job.token_ids)), job.samples)
 
 
 def _check_top_k(top_k: int) -> None:
@@ -139,13 +157,19 @@ def _chained_draws(n: int, first: int, samples: int, generator: torch.Generator)
     return _Draws(torch.cat(masks), row, sizes)
 
 
-def _pack(masks: torch.Tensor) -> torch.Tensor:
-    """An exact integer key of each mask row: its columns as bits, 62 to an int64."""
+def _pack(masks: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """An exact integer key of each mask row: its columns as bits, 62 to an int64 (``chunk`` rows at a time, so
+    that the int64 copy never holds more than those)."""
     r, n = masks.shape
     words = -(-n // 62)
-    padded = torch.zeros(r, words * 62, dtype=torch.long)
-    padded[:, :n] = masks
-    return (padded.view(r, words, 62) << torch.arange(62)).sum(-1)
+    keys = torch.empty(r, words, dtype=torch.long)
+    shifts = torch.arange(62)
+    for lo in range(0, r, chunk):
+        part = masks[lo:lo + chunk]
+        padded = torch.zeros(len(part), words * 62, dtype=torch.long)
+        padded[:, :n] = part
+        keys[lo:lo + chunk] = (padded.view(len(part), words, 62) << shifts).sum(-1)
+    return keys
 
 
 def _distinct(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +187,12 @@ def _rows_per_batch(model: DiffusionLM, columns: int, batch_size: int) -> int:
     return max(1, min(batch_size, LOGIT_BUDGET // max(1, columns * model.config.vocab_size)))
 
 
+def _batch_rows(batch_size: int, batch_tokens: int | None, n: int) -> int:
+    """Rows of ``n`` tokens a forward takes: ``batch_size``, and no more tokens than ``batch_tokens`` (the
+    engine's cap on a step, so that a scoring forward holds its lock no longer than a step does)."""
+    return batch_size if batch_tokens is None else max(1, min(batch_size, batch_tokens // n))
+
+
 @dataclass
 class _RowSet:
     """Rows of one canvas to forward: ``masks [U, n]`` (distinct), and whether each row's first masked column
@@ -176,8 +206,8 @@ class _RowSet:
 
 @torch.inference_mode()
 def _forward_rows(model: DiffusionLM, sets: Sequence[_RowSet], batch_size: int,
-                  lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                  lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None,
+                  batch_tokens: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """For each set: ``sum over the masked columns of log p(true token)`` of every row (float64), and the top
     tokens' values and ids at the first masked column of the rows flagged ``top``. Rows of sets of the same
     length share forwards, fewest masked columns first (so a batch pads its logit columns little); results
@@ -188,6 +218,7 @@ def _forward_rows(model: DiffusionLM, sets: Sequence[_RowSet], batch_size: int,
     for i, s in enumerate(sets):
         by_length.setdefault(s.ids.numel(), []).append(i)
     for n, members in by_length.items():
+        rows_cap = _batch_rows(batch_size, batch_tokens, n)
         masks = torch.cat([sets[i].masks for i in members])
         owner = torch.cat([torch.full((len(sets[i].masks),), j) for j, i in enumerate(members)])
         top = torch.cat([sets[i].top for i in members])
@@ -204,7 +235,7 @@ def _forward_rows(model: DiffusionLM, sets: Sequence[_RowSet], batch_size: int,
             if cancel is not None and cancel.is_set():
                 raise ScoringCancelled("scoring was cancelled")
             hi = lo + 1
-            while hi < len(order) and hi - lo < _rows_per_batch(model, int(counts[order[hi]]), batch_size):
+            while hi < len(order) and hi - lo < _rows_per_batch(model, int(counts[order[hi]]), rows_cap):
                 hi += 1
             pick = order[lo:hi]
             rows = masks[pick].to(dev)
@@ -267,10 +298,10 @@ def _plan(token_ids: Sequence[int], starts: Sequence[int], samples: int, generat
 
 
 def _run(model: DiffusionLM, plans: Sequence[tuple[_RowSet, _Plan]], batch_size: int,
-         lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None
-         ) -> list[tuple[torch.Tensor, list[dict[int, float]]]]:
+         lock: contextlib.AbstractContextManager | None, cancel: threading.Event | None,
+         batch_tokens: int | None = None) -> list[tuple[torch.Tensor, list[dict[int, float]]]]:
     """Each plan's draws ``[len(starts), samples]`` (float64) and its top tokens."""
-    results = _forward_rows(model, [s for s, _ in plans], batch_size, lock, cancel)
+    results = _forward_rows(model, [s for s, _ in plans], batch_size, lock, cancel, batch_tokens)
     out = []
     for (_, plan), (sums, top_values, top_ids) in zip(plans, results, strict=True):
         tops = [dict(zip(top_ids[r].tolist(), top_values[r].tolist(), strict=True)) for r in plan.top_row.tolist()]
@@ -313,19 +344,22 @@ def continuation_logprob(model: DiffusionLM, context: Sequence[int], continuatio
 
 def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 64,
                lock: contextlib.AbstractContextManager | None = None,
-               cancel: threading.Event | None = None) -> list[TokenLogprobs]:
+               cancel: threading.Event | None = None, batch_tokens: int | None = None) -> list[TokenLogprobs]:
     """:func:`token_logprobs` of several sequences at once: each job draws from its own generator, so its
     values are those it gets alone (to float tolerance: batches are composed differently), while the rows of
-    jobs of one length share forwards (an echo's prompt and its continuation, a batch of choices)."""
+    jobs of one length share forwards (an echo's prompt and its continuation, a batch of choices). A forward
+    takes at most ``batch_size`` rows and ``batch_tokens`` tokens; ``cancel`` is read between jobs' plans too."""
     plans = []
     for job in jobs:
-        _check_top_k(job.top_k)
+        validate(model, job)
+    for job in jobs:
+        if cancel is not None and cancel.is_set():
+            raise ScoringCancelled("scoring was cancelled")
         starts = range(job.start, len(job.token_ids))
-        _check(model, job.token_ids, starts, job.samples)
         plans.append(_plan(job.token_ids, starts, job.samples, job.generator, job.start if job.top_k else None,
                            job.top_k))
     out = []
-    for job, (draws, tops) in zip(jobs, _run(model, plans, batch_size, lock, cancel), strict=True):
+    for job, (draws, tops) in zip(jobs, _run(model, plans, batch_size, lock, cancel, batch_tokens), strict=True):
         estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
         values = [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
         out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else

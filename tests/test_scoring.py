@@ -43,8 +43,15 @@ def exact_bound(model, ids, start):
     return total
 
 
+def unmasked(model, length: int, seed: int = 0) -> list[int]:
+    """Random token ids, the mask token replaced (a sequence holding it cannot be scored)."""
+    mask = model.config.mask_token_id
+    return [t + 1 if t == mask else t for t in random_prompts([length], vocab=model.config.vocab_size - 2,
+                                                              seed=seed)[0]]
+
+
 def test_one_token_continuation_is_exact_whatever_the_draws(family_model):
-    ids = random_prompts([9], vocab=family_model.config.vocab_size - 2)[0]
+    ids = unmasked(family_model, 9)
     want = logp_masked(family_model, ids, {8}, 8)
     for seed, samples in [(0, 1), (1, 5), (7, 3)]:
         got = continuation_logprob(family_model, ids[:8], ids[8:], samples, torch.Generator().manual_seed(seed))
@@ -52,7 +59,7 @@ def test_one_token_continuation_is_exact_whatever_the_draws(family_model):
 
 
 def test_the_estimate_converges_to_the_bound(family_model):
-    ids = random_prompts([8], vocab=family_model.config.vocab_size - 2, seed=3)[0]
+    ids = unmasked(family_model, 8, seed=3)
     want = exact_bound(family_model, ids, 5)
     # 20,000 draws of three tokens are seven distinct masked sets, each forwarded once
     draws, _ = bound_draws(family_model, ids, [5], 20_000, torch.Generator().manual_seed(0), batch_size=512)
@@ -62,7 +69,7 @@ def test_the_estimate_converges_to_the_bound(family_model):
 
 
 def test_a_seed_fixes_the_estimate_and_another_changes_it(family_model):
-    ids = random_prompts([10], vocab=family_model.config.vocab_size - 2, seed=4)[0]
+    ids = unmasked(family_model, 10, seed=4)
     one = continuation_logprob(family_model, ids[:4], ids[4:], 6, torch.Generator().manual_seed(11))
     again = continuation_logprob(family_model, ids[:4], ids[4:], 6, torch.Generator().manual_seed(11))
     other = continuation_logprob(family_model, ids[:4], ids[4:], 6, torch.Generator().manual_seed(12))
@@ -70,7 +77,7 @@ def test_a_seed_fixes_the_estimate_and_another_changes_it(family_model):
 
 
 def test_telescoped_values_add_up_to_each_split(family_model):
-    ids = random_prompts([12], vocab=family_model.config.vocab_size - 2, seed=5)[0]
+    ids = unmasked(family_model, 12, seed=5)
     scored = token_logprobs(family_model, ids, 2, 5, torch.Generator().manual_seed(9), top_k=3, batch_size=7)
     again = split_estimates(family_model, ids, range(2, 12), 5, torch.Generator().manual_seed(9))
     assert len(scored.values) == len(scored.top) == 10
@@ -89,7 +96,7 @@ def test_telescoped_values_add_up_to_each_split(family_model):
 
 
 def test_batch_size_does_not_change_the_estimate(family_model):
-    ids = random_prompts([10], vocab=family_model.config.vocab_size - 2, seed=6)[0]
+    ids = unmasked(family_model, 10, seed=6)
     a = split_estimates(family_model, ids, [3, 6], 7, torch.Generator().manual_seed(2), batch_size=1)
     b = split_estimates(family_model, ids, [3, 6], 7, torch.Generator().manual_seed(2), batch_size=100)
     assert a == pytest.approx(b, abs=1e-5)
@@ -142,7 +149,7 @@ class CancellingLock:
 
 
 def test_a_cancel_during_scoring_stops_at_the_next_batch(family_model):
-    ids = random_prompts([14], vocab=family_model.config.vocab_size - 2, seed=8)[0]
+    ids = unmasked(family_model, 14, seed=8)
     cancel = threading.Event()
     lock = CancellingLock(cancel, after=2)
     with pytest.raises(ScoringCancelled):
@@ -174,7 +181,7 @@ def test_each_split_draws_exactly_the_bounds_distribution():
 def test_each_draw_is_its_masked_tokens_log_probability(family_model):
     """The same draws give the same values as one dense forward a draw: distinct masked sets forwarded once,
     sorted and batched, each (split, sample) reading its own."""
-    ids = random_prompts([9], vocab=family_model.config.vocab_size - 2, seed=7)[0]
+    ids = unmasked(family_model, 9, seed=7)
     starts, samples = [2, 5, 8], 4
     draws, owner = bound_draws(family_model, ids, starts, samples, torch.Generator().manual_seed(3), batch_size=3)
     chain = _chained_draws(len(ids), min(starts), samples, torch.Generator().manual_seed(3))
@@ -208,7 +215,7 @@ def independent_estimates(model, ids, starts, samples, generator):
 
 
 def test_chained_estimates_agree_with_independent_draws_within_their_error(family_model):
-    ids = random_prompts([9], vocab=family_model.config.vocab_size - 2, seed=9)[0]
+    ids = unmasked(family_model, 9, seed=9)
     starts, samples = list(range(1, 9)), 800
     old, old_err = independent_estimates(family_model, ids, starts, samples, torch.Generator().manual_seed(1))
     draws, owner = bound_draws(family_model, ids, starts, samples, torch.Generator().manual_seed(2))
@@ -239,3 +246,24 @@ def test_jobs_scored_together_get_what_each_gets_alone(family_model):
         for mine, theirs in zip(got.top, alone.top, strict=True):
             assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
             assert len(mine) == k
+
+
+def test_a_forward_takes_no_more_tokens_than_the_engine_step_cap(family_model):
+    from acache.scoring import ScoreJob, score_jobs
+
+    ids = unmasked(family_model, 10, seed=11)
+    rows = []
+    forward = type(family_model).forward
+
+    def counting(self, x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return forward(self, x, *args, **kwargs)
+
+    job = ScoreJob(ids, 2, 6, torch.Generator().manual_seed(1))
+    want = score_jobs(family_model, [job])[0]
+    type(family_model).forward = counting
+    try:
+        got = score_jobs(family_model, [ScoreJob(ids, 2, 6, torch.Generator().manual_seed(1))], batch_tokens=30)[0]
+    finally:
+        type(family_model).forward = forward
+    assert max(rows) == 3 and got.values == pytest.approx(want.values, abs=1e-5)

@@ -96,6 +96,30 @@ class Tokenizer:
         words = [w for w, _ in pre.pre_tokenize_str(normalized)] if pre is not None else normalized.split()
         return list(dict.fromkeys(w for w in words if self._tok.token_to_id(w) is None))
 
+    def char_offsets(self, text: str, ids: Sequence[int]) -> list[int]:
+        """Where each of ``ids`` starts in ``text``: the tokenizer's own spans where ``ids`` is what it makes of
+        ``text``, else by decoding ever longer prefixes (the way :meth:`decode` spells the text); a token that
+        spells nothing there (a special token) starts where the text so far ends. Each offset is within
+        ``text``."""
+        for special in (True, False):
+            encoding = self._tok.encode(text, add_special_tokens=special)
+            if encoding.ids == list(ids):
+                starts, end = [], 0
+                for a, b in encoding.offsets:
+                    starts.append(a if b > a else end)
+                    end = max(end, b)
+                return starts
+        starts, before = [], ""
+        for i in range(len(ids)):
+            through = self.decode(ids[:i + 1])
+            if through.startswith(before):
+                gap = len(through) - len(before) - len(through[len(before):].lstrip())
+                starts.append(min(len(before) + gap, len(text)))
+            else:  # a decoder that spells a prefix otherwise than the whole (a cut multi-byte character)
+                starts.append(min(len(before), len(text)))
+            before = through
+        return starts
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         known = [i for i in ids if 0 <= i < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)

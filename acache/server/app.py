@@ -20,7 +20,7 @@ from acache.scoring import DEFAULT_SAMPLES
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine
 from acache.server.guard import Guard
-from acache.server.logprobs import Scorer
+from acache.server.logprobs import DEFAULT_SCORING_TOKENS, Scorer
 from acache.server.metrics import metrics_registry, render_metrics
 from acache.server.protocol import (
     AffixRegistration,
@@ -60,6 +60,7 @@ async def finish_checks(running: set[asyncio.Task], grace_s: float) -> None:
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                min_document_tokens: int = 128, affix_cache_dir: Path | None = None,
                affix_registry_bytes: int = 64 << 20, loglikelihood_samples: int = DEFAULT_SAMPLES,
+               max_scoring_tokens: int = DEFAULT_SCORING_TOKENS,
                auto_reuse: str = "verified", reuse_checks: int = 4, reuse_audit_every: int = 16) -> FastAPI:
     if isinstance(loglikelihood_samples, bool) or not isinstance(loglikelihood_samples, int) \
             or loglikelihood_samples <= 0:
@@ -67,7 +68,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     engine = AsyncEngine(llm.engine)
     ctx = ServerContext(
         llm=llm, model_name=model_name, engine=engine, drain=Drain(engine.cancel_all),
-        scorer=Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock),
+        scorer=Scorer(llm.model, llm.tokenizer, loglikelihood_samples, engine.lock, max_scoring_tokens,
+                      llm.engine_config.max_num_batched_tokens),
         # scoring on threads of its own (it never starves the shared pool the handlers use); requests scoring
         # at the same time share passes (Scorer.shared), one pass running at a time
         score_pool=ThreadPoolExecutor(max_workers=SCORING_REQUESTS, thread_name_prefix="acache-score"),

@@ -18,7 +18,11 @@ import torch
 
 from acache.models.base import DiffusionLM
 from acache.models.tokenizer import Tokenizer
-from acache.scoring import ScoreJob, TokenLogprobs, score_jobs
+from acache.scoring import ScoreJob, ScoringCancelled, TokenLogprobs, score_jobs, scoring_work, validate
+
+#: token positions one request's scoring may forward by default (``acache serve --max-scoring-tokens``):
+#: about a 2,000-token prompt echoed with 32 draws a split
+DEFAULT_SCORING_TOKENS = 1 << 26
 
 
 class AllSet:
@@ -54,14 +58,19 @@ class SharedPasses:
 
     def __call__(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
         me = _Waiting(jobs, cancel)
+        batch: list[_Waiting] = []
         with self._cv:
             self._waiting.append(me)
             while self._running and not me.done:
                 self._cv.wait()
             if not me.done:
-                self._running = True
                 batch, self._waiting = self._waiting, []
-        if not me.done:
+                for gone in [w for w in batch if w.cancel is not None and w.cancel.is_set()]:
+                    gone.error, gone.done = ScoringCancelled("scoring was cancelled"), True  # no work for it
+                batch = [w for w in batch if not w.done]
+                self._running = bool(batch)
+                self._cv.notify_all()  # those who gave up hear it now, not after the pass
+        if batch:  # run here even when this caller gave up: the others wait on it
             self._run(batch)
         if me.error is not None:
             raise me.error
@@ -85,15 +94,27 @@ class SharedPasses:
                 self._cv.notify_all()
 
 
+class ScoringRefused(ValueError):
+    """A request whose scoring is refused before any work: the message says why (a bad sequence, too much
+    work for the server's ``max_tokens``)."""
+
+
 class Scorer:
     """Scores token sequences with the served model; ``lock`` (the engine's) is held around each forward so
-    scoring interleaves with the engine's steps instead of racing them. Concurrent requests share passes
-    (:class:`SharedPasses`)."""
+    scoring interleaves with the engine's steps instead of racing them, and a forward takes at most
+    ``batch_tokens`` tokens (the engine's step cap). Concurrent requests share passes (:class:`SharedPasses`); a
+    request is checked alone first, so one that cannot be scored, or whose scoring would forward more than
+    ``max_tokens`` token positions, is refused without touching the others."""
 
     def __init__(self, model: DiffusionLM, tokenizer: Tokenizer, samples: int,
-                 lock: contextlib.AbstractContextManager | None = None) -> None:
+                 lock: contextlib.AbstractContextManager | None = None, max_tokens: int = DEFAULT_SCORING_TOKENS,
+                 batch_tokens: int | None = None) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"max_scoring_tokens must be a positive integer, got {max_tokens!r}")
         self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
-        self.shared = SharedPasses(lambda jobs, cancel: score_jobs(self.model, jobs, lock=self.lock, cancel=cancel))
+        self.max_tokens = max_tokens
+        self.shared = SharedPasses(lambda jobs, cancel: score_jobs(self.model, jobs, lock=self.lock, cancel=cancel,
+                                                                   batch_tokens=batch_tokens))
 
     def job(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
             samples: int | None) -> ScoreJob:
@@ -108,39 +129,49 @@ class Scorer:
     def score_all(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
         """Several jobs in one pass, with those of any request scoring at the same time: rows of sequences of
         one length share forwards."""
+        for job in jobs:
+            try:
+                validate(self.model, job)
+            except ValueError as exc:
+                raise ScoringRefused(str(exc)) from None
+        work = sum(scoring_work(job) for job in jobs)
+        if work > self.max_tokens:
+            longest = max(len(job.token_ids) for job in jobs)
+            raise ScoringRefused(
+                f"scoring this request forwards about {work:,} token positions ({longest} tokens, "
+                f"{max(job.samples for job in jobs)} draws a split), more than this server's --max-scoring-tokens of "
+                f"{self.max_tokens:,}: lower mc_samples or score a shorter prompt")
         return self.shared(jobs, cancel)
 
     def piece(self, token_id: int) -> str:
         """A token's own text, special tokens included (an EOS is reported as itself, not as nothing)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
-                   seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> dict:
-        """The completions ``logprobs`` object over the echoed prompt (if ``echo``) and the generated tokens."""
-        return self.completions([(prompt_ids, generated)], echo, top_k, seed, samples, cancel)[0]
-
-    def completions(self, choices: Sequence[tuple[Sequence[int], Sequence[int]]], echo: bool, top_k: int,
+    def completions(self, choices: Sequence[tuple[Sequence[int], Sequence[int], str, str]], echo: bool, top_k: int,
                     seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> list[dict]:
-        """:meth:`completion` for each ``(prompt_ids, generated)`` of a request, every prompt and continuation
-        scored in one pass (each job seeded as it is alone, so a choice's values do not depend on the others)."""
+        """:meth:`completion` for each ``(prompt_ids, generated, echoed text, generated text)`` of a request, every
+        prompt and continuation scored in one pass (each job seeded as it is alone, so a choice's values do not
+        depend on the others)."""
         jobs: list[ScoreJob] = []
-        for prompt_ids, generated in choices:
+        for prompt_ids, generated, *_ in choices:
             if echo and len(prompt_ids) > 1:
                 jobs.append(self.job(prompt_ids, 1, top_k, seed, samples))
             if generated:
                 jobs.append(self.job([*prompt_ids, *generated], len(prompt_ids), top_k, seed, samples))
         scored = iter(self.score_all(jobs, cancel))
-        return [self._completion(prompt_ids, generated, echo, top_k, scored) for prompt_ids, generated in choices]
+        return [self._completion(*choice, echo, top_k, scored) for choice in choices]
 
-    def _completion(self, prompt_ids: Sequence[int], generated: Sequence[int], echo: bool, top_k: int,
-                    scored: Iterator[TokenLogprobs]) -> dict:
+    def _completion(self, prompt_ids: Sequence[int], generated: Sequence[int], prompt_text: str, generated_text: str,
+                    echo: bool, top_k: int, scored: Iterator[TokenLogprobs]) -> dict:
         tokens: list[int] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         if echo:
             tokens += list(prompt_ids)
             values.append(None)
             tops.append(None)
+            offsets += self.tokenizer.char_offsets(prompt_text, prompt_ids)
             if len(prompt_ids) > 1:
                 prompt = next(scored)
                 values += prompt.values
@@ -150,11 +181,9 @@ class Scorer:
             tokens += list(generated)
             values += continuation.values
             tops += [self._named(t) for t in continuation.top]
-        pieces = [self.piece(t) for t in tokens]
-        offsets = [len(self.tokenizer.decode(tokens[:i + 1], skip_special_tokens=False)) - len(pieces[i])
-                   for i in range(len(tokens))]
-        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops if top_k else None,
-                "text_offset": offsets}
+            offsets += [len(prompt_text) + o for o in self.tokenizer.char_offsets(generated_text, generated)]
+        return {"tokens": [self.piece(t) for t in tokens], "token_logprobs": values,
+                "top_logprobs": tops if top_k else None, "text_offset": offsets}
 
     def chat(self, prompt_ids: Sequence[int], generated: Sequence[int], top_k: int, seed: int | None,
              samples: int | None, cancel: threading.Event | None = None) -> dict:
@@ -171,4 +200,9 @@ class Scorer:
         return {"content": content}
 
     def _named(self, top: dict[int, float]) -> dict[str, float]:
-        return {self.piece(t): v for t, v in top.items()}
+        """Top tokens by their text, most likely first; two that spell the same text (byte pieces of one
+        character) keep the likelier's value."""
+        named: dict[str, float] = {}
+        for t, v in sorted(top.items(), key=lambda item: -item[1]):
+            named.setdefault(self.piece(t), v)
+        return named

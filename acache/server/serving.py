@@ -28,7 +28,7 @@ from acache.sampling_params import SamplingParams
 from acache.scoring import ScoringCancelled
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
-from acache.server.logprobs import Scorer
+from acache.server.logprobs import Scorer, ScoringRefused
 from acache.server.protocol import BadRequest, DiffusionFields, error_body
 from acache.server.reuse_gate import ReuseGate
 from acache.server.shutdown import Drain, ShuttingDown
@@ -145,6 +145,8 @@ class OpenAIServing:
                                                             functools.partial(fn, *args, cancel=cancel))
         try:
             return await until_disconnect(request, future)
+        except ScoringRefused as exc:
+            raise BadRequest(str(exc)) from None
         except ScoringCancelled:
             if drain.expired is not None:
                 raise drain.expired from None

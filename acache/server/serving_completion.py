@@ -33,6 +33,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.scoring_allowed(body.logprobs is not None)
         if body.logprobs is not None and body.stream:
             raise BadRequest("logprobs are estimated once decoding ends: use stream=false")
+        if body.echo and body.stream:
+            raise BadRequest("echo returns the prompt with the whole completion: use stream=false")
         if body.logprobs is not None and body.suffix:
             raise BadRequest("logprobs with suffix (infilling) are not implemented: the generated tokens must end "
                              "the sequence")
@@ -93,18 +95,21 @@ class OpenAIServingCompletion(OpenAIServing):
             decoded = [(None, Cut("", [], False), "length") for _ in prompts]
         else:
             decoded = await until_disconnect(request, self.decode_all(prompts, params, body))
+        echoes = [""] * len(prompts)
+        if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
+            echoes = [llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(text, str) else text
+                      for p, text in zip(prompts, texts, strict=True)]
         logprobs_list: list = [None] * len(prompts)
         if body.logprobs is not None:  # every prompt of the request in one scoring pass
             logprobs_list = await self.scoring(request, ctx.scorer.completions,
-                                               [(p.token_ids, scored_tokens(out, cut, body.max_tokens))
-                                                for p, (out, cut, _) in zip(prompts, decoded, strict=True)],
+                                               [(p.token_ids, scored_tokens(out, cut, body.max_tokens), echoed,
+                                                 cut.text)
+                                                for p, (out, cut, _), echoed in zip(prompts, decoded, echoes,
+                                                                                    strict=True)],
                                                bool(body.echo), body.logprobs, body.seed, body.mc_samples)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, (p, (_, cut, finish), logprobs) in enumerate(zip(prompts, decoded, logprobs_list, strict=True)):
-            echoed = ""
-            if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
-                echoed = llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(texts[i], str) \
-                    else texts[i]
+            echoed = echoes[i]
             choices.append({"index": i, "text": echoed + cut.text, "logprobs": logprobs, "token_ids": cut.token_ids,
                             "finish_reason": finish})
             usage["prompt_tokens"] += len(p.token_ids)

@@ -267,3 +267,100 @@ def test_a_shared_pass_stops_only_when_every_caller_gave_up():
     b.set()
     assert both.is_set()
     assert not AllSet([a, None]).is_set()  # a caller that cannot cancel keeps the pass going
+
+
+@pytest.mark.parametrize("prompt", [
+    "story : mary moved to the kitchen.question : where is mary ? answer :",  # spelled otherwise than decoded
+    "story : mary moved to the kitchen . question : where is mary ? answer :",
+])
+def test_text_offset_indexes_the_text_returned(setup, prompt):
+    client, llm = setup
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1})
+    assert status == 200, out
+    choice = out["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert len(lp["text_offset"]) == len(lp["tokens"]) and lp["text_offset"] == sorted(lp["text_offset"])
+    special = {llm.tokenizer.decode([t], skip_special_tokens=False) for t in llm.stop_token_ids}
+    spelled = [(o, p) for o, p in zip(lp["text_offset"], lp["tokens"], strict=True) if p not in special]
+    assert len(spelled) >= len(lp["tokens"]) - 1 and all(text[o:o + len(p)] == p for o, p in spelled), spelled
+    generated = [o for o in lp["text_offset"][-2:]]
+    assert all(o >= len(prompt) for o in generated)  # the answer's tokens index the answer, after the prompt
+
+
+def test_echo_with_stream_is_refused(setup):
+    client, _ = setup
+    status, out = post(client, "/v1/completions", {"prompt": STORY, "max_tokens": 2, "echo": True, "stream": True})
+    assert status == 400 and "echo returns the prompt with the whole completion" in out["error"]["message"]
+
+
+def test_a_prompt_holding_the_mask_token_is_not_scored(setup):
+    client, llm = setup
+    ids = [*llm.tokenizer.encode("where is mary ?"), llm.config.mask_token_id]
+    status, out = post(client, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert status == 400 and f"token id {llm.config.mask_token_id} is the model's mask token" in \
+        out["error"]["message"]
+
+
+def test_scoring_past_the_budget_is_refused_and_the_rest_is_scored(setup):
+    _, llm = setup
+    small = 30 * 16 * 8  # a 30-token prompt with 8 draws a split takes about 4,000 token positions
+    with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=small)) as client:
+        ids = llm.tokenizer.encode(STORY)
+        status, out = post(client, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                       "mc_samples": 64})
+        assert status == 400 and "more than this server's --max-scoring-tokens of 3,840" in out["error"]["message"]
+        status, out = post(client, "/v1/completions", {"prompt": ids[:12], "max_tokens": 0, "echo": True,
+                                                       "logprobs": 1, "mc_samples": 4})
+        assert status == 200, out
+
+
+def test_top_tokens_that_spell_alike_keep_the_likelier_value():
+    from acache.server.logprobs import Scorer
+
+    class Spelling:
+        def decode(self, ids, skip_special_tokens=True):
+            return {1: "\ufffd", 2: "\ufffd", 3: "a"}[ids[0]]
+
+    scorer = Scorer.__new__(Scorer)
+    scorer.tokenizer = Spelling()
+    assert scorer._named({3: -2.0, 2: -0.1, 1: -0.5}) == {"\ufffd": -0.1, "a": -2.0}
+    assert list(scorer._named({3: -2.0, 2: -0.1, 1: -0.5})) == ["\ufffd", "a"]  # most likely first
+
+
+def test_a_caller_that_gave_up_before_its_pass_costs_no_work():
+    import threading
+
+    from acache.scoring import ScoringCancelled
+    from acache.server.logprobs import SharedPasses
+
+    started, release, seen = threading.Event(), threading.Event(), []
+
+    def run(jobs, cancel):
+        seen.append(list(jobs))
+        if len(seen) == 1:
+            started.set()
+            release.wait(5)
+        return jobs
+
+    shared = SharedPasses(run)
+    gone, results = threading.Event(), {}
+
+    def call(name, cancel=None):
+        try:
+            results[name] = shared([name], cancel)
+        except ScoringCancelled as exc:
+            results[name] = exc
+
+    first = threading.Thread(target=call, args=("a",))
+    first.start()
+    started.wait(5)
+    gone.set()
+    later = [threading.Thread(target=call, args=("b", gone)), threading.Thread(target=call, args=("c",))]
+    for t in later:
+        t.start()
+    while len(shared._waiting) < 2:
+        threading.Event().wait(0.01)
+    release.set()
+    for t in (first, *later):
+        t.join(5)
+    assert seen == [["a"], ["c"]] and isinstance(results["b"], ScoringCancelled) and results["c"] == ["c"]
