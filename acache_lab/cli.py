@@ -4,6 +4,7 @@ command line through the ``acache.commands`` entry point."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from acache.cli import _add_model_args, _positive_int, parse_size
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
@@ -99,9 +100,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trained.add(out.resolve())
         summary = train(config, resume=resume)
         if summary.get("interrupted"):
-            print(f"stopped after {summary['steps_done']} steps; wrote {config.out}; continue with the same "
-                  "command and --resume")
-            return 130
+            if summary.get("stopped_by") == "Ctrl-C":
+                print(f"stopped after {summary['steps_done']} steps; wrote {config.out}; continue with the same "
+                      "command and --resume")
+                return 130
+            print(f"stopped by {summary['stopped_by']} after {summary['steps_done']} steps; wrote {config.out}; "
+                  "raise time_limit_minutes in its config and continue with --resume", file=sys.stderr)
+            return 1  # a chain's later configs never start from a run cut short
         total_s += summary["train_time_s"]
         last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
         print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss "
@@ -124,7 +129,10 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
                         eval_every=args.eval_every, merge=args.merge,
                         device=args.device, dtype=args.dtype, bf16=args.bf16,
                         time_limit_minutes=args.time_limit_minutes, seed=args.seed)
-    summary = finetune(config)
+    try:
+        summary = finetune(config)
+    except ImportError as exc:  # peft missing: the message names the extra, no traceback needed
+        raise ValueError(str(exc)) from None
     last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
     print(f"fine-tuned {summary['steps_done']} steps ({summary['tokens']:,} tokens) in "
           f"{summary['train_time_s'] / 60:.1f} min, {summary['trainable_parameters']:,} trainable parameters, "

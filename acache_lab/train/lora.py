@@ -51,6 +51,7 @@ from acache_lab.train.trainer import (
     one_shot_answers,
     teacher_record,
     training_logits,
+    writable_out,
     write_affix_training,
 )
 
@@ -248,6 +249,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     model before :func:`save_run` (which merges it in place)."""
     peft = require_peft()
     source = checkpoint_dir(config.model)
+    writable_out(config.out)  # before the weights load and the steps run: found out at the end, they are lost
     device = parse_device(config.device)
     bf16 = device.type == "cuda" if config.bf16 is None else config.bf16
     for path, what in ((config.data, "fine-tuning data"), (config.eval_data, "held-out data")):
@@ -407,5 +409,6 @@ def write_merged(model: DiffusionLM, source: Path, out: Path, record: dict) -> P
     save_checkpoint(model, out, shards=max(1, math.ceil(size / SHARD_BYTES)),
                     dtype=str(model.dtype).removeprefix("torch."))
     derive_from(source, out)
-    write_affix_training(out, record)
+    if record.get("affix_isolation", 0) > 0:  # no isolated row trained: not a model to serve by direct reuse
+        write_affix_training(out, record)
     return out

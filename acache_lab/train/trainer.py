@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -499,6 +500,10 @@ class Batcher:
             fits = self.config.model.max_seq_len - len(r.prompt.token_ids) - len(r.answer)
             answer = answer + (self.eos,) * max(0, min(room, fits))
         row = answer_row(r.prompt, answer)._replace(room=len(answer) - len(r.answer))
+        limit = self.config.model.max_seq_len
+        if len(row.ids) > limit:
+            raise ValueError(f"a {example.task} example in the {layout} layout takes {len(row.ids)} tokens, more than "
+                             f"the model's max_seq_len of {limit}: lower the config's sentences or raise max_seq_len")
         if layout == TWO_AFFIXES and example.bridge:  # the bridge term reads the two-affix rows only
             row = row._replace(bridge=self.token(example.bridge[0]))
         return row
@@ -1000,6 +1005,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     ``save_every``, those an earlier run left there removed first). Ctrl-C stops at the step under way and saves
     everything so far, plus the optimizer and data state; ``resume=True`` continues such a run from there, as if
     it had never stopped."""
+    writable_out(config.out)
     torch.manual_seed(config.seed)
     tokenizer = build_word_tokenizer()
     spec = SPECIAL_TOKENS["llada"]
@@ -1038,8 +1044,12 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         state_file = Path(config.out) / RESUME_FILE
         if not state_file.is_file():
             raise FileNotFoundError(f"nothing to resume in {config.out}: no {RESUME_FILE} (only a run stopped "
-                                    "with Ctrl-C leaves one)")
-        state = torch.load(state_file, weights_only=False)
+                                    "by Ctrl-C or its time limit leaves one)")
+        try:
+            state = torch.load(state_file, weights_only=False)
+        except Exception as exc:  # cut short by a kill: the run cannot be resumed, and says so
+            raise ValueError(f"{state_file} cannot be read ({type(exc).__name__}: {exc}); start the run again "
+                             "without --resume") from None
         if _resumable(state["config"]) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes and save_every may change)")
@@ -1082,34 +1092,65 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         stop["asked"] = True
         bar.write("Ctrl-C: stopping after this step and saving a resumable run (Ctrl-C again quits at once)")
 
+    def saving(signum, frame) -> None:
+        bar.write("saving the run: wait a moment (a kill now leaves it unresumable, never resumed wrong)")
+
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
                                   started, steps_done, stop, heads, teacher, hop, snapshot)
+        if main_thread:  # the save below is whole or not resumable: Ctrl-C no longer cuts it
+            signal.signal(signal.SIGINT, saving)
+        target = config.stop_after or config.steps
+        interrupted = steps_done < target  # Ctrl-C, or the time limit: resumable either way
+        if stop["asked"] and interrupted:
+            reason = "Ctrl-C"
+        elif interrupted:
+            reason = f"the time limit of {config.time_limit_minutes} min"
+            bar.write(f"stopped by {reason} after {steps_done} of {target} steps: the run is saved resumable")
+        else:
+            reason = None
+            if window:  # a run ending at stop_after logs its last, shorter window
+                log.append({"step": steps_done, "loss": sum(window) / len(window), "lr": config.lr_at(steps_done - 1),
+                            "elapsed_s": time.perf_counter() - started})
+                window.clear()
+        bar.close()
+        model.eval()
+        out = Path(config.out)
+        (out / RESUME_FILE).unlink(missing_ok=True)  # before the weights: an older state never meets newer weights
+        write(out, steps_done)
+        summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
+                   "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
+                   "log": log, "probes": probes, "interrupted": interrupted, "stopped_by": reason}
+        (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_loss(log, out / "loss_curve.png", probes)
+        if interrupted:  # last, and whole or absent: its presence says everything before it was written
+            partial = out / f".{RESUME_FILE}.partial"
+            torch.save({"config": asdict(config), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        "batcher": batcher.state(),
+                        "steps_done": steps_done, "train_time_s": summary["train_time_s"], "log": log,
+                        "probes": probes, "window": window,
+                        **({"neighbour_heads": heads.state_dict()} if heads is not None else {}),
+                        **({"bridge_head": hop.state_dict()} if hop is not None else {})}, partial)
+            os.replace(partial, out / RESUME_FILE)
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
-    interrupted = stop["asked"] and steps_done < config.steps
-    bar.close()
-    model.eval()
-    out = Path(config.out)
-    write(out, steps_done)
-    summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
-               "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
-               "log": log, "probes": probes, "interrupted": interrupted}
-    (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_loss(log, out / "loss_curve.png", probes)
-    if interrupted:
-        torch.save({"config": asdict(config), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                    "batcher": batcher.state(),
-                    "steps_done": steps_done, "train_time_s": summary["train_time_s"], "log": log,
-                    "probes": probes, "window": window,
-                    **({"neighbour_heads": heads.state_dict()} if heads is not None else {}),
-                    **({"bridge_head": hop.state_dict()} if hop is not None else {})}, out / RESUME_FILE)
-    else:
-        (out / RESUME_FILE).unlink(missing_ok=True)
     return summary
+
+
+def writable_out(out: str | Path) -> None:
+    """Makes the run's output folder, or says why it cannot be one, before any weight loads or step trains: a
+    run that finds out at its end loses what it trained."""
+    root = Path(out)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot write the run's output to {root}: {exc.strerror or exc}") from None
 
 
 def _clear_snapshots(config: TrainConfig, keep_whole: bool) -> None:

@@ -424,3 +424,28 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         LoraConfig(model="m", data="d", out=str(tmp_path), **options)
+
+
+@needs_peft
+def test_a_run_with_no_isolated_row_is_not_recorded_as_trained_for_reuse(llada_dir, tmp_path):
+    finetune(config(llada_dir, tmp_path, steps=2, isolation=0.0, merge=True), progress=False)
+    assert read_config(tmp_path / "run" / "merged")[1].affix_training is None
+
+
+@needs_peft
+def test_an_output_that_cannot_be_written_is_named_before_the_weights_load(llada_dir, tmp_path, monkeypatch):
+    import acache_lab.train.lora as lora
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(lora, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(ValueError, match="cannot write the run's output to .*a-file"):
+        train_lora(config(llada_dir, tmp_path, out=str(tmp_path / "a-file" / "run")), progress=False)
+
+
+def test_the_command_line_names_a_missing_peft_in_one_line(llada_dir, tmp_path, monkeypatch, capsys):
+    from acache.cli import main
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    data = write_data(tmp_path / "data.jsonl", n=3)
+    assert main(["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--out", str(tmp_path / "r")]) == 2
+    assert "pip install 'acache[lora]'" in capsys.readouterr().err

@@ -1421,3 +1421,100 @@ def test_ssm_recipe_and_model():
     assert isinstance(llm.model, SSMBlockDiffusionLM)
     scores = evaluate(llm, examples=20, sentences=6, seed=7, layouts=("prefix",))
     assert all(s.accuracy >= 0.9 for s in scores), scores
+
+
+def small_run(out, **extra) -> TrainConfig:
+    opts = {"out": str(out), "steps": 6, "batch_size": 4, "lr": 3e-3, "warmup": 2, "log_every": 2,
+            "model": ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64), "tasks": ("qa1",),
+            "min_sentences": 2, "max_sentences": 2, "bf16": False}
+    return TrainConfig(**{**opts, **extra})
+
+
+def test_a_run_the_time_limit_stops_is_saved_resumable_and_resumes_as_if_never_stopped(tmp_path, monkeypatch):
+    import acache_lab.train.trainer as trainer
+
+    straight = train(small_run(tmp_path / "straight"), progress=False)
+    real, clock, passed = Batcher.batch, trainer.time.perf_counter, {"s": 0.0}
+
+    def batch(self, step):
+        if step == 3:
+            passed["s"] = 2 * 3600.0  # two hours pass while step 3 runs: the 90-minute limit stops the run after it
+        return real(self, step)
+
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock() + passed["s"])
+    monkeypatch.setattr(Batcher, "batch", batch)
+    stopped = train(small_run(tmp_path / "stopped"), progress=False)
+    assert stopped["interrupted"] and stopped["steps_done"] == 4 and "time limit" in stopped["stopped_by"]
+    assert (tmp_path / "stopped" / "resume_state.pt").is_file()
+    monkeypatch.setattr(Batcher, "batch", real)
+    resumed = train(small_run(tmp_path / "stopped", time_limit_minutes=600.0), progress=False, resume=True)
+    assert resumed["steps_done"] == 6 and not resumed["interrupted"]
+    assert [r["loss"] for r in resumed["log"]] == [r["loss"] for r in straight["log"]]
+
+
+def test_the_command_line_says_a_run_was_cut_short_by_its_time_limit(tmp_path, monkeypatch, capsys):
+    import acache_lab.train.trainer as trainer
+    from acache.cli import main
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"out": str(tmp_path / "run"), "steps": 6, "batch_size": 4, "log_every": 2,
+                                  "model": {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64},
+                                  "tasks": ["qa1"], "min_sentences": 2, "max_sentences": 2, "bf16": False,
+                                  "time_limit_minutes": 1.0}))
+    clock, passed, real = trainer.time.perf_counter, {"s": 0.0}, Batcher.batch
+
+    def batch(self, step):
+        passed["s"] += 45.0  # 45 s a step: the one-minute limit stops the run after its second step
+        return real(self, step)
+
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock() + passed["s"])
+    monkeypatch.setattr(Batcher, "batch", batch)
+    assert main(["train", "--config", str(config)]) == 1
+    assert "stopped by the time limit of 1.0 min after 2 steps" in capsys.readouterr().err
+
+
+def test_a_save_cut_short_never_leaves_an_older_resume_state_beside_newer_weights(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import acache_lab.train.trainer as trainer
+
+    real = Batcher.batch
+
+    def ctrl_c_at(at):
+        def batch(self, step):
+            if step == at:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(self, step)
+        return batch
+
+    monkeypatch.setattr(Batcher, "batch", ctrl_c_at(2))
+    train(small_run(tmp_path / "run"), progress=False)
+    assert (tmp_path / "run" / "resume_state.pt").is_file()
+    monkeypatch.setattr(Batcher, "batch", ctrl_c_at(4))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies while the loss plot is written, after the new weights
+
+    monkeypatch.setattr(trainer, "plot_loss", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(small_run(tmp_path / "run"), progress=False, resume=True)
+    assert not (tmp_path / "run" / "resume_state.pt").exists()
+    (tmp_path / "run" / "resume_state.pt").write_bytes(b"cut")
+    with pytest.raises(ValueError, match="resume_state.pt cannot be read .* start the run again without --resume"):
+        train(small_run(tmp_path / "run"), progress=False, resume=True)
+
+
+def test_an_output_that_cannot_be_written_is_named_before_any_step(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(Batcher, "batch", lambda self, step: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match="cannot write the run's output to .*a-file"):
+        train(small_run(tmp_path / "a-file" / "run"), progress=False)
+
+
+def test_a_row_longer_than_the_models_context_is_named(tmp_path):
+    config = small_run(tmp_path / "run", model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64,
+                                                          max_seq_len=32), min_sentences=6, max_sentences=6)
+    with pytest.raises(ValueError, match="a qa1 example in the .* layout takes \\d+ tokens, more than the model's "
+                                         "max_seq_len of 32"):
+        train(config, progress=False)
