@@ -30,10 +30,20 @@ class AffixDirectory:
         self.totals: dict[str, int] = defaultdict(int)  # replica -> affix tokens held
         self.seen: OrderedDict[tuple[str, str], int] = OrderedDict()  # (key, replica) -> tokens
         self.stats: dict[str, dict[str, int]] = {}
+        self.known: set[str] = set()  # replicas whose full report this instance holds
+        self.gone: OrderedDict[str, None] = OrderedDict()  # replicas forgotten: their late reports are ignored
 
-    def report(self, replica: str, events: list[tuple[str, str, int]], stats: dict[str, int] | None = None) -> None:
+    def report(self, replica: str, events: list[tuple[str, str, int]], stats: dict[str, int] | None = None,
+               full: bool = False) -> bool:
         """Applies a replica's events in order; ``stats`` (its cumulative affix hits and queries) replaces
-        the last ones it sent."""
+        the last ones it sent. ``full``: the events name every affix the replica holds now (its first report, or
+        one after a report was lost), replacing what the directory had of it. Returns whether the directory knows
+        the replica from a full report: False after the directory restarted empty, so that the replica sends one."""
+        if replica in self.gone:
+            return True  # a late report of a replica that is gone: nothing to resend
+        if full:
+            self._drop_held(replica)
+            self.known.add(replica)
         for kind, key, tokens in events:
             if kind not in EVENT_KINDS:
                 raise ValueError(f"unknown affix event {kind!r}; expected one of {EVENT_KINDS}")
@@ -51,6 +61,7 @@ class AffixDirectory:
                     self.seen.popitem(last=False)
         if stats is not None:
             self.stats[replica] = dict(stats)
+        return replica in self.known
 
     def holdings(self, spans: dict[str, int], replicas: list[str],
                  in_flight: dict[str, dict[str, int]] | None = None) -> dict[str, Holding]:
@@ -68,15 +79,23 @@ class AffixDirectory:
         return out
 
     def forget(self, replica: str) -> None:
-        """A replica that died takes its affixes with it."""
+        """A replica that died, or that Serve replaced or removed, takes its affixes with it; a report of its that
+        arrives later (reports of different replicas are not ordered) is ignored."""
+        self._drop_held(replica)
+        for pair in [p for p in self.seen if p[1] == replica]:
+            del self.seen[pair]
+        self.stats.pop(replica, None)
+        self.known.discard(replica)
+        self.gone[replica] = None
+        while len(self.gone) > self.max_seen:
+            self.gone.popitem(last=False)
+
+    def _drop_held(self, replica: str) -> None:
         for key in [k for k, owners in self.held.items() if replica in owners]:
             del self.held[key][replica]
             if not self.held[key]:
                 del self.held[key]
         self.totals.pop(replica, None)
-        for pair in [p for p in self.seen if p[1] == replica]:
-            del self.seen[pair]
-        self.stats.pop(replica, None)
 
     def snapshot(self) -> dict:
         """Per replica: affixes and tokens held, hits and queries; and the hit rate over all of them."""

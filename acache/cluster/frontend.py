@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
 
 from acache.affix.prompt import Affix, affix_key
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart
@@ -23,12 +24,13 @@ from acache.inputs import InputProcessor
 from acache.models.loader import read_config
 from acache.models.tokenizer import Tokenizer
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
-from acache.server.guard import authorized
+from acache.server.guard import authorized, protected
 from acache.server.protocol import AffixRegistration, ChatCompletionRequest, error_body
 from acache.server.serving_affixes import leading_affix_ids
 
 log = logging.getLogger("acache.cluster")
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
 
@@ -95,6 +97,12 @@ def error(status: int, message: str, kind: str = "server_error") -> JSONResponse
     return JSONResponse(error_body(message, kind), status_code=status)
 
 
+def unkeyed() -> JSONResponse:
+    """The single server's answer to a request without the API key (:class:`acache.server.guard.Guard`)."""
+    return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   "authentication_error", code="invalid_api_key"), status_code=401)
+
+
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None once it passes ``limit`` bytes (counted as received, whatever the headers say)."""
     chunks, size = [], 0
@@ -147,6 +155,8 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
                 return StreamingResponse(_relay(stream), status_code=start.status, headers=_headers(start))
             except StopAsyncIteration:
                 return error(502, "the replica ended the request without an answer")
+            except serve.exceptions.BackPressureError as exc:  # every replica's queue is full: come back later
+                return error(503, f"every replica is busy ({exc}); try again")
             except ray.exceptions.RayTaskError as exc:  # raised by the replica's own code: a retry would too
                 log.warning("replica failed on %s: %s", forwarded.path, exc)
                 return error(500, "the replica failed on this request; its log has the details")
@@ -159,19 +169,26 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
         return error(503, f"the replica serving this request died and {tries - 1} retry failed too "
                           f"({type(last).__name__}); the cluster is replacing it, try again")
 
+    def keyed(request: Request) -> bool:
+        return settings.api_key is None or authorized(request.headers.get("authorization", ""), settings.api_key)
+
     @app.get("/cluster/stats")
-    async def stats():
+    async def stats(request: Request):
         """Per replica: shared affixes held, affix hits and queries (from the replicas' own reports)."""
+        if not keyed(request):
+            return unkeyed()
         return await directory.snapshot.remote()
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def relay(path: str, request: Request):
         path = "/" + path
+        trusted = keyed(request)
+        if protected(path) and not trusted:  # refused here, as the single server refuses it: no body read, no replica
+            return unkeyed()
         body = await read_body(request, settings.max_request_bytes)
         if body is None:
             return error(413, f"request body exceeds {settings.max_request_bytes} bytes", "invalid_request_error")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
-        trusted = settings.api_key is None or authorized(request.headers.get("authorization", ""), settings.api_key)
         parsed: object = None
         spans, registered = (), None
         if trusted and request.method == "POST" and body:

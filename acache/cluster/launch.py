@@ -73,8 +73,10 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
     """Deploys the application and returns once every replica is ready (Serve keeps running after)."""
     connect(cluster)
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    # restarted if it dies (empty: the replicas then report in full, as the directory asks them to)
     directory = ray.remote(AffixDirectory).options(name=cluster.directory, namespace=NAMESPACE,
-                                                   lifetime="detached", get_if_exists=True, num_cpus=0).remote()
+                                                   lifetime="detached", get_if_exists=True, num_cpus=0,
+                                                   max_restarts=-1, max_task_retries=-1).remote()
     ray.get(directory.snapshot.remote())
     if cluster.router == "span":
         router = RequestRouterConfig(request_router_class=SpanAwareRouter, request_router_kwargs={

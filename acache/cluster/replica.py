@@ -54,16 +54,21 @@ class EngineReplica:
         self.cache_dir = cache_dir
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         affixes = self.llm.engine.affixes
-        self._events: collections.deque = collections.deque(
-            ("stored", e.key, e.length) for e in affixes.entries.values())
+        self._events: collections.deque = collections.deque()
+        self._full = True  # the next report names every affix held: the first, and the one after a lost report
         affixes.listeners.append(lambda e: self._events.append((e.kind, e.key, e.num_tokens)))
         self.app.state.affixer.listeners.append(lambda key, n: self._events.append(("seen", key, n)))
-        self.directory = ray.get_actor(settings.directory, namespace=settings.namespace)
+        self._directory_name, self._namespace = settings.directory, settings.namespace
         self._started = False
         self._late_flushes: set[asyncio.Task] = set()
-        if self._events:
-            log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(self._events), cache_dir)
-        ray.get(self._report())  # before its first request: the router knows at once what it holds
+        if len(affixes):
+            log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(affixes), cache_dir)
+        self._directory = None
+        try:  # before its first request: the router knows at once what it holds
+            ray.get(self._report(self._taken()))
+        except Exception as exc:  # the directory is down: the replica serves, and reports in full once it is back
+            self._full = True
+            log.warning("replica %s could not report to the affix directory: %s", self.replica_id, exc)
 
     def check_health(self) -> None:
         """Serve's periodic health check: a replica whose engine failed is replaced, and is not ready meanwhile."""
@@ -71,21 +76,41 @@ class EngineReplica:
         if error is not None:
             raise RuntimeError(f"the engine of replica {self.replica_id} failed: {type(error).__name__}: {error}")
 
-    def _report(self):
-        """Sends the events since the last report, and the cumulative hit counts, to the directory."""
+    def _taken(self) -> list[tuple[str, str, int]]:
         events = []
         while self._events:
             events.append(self._events.popleft())
+        return events
+
+    def _report(self, events: list[tuple[str, str, int]]):
+        """Sends ``events`` (those since the last report), and the cumulative hit counts, to the directory; a full
+        report (``self._full``) names every affix held instead of the stored and evicted events. Returns the call,
+        whose answer says whether the directory knows this replica."""
+        full, self._full = self._full, False
+        sent = events
+        if full:
+            held = [("stored", h.key, len(h.token_ids)) for h in self.llm.engine.affixes.entries.values()]
+            sent = held + [e for e in events if e[0] == "seen"]
         stats = self.llm.engine.affixes.stats
-        return self.directory.report.remote(self.replica_id, events, {"hits": stats.hits, "queries": stats.queries})
+        if self._directory is None:
+            self._directory = ray.get_actor(self._directory_name, namespace=self._namespace)
+        return self._directory.report.remote(self.replica_id, sent, {"hits": stats.hits, "queries": stats.queries},
+                                             full)
 
     async def _flush(self) -> None:
         """Reports without failing the request it follows: a directory that is gone costs the router its map
-        (it then routes by load), never an answer."""
+        (it then routes by load), never an answer. A report that did not arrive puts its events back and makes
+        the next one full, as does a directory that restarted empty."""
+        events = self._taken()
         try:
-            await self._report()
+            known = await self._report(events)
         except Exception as exc:
+            self._events.extendleft(reversed(events))
+            self._full, self._directory = True, None
             log.warning("replica %s could not report to the affix directory: %s", self.replica_id, exc)
+            return
+        if not known:
+            self._full = True
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Serves one forwarded request; the directory hears of its affix events before the request ends (those of

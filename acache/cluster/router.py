@@ -40,7 +40,9 @@ class SpanAwareRouter(RequestRouter):
         self._directory = None
         self._balance = Balance(balance_absolute, balance_relative)
         self._in_flight: dict[str, tuple[str, dict[str, int], float]] = {}  # request id -> (replica, spans, since)
-        self._done_early: dict[str, float] = {}  # finished before its routing was recorded
+        # (request, replica) that finished before its routing was recorded (a try the replica rejected ends before
+        # the retry is routed elsewhere: only a completion from the replica routed to cancels the record)
+        self._done_early: dict[tuple[str, str], float] = {}
 
     @property
     def directory(self):
@@ -100,13 +102,13 @@ class SpanAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         spans = request_spans(pending_request)
         request_id = pending_request.metadata.internal_request_id
-        if spans and self._done_early.pop(request_id, None) is None:
+        if spans and self._done_early.pop((request_id, replica_id.unique_id), None) is None:
             self._in_flight[request_id] = (replica_id.unique_id, spans, time.monotonic())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         entry = self._in_flight.get(internal_request_id)
         if entry is None:
-            self._done_early[internal_request_id] = time.monotonic()
+            self._done_early[(internal_request_id, replica_id.unique_id)] = time.monotonic()
             while len(self._done_early) > 4096:  # most are requests without spans, never routed by them
                 del self._done_early[next(iter(self._done_early))]
         elif entry[0] == replica_id.unique_id:  # not a rejected earlier try of the same request
@@ -114,9 +116,19 @@ class SpanAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        dead = replica_id.unique_id
-        self._in_flight = {k: v for k, v in self._in_flight.items() if v[0] != dead}
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of replicas: those that left it (replaced after a failed health check, on a redeploy or
+        a scale-down, which never reach :meth:`on_replica_actor_died`) are forgotten too."""
+        before = {r.unique_id for r in getattr(self, "_replica_id_set", set())}
+        super().update_replicas(replicas)
+        for gone in before - {r.replica_id.unique_id for r in replicas}:
+            self._forget(gone)
+
+    def _forget(self, replica: str) -> None:
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v[0] != replica}
         try:
-            self.directory.forget.remote(dead)
+            self.directory.forget.remote(replica)
         except (ray.exceptions.RayError, ValueError) as exc:
-            log.warning("could not tell the affix directory that replica %s died: %s", dead, exc)
+            log.warning("could not tell the affix directory that replica %s left: %s", replica, exc)

@@ -54,6 +54,8 @@ class NoSharedAffixes:
     def __init__(self, family: str) -> None:
         self.family = family
         self.stats = CacheStats()
+        self.entries: dict = {}  # as an affix cache's, for what reads one (a cluster replica's reports)
+        self.listeners: list = []
 
     def __len__(self) -> int:
         return 0

@@ -13,6 +13,11 @@ from acache.server.protocol import error_body
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
+def protected(path: str) -> bool:
+    """The paths that need the API key where there is one: /v1 and the tokenizer endpoints."""
+    return path.startswith("/v1") or path in TOKENIZER_PATHS
+
+
 def authorized(header: str, key: str) -> bool:
     """``Bearer <key>`` (the scheme in any case), compared in constant time."""
     scheme, _, token = header.strip().partition(" ")
@@ -37,8 +42,8 @@ class Guard:
             return
         headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
-        protected = self.api_key is not None and (path.startswith("/v1") or path in TOKENIZER_PATHS)
-        if protected and not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
+        key = headers.get(b"authorization", b"").decode("latin-1")
+        if self.api_key is not None and protected(path) and not authorized(key, self.api_key):
             await self._refuse(send, 401, error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                                      "authentication_error", code="invalid_api_key"))
             return

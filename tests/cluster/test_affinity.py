@@ -73,3 +73,25 @@ def test_sightings_and_stray_evictions_leave_no_entries_behind():
     d = AffixDirectory(max_seen=4)
     d.report("a", [("seen", f"doc{i}", 5) for i in range(100)] + [("evicted", "never-stored", 5)])
     assert d.held == {} and len(d.seen) == 4 and d.snapshot()["replicas"] == {}
+
+
+def test_a_full_report_replaces_what_the_directory_had_of_the_replica():
+    d = AffixDirectory()
+    assert d.report("a", [("stored", "x", 5), ("stored", "y", 3)], full=True)
+    assert d.report("a", [("evicted", "x", 5)])  # an increment: it knows the replica
+    d.report("a", [("stored", "z", 4), ("seen", "w", 2)], full=True)  # e.g. after a report was lost
+    assert set(d.held) == {"z"} and d.totals["a"] == 4 and d.seen[("w", "a")] == 2
+
+
+def test_a_directory_restarted_empty_asks_each_replica_for_a_full_report():
+    fresh = AffixDirectory()
+    assert fresh.report("a", [("evicted", "x", 5)]) is False  # an increment from a replica it never heard in full
+    assert fresh.report("a", [("stored", "y", 3)], full=True) is True
+
+
+def test_a_forgotten_replica_stays_forgotten_when_its_late_report_arrives():
+    d = AffixDirectory()
+    d.report("a", [("stored", "x", 5)], full=True)
+    d.forget("a")
+    assert d.report("a", [("stored", "y", 3)], {"hits": 1, "queries": 2}) is True  # late: ignored, nothing resent
+    assert dict(d.held) == {} and "a" not in d.totals and d.snapshot()["replicas"] == {}

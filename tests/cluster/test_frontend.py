@@ -31,3 +31,12 @@ def test_health_is_not_ready_when_serve_cannot_be_asked():
     resp = front(broken).get("/health")
     assert resp.status_code == 503 and resp.json() == {"status": "unknown",
                                                        "error": "ConnectionError: no Serve controller"}
+
+
+def test_a_request_without_the_key_is_refused_at_the_front_door():
+    settings = FrontendSettings(str(default_model()), "dir", "ns", api_key="secret")
+    client = TestClient(build_frontend(settings, engine=None, directory=None, ready=lambda: 1))
+    for method, path in (("POST", "/v1/completions"), ("POST", "/tokenize"), ("GET", "/cluster/stats")):
+        resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
+    assert client.get("/health").status_code == 200  # a load balancer's probe needs no key
