@@ -186,7 +186,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                       "forward_time_s": s.forward_time_s, "wall_time_s": s.wall_time_s}
             if affix is not None:
                 record["affix"] = {"selector": affix.selector, "anchor_ratio": affix.anchor_ratio,
-                                   "anchor_depth": params.anchor_depth,
+                                   "anchor_depth": params.resolved_anchor_depth,
                                    "anchors": affix.anchors, "recomputed_per_refresh": affix.recomputed_per_refresh,
                                    "cached_tokens": affix.cached_tokens,
                                    "hits": affix.affix_hits, "misses": affix.affix_misses,

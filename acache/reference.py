@@ -93,7 +93,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
         elif reuse and spans and (anchors := admission_anchors(make_selector(params.selector, params.anchor_query),
                                                                state, cols, counts, prompt.token_ids)) is not None:
             state.admit(shared, anchors)  # nothing to choose with a forward (no anchors, or a layout-only selector)
-        elif reuse and params.anchor_pass == "one":  # chosen inside the first refresh
+        elif reuse and params.resolved_anchor_pass == "one":  # chosen inside the first refresh
             state.admit(shared, select=True)
         elif reuse:
             placements = [[(span.start, entry) for span, entry in zip(prompt.affixes, held, strict=True)]]
@@ -196,10 +196,9 @@ def reference_generate_state_cache(model: SSMBlockDiffusionLM | R2LM, prompt: Se
     """Decodes one request on its own, the reference the engine is tested against."""
     cfg = model.config
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-    if not prompt or bad:
-        raise ValueError("prompt must be a non-empty list of token ids in the vocabulary"
-                         + (f" (got {bad[0]})" if bad else ""))
-    ids = tuple(int(t) for t in prompt)
+    if bad:
+        raise ValueError(f"prompt token ids must be in the vocabulary (got {bad[0]})")
+    ids = tuple(int(t) for t in prompt)  # empty too: the answer starts at column 0, as on the engine
     plain = AffixPrompt(ids, len(ids))
     check_state_request(model.family, plain, params)
     if generator is None:

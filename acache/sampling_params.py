@@ -102,6 +102,7 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # an iterator is read once, here
         for name in ("gen_length", "block_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -137,7 +138,6 @@ class SamplingParams:
             raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.selector is not None:
             if self.selector not in SELECTOR_CHOICES:
                 raise ValueError(f"selector must be one of {', '.join(SELECTOR_CHOICES)} or None, "
@@ -169,8 +169,20 @@ class SamplingParams:
                              f"anchor selector (not None or BiCache), got {self.selector!r}")
         if self.anchor_query not in ANCHOR_QUERIES:
             raise ValueError(f"anchor_query must be one of {', '.join(ANCHOR_QUERIES)}, got {self.anchor_query!r}")
-        object.__setattr__(self, "anchor_pass", self._resolve_anchor_pass())
-        object.__setattr__(self, "anchor_depth", self._resolve_anchor_depth())
+        # resolved beside the fields, which keep what was asked: replace(params, selector=...) resolves afresh
+        object.__setattr__(self, "_anchor_pass", self._resolve_anchor_pass())
+        object.__setattr__(self, "_anchor_depth", self._resolve_anchor_depth())
+
+    @property
+    def resolved_anchor_pass(self) -> str | None:
+        """Where the anchors are chosen: ``one`` (inside the first refresh) or ``two`` (a pass of their own), the
+        selector's default where ``anchor_pass`` is None; None without anchor selection (no selector, BiCache)."""
+        return self._anchor_pass
+
+    @property
+    def resolved_anchor_depth(self) -> float:
+        """The share of the layers a one-pass selection scores through: ``anchor_depth``, 1.0 where None."""
+        return self._anchor_depth
 
     def _resolve_anchor_pass(self) -> str | None:
         """``anchor_pass`` checked and resolved: None without anchor selection (no selector, BiCache)."""
@@ -203,12 +215,12 @@ class SamplingParams:
             return 1.0
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 < depth <= 1.0:
             raise ValueError(f"anchor_depth must be a number in (0, 1], got {depth!r}")
-        if depth < 1.0 and self.anchor_pass is None:
+        if depth < 1.0 and self._anchor_pass is None:
             raise ValueError(f"anchor_depth {depth} is how deep a one-pass selection scores: it needs an anchor "
                              f"selector (not None or BiCache), got {self.selector!r}")
-        if depth < 1.0 and self.anchor_pass != "one":
+        if depth < 1.0 and self._anchor_pass != "one":
             raise ValueError(f"anchor_depth {depth} scores inside the first refresh: it needs anchor_pass 'one' (the "
-                             f"selector {self.selector!r} resolves to {self.anchor_pass!r})")
+                             f"selector {self.selector!r} resolves to {self._anchor_pass!r})")
         return float(depth)
 
     def affix_reuse(self, has_affixes: bool) -> tuple[bool, bool]:

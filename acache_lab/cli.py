@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from acache.cli import _add_model_args, _positive_int, parse_size
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
@@ -12,9 +13,9 @@ from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SEL
 
 def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--examples", type=int, default=examples, help=f"held-out requests per task and layout "
+    p.add_argument("--examples", type=_positive_int, default=examples, help=f"held-out requests per task and layout "
                    f"(default {examples})")
-    p.add_argument("--sentences", type=int, default=6, help="context length in sentences")
+    p.add_argument("--sentences", type=_positive_int, default=6, help="context length in sentences")
     p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
 
 
@@ -204,7 +205,7 @@ def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="shape", choices=["shape", "tasks"],
                    help="shape: random tokens in the paper's GSM8K-like shape; tasks: held-out qa1 stories (needs "
                         "--model)")
-    p.add_argument("--sentences", type=int, default=8, help="story length for --workload tasks")
+    p.add_argument("--sentences", type=_positive_int, default=8, help="story length for --workload tasks")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--requests", type=int, default=None,
                    help="requests a run (default: the batch size), through an engine of that many slots")
@@ -278,14 +279,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 OUTPUT_ARGS = ("out", "json", "plot")
 
 
-def _guarded(func):
-    """Runs a command after checking that its outputs overwrite no file git tracks (unless --overwrite)."""
+def _guarded(func, out: str | None = "dir"):
+    """Runs a command after checking that its outputs overwrite no file git tracks (unless --overwrite) and can be
+    written where they go: ``--out`` a folder (``out="dir"``) or a file (``"file"``), ``--json`` and ``--plot``
+    files. A long run that finds out at its end loses what it computed."""
     def run(args: argparse.Namespace) -> int:
         from acache_lab.tracked import refuse_tracked
 
         refuse_tracked([getattr(args, name, None) for name in OUTPUT_ARGS], args.overwrite)
+        kinds = {"out": out, "json": "file", "plot": "file"}
+        for name, kind in kinds.items():
+            where = getattr(args, name, None)
+            if where is not None and kind is not None:
+                writable(Path(where), kind, f"--{name}")
         return func(args)
     return run
+
+
+def writable(path: Path, kind: str, flag: str) -> None:
+    """Refuses a ``flag`` path that is the wrong kind of thing or lies under a file; makes its folder."""
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; it names a folder")
+    if kind == "file" and path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; it names a file")
+    folder = path if kind == "dir" else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"{flag} {path}: a file lies on its way") from None
 
 
 def _add_overwrite(p: argparse.ArgumentParser) -> None:
@@ -307,10 +328,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "starting from the one before through its init_from")
     p.add_argument("--out", default=None, help="override the (last config's) output directory")
     p.add_argument("--resume", action="store_true",
-                   help="continue a run stopped with Ctrl-C: configs already finished are skipped, the stopped one "
-                        "continues from its output directory")
+                   help="continue a run stopped by Ctrl-C or its time limit: configs already finished are skipped, "
+                        "the stopped one continues from its output directory")
     _add_overwrite(p)
-    p.set_defaults(func=_guarded(_cmd_train))
+    p.set_defaults(func=_guarded(_cmd_train, out=None))  # the trainer checks its own
 
     p = sub.add_parser("finetune-affix", help="LoRA fine-tuning of a checkpoint (LLaDA, Dream) with the affix "
                                               "isolation objective (needs the lora extra: pip install "
@@ -363,7 +384,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_study_args(p, examples=100)
     p.add_argument("--tasks", default=None, help="comma-separated tasks (default: qa1,arith,twohop; codes is the "
                    "demonstration task of models/acache-tiny-plus)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=_positive_int, default=32)
     p.add_argument("--json", default=None)
     p.add_argument("--block-length", type=int, default=None,
                    help="blocks that divide each task's answer region, or --gen-length (default: the region as one "
@@ -393,7 +414,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "demonstrations as its affix)")
     p.add_argument("--layouts", default=None, help="comma-separated layouts of prefix,infix,suffix (default: all "
                    "three), and two-affix for codes (demonstrations and the request's story, each cached)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=_positive_int, default=32)
     p.add_argument("--out", default="results/accuracy", help="directory for accuracy.json/.md/.png")
     p.add_argument("--json", default=None, help="also write the JSON here")
     p.add_argument("--bicache-profile", default=None,
@@ -427,9 +448,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "--auto-reuse on vs verified against off")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--tasks", default="qa1,twohop,arith,count", help="comma-separated held-out tasks")
-    p.add_argument("--stories", type=int, default=4, help="held-out contexts a task, each asked all its questions")
-    p.add_argument("--rounds", type=int, default=3, help="times the whole burst is sent")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--stories", type=_positive_int, default=4,
+                   help="held-out contexts a task, each asked all its questions")
+    p.add_argument("--rounds", type=_positive_int, default=3, help="times the whole burst is sent")
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight at once")
     p.add_argument("--checks", type=int, default=4, help="the server's --reuse-checks")
     p.add_argument("--audit-every", type=int, default=16, help="the server's --reuse-audit-every")
     p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
@@ -443,14 +465,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", default=None,
                    help="JSONL of {affix, prompt, layout, answer_prompt}, or 'tasks' for requests from the task "
                         "suite (the project's own models); default: random-token requests")
-    p.add_argument("--samples", type=int, default=64, help="requests for 'tasks' or random calibration")
+    p.add_argument("--samples", type=_positive_int, default=64, help="requests for 'tasks' or random calibration")
     p.add_argument("--gen-length", type=int, default=32)
     p.add_argument("--tau", type=float, default=0.97)
-    p.add_argument("--bins", type=int, default=10)
+    p.add_argument("--bins", type=_positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     _add_model_args(p)
     _add_overwrite(p)
-    p.set_defaults(func=_guarded(_cmd_bicache_profile))
+    p.set_defaults(func=_guarded(_cmd_bicache_profile, out="file"))
 
     bench_parser = sub.add_parser("bench", help="benchmarks (default: the engine benchmark)")
     _add_engine_bench_args(bench_parser)
@@ -543,3 +565,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_context))
+    _options_after_the_benchmark(bench_parser, bench)
+
+
+def _options_after_the_benchmark(parser: argparse.ArgumentParser, benches: argparse._SubParsersAction) -> None:
+    """``acache bench [options]`` runs the engine benchmark; ``acache bench NAME [options]`` another. Options
+    given before a NAME would be read by ``bench`` and then replaced by NAME's defaults, silently: refused."""
+    parse = parser.parse_known_args
+
+    def checked(args=None, namespace=None):
+        given = list(args) if args is not None else sys.argv[1:]
+        named = next((i for i, a in enumerate(given) if a in benches.choices), None)
+        if named is not None and any(a.startswith("-") for a in given[:named]):
+            parser.error(f"put the options after the benchmark's name: acache bench {given[named]} "
+                         + " ".join(given[:named] + given[named + 1:]))
+        return parse(args, namespace)
+
+    parser.parse_known_args = checked

@@ -87,7 +87,7 @@ def test_wrong_types_raise(kwargs, message):
 def test_anchor_pass_resolves_once(kwargs, resolved):
     """Where anchors are chosen is resolved at construction: inside the refresh where the selector has that
     form and nothing asks for the separate pass."""
-    assert SamplingParams(**kwargs).anchor_pass == resolved
+    assert SamplingParams(**kwargs).resolved_anchor_pass == resolved
 
 
 @pytest.mark.parametrize("kwargs, resolved", [
@@ -101,7 +101,7 @@ def test_anchor_pass_resolves_once(kwargs, resolved):
 def test_anchor_depth_resolves_once(kwargs, resolved):
     """How deep a one-pass selection scores is resolved at construction to a float: 1.0 (every
     layer) unless named."""
-    depth = SamplingParams(**kwargs).anchor_depth
+    depth = SamplingParams(**kwargs).resolved_anchor_depth
     assert depth == resolved and isinstance(depth, float)
 
 
@@ -111,3 +111,40 @@ def test_anchor_depth_resolves_once(kwargs, resolved):
 ])
 def test_affix_reuse_needs_a_policy_and_an_affix(policy, has_affixes, want):
     assert SamplingParams(selector=policy).affix_reuse(has_affixes) == want
+
+
+def test_replace_resolves_afresh_from_what_was_asked():
+    from dataclasses import replace
+
+    one = SamplingParams(selector="attention")
+    assert one.anchor_pass is None and one.resolved_anchor_pass == "one" and one.resolved_anchor_depth == 1.0
+    assert replace(one, probe_step=True).resolved_anchor_pass == "two"
+    assert replace(one, selector=None).resolved_anchor_pass is None
+    assert replace(one, selector="kv-deviation").resolved_anchor_pass == "two"
+    assert replace(SamplingParams(selector="kv-deviation"), selector="attention").resolved_anchor_pass == "one"
+    with pytest.raises(ValueError, match="has no one-pass form"):
+        replace(one, anchor_pass="one", selector="kv-deviation")  # asked for, so still refused
+
+
+def test_stop_token_ids_from_an_iterator_are_kept():
+    assert SamplingParams(stop_token_ids=(t for t in [5, 7])).stop_token_ids == (5, 7)
+    assert SamplingParams(stop_token_ids=iter([3])).stop_token_ids == (3,)
+    with pytest.raises(ValueError, match="non-negative integers"):
+        SamplingParams(stop_token_ids=(t for t in [5, -1]))
+
+
+def test_anchor_counts_are_the_ceiling_of_ratio_times_length_at_any_ratio():
+    from acache.affix.selectors.base import anchor_count
+
+    assert [anchor_count(r, n) for r, n in ((0.3, 10), (0.2, 50), (1e-12, 100), (0.5 + 1e-12, 2), (0.0, 9))] == \
+        [3, 10, 1, 2, 0]
+
+
+def test_a_tiny_temperature_samples_near_the_argmax_without_overflow():
+    import torch
+
+    from acache.decoding.sampler import propose
+
+    logits = -torch.rand(3, 5, 40) * 50 - 1000  # every logit far below zero
+    x0, _ = propose(logits, 1e-310, [torch.Generator().manual_seed(i) for i in range(3)])
+    assert torch.equal(x0, logits.argmax(-1))

@@ -101,4 +101,4 @@ def bicache_depth(policy: str, ratio: float, num_layers: int, affix_share: float
 
 def matched_depth(ratio: float, num_layers: int) -> int:
     """BiCache matched to an anchor ratio: ``ceil(ratio * L)`` deep layers."""
-    return min(num_layers, math.ceil(ratio * num_layers - 1e-9))
+    return min(num_layers, math.ceil(ratio * num_layers * (1 - 1e-12)))

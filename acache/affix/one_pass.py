@@ -116,7 +116,7 @@ def selecting_inputs(rows: list[tuple[RequestState, list[tuple[int, int]]]], dev
         gen[i, state.gen_start:state.gen_start + state.params.gen_length] = True
     rules = [SELECTORS[state.params.selector].one_pass for state, _ in rows]
     counts = [request_anchor_counts(state, spans) for state, spans in rows]
-    depths = [state.params.anchor_depth for state, _ in rows]
+    depths = [state.params.resolved_anchor_depth for state, _ in rows]
     return SelectingInputs(tokens, positions, valid, own, affix_slot, gen, rules, counts, depths)
 
 

@@ -22,7 +22,9 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
     # log p(x0) = logit(x0) - logsumexp(logits): one reduction a row, no [B, L, V] log-softmax written out
     log_norm = torch.logsumexp(logits, -1)
     if temperature > 0:
-        scores = logits.double() / temperature
+        # argmax of logits / T + Gumbel, written as logits - T * log(Exp noise) (the same ranking): a tiny T
+        # never overflows to infinities, where every score of a row would tie
+        scores = logits.double()
         if mask_token_id is not None:
             scores[..., mask_token_id] = float("-inf")
         noise = torch.ones_like(scores)
@@ -31,7 +33,7 @@ def propose(logits: torch.Tensor, temperature: float, generators: list[torch.Gen
                 continue
             gen = generators[row] if generators is not None else None
             noise[row].exponential_(generator=gen)
-        x0 = (scores - noise.log()).max(-1).indices
+        x0 = (scores - temperature * noise.log()).max(-1).indices
     else:
         x0 = first_max(logits, mask_token_id)
     conf = (logits.gather(-1, x0[..., None]).squeeze(-1) - log_norm).exp()

@@ -148,7 +148,7 @@ class Scheduler:
                 req.state.admit(req.shared_columns, anchors)
                 self.kv.map_slots(req)
                 self._count_anchors(req)
-            elif req.params.anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
+            elif req.params.resolved_anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
                 if req.shared:
                     req.state.admit(req.shared_columns, select=True)
                 else:  # every affix computed with the request: nothing to choose
@@ -170,7 +170,8 @@ class Scheduler:
                 plan = req.state.plan()
                 split = self.num_layers - req.bicache_depth if req.bicache and plan.refresh else None
                 focus = None if plan.refresh else req.params.focus_layers  # one early depth a forward
-                depth = req.params.anchor_depth if plan.select else None  # a selecting forward scores to one depth
+                # a selecting forward scores to one depth
+                depth = req.params.resolved_anchor_depth if plan.select else None
                 key = (plan.refresh, split, len(plan.fed) > req.params.block_length, focus, plan.select, depth)
                 cost = self.kv.step_cost(req, plan)
             if used.get(key, 0) and used[key] + cost > budget:

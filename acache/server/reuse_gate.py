@@ -63,7 +63,7 @@ def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
     that leaves a two-column answer unchanged can still change the same question's four-column one
     (docs/accuracy.md, "Answers given room"). The seed is not part of it: a check at one seed vouches for the reuse,
     not for one draw."""
-    return (span_keys, params.selector, params.anchor_ratio, params.anchor_pass, params.anchor_depth,
+    return (span_keys, params.selector, params.anchor_ratio, params.resolved_anchor_pass, params.resolved_anchor_depth,
             params.anchor_query, params.probe_step, params.gen_length, params.block_length, params.steps,
             params.remasking, params.threshold, params.factor, params.temperature, params.cache,
             params.refresh_interval, params.far_mask_window, params.focus_layers, params.focus_ratio)

@@ -98,7 +98,8 @@ def run_decode_bench(model: DiffusionLM, prompt_length: int, params_by_cache: di
 
 
 def markdown_table(rows: list[DecodeBenchRow]) -> str:
-    lines = ["| cache | tokens/s | wall s | forward s | NFE | refreshes | speed-up vs none |",
+    base = next((r.cache for r in rows if r.cache == "none"), rows[0].cache if rows else "none")
+    lines = [f"| cache | tokens/s | wall s | forward s | NFE | refreshes | speed-up vs {base} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.cache} | {r.tokens_per_s:.2f} | {r.wall_time_s:.2f} | {r.forward_time_s:.2f} | "

@@ -76,7 +76,7 @@ class Workload:
         if self.anchors == 0:  # nothing to choose: every refresh is direct reuse's
             return self.blocks * self.refresh_tokens(True) + in_block
         one = layers is not None and SamplingParams(selector=self.selector, anchor_pass=self.anchor_pass,
-                                                    probe_step=False).anchor_pass == "one"
+                                                    probe_step=False).resolved_anchor_pass == "one"
         if one:
             canvas = self.affix_len + self.question_len + self.gen_length
             first = filtering_passes(self.selector, canvas, [self.affix_len], layers, self.ratio,
@@ -357,7 +357,7 @@ def mixed_markdown(homogeneous: ModeResult, mixed: ModeResult, grouped: ModeResu
     return "\n".join(lines)
 
 
-def plot(comparisons: list[Comparison], path: Path) -> bool:
+def plot(comparisons: list[Comparison], path: Path, ratio: float = 0.2) -> bool:
     try:
         import matplotlib
 
@@ -381,14 +381,26 @@ def plot(comparisons: list[Comparison], path: Path) -> bool:
         ax.set_xlabel("batch size")
         ax.set_title(title, fontsize=10)
     axes[0].legend()
-    fig.suptitle("ACache (ratio 0.2) vs dual cache alone, same engine")
+    fig.suptitle(f"ACache (ratio {ratio:g}) vs dual cache alone, same engine")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
+def batch_sizes(text: str) -> list[int]:
+    """``1,4,16``: distinct positive batch sizes, in the order given."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes whole numbers separated by commas, not {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-sizes takes distinct positive batch sizes, not {text!r}")
+    return sizes
+
+
 def main(args) -> int:
+    batch_sizes(args.batch_sizes)  # before the model loads
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be at least 1, not {args.requests}")
     if args.repeats < 1:
@@ -407,14 +419,14 @@ def main(args) -> int:
         if not args.model:
             raise ValueError("--workload tasks runs on a trained model: pass --model (the shipped one)")
         sample, w = make_task_requests(args.model, 1, args.sentences, args.seed)
-        w = replace(w, selector=args.selector, anchor_pass=args.anchor_pass)
+        w = replace(w, selector=args.selector, anchor_pass=args.anchor_pass, ratio=args.ratio)
         described += f"; task workload: one held-out qa1 story of {args.sentences} sentences shared by every request"
     else:
         sample = make_requests(model, w, 1, args.seed)
     # the ideal counts as the engine
     w = replace(w, exact=all(exact_affixes(model.config, sample[0], w.gen_length)),
                 fresh=sum(fresh_affix_columns(model.config, sample[0], w.gen_length, shifted=model.shifted_logits)))
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = batch_sizes(args.batch_sizes)
     results, comparisons = [], []
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -529,6 +541,6 @@ def main(args) -> int:
                                                "results": [asdict(r) for r in results],
                                                "comparisons": [asdict(c) for c in comparisons],
                                                "mixed": [asdict(r) for r in mixed]}, indent=2))
-    if args.plot and plot(comparisons, Path(args.plot)):
+    if args.plot and plot(comparisons, Path(args.plot), w.ratio):
         print(f"plot: {args.plot}")
     return 0

@@ -19,7 +19,7 @@ from acache.llm import LLM
 from acache.policies import LAYOUTS, ONE_PASS_SELECTORS
 from acache_lab.eval.cost import exact_affixes, fresh_affix_columns, request_passes
 from acache_lab.eval.metrics import REFERENCE_LABELS, REFERENCES, Cell, summary_table, sweep_table, target_table
-from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
+from acache_lab.eval.tasks import exact_matches, refuse_unread_suffix, task_params, task_prompts
 from acache_lab.tasks.generators import DEMO_TASKS, TASKS, held_out, parse_tasks
 from acache_lab.tasks.render import TWO_AFFIXES, answer_length, render_prompts
 
@@ -71,7 +71,7 @@ def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, task
                 params = task_params(task, gen_length, selector=policy, anchor_ratio=ratio, seed=seed, **extra)
                 correct = exact_matches(llm, prompts, exs, params)
                 cost = compute_cost(llm, prompts, task, None if label == "full" else policy, query, ratio,
-                                    params.anchor_pass, params.anchor_depth, gen_length)
+                                    params.resolved_anchor_pass, params.resolved_anchor_depth, gen_length)
                 cells.append(Cell(task, layout, label, ratio, correct, len(exs), cost, gen_length))
                 if label == "none":  # ratio 0 is direct reuse for every selector
                     cells += [Cell(task, layout, s, 0.0, correct, len(exs), cost, gen_length) for s in selectors
@@ -206,7 +206,7 @@ def parse_selectors(text: str | None, profiled: bool) -> tuple[str, ...]:
     if text is None:
         return every
     every += tuple(v for v in VARIANTS if v not in every)
-    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    chosen = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     bad = [x for x in chosen if x not in every]
     if bad or not chosen:
         hint = " (bicache-profiled needs --bicache-profile)" if "bicache-profiled" in bad else ""
@@ -219,7 +219,7 @@ def parse_ratios(text: str | None) -> tuple[float, ...]:
     if text is None:
         return RATIOS
     try:
-        ratios = tuple(float(x) for x in text.split(","))
+        ratios = tuple(dict.fromkeys(float(x) for x in text.split(",")))
     except ValueError:
         raise ValueError(f"--ratios takes comma-separated numbers in [0, 1], got {text!r}") from None
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
@@ -230,7 +230,7 @@ def parse_ratios(text: str | None) -> tuple[float, ...]:
 
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
-    layouts = tuple(args.layouts.split(",")) if args.layouts else LAYOUTS
+    layouts = tuple(dict.fromkeys(args.layouts.split(","))) if args.layouts else LAYOUTS
     bad = [x for x in layouts if x not in (*LAYOUTS, TWO_AFFIXES)]
     if bad:
         raise ValueError(f"unknown layout {bad[0]!r}; known: {', '.join((*LAYOUTS, TWO_AFFIXES))}")
@@ -241,10 +241,11 @@ def main(args) -> int:
     gen_length = getattr(args, "gen_length", None)
     for task in tasks:  # every task's room is checked before the model loads
         task_params(task, gen_length)
+    selectors = parse_selectors(args.selectors, bool(args.bicache_profile))  # before the model loads
+    ratios = parse_ratios(args.ratios)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
-    selectors = parse_selectors(args.selectors, bool(args.bicache_profile))
-    ratios = parse_ratios(args.ratios)
+    refuse_unread_suffix(llm, layouts)
     cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios,
                   gen_length=gen_length)
     written = write_report(cells, args.out)

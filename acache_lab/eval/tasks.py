@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from acache.affix.prompt import AffixPrompt
 from acache.llm import LLM
 from acache.policies import LAYOUTS
@@ -75,17 +77,21 @@ def refuse_unread_suffix(llm: LLM, layouts: Sequence[str]) -> None:
 
 def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
              layouts: tuple[str, ...] = LAYOUTS, overrides: dict | None = None,
-             gen_length: int | None = None) -> list[TaskScore]:
+             gen_length: int | None = None, progress: bool = True) -> list[TaskScore]:
     """Exact match per task and layout; ``overrides`` change the decoding (``block_length``, FOCUS, far-mask),
     ``gen_length`` the answer's room (:func:`task_params`)."""
     refuse_unread_suffix(llm, layouts)
     scores = []
+    bar = tqdm(total=len(tasks) * len(layouts) * examples, desc="eval tasks", unit="req", disable=not progress)
     for task in tasks:
         exs = held_out(task, examples, sentences, seed)
         for layout in layouts:
+            bar.set_postfix(task=task, layout=layout)
             params = task_params(task, gen_length, **dict(overrides or {}))
             correct = exact_matches(llm, task_prompts(llm, exs, layout), exs, params)
             scores.append(TaskScore(task, layout, correct, len(exs), gen_length))
+            bar.update(len(exs))
+    bar.close()
     return scores
 
 

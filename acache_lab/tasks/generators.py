@@ -249,6 +249,9 @@ def held_out(task: str, count: int, sentences: int, seed: int = 0) -> list[Examp
     k = 0
     while len(out) < count:
         rng = random.Random(f"eval:{task}:{EVAL_SEED_BASE + seed}:{k}")
-        out.extend(TRAIN_GENERATORS[task](rng, sentences))
+        drawn = TRAIN_GENERATORS[task](rng, sentences)
+        if not drawn:
+            raise ValueError(f"the {task} generator makes no example of {sentences} sentences")
+        out.extend(drawn)
         k += 1
     return out[:count]

@@ -1141,16 +1141,16 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
 
 
 def writable_out(out: str | Path) -> None:
-    """Makes the run's output folder, or says why it cannot be one, before any weight loads or step trains: a
-    run that finds out at its end loses what it trained."""
+    """Says why the run's output folder cannot be written, before any weight loads or step trains (a run that
+    finds out at its end loses what it trained); creates nothing."""
     root = Path(out)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"cannot write the run's output to {root}: {exc.strerror or exc}") from None
+    there = root
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    if not there.is_dir():
+        raise ValueError(f"cannot write the run's output to {root}: {there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write the run's output to {root}: {there} is not writable")
 
 
 def _clear_snapshots(config: TrainConfig, keep_whole: bool) -> None:

@@ -202,3 +202,10 @@ def test_the_token_budget_counts_what_a_cache_must_take_in(model):
     assert engine.kv.step_cost(req, req.state.plan()) == len(req.state.plan().fed) <= 8
     again = run_engine(model, prompts, params, max_num_batched_tokens=40)
     assert tokens(again) == reference(model, prompts, [params] * 3)
+
+
+def test_an_empty_prompt_decodes_on_the_engine_as_on_the_reference(model):
+    prompts = [[], *random_prompts([6], vocab=290, seed=9)]
+    params = [SamplingParams(**MIXED[0]), SamplingParams(**MIXED[3])]
+    outs = run_engine(model, prompts, params, [0, 1])
+    assert tokens(outs) == reference(model, prompts, params)

@@ -25,7 +25,7 @@ def anchor_count(ratio: float, n: int, selector: str | None = None) -> int:
         return 0
     if selector == "all":
         return n
-    return min(n, math.ceil(ratio * n - 1e-9))
+    return min(n, math.ceil(ratio * n * (1 - 1e-12)))
 
 
 def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tuple[int, int]],

@@ -220,3 +220,19 @@ def test_selection_share_reads_the_selecting_refresh_against_a_later_one():
                         selecting_refresh_s=3.0, selecting_refreshes=1)
     assert selection_share(dual, acache) == pytest.approx(0.2)
     assert selection_share(dual, ModeResult("acache", 16, 6.0, 16, 2.6, 14.0, 1.0, 1.0, 5, 5, refreshes=7)) is None
+
+
+@pytest.mark.parametrize("text", ["0", "1,1", "4,-2", "1,x", ""])
+def test_bad_batch_sizes_are_refused(text):
+    from acache_lab.bench.engine import batch_sizes
+
+    with pytest.raises(ValueError, match="--batch-sizes takes"):
+        batch_sizes(text)
+
+
+def test_the_task_workload_takes_the_ratio_asked_for(task_model_dir, capsys, tmp_path):
+    from acache.cli import main
+
+    assert main(["bench", "--model", str(task_model_dir), "--workload", "tasks", "--batch-sizes", "1", "--ratio",
+                 "0.5", "--no-mixed", "--no-warmup", "--json", str(tmp_path / "b.json")]) == 0
+    assert "ratio 0.5" in capsys.readouterr().out

@@ -215,3 +215,63 @@ def test_a_repeated_answer_is_not_an_exact_match():
 
     examples = [SimpleNamespace(answer=("kitchen",))] * 3
     assert exact_matches(Model(), [None] * 3, examples, task_params("qa1", 8)) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "tasks", "--sentences", "0"], "argument --sentences: not a positive integer: '0'"),
+    (["eval", "accuracy", "--examples", "0"], "argument --examples: not a positive integer: '0'"),
+    (["eval", "auto-reuse", "--stories", "0"], "argument --stories: not a positive integer: '0'"),
+    (["eval", "auto-reuse", "--rounds", "-1"], "argument --rounds: not a positive integer: '-1'"),
+    (["bench", "--json", "x.json", "decode"], "put the options after the benchmark's name: acache bench decode "
+                                              "--json x.json"),
+], ids=["sentences", "examples", "stories", "rounds", "options-before-the-benchmark"])
+def test_a_study_flag_that_cannot_run_is_refused_by_name(argv, message, capsys):
+    from acache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_generator_with_nothing_to_draw_is_named_rather_than_looped_on():
+    from acache_lab.tasks.generators import held_out
+
+    with pytest.raises(ValueError, match="the qa1 generator makes no example of 0 sentences"):
+        held_out("qa1", 3, 0)
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from acache.cli import main
+
+    monkeypatch.setattr("acache_lab.eval.accuracy.LLM", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    for argv, message in (
+            (["eval", "accuracy", "--out", str(tmp_path / "a-file")], "--out .*a-file is a file; it names a folder"),
+            (["eval", "accuracy", "--json", str(tmp_path / "a-folder")], "--json .*a-folder is a folder"),
+            (["eval", "accuracy", "--json", str(tmp_path / "a-file" / "x.json")], "a file lies on its way"),
+            (["bicache-profile", "--out", str(tmp_path / "a-folder")], "--out .*a-folder is a folder; it names a file"),
+            (["eval", "accuracy", "--selectors", "attention,attn", "--out", str(tmp_path / "r")],
+             "unknown study selector 'attn'")):
+        assert main(argv) == 2
+        assert __import__("re").search(message, capsys.readouterr().err), argv
+
+
+def test_a_block_causal_model_is_not_swept_in_the_suffix_layout(tmp_path, capsys):
+    from acache.cli import main
+    from acache_lab.train.trainer import ModelShape, TrainConfig, train
+
+    train(TrainConfig(out=str(tmp_path / "bd"), steps=1, batch_size=2, warmup=1, bf16=False, tasks=("qa1",),
+                      family="fast_dllm_v2", layouts=("prefix",),
+                      model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64, block_size=4)),
+          progress=False)
+    assert main(["eval", "accuracy", "--model", str(tmp_path / "bd"), "--examples", "1", "--tasks", "qa1",
+                 "--layouts", "infix,suffix", "--out", str(tmp_path / "r")]) == 2
+    assert "block-causal" in capsys.readouterr().err
+
+
+def test_repeated_selectors_and_ratios_are_swept_once():
+    from acache_lab.eval.accuracy import parse_ratios, parse_selectors
+
+    assert parse_selectors("attention,random,attention", False) == ("attention", "random")
+    assert parse_ratios("0.2,0.5,0.2") == (0.2, 0.5)

@@ -245,7 +245,7 @@ def one_pass_reference(model, prompt, monkeypatch, steps=1):
     monkeypatch.setattr(acache.reference, "_select_refresh", spy)
     params = SamplingParams(gen_length=GEN, block_length=GEN, steps=steps, cache="dual", selector="attention",
                             anchor_ratio=0.3, anchor_depth=0.3, remasking="low_confidence")
-    assert params.anchor_pass == "one"
+    assert params.resolved_anchor_pass == "one"
     ref = reference_generate(model, prompt, params, stop_token_ids=())
     return ref, seen["anchors"], seen["hidden"]
 
