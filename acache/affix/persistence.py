@@ -61,9 +61,9 @@ class LoadReport:
 
 def model_fingerprint(model: DiffusionLM) -> str:
     """Identifies the weights an affix cache was computed with: the config, and every parameter's name,
-    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model), rounded to
-    bfloat16 so that one checkpoint loaded in float32 or bfloat16 has one fingerprint (the precision the K/V
-    were computed in is the manifest's ``dtype``, checked on its own)."""
+    shape and an evenly strided sample of at most 4,096 of its values (cheap even for an 8B model), as loaded (a
+    checkpoint loaded at another precision has another; a store names the precision it was computed in, and a
+    load checks that first, so that such a store is named for its precision)."""
     h = hashlib.sha256()
     cfg = {k: v for k, v in vars(model.config).items() if k != "raw"}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -71,7 +71,7 @@ def model_fingerprint(model: DiffusionLM) -> str:
         flat = p.detach().reshape(-1)
         sample = flat[::max(1, flat.numel() // 4096)][:4096]
         h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+        h.update(sample.float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -162,13 +162,13 @@ class AffixDirectory:
 
     def _foreign(self, manifest: dict) -> str | None:
         """Why a readable manifest is not this model's at this precision (None: it is)."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        if manifest.get("dtype") != dtype:
+            return f"computed in {manifest.get('dtype')}, while this model runs in {dtype}"
         if manifest.get("model_fingerprint") != self.fingerprint:
             return (f"made with another model ({manifest.get('family')}, {manifest.get('num_layers')} layers, "
                     f"fingerprint {str(manifest.get('model_fingerprint'))[:12]}) than this one "
                     f"({self.model.family}, {len(self.model.layers)} layers, fingerprint {self.fingerprint[:12]})")
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        if manifest.get("dtype") != dtype:
-            return f"computed in {manifest.get('dtype')}, while this model runs in {dtype}"
         return None
 
     def load(self, claim: Callable[[int], bool] = lambda n: True, skip: Collection[str] = ()) -> list[AffixEntry]:
@@ -234,7 +234,11 @@ class AffixDirectory:
                 theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
                 try:
                     checked.append(self._checked_entry(item, tensors, tensor_file))
-                except AffixStoreError as exc:
+                except (torch.OutOfMemoryError, MemoryError) as exc:  # the device, not the entry: stop, keep the store
+                    log.warning("affix cache %s: out of memory checking the entries (%s); %d checked, the rest "
+                                "stay on disk", root, exc, len(checked))
+                    return report, self._placed(checked, claim, skip)
+                except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: this entry is set aside
                     label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
                     kept = {"entry.json": json.dumps(item).encode()}
                     if theirs:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray import serve
 
 from acache.affix.prompt import Affix, affix_key
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart
@@ -155,8 +154,6 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
                 return StreamingResponse(_relay(stream), status_code=start.status, headers=_headers(start))
             except StopAsyncIteration:
                 return error(502, "the replica ended the request without an answer")
-            except serve.exceptions.BackPressureError as exc:  # every replica's queue is full: come back later
-                return error(503, f"every replica is busy ({exc}); try again")
             except ray.exceptions.RayTaskError as exc:  # raised by the replica's own code: a retry would too
                 log.warning("replica failed on %s: %s", forwarded.path, exc)
                 return error(500, "the replica failed on this request; its log has the details")

@@ -30,9 +30,9 @@ class KVCacheManager:
     def shareable(self, req: Request) -> list[int]:
         """The request's affixes that take shared pages, in order while their pages together fit the affix cap
         (the others are computed with it: a request must never wait for room only it holds); an affix that
-        appears twice takes its pages once. None where sharing would need more pages than the whole pool (each
-        part is rounded up to whole pages, and anchors take private pages beside the shared copy) while
-        computing the affixes with the request would not."""
+        appears twice takes its pages once. None of them (an empty list) where sharing would need more pages
+        than the whole pool (each part is rounded up to whole pages, and anchors take private pages beside the
+        shared copy) while computing the affixes with the request would not."""
         chosen, pages, seen = [], 0, set()
         for i, span in enumerate(req.prompt.affixes):
             ids = req.prompt.affix_ids(span)
@@ -87,19 +87,30 @@ class KVCacheManager:
         """Takes the request's shared affixes and private pages, all or nothing (also when computing an
         affix raises: what it took so far goes back through :meth:`free`); fills its slot map for every
         column but the shared ones (set once its anchors are known). False when they cannot be had now."""
-        hits = self.affixes.stats.hits
+        stats = self.affixes.stats
+        hits, misses = stats.hits, stats.misses
+        looked: list[tuple[str, bool]] = []
         try:
-            if self._allocate(req):
-                return True
+            admitted = self._allocate(req, looked)
         except BaseException:
             self.free(req)
             raise
-        self.free(req)
-        self.affixes.stats.hits = hits  # a try that admits nothing reused nothing (an affix it computed stays)
-        return False
+        # each lookup counts once, at the try that admits the request; a hit on an affix an earlier try of it
+        # computed (kept, and found now) is this request's miss
+        stats.hits, stats.misses = hits, misses
+        if not admitted:
+            self.free(req)
+            req.computed |= {key for key, hit in looked if not hit}
+            return False
+        for key, hit in looked:
+            missed = not hit or key in req.computed
+            stats.hits, stats.misses = stats.hits + (not missed), stats.misses + missed
+            req.stats.affix_hits -= hit and missed
+        return True
 
-    def _allocate(self, req: Request) -> bool:
-        """Acquires into ``req`` as it goes, so that :meth:`free` can undo a partial admission."""
+    def _allocate(self, req: Request, looked: list[tuple[str, bool]]) -> bool:
+        """Acquires into ``req`` as it goes, so that :meth:`free` can undo a partial admission; each shared
+        affix looked up goes into ``looked`` as ``(key, hit)``."""
         req.stats.affix_hits = 0  # a request that waited counts only the try that admits it
         if req.reuse and not req.bicache:
             for index in self.shareable(req):
@@ -112,6 +123,7 @@ class KVCacheManager:
                     return False
                 req.shared.append((index, got[0]))
                 req.stats.affix_hits += got[1]
+                looked.append((got[0].key, got[1]))
         need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
         keep = {a.key for _, a in req.shared}

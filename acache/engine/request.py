@@ -62,6 +62,7 @@ class Request:
         self.status = Status.WAITING
         self.shared: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared pool affix)
         self.entries: list[tuple[int, AffixEntry]] = []  # BiCache: (index, dense entry with hidden states)
+        self.computed: set[str] = set()  # affixes a try that did not admit it computed (a miss, when admitted)
         self.bicache_depth: int | None = None
         self.num_layers = config.num_layers
         self.private_pages: list[int] = []

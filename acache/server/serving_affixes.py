@@ -4,9 +4,11 @@ the shared affixes and the registry to ``--affix-cache-dir``, so ids given out s
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 from pathlib import Path
 
-from acache.affix.persistence import model_fingerprint
+from acache.affix.persistence import MANIFEST, model_fingerprint
 from acache.inputs import InputProcessor
 from acache.server.protocol import AffixRegistration, BadRequest
 from acache.server.serving import OpenAIServing, ServerContext
@@ -19,6 +21,7 @@ class OpenAIServingAffixes(OpenAIServing):
         super().__init__(ctx)
         self.cache_dir = cache_dir
         self.fingerprint = model_fingerprint(ctx.llm.model) if cache_dir is not None else ""
+        self._saving = threading.Lock()  # one save at a time, from its snapshot to its write: never an older last
 
     def load(self) -> None:
         """The ids given out before a restart stay valid; a file that does not fit this model is set aside."""
@@ -27,11 +30,11 @@ class OpenAIServingAffixes(OpenAIServing):
 
     def save(self) -> int:
         """Writes the engine's shared affixes and the registry; returns how many affixes were saved."""
-        saved = len(self.llm.engine.affixes)
-        # the engine thread is not stepping while its pages are copied off; the disk work runs beside it
-        self.llm.save_affix_cache(self.cache_dir, lock=self.ctx.engine.lock)
-        self.ctx.registry.save(self.cache_dir, self.fingerprint)
-        return saved
+        with self._saving:
+            # the engine thread is not stepping while its pages are copied off; the disk work runs beside it
+            self.llm.save_affix_cache(self.cache_dir, lock=self.ctx.engine.lock)
+            self.ctx.registry.save(self.cache_dir, self.fingerprint)
+        return len(json.loads((self.cache_dir / MANIFEST).read_text())["entries"])
 
     async def save_route(self) -> dict:
         if self.cache_dir is None:

@@ -499,7 +499,7 @@ def main(args) -> int:
     header = (f"model: {described}, {n_params / 1e6:.0f}M parameters, {model.dtype}, {device}; affix {w.affix_len}, "
               f"question {w.question_len}, gen {w.gen_length}, block {w.block_length}, steps {w.steps} "
               f"(low-confidence), ratio {w.ratio}, selector {w.selector} "
-              f"({SamplingParams(selector=w.selector, anchor_pass=w.anchor_pass).anchor_pass} pass), "
+              f"({SamplingParams(selector=w.selector, anchor_pass=w.anchor_pass).resolved_anchor_pass} pass), "
               f"page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
               f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")

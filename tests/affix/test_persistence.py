@@ -497,6 +497,24 @@ def test_an_affix_already_held_is_neither_checked_nor_loaded_again(model, tmp_pa
     assert checked == [key_of(A), key_of(B)]  # strict: every entry checked, the held one not placed
 
 
+def test_running_out_of_memory_while_checking_stops_and_leaves_the_store(model, tmp_path, monkeypatch, caplog):
+    saved_store(model, tmp_path, A, B)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    monkeypatch.setattr("acache.affix.persistence.first_layer_kv",
+                        lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    report = AffixStore(model).recover(tmp_path)
+    assert report.loaded == 0 and report.quarantined == [] and "out of memory checking the entries" in caplog.text
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_an_entry_that_fails_in_a_way_nobody_foresaw_is_set_aside_and_the_server_starts(model, tmp_path, caplog):
+    saved_store(model, tmp_path, A, B)
+    rewrite(tmp_path, lambda t, m: m["entries"][0].update(token_ids=[1e400]), fix_checksums=False)
+    store = AffixStore(model)
+    report = store.recover(tmp_path)  # int(inf) raises OverflowError inside the entry's check
+    assert report.loaded == 1 and tuple(B) in store and "OverflowError" in report.quarantined[0].reason
+
+
 def test_running_out_of_memory_while_placing_loads_what_fits_and_leaves_the_store(model, tmp_path, monkeypatch,
                                                                                   caplog):
     saved_store(model, tmp_path, A, B)
@@ -538,11 +556,10 @@ def test_tensor_files_a_sound_manifest_does_not_name_are_removed(model, tmp_path
     assert [p.name for p in tmp_path.glob("affixes-*.safetensors")] == [manifest["tensors"]]
 
 
-def test_one_checkpoint_in_two_precisions_has_one_fingerprint_and_two_stores(tmp_path, llada_dir, caplog):
+def test_a_store_computed_at_another_precision_is_named_for_it(tmp_path, llada_dir, caplog):
     from acache.models.loader import load_model
 
     full, half = load_model(llada_dir), load_model(llada_dir, dtype=torch.bfloat16)
-    assert AffixStore(full).fingerprint == AffixStore(half).fingerprint
     saved_store(half, tmp_path, A)
     with pytest.raises(AffixStoreError, match="was computed in bfloat16, while this model runs in float32"):
         AffixStore(full).load(tmp_path)

@@ -105,3 +105,20 @@ def test_a_request_that_left_keeps_no_step_keys(llada_model):
         e.step()
     assert e.abort(rid)
     assert e.runner.step_keys.entries == {} and e.runner.step_keys._stack is None
+
+
+def test_an_affix_a_waiting_request_computed_counts_as_its_miss(llada_model):
+    """The first try computes the affix (kept) but finds no private pages; the try that admits it finds the affix:
+    one lookup, a miss."""
+    story, other = layouts(affix_len=20, seed=4)["prefix"], layouts(affix_len=20, seed=5)["prefix"]
+    e = engine(llada_model, 20)
+    e.add_request(other, params(24))
+    e.step()  # holds 14 of the 20 pages: room for the second affix's 5, not for its request's own
+    rid = e.add_request(story, params(8, 0.2))
+    e.step()
+    assert e.num_waiting == 1 and len(e.affixes) == 2  # story's affix was computed by the try that failed
+    outs = {}
+    while e.has_unfinished():
+        outs |= {o.request_id: o for o in e.step() if o.finished}
+    assert (e.affixes.stats.hits, e.affixes.stats.misses) == (0, 2)
+    assert outs[rid].stats.affix_hits == 0

@@ -261,3 +261,38 @@ def test_a_registry_whose_lock_file_cannot_be_opened_loads_and_the_server_starts
         assert not unknown(second, text_id) and not unknown(second, chat_id)
     assert "reading it without changing anything" in caplog.text
     assert "could not save the shared affixes" in caplog.text  # the shutdown's save failed, said, not raised
+
+
+def test_two_saves_at_once_write_in_turn_snapshot_to_write(llada_dir, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from acache.affix.cache import AffixCache
+    from acache.affix.persistence import AffixDirectory
+
+    cache = tmp_path / "cache"
+    events = []
+    snapshot, save = AffixCache.snapshot, AffixDirectory.save
+
+    def noted_snapshot(self):
+        events.append("snapshot")
+        return snapshot(self)
+
+    def slow_save(self, saved, claim):
+        events.append("write")
+        time.sleep(0.3)  # a second save arriving now must not snapshot before this one is written
+        return save(self, saved, claim)
+
+    with server(llada_dir, cache) as client:
+        assert client.post("/v1/completions", json={**COMPLETION, "affix": register(client, text=STORY)}).status_code \
+            == 200
+        monkeypatch.setattr(AffixCache, "snapshot", noted_snapshot)
+        monkeypatch.setattr(AffixDirectory, "save", slow_save)
+        saves = [threading.Thread(target=client.app.state.save_affixes) for _ in range(2)]
+        for t in saves:
+            t.start()
+        for t in saves:
+            t.join(10)
+        assert events == ["snapshot", "write", "snapshot", "write"]
+        monkeypatch.setattr(AffixDirectory, "save", save)
+        assert client.post("/v1/affixes/save").json()["saved"] == 1

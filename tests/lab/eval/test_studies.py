@@ -268,6 +268,10 @@ def test_a_block_causal_model_is_not_swept_in_the_suffix_layout(tmp_path, capsys
     assert main(["eval", "accuracy", "--model", str(tmp_path / "bd"), "--examples", "1", "--tasks", "qa1",
                  "--layouts", "infix,suffix", "--out", str(tmp_path / "r")]) == 2
     assert "block-causal" in capsys.readouterr().err
+    assert main(["eval", "staleness", "--model", str(tmp_path / "bd"), "--examples", "1", "--out",
+                 str(tmp_path / "s")]) == 0  # profiles the layouts it reads
+    records = json.loads((tmp_path / "s" / "staleness.json").read_text())
+    assert {r["layout"] for r in records} == {"prefix", "infix"}
 
 
 def test_repeated_selectors_and_ratios_are_swept_once():
