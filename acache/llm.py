@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -24,6 +26,8 @@ from acache.models.tokenizer import Tokenizer
 from acache.outputs import AffixRequestStats, RequestOutput, RequestStats
 from acache.policies import DEFAULT_SELECTOR
 from acache.sampling_params import SamplingParams
+
+log = logging.getLogger("acache")
 
 
 class LLM:
@@ -94,6 +98,8 @@ class LLM:
                 self.device = torch.device("cuda", tp.rank)
         try:
             self.model = load_model(model, dtype=dtype, device=self.device)
+            # checked against the whole model, as it was profiled: a shard's fingerprint is another
+            self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
             if tp is not None:
                 shard_model(self.model, tp)
                 engine_config = replace(engine_config, kv_cache_memory=self._channel.agree_min(
@@ -107,7 +113,6 @@ class LLM:
         self.max_batch_size = max_batch_size
         self.affix_store = None if state_cache else AffixStore(
             self.model, affix_cache_bytes, keep_hidden=True)
-        self.bicache_profile = BiCacheProfile.load(bicache_profile, self.model) if bicache_profile else None
         self._rng = torch.Generator().manual_seed(seed)
         self._next_request_id = 0
         self.engine_config = engine_config
@@ -133,10 +138,16 @@ class LLM:
         """Stops the tensor-parallel ranks (a no-op without tensor parallelism). Call it when no other thread
         is stepping the engine (the server's engine thread has stopped)."""
         if self._channel is not None and self._tp_workers:
-            self._channel.send(("stop",))
-            self._stop_workers()
-            self._engine = None
-            self._closed = True
+            try:
+                self._channel.send(("stop",))
+            except Exception as exc:  # a rank already gone: the others are stopped all the same
+                log.warning("could not tell the tensor-parallel ranks to stop (%s); terminating them", exc)
+                for p in self._tp_workers:
+                    p.terminate()
+            finally:
+                self._stop_workers()
+                self._engine = None
+                self._closed = True
 
     def _stop_workers(self) -> None:
         for p in self._tp_workers:
@@ -260,6 +271,9 @@ class LLM:
 
 
 def _tp_worker(rank: int, world_size: int, init_method: str, backend: str, model: str, kwargs: dict) -> None:
-    """Entry point of a spawned tensor-parallel rank: an LLM that serves rank 0's engine calls, then exits."""
+    """Entry point of a spawned tensor-parallel rank: an LLM that serves rank 0's engine calls, then exits. It
+    ignores Ctrl-C, which the terminal sends to every process of the group: rank 0 decides when it stops (a
+    shutdown's grace period still needs it), and stops it with ``stop`` or terminates it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     LLM(model, tensor_parallel_size=world_size, tensor_parallel_rank=(rank, world_size, init_method, backend),
         **kwargs)

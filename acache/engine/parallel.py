@@ -20,6 +20,9 @@ from acache.models.tensor_parallel import TensorParallel
 
 log = logging.getLogger("acache.parallel")
 TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails the group instead of hanging it
+#: the control channel waits between calls for as long as the server idles: a worker reading it must never time out
+#: (a rank that dies closes its connection, which ends the wait at once)
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class Channel:
@@ -115,7 +118,7 @@ def join(rank: int, world_size: int, init_method: str, backend: str) -> tuple[Te
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, world_size), Channel(control)
 
 

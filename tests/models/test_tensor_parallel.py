@@ -142,3 +142,48 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_two_ranks_take_a_bicache_profile_and_a_worker_ignores_ctrl_c(llada_dir, tmp_path):
+    """The profile is checked against the whole model, as it was made (a shard's fingerprint is another); a worker
+    outlives the Ctrl-C the terminal sends every process, so rank 0 still decides when it stops."""
+    import os
+    import signal
+
+    from acache.affix.bicache import BiCacheProfile
+    from acache.affix.persistence import model_fingerprint
+    from acache.models.loader import load_model
+
+    path = BiCacheProfile(num_layers=2, tau=0.97, max_share=[0.5, 1.0], safe_layers=[1, 0], samples=[1, 1],
+                          model_fingerprint=model_fingerprint(load_model(llada_dir))).save(tmp_path / "profile.json")
+    prompts, _ = mixed()
+    params = [SamplingParams(gen_length=8, block_length=8, threshold=0.5, selector="bicache-profiled"),
+              SamplingParams(gen_length=16, block_length=8, threshold=0.5, selector="attention", anchor_ratio=0.5)]
+    want = LLM(llada_dir, kv_cache_memory=1 << 24, bicache_profile=path).generate(prompts[:2], params,
+                                                                                   use_tqdm=False)
+    two = LLM(llada_dir, kv_cache_memory=1 << 24, tensor_parallel_size=2, bicache_profile=path)
+    try:
+        os.kill(two._tp_workers[0].pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert two._tp_workers[0].is_alive()
+        got = two.generate(prompts[:2], params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        two.close()
+
+
+def test_close_stops_the_ranks_when_telling_them_fails(llada_dir, monkeypatch):
+    two = LLM(llada_dir, kv_cache_memory=1 << 24, tensor_parallel_size=2)
+    workers = list(two._tp_workers)
+
+    def broken(call):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(two._channel, "send", broken)
+    two.close()
+    assert two._tp_workers == [] and all(not p.is_alive() for p in workers)
+    again = LLM(llada_dir, kv_cache_memory=1 << 24, tensor_parallel_size=2)  # the group was left: a new one forms
+    try:
+        assert again.generate([[1, 2, 3]], SamplingParams(gen_length=8, block_length=8), use_tqdm=False)[0].token_ids
+    finally:
+        again.close()
