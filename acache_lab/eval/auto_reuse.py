@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from tqdm.auto import tqdm
 
 from acache.llm import LLM
 from acache.server.app import create_app
@@ -64,11 +65,13 @@ def run_mode(model: str, mode: str, bodies: list[dict], rounds: int, concurrency
                 raise RuntimeError(f"{resp.status_code}: {resp.text}")
             return resp.json()
 
-        with ThreadPoolExecutor(concurrency) as pool:
+        with ThreadPoolExecutor(concurrency) as pool, \
+                tqdm(total=rounds * len(bodies), desc=f"auto-reuse {mode}", unit="req") as bar:
             for _ in range(rounds):
                 for out in pool.map(send, bodies):
                     tokens.append(out["choices"][0]["token_ids"])
                     decisions.append(out["usage"].get("affix_reuse", {}).get("decision", "none"))
+                    bar.update(1)
         deadline = time.time() + 60
         while app.state.checks_running and time.time() < deadline:
             time.sleep(0.05)

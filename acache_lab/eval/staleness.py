@@ -70,14 +70,14 @@ def measure_staleness(store: AffixStore, prompt: AffixPrompt, gen_length: int) -
 
 
 def profile_bicache(store: AffixStore, prompts: Sequence[AffixPrompt], gen_length: int, tau: float = DEFAULT_TAU,
-                    bins: int = 10) -> BiCacheProfile:
+                    bins: int = 10, progress: bool = True) -> BiCacheProfile:
     """Builds the depth table from calibration prompts. Each share bin keeps its most cautious (smallest)
     safe depth; a bin without samples borrows from the nearest bin that has some."""
     if not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins must be a positive integer, got {bins!r}")
     layers = len(store.model.layers)
     found: list[list[int]] = [[] for _ in range(bins)]
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="bicache-profile", unit="req", disable=not progress):
         s = measure_staleness(store, prompt, gen_length)
         # bin k holds shares in (k/bins, (k+1)/bins], as depth() reads them
         found[min(bins - 1, max(0, math.ceil(s.affix_share * bins - 1e-12) - 1))].append(s.safe_layers(tau))

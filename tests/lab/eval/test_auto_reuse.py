@@ -7,10 +7,12 @@ from acache.paths import SHIPPED_MODEL
 from acache_lab.eval.auto_reuse import chat_workload, measure, report
 
 
-def test_only_trusted_reuse_can_change_an_answer(tmp_path):
+def test_only_trusted_reuse_can_change_an_answer(tmp_path, capsys):
     results = {r.mode: r for r in measure(str(SHIPPED_MODEL), ["qa1", "arith"], stories=1, rounds=3,
                                           concurrency=4, checks=1, audit_every=4)}
     assert set(results) == {"off", "on", "verified"}
+    shown = capsys.readouterr().err
+    assert all(f"auto-reuse {mode}: 100%" in shown for mode in results)  # each mode's progress, as it goes
     off, on, verified = results["off"], results["on"], results["verified"]
     assert off.requests == on.requests == verified.requests == 3 * len(chat_workload(["qa1", "arith"], 1, 0))
     assert (off.changed, off.reused, off.checks) == (0, 0, 0)
