@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -43,15 +44,17 @@ VARIANTS = {"attention-full": {"selector": "attention", "anchor_query": "full"},
 
 def sweep(llm: LLM, examples: int = 300, sentences: int = 6, seed: int = 0, tasks: tuple[str, ...] = TASKS,
           layouts: tuple[str, ...] = LAYOUTS, selectors: tuple[str, ...] = STUDY_SELECTORS,
-          ratios: tuple[float, ...] = RATIOS, progress: bool = True, gen_length: int | None = None) -> list[Cell]:
+          ratios: tuple[float, ...] = RATIOS, progress: bool = True, gen_length: int | None = None,
+          into: list[Cell] | None = None) -> list[Cell]:
     """Every point of the study; exact match of the whole answer (worked sums included). ``gen_length`` gives
-    each answer that many columns instead of its region's, so that it must also end itself (:func:`task_params`)."""
+    each answer that many columns instead of its region's, so that it must also end itself (:func:`task_params`).
+    The cells go into ``into`` as they are measured, so that a caller keeps them if the sweep is stopped."""
     bad = [r for r in ratios if not 0.0 <= r <= 1.0]
     if bad:
         raise ValueError(f"anchor ratios must be in [0, 1], got {bad[0]}")
     runs: list[tuple[str, float, str | None]] = [("full", 0.0, None), ("none", 0.0, "none"), ("all", 1.0, "all")]
     runs += [(s, r, VARIANTS.get(s, {"selector": s})["selector"]) for s in selectors for r in ratios if r > 0]
-    cells: list[Cell] = []
+    cells: list[Cell] = into if into is not None else []
     total = sum(len(runs) + (t in DEMO_TASKS) for t in tasks) * len(layouts)
     bar = tqdm(total=total, desc="accuracy sweep", unit="cell", disable=not progress)
     for task in tasks:
@@ -246,9 +249,18 @@ def main(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.batch_size,
               bicache_profile=args.bicache_profile)
     refuse_unread_suffix(llm, layouts)
-    cells = sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios,
-                  gen_length=gen_length)
+    cells: list[Cell] = []
+    try:
+        sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios, gen_length=gen_length,
+              into=cells)
+    except KeyboardInterrupt:  # the cells measured so far are kept, apart from the full report
+        if cells:
+            partial = Path(args.out) / "partial"
+            write_report(cells, partial)
+            print(f"stopped: the {len(cells)} cells measured so far are in {partial} (not the report)")
+        return 130
     written = write_report(cells, args.out)
+    shutil.rmtree(Path(args.out) / "partial", ignore_errors=True)  # an earlier stopped run's, now superseded
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")

@@ -279,3 +279,27 @@ def test_repeated_selectors_and_ratios_are_swept_once():
 
     assert parse_selectors("attention,random,attention", False) == ("attention", "random")
     assert parse_ratios("0.2,0.5,0.2") == (0.2, 0.5)
+
+
+def test_a_sweep_stopped_near_its_end_keeps_the_cells_it_measured(task_model_dir, tmp_path, monkeypatch, capsys):
+    import acache_lab.eval.accuracy as accuracy
+    from acache.cli import main
+
+    real, calls = accuracy.exact_matches, []
+
+    def ctrl_c_at_the_fourth(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(accuracy, "exact_matches", ctrl_c_at_the_fourth)
+    out = tmp_path / "study"
+    argv = ["eval", "accuracy", "--model", str(task_model_dir), "--examples", "1", "--tasks", "qa1", "--layouts",
+            "prefix", "--selectors", "attention,random", "--ratios", "0.2", "--out", str(out)]
+    assert main(argv) == 130
+    kept = json.loads((out / "partial" / "accuracy.json").read_text())
+    assert [c["selector"] for c in kept] == ["full", "none", "all"] and not (out / "accuracy.json").exists()
+    assert "the 3 cells measured so far" in capsys.readouterr().out
+    monkeypatch.setattr(accuracy, "exact_matches", real)
+    assert main(argv) == 0 and (out / "accuracy.json").is_file() and not (out / "partial").exists()
