@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -120,6 +122,17 @@ class Tokenizer:
             before = through
         return starts
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: for a byte-level vocabulary (GPT-2's, Qwen's) its own bytes, which may be
+        part of one character (its text alone then reads as the replacement character); otherwise its text's
+        UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and isinstance(self._tok.decoder, decoders.ByteLevel):
+            table = _byte_of_char()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         known = [i for i in ids if 0 <= i < self.vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
@@ -139,3 +152,17 @@ class Tokenizer:
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template could not be rendered: {exc}") from None
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level vocabulary stands for: printable bytes stand for themselves, the
+    others (controls, space, and the rest) were moved up to code points 256 and on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in kept}
+    moved = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + moved)
+            moved += 1
+    return {c: b for b, c in chars.items()}

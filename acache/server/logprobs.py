@@ -144,8 +144,17 @@ class Scorer:
         return self.shared(jobs, cancel)
 
     def piece(self, token_id: int) -> str:
-        """A token's own text, special tokens included (an EOS is reported as itself, not as nothing)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's own text, special tokens included (an EOS is reported as itself, not as nothing); a byte-level
+        token that is part of one character, as OpenAI spells it: ``bytes:`` and its bytes (``bytes:\\xc3``), so
+        that two such tokens never share a name."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self.tokenizer.token_bytes(token_id)
+            try:
+                raw.decode()
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
 
     def completions(self, choices: Sequence[tuple[Sequence[int], Sequence[int], str, str]], echo: bool, top_k: int,
                     seed: int | None, samples: int | None, cancel: threading.Event | None = None) -> list[dict]:
@@ -194,9 +203,9 @@ class Scorer:
         content = []
         for token, value, top in zip(generated, scored.values, scored.top, strict=True):
             piece = self.piece(token)
-            content.append({"token": piece, "logprob": value, "bytes": list(piece.encode()),
+            content.append({"token": piece, "logprob": value, "bytes": list(self.tokenizer.token_bytes(token)),
                             "top_logprobs": [{"token": self.piece(t), "logprob": v,
-                                              "bytes": list(self.piece(t).encode())} for t, v in top.items()]})
+                                              "bytes": list(self.tokenizer.token_bytes(t))} for t, v in top.items()]})
         return {"content": content}
 
     def _named(self, top: dict[int, float]) -> dict[str, float]:

@@ -317,14 +317,14 @@ def test_scoring_past_the_budget_is_refused_and_the_rest_is_scored(setup):
 def test_top_tokens_that_spell_alike_keep_the_likelier_value():
     from acache.server.logprobs import Scorer
 
-    class Spelling:
+    class Spelling:  # two tokens with one text (a word and its added-token twin, say)
         def decode(self, ids, skip_special_tokens=True):
-            return {1: "\ufffd", 2: "\ufffd", 3: "a"}[ids[0]]
+            return {1: "x", 2: "x", 3: "a"}[ids[0]]
 
     scorer = Scorer.__new__(Scorer)
     scorer.tokenizer = Spelling()
-    assert scorer._named({3: -2.0, 2: -0.1, 1: -0.5}) == {"\ufffd": -0.1, "a": -2.0}
-    assert list(scorer._named({3: -2.0, 2: -0.1, 1: -0.5})) == ["\ufffd", "a"]  # most likely first
+    assert scorer._named({3: -2.0, 2: -0.1, 1: -0.5}) == {"x": -0.1, "a": -2.0}
+    assert list(scorer._named({3: -2.0, 2: -0.1, 1: -0.5})) == ["x", "a"]  # most likely first
 
 
 def test_a_caller_that_gave_up_before_its_pass_costs_no_work():
@@ -364,3 +364,20 @@ def test_a_caller_that_gave_up_before_its_pass_costs_no_work():
     for t in (first, *later):
         t.join(5)
     assert seen == [["a"], ["c"]] and isinstance(results["b"], ScoringCancelled) and results["c"] == ["c"]
+
+
+def test_byte_pieces_of_one_character_are_named_by_their_bytes(llada_dir):
+    """A byte-level vocabulary (the random checkpoints', as Qwen's and GPT-2's) splits 'é' into two tokens whose
+    text alone is the replacement character: they are reported by their bytes, as OpenAI does."""
+    from acache.server.logprobs import Scorer
+
+    llm = LLM(llada_dir)
+    scorer = Scorer(llm.model, llm.tokenizer, samples=2)
+    prompt = llm.tokenizer.encode("where ?", add_special_tokens=False)
+    accent = llm.tokenizer.encode("é", add_special_tokens=False)
+    assert [scorer.piece(t) for t in accent] == ["bytes:\\xc3", "bytes:\\xa9"]
+    content = scorer.chat(prompt, accent, top_k=2, seed=0, samples=2)["content"]
+    assert [c["bytes"] for c in content] == [[0xC3], [0xA9]] and bytes(sum((c["bytes"] for c in content), [])) \
+        == "é".encode()
+    assert all(len(c["top_logprobs"]) == 2 and all(isinstance(t["bytes"], list) for t in c["top_logprobs"])
+               for c in content)
