@@ -362,8 +362,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
                               str(cache_dir.resolve()) if cache_dir else None, threads)
     frontend = FrontendSettings(model, cluster.directory, NAMESPACE, args.max_model_len, args.min_document_tokens,
                                 args.affix_registry_bytes, args.max_request_bytes, api_key,
-                                replicas=cluster.replicas, app_name=cluster.app_name,
-                                affix_cache_dir=str(cache_dir.resolve()) if cache_dir else None)
+                                replicas=cluster.replicas, app_name=cluster.app_name)
     connect(cluster)
 
     def terminate(*_) -> None:  # after ray.init, which sets a handler of its own

@@ -11,7 +11,6 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 from fastapi import FastAPI, Request
@@ -23,7 +22,7 @@ from acache.engine.llm_engine import EngineConfig
 from acache.inputs import InputProcessor
 from acache.models.loader import read_config
 from acache.models.tokenizer import Tokenizer
-from acache.server.affix_reuse import AffixRegistry, AutoAffixer, saved_registrations
+from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.guard import authorized, protected
 from acache.server.protocol import AffixRegistration, ChatCompletionRequest, error_body
 from acache.server.serving_affixes import leading_affix_ids
@@ -47,7 +46,6 @@ class FrontendSettings:
     retries: int = 1  # further replicas tried when one dies before answering
     replicas: int = 1  # /health is ready once this many engine replicas run
     app_name: str = "acache"  # the Serve application whose replicas /health counts
-    affix_cache_dir: str | None = None  # the replicas' shared store: its registry.json routes registered ids
 
 
 class SpanExtractor:
@@ -60,12 +58,6 @@ class SpanExtractor:
         self.inputs = InputProcessor(Tokenizer.from_dir(settings.model), config, limit)  # as the replicas'
         self.affixer = AutoAffixer(self.inputs, min_document_tokens=settings.min_document_tokens)
         self.registry = AffixRegistry(settings.affix_registry_bytes)
-        if settings.affix_cache_dir is not None:  # the ids given out before a restart keep their routing
-            for item in saved_registrations(Path(settings.affix_cache_dir), config.vocab_size):
-                try:
-                    self.registry.register(item["tokens"], item["messages"], item["name"])
-                except ValueError as exc:  # larger than this registry's budget: routed by load
-                    log.warning("frontend: registered affix %s not loaded: %s", item["id"], exc)
 
     def spans(self, path: str, body: dict) -> tuple[tuple[tuple[str, int], ...], tuple | None]:
         """(spans, the registered affix the request names); nothing when the body is not one this knows

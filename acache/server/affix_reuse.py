@@ -173,18 +173,6 @@ class AffixRegistry:
         return aside
 
 
-def saved_registrations(root: Path, vocab_size: int) -> list[dict]:
-    """The sound registrations of ``root/registry.json``, read without changing anything and whatever model wrote
-    it (a cluster's front door routes by them; the replicas, which serve them, check the model and set faults
-    aside). None where there is no readable registry."""
-    try:
-        body = json.loads((root / REGISTRY).read_text())
-        items = body["affixes"] if isinstance(body, dict) and body.get("format") == REGISTRY_FORMAT else []
-    except (OSError, ValueError, KeyError):
-        return []
-    return [item for item in items if isinstance(items, list) and _fault(item, vocab_size) is None]
-
-
 def _size(token_ids: list[int] | tuple[int, ...], messages: list[dict] | None, name: str | None) -> int:
     described = json.dumps({"tokens": list(token_ids), "messages": messages}, sort_keys=True)
     return 8 * len(token_ids) + len(described) + len(name or "")

@@ -40,19 +40,3 @@ def test_a_request_without_the_key_is_refused_at_the_front_door():
         resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
     assert client.get("/health").status_code == 200  # a load balancer's probe needs no key
-
-
-def test_ids_registered_before_a_restart_keep_their_routing(tmp_path):
-    from acache.affix.prompt import affix_key
-    from acache.cluster.frontend import SpanExtractor
-    from acache.server.affix_reuse import AffixRegistry
-
-    settings = FrontendSettings(str(default_model()), "dir", "ns", affix_cache_dir=str(tmp_path))
-    ids = SpanExtractor(settings).inputs.encode_text("story : mary moved to the kitchen .")
-    saved = AffixRegistry()
-    affix_id = saved.register(ids, None, "story")
-    saved.save(tmp_path, "the replicas' model")  # written by a replica before the restart
-    spans, registered = SpanExtractor(settings).spans("/v1/completions", {"affix": affix_id, "prompt": "where ?"})
-    assert spans == ((affix_key(ids), len(ids)),) and registered[0] == tuple(ids)
-    (tmp_path / "registry.json").write_text("{not json")  # a registry the replicas will set aside: no routing
-    assert SpanExtractor(settings).spans("/v1/completions", {"affix": affix_id, "prompt": "x"}) == ((), None)
