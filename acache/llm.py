@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -104,8 +105,10 @@ class LLM:
                 shard_model(self.model, tp)
                 engine_config = replace(engine_config, kv_cache_memory=self._channel.agree_min(
                     engine_config.kv_budget(self.device)))
-        except BaseException:
-            self._stop_workers()  # a rank-0 failure at start leaves no worker and no group behind
+        except BaseException:  # a rank-0 failure at start leaves no worker and no group behind: they wait on it in
+            for p in self._tp_workers:  # a collective it will not join, so they are ended, not waited for
+                p.terminate()
+            self._stop_workers()
             raise
         self.dtype = self.model.dtype
         self.config = self.model.config
@@ -138,16 +141,15 @@ class LLM:
         """Stops the tensor-parallel ranks (a no-op without tensor parallelism). Call it when no other thread
         is stepping the engine (the server's engine thread has stopped)."""
         if self._channel is not None and self._tp_workers:
-            try:
-                self._channel.send(("stop",))
-            except Exception as exc:  # a rank already gone: the others are stopped all the same
-                log.warning("could not tell the tensor-parallel ranks to stop (%s); terminating them", exc)
+            told = _within(STOP_GRACE_S, self._channel.send, ("stop",))
+            if told is not True:  # a rank gone, or alive and stuck: the others are stopped all the same
+                log.warning("could not tell the tensor-parallel ranks to stop (%s); terminating them",
+                            told or f"no answer in {STOP_GRACE_S} s")
                 for p in self._tp_workers:
                     p.terminate()
-            finally:
-                self._stop_workers()
-                self._engine = None
-                self._closed = True
+            self._engine = None
+            self._closed = True
+            self._stop_workers()
 
     def _stop_workers(self) -> None:
         for p in self._tp_workers:
@@ -252,6 +254,13 @@ class LLM:
                         if out.finished:
                             done[out.request_id] = out
                             bar.update(1)
+        except KeyboardInterrupt:
+            if self._tp_workers:  # the other ranks may wait in a collective rank 0 left: they cannot be told
+                for p in self._tp_workers:
+                    p.terminate()
+                self._engine, self._closed, ids = None, True, []
+                self._stop_workers()
+            raise
         finally:  # an interrupted or refused call leaves nothing behind in the engine
             for rid in ids:
                 engine.abort(rid)
@@ -268,6 +277,27 @@ class LLM:
                                       out.cached_tokens)
         wall = (s.finished or s.arrival) - s.arrival
         return RequestStats(len(out.token_ids), out.nfe, out.refreshes, s.forward_time_s, wall, s.max_batch, affix)
+
+
+STOP_GRACE_S = 30.0  # how long close() waits for the ranks to take its "stop"
+
+
+def _within(seconds: float, call, *args) -> bool | str | None:
+    """``call(*args)`` on a thread of its own: True once it returned, its error's text if it raised, None if it
+    was still running after ``seconds`` (it is left to its thread, a daemon)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            call(*args)
+            result.append(True)
+        except Exception as exc:
+            result.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
 
 
 def _tp_worker(rank: int, world_size: int, init_method: str, backend: str, model: str, kwargs: dict) -> None:

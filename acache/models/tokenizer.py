@@ -126,7 +126,7 @@ class Tokenizer:
         """The bytes a token stands for: for a byte-level vocabulary (GPT-2's, Qwen's) its own bytes, which may be
         part of one character (its text alone then reads as the replacement character); otherwise its text's
         UTF-8."""
-        piece = self._tok.id_to_token(token_id)
+        piece = self._tok.id_to_token(token_id) if token_id >= 0 else None
         if piece is not None and isinstance(self._tok.decoder, decoders.ByteLevel):
             table = _byte_of_char()
             if all(ch in table for ch in piece):

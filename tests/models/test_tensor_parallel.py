@@ -187,3 +187,32 @@ def test_close_stops_the_ranks_when_telling_them_fails(llada_dir, monkeypatch):
         assert again.generate([[1, 2, 3]], SamplingParams(gen_length=8, block_length=8), use_tqdm=False)[0].token_ids
     finally:
         again.close()
+
+
+def test_close_ends_a_rank_that_is_alive_but_does_not_take_the_stop(llada_dir, monkeypatch):
+    monkeypatch.setattr("acache.llm.STOP_GRACE_S", 0.5)
+    two = LLM(llada_dir, kv_cache_memory=1 << 24, tensor_parallel_size=2)
+    workers = list(two._tp_workers)
+    monkeypatch.setattr(two._channel, "send", lambda call: time.sleep(3600))  # stuck, not gone
+    began = time.monotonic()
+    two.close()
+    assert time.monotonic() - began < 30 and all(not p.is_alive() for p in workers)
+    with pytest.raises(RuntimeError, match="was closed"):
+        assert two.engine is None  # reading it raises
+
+
+def test_ctrl_c_in_an_offline_generate_ends_the_ranks_at_once(llada_dir, monkeypatch):
+    """Rank 0 may be interrupted between two collectives of a forward: the other ranks wait inside one, so they are
+    ended rather than sent aborts they would never read."""
+    two = LLM(llada_dir, kv_cache_memory=1 << 24, tensor_parallel_size=2)
+    workers = list(two._tp_workers)
+    engine = two.engine
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        two.generate([[1, 2, 3], [4, 5]], SamplingParams(gen_length=8, block_length=8), use_tqdm=False)
+    assert time.monotonic() - began < 30 and all(not p.is_alive() for p in workers) and two._tp_workers == []

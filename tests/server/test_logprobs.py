@@ -376,6 +376,7 @@ def test_byte_pieces_of_one_character_are_named_by_their_bytes(llada_dir):
     prompt = llm.tokenizer.encode("where ?", add_special_tokens=False)
     accent = llm.tokenizer.encode("é", add_special_tokens=False)
     assert [scorer.piece(t) for t in accent] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert llm.tokenizer.token_bytes(-1) == llm.tokenizer.token_bytes(10**9) == b""  # no token: no bytes
     content = scorer.chat(prompt, accent, top_k=2, seed=0, samples=2)["content"]
     assert [c["bytes"] for c in content] == [[0xC3], [0xA9]] and bytes(sum((c["bytes"] for c in content), [])) \
         == "é".encode()
