@@ -106,9 +106,7 @@ class LLM:
                 engine_config = replace(engine_config, kv_cache_memory=self._channel.agree_min(
                     engine_config.kv_budget(self.device)))
         except BaseException:  # a rank-0 failure at start leaves no worker and no group behind: they wait on it in
-            for p in self._tp_workers:  # a collective it will not join, so they are ended, not waited for
-                p.terminate()
-            self._stop_workers()
+            self._stop_workers(terminate=True)  # a collective it will not join, so they are ended, not waited for
             raise
         self.dtype = self.model.dtype
         self.config = self.model.config
@@ -145,14 +143,15 @@ class LLM:
             if told is not True:  # a rank gone, or alive and stuck: the others are stopped all the same
                 log.warning("could not tell the tensor-parallel ranks to stop (%s); terminating them",
                             told or f"no answer in {STOP_GRACE_S} s")
-                for p in self._tp_workers:
-                    p.terminate()
             self._engine = None
             self._closed = True
-            self._stop_workers()
+            self._stop_workers(terminate=told is not True)
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, terminate: bool = False) -> None:
+        """Waits for the ranks to end (``terminate``: ends them first), then leaves the group."""
         for p in self._tp_workers:
+            if terminate:
+                p.terminate()
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
@@ -256,10 +255,8 @@ class LLM:
                             bar.update(1)
         except KeyboardInterrupt:
             if self._tp_workers:  # the other ranks may wait in a collective rank 0 left: they cannot be told
-                for p in self._tp_workers:
-                    p.terminate()
                 self._engine, self._closed, ids = None, True, []
-                self._stop_workers()
+                self._stop_workers(terminate=True)
             raise
         finally:  # an interrupted or refused call leaves nothing behind in the engine
             for rid in ids:

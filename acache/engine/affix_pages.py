@@ -93,6 +93,13 @@ class AffixPageTable(AffixCache[SharedAffix]):
             return False
         return super().evict_until(cost, keep)
 
+    def free_pool_pages(self, pages: int, keep: set[str] = frozenset()) -> bool:
+        """Evicts affixes no request holds (``keep`` aside), least recently used first, until the pool has
+        ``pages`` free; evicts nothing when evicting all of them could not reach it."""
+        if self.pool.num_free + self.reclaimable_pages(keep) < pages:
+            return False
+        return self.evict_while(lambda: self.pool.num_free < pages, keep)
+
     def fits_pages(self, pages: int) -> bool:
         """Affixes of ``pages`` pages in all can be shared at once under the cap."""
         cap = self.storage.max_pages

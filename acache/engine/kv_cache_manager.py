@@ -95,17 +95,16 @@ class KVCacheManager:
         except BaseException:
             self.free(req)
             raise
-        # each lookup counts once, at the try that admits the request; a hit on an affix an earlier try of it
-        # computed (kept, and found now) is this request's miss
+        # each lookup counts once, at the try that admits the request (not as acquire counted it); a hit on an
+        # affix an earlier try of it computed (kept, and found now) is this request's miss
         stats.hits, stats.misses = hits, misses
         if not admitted:
             self.free(req)
             req.computed |= {key for key, hit in looked if not hit}
             return False
-        for key, hit in looked:
-            missed = not hit or key in req.computed
-            stats.hits, stats.misses = stats.hits + (not missed), stats.misses + missed
-            req.stats.affix_hits -= hit and missed
+        found = sum(hit and key not in req.computed for key, hit in looked)
+        stats.hits, stats.misses = hits + found, misses + len(looked) - found
+        req.stats.affix_hits += found
         return True
 
     def _allocate(self, req: Request, looked: list[tuple[str, bool]]) -> bool:
@@ -122,13 +121,10 @@ class KVCacheManager:
                 if got is None:
                     return False
                 req.shared.append((index, got[0]))
-                req.stats.affix_hits += got[1]
-                looked.append((got[0].key, got[1]))
+                looked.append((got[0].key, got[1]))  # counted by allocate, once it admits the request
         need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
-        keep = {a.key for _, a in req.shared}
-        if pages is None and self.pool.num_free + self.affixes.reclaimable_pages(keep) >= need \
-                and self.affixes.evict_while(lambda: self.pool.num_free < need, keep=keep):
+        if pages is None and self.affixes.free_pool_pages(need, {a.key for _, a in req.shared}):
             pages = self.pool.allocate(need)
         if pages is None:
             return False

@@ -97,7 +97,7 @@ def integer(raw: dict[str, Any], key: str, family: str, default: Any = _REQUIRED
     value = raw.get(key)
     if value is None:
         if default is _REQUIRED:
-            raise ConfigError(f"{family} config.json is missing the field '{key}'")
+            require(raw, key, family)  # raises, naming the field
         if default is None:
             return None
         value = default

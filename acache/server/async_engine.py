@@ -36,8 +36,7 @@ class FairLock:
 
     def __init__(self) -> None:
         self._turns = threading.Condition(threading.Lock())
-        self._tickets = itertools.count()  # the tickets given out, in order
-        self.issued = 0  # how many were
+        self.issued = 0  # tickets given out, in order: the next one is this
         self._serving = 0  # the ticket that holds the lock
         self._abandoned: set[int] = set()  # tickets whose holder gave up waiting (an exception): skipped
 
@@ -45,8 +44,7 @@ class FairLock:
         with self._turns:
             ticket = None
             try:
-                ticket = next(self._tickets)
-                self.issued = ticket + 1
+                ticket, self.issued = self.issued, self.issued + 1
                 while ticket != self._serving:
                     self._turns.wait(timeout=1.0)  # a wake-up an interrupt swallowed costs a second, not for ever
             except BaseException:  # e.g. KeyboardInterrupt while waiting: the turn is passed on, never kept
