@@ -100,9 +100,8 @@ class Tokenizer:
 
     def char_offsets(self, text: str, ids: Sequence[int]) -> list[int]:
         """Where each of ``ids`` starts in ``text``: the tokenizer's own spans where ``ids`` is what it makes of
-        ``text``, else by decoding ever longer prefixes (the way :meth:`decode` spells the text); a token that
-        spells nothing there (a special token) starts where the text so far ends. Each offset is within
-        ``text``."""
+        ``text``, else as :meth:`decode` spells them one after another (:meth:`spelled_starts`). Each offset is
+        within ``text``."""
         for special in (True, False):
             encoding = self._tok.encode(text, add_special_tokens=special)
             if encoding.ids == list(ids):
@@ -111,15 +110,32 @@ class Tokenizer:
                     starts.append(a if b > a else end)
                     end = max(end, b)
                 return starts
-        starts, before = [], ""
+        return [min(start, len(text)) for start in self.spelled_starts(ids)]
+
+    def spelled_starts(self, ids: Sequence[int]) -> list[int]:
+        """Where each of ``ids`` starts in the text decoding them spells: where its own text does, else past the
+        space the decoder put before it. A token that spells nothing (a special token) starts where the text so
+        far ends; the bytes of one character split over tokens all start where the character does.
+
+        Each token is decoded beside the few before it, never with the whole prefix, so this is linear in
+        ``len(ids)`` (decoding ever longer prefixes was quadratic: seconds at 4k tokens)."""
+        starts: list[int] = []
+        spelled, context, read = 0, 0, 0  # ids[context:read] is decoded beside the next token for its spacing
         for i in range(len(ids)):
-            through = self.decode(ids[:i + 1])
-            if through.startswith(before):
-                gap = len(through) - len(before) - len(through[len(before):].lstrip())
-                starts.append(min(len(before) + gap, len(text)))
-            else:  # a decoder that spells a prefix otherwise than the whole (a cut multi-byte character)
-                starts.append(min(len(before), len(text)))
-            before = through
+            before = self.decode(ids[context:read])
+            through = self.decode(ids[context:i + 1])
+            piece = through[len(before):] if through.startswith(before) else ""
+            if not piece or piece.endswith("\ufffd"):  # nothing spelled yet, or a character cut in its bytes
+                starts.append(spelled + len(piece) - len(piece.lstrip()))
+                continue
+            # tokens held back spelled ``pending``: kept as it is (bytes that never made a character) or not
+            pending = self.decode(ids[context:i])[len(before):] if i > read else ""
+            skip = len(pending) if piece.startswith(pending) else 0
+            own = self.decode(ids[i:i + 1])
+            rest = piece[skip:]
+            starts.append(spelled + len(piece) - (len(own) if own and rest.endswith(own) else len(rest.lstrip())))
+            spelled += len(piece)
+            context, read = read, i + 1
         return starts
 
     def token_bytes(self, token_id: int) -> bytes:
