@@ -10,7 +10,9 @@ diffusion LM's bidirectional attention).
 
 ACache's refreshes are trained the same way: :func:`with_anchors` gives the refresh with its anchors fixed (the
 two-pass form), :func:`with_one_pass_anchors` the first refresh that chooses them inside it (the one-pass form,
-whose mask changes at a layer). Each row equals the engine's forward state for state (tests/lab/train).
+whose mask changes at a layer). Each row equals the engine's forward state for state (tests/lab/train). On a
+shifted family the column before the generation region is fresh in every refresh, direct reuse included
+(:func:`with_fresh_columns`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,35 @@ def with_anchors(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     mask[:, :t, t:] = outside[:, :, None] & copied[:, None, :]
     mask[:, t:, :t] = unread[:, None, :].expand(-1, width, -1)  # an unused copy slot too: no row is empty
     mask[:, t:, t:] = copied[:, None, :].expand(-1, width, -1)
+    return ext_ids, ext_positions, ext_valid, mask
+
+
+def with_fresh_columns(ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, spans: Sequence[Spans],
+                       fresh: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose forward is direct reuse with some affix columns recomputed in context at their own place:
+    ``ids``, ``positions``, ``valid`` ``[B, T + F]`` and the per-query mask ``[B, T + F, T + F]``.
+
+    A shifted family (Dream) reads a column's prediction from the column before it, so the engine recomputes the
+    column before the generation region at every refresh even under direct reuse (``RequestState.base_recompute``).
+    When an affix ends there, that column (``fresh[b]``: columns inside the row's ``spans``) has two K/V, as an
+    anchor has: the fresh one, which the request's own columns read, and the one computed alone, which the rest of
+    its affix read when the cache was made. Unlike :func:`with_anchors` the fresh one keeps the column, so that the
+    shifted prediction of the next column reads it; the alone one is a copy after the ``T`` columns."""
+    b, t = valid.shape
+    owner = span_owners(valid, spans)
+    is_fresh = _anchor_columns(fresh, spans, valid)
+    cols, copied, at, ext_ids, ext_positions, ext_valid = _copies_after(ids, positions, valid, is_fresh)
+    width = cols.shape[1]
+    copy_owner = torch.where(copied, owner.gather(1, at), -1)
+    everything = (owner == 0) | is_fresh  # the request's own columns and the fresh ones: every valid original
+    alone = valid & ~is_fresh  # what an affix token reads of its own span's originals
+    mask = torch.zeros(b, t + width, t + width, dtype=torch.bool, device=valid.device)
+    mask[:, :t, :t] = torch.where(everything[:, :, None], valid[:, None, :],
+                                  alone[:, None, :] & (owner[:, :, None] == owner[:, None, :]))
+    mask[:, :t, t:] = ~everything[:, :, None] & copied[:, None, :] & (owner[:, :, None] == copy_owner[:, None, :])
+    mask[:, t:, :t] = torch.where(copied[:, :, None], alone[:, None, :] & (copy_owner[:, :, None] == owner[:, None, :]),
+                                  valid[:, None, :])  # an unused copy slot reads every valid column: no row is empty
+    mask[:, t:, t:] = copied[:, :, None] & copied[:, None, :] & (copy_owner[:, :, None] == copy_owner[:, None, :])
     return ext_ids, ext_positions, ext_valid, mask
 
 

@@ -320,6 +320,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
             group["lr"] = config.lr_at(step)
         batch = collate_rows(rng.choices(rows, k=config.batch_size), pad).to(device)
         isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
+        batch, attention = batch.reused(isolated, model.shifted_logits)
         neighbours = taught = None
         if config.teacher > 0:
             taught = Teacher(config.teacher, base_predictions, ~isolated)
@@ -329,7 +330,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                                     sampler)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
-                                         model.config.mask_token_id, gen, attention=batch.attention(isolated),
+                                         model.config.mask_token_id, gen, attention=attention,
                                          neighbours=neighbours, teacher=taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -376,9 +377,9 @@ def probe_rows(model: DiffusionLM, rows: list[Row], pad: int, device: torch.devi
     nll = {"reuse": 0.0, "context": 0.0}
     for start in range(0, len(rows), batch_size):
         batch = collate_rows(rows[start:start + batch_size], pad).to(device)
-        every = torch.ones(len(batch.ids), dtype=torch.bool)
-        for view, attention in (("reuse", batch.attention(every)), ("context", batch.valid)):
-            exact, row_nll = one_shot_answers(model, batch.ids, batch.answer, batch.positions, attention, mask_id,
+        reused = batch.reused(torch.ones(len(batch.ids), dtype=torch.bool), model.shifted_logits)
+        for view, (seen, attention) in (("reuse", reused), ("context", (batch, batch.valid))):
+            exact, row_nll = one_shot_answers(model, seen.ids, seen.answer, seen.positions, attention, mask_id,
                                               bf16)
             right[view] += int(exact.sum())
             nll[view] += float(row_nll.sum())

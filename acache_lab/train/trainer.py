@@ -49,6 +49,7 @@ from acache_lab.train.isolation import (
     isolation_mask,
     span_owners,
     with_anchors,
+    with_fresh_columns,
     with_one_pass_anchors,
 )
 from acache_lab.train.neighbours import (
@@ -611,6 +612,22 @@ class Batch(NamedTuple):
                    for row, take in zip(spans, anchored.tolist(), strict=True)]
         build = {"one": with_one_pass_anchors, "two": with_anchors}[anchor_pass]
         ids, positions, valid, mask = build(self.ids, self.positions, self.valid, spans, anchors)
+        answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
+        return Batch(ids, answer, positions, valid, self.spans, self.bridge, self.room), mask
+
+    def reused(self, isolated: torch.Tensor, shifted: bool) -> tuple[Batch, torch.Tensor]:
+        """The batch and the mask under which the ``isolated [B]`` rows compute direct reuse as the engine serves
+        it (:meth:`attention`); on a ``shifted`` family the column before a row's answer, where an affix ends there,
+        is recomputed in context (:func:`acache_lab.train.isolation.with_fresh_columns`), its copy after the
+        columns."""
+        attention = self.attention(isolated)
+        spans = self.isolated_spans(isolated)
+        first = self.answer.int().argmax(1).tolist()
+        fresh = [[a - 1] if shifted and any(s <= a - 1 < e for s, e in row) else []
+                 for row, a in zip(spans, first, strict=True)]
+        if not any(fresh):
+            return self, attention
+        ids, positions, valid, mask = with_fresh_columns(self.ids, self.positions, self.valid, spans, fresh)
         answer = F.pad(self.answer, (0, ids.shape[1] - self.ids.shape[1]))
         return Batch(ids, answer, positions, valid, self.spans, self.bridge, self.room), mask
 

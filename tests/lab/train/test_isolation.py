@@ -10,14 +10,22 @@ import pytest
 import torch
 
 import acache.reference
+from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import anchor_count
 from acache.affix.store import AffixStore
 from acache.models.kv import KVCache
 from acache.models.loader import load_model
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
-from acache_lab.train.isolation import ONE_PASS_SPLIT, LayeredMask, isolation_mask, with_anchors, with_one_pass_anchors
-from acache_lab.train.trainer import training_logits
+from acache_lab.train.isolation import (
+    ONE_PASS_SPLIT,
+    LayeredMask,
+    isolation_mask,
+    with_anchors,
+    with_fresh_columns,
+    with_one_pass_anchors,
+)
+from acache_lab.train.trainer import Row, collate_rows, training_logits
 from tests.affix.helpers import layouts
 from tests.conftest import tiny_checkpoint
 
@@ -356,3 +364,45 @@ def test_a_mixed_one_pass_batch_is_each_row_alone(deep_model, layout):
             copies = alone[0].shape[1] - t
             assert copies == (sum(c1 - c0 for c0, c1 in spans[r]) if anchors[r] else 0)
             torch.testing.assert_close(together[r, width:width + copies], want[t:], rtol=1e-4, atol=1e-4)
+
+
+def affix_before_the_answer(seed: int) -> dict[str, AffixPrompt]:
+    """Prompts whose (last) affix ends where the generation region begins."""
+    g = torch.Generator().manual_seed(seed)
+    aff, q, sys_aff = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 6, 8))
+    return {"question-then-affix": AffixPrompt.from_spans(q + aff, None, [(6, 26)]),
+            "two-affix": AffixPrompt.from_spans(sys_aff + q + aff, None, [(0, 8, "system"), (14, 34, "doc")]),
+            "affix-only": AffixPrompt.from_spans(aff, None, [(0, 20)])}
+
+
+@pytest.mark.parametrize("layout", ["question-then-affix", "two-affix", "affix-only"])
+@torch.inference_mode()
+def test_a_reused_training_row_is_direct_reuse_where_an_affix_ends_at_the_answer(model, layout):
+    """A shifted family (Dream) predicts the answer's first token from the column before it, which the engine
+    refreshes in context even under direct reuse: the training view recomputes it in place and keeps its alone
+    K/V, which the rest of the affix read, in a copy. Its states equal the engine's direct reuse column for column;
+    the plain isolated mask (that column computed alone) does not, on Dream."""
+    prompt = affix_before_the_answer(seed=11)[layout]
+    tokens, spans = canvas(model, prompt)
+    shifted = model.shifted_logits
+    before = prompt.gen_at - 1
+    want, fed = direct_reuse_states(model, prompt, tokens, spans, anchors=[before] if shifted else [])
+    batch = collate_rows([Row(tokens.tolist(), prompt.gen_at, GEN, tuple(spans))], model.config.pad_token_id)
+    every = torch.ones(1, dtype=torch.bool)
+    view, mask = batch.reused(every, shifted)
+    assert view.ids.shape[1] == len(tokens) + shifted  # Dream: one copy, the alone K/V of the column before
+    got = model(view.ids, view.positions, mask).hidden[0][:len(tokens)][fed]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    logits = model.logits(model(view.ids, view.positions, mask).hidden)[0]
+    reference = model.logits(want[None])[0]  # fed columns in order: the answer's predictions read the same states
+    answer = fed[:prompt.gen_at + GEN].sum() - GEN
+    torch.testing.assert_close(logits[prompt.gen_at:prompt.gen_at + GEN], reference[answer:answer + GEN],
+                               rtol=1e-4, atol=1e-4)
+    plain = model(tokens[None], torch.arange(len(tokens))[None], batch.attention(every)).hidden[0][fed]
+    assert ((plain - want).abs().max() > 1e-3) == shifted
+
+
+def test_fresh_columns_must_lie_in_the_affixes():
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="distinct columns of its affix spans"):
+        with_fresh_columns(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None], valid, [[(2, 5)]], [[6]])
