@@ -298,6 +298,8 @@ class DiffusionLM(nn.Module):
                              "must have the same shape")
         if attention_mask is None:
             attention_mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        elif attention_mask.dtype != torch.bool:  # a Hugging Face style 0/1 mask
+            attention_mask = attention_mask != 0
         if attention_mask.dim() == 3 and (past is not None or self.config.block_size is not None):
             raise ValueError("a per-query attention_mask [B, T, T] (affix-isolated training) takes no past and no "
                              "block-causal mask")

@@ -49,7 +49,7 @@ class KVCache:
     def columns(self, cols: slice | torch.Tensor) -> KVCache:
         """The same columns of every row (a slice or a 1-D index tensor)."""
         return KVCache([k[:, cols] for k in self.keys], [v[:, cols] for v in self.values],
-                       self.positions[:, cols], self.mask[:, cols])
+                       self.positions[:, cols], self.mask[:, cols], self.rotated)
 
     def gather(self, index: torch.Tensor) -> KVCache:
         """Per-row columns: ``index`` ``[B, S']`` selects different columns in each row."""
@@ -58,19 +58,22 @@ class KVCache:
             return torch.gather(t, 1, expanded)
 
         return KVCache([take(k) for k in self.keys], [take(v) for v in self.values],
-                       torch.gather(self.positions, 1, index), torch.gather(self.mask, 1, index))
+                       torch.gather(self.positions, 1, index), torch.gather(self.mask, 1, index), self.rotated)
 
     @staticmethod
     def cat(parts: list[KVCache]) -> KVCache:
-        """Concatenates key sets along the token axis."""
+        """Concatenates key sets along the token axis (all rotated to their positions, or none)."""
         if len(parts) == 1:
             return parts[0]
+        if len({p.rotated for p in parts}) > 1:
+            raise ValueError("cannot concatenate rotated and unrotated key sets: the rotated ones would turn again")
         layers = range(parts[0].num_layers)
         return KVCache(
             [torch.cat([p.keys[i] for p in parts], dim=1) for i in layers],
             [torch.cat([p.values[i] for p in parts], dim=1) for i in layers],
             torch.cat([p.positions for p in parts], dim=1),
             torch.cat([p.mask for p in parts], dim=1),
+            parts[0].rotated,
         )
 
 

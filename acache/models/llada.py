@@ -36,6 +36,12 @@ class LLaDAModel(DiffusionLM):
             raise ConfigError("LLaDA config: alibi positional bias is not supported, only RoPE")
         if raw.get("rope") is False:
             raise ConfigError("LLaDA config: rope=false is not supported")
+        for key, what in (("clip_qkv", "clipping of the query, key and value projections"),
+                          ("scale_logits", "scaling of the output logits"),
+                          ("attention_layer_norm", "layer norms on the queries and keys"),
+                          ("input_emb_norm", "scaling of the input embeddings")):
+            if raw.get(key):  # OLMo options LLaDA leaves off: a model that sets one would decode wrongly
+                raise ConfigError(f"LLaDA config: {key}={raw[key]!r} ({what}) is not supported")
         for key, expected in (("block_type", "llama"), ("activation_type", "silu"), ("layer_norm_type", "rms")):
             if key in raw and raw[key] != expected:
                 raise ConfigError(f"LLaDA config: {key}={raw[key]!r} is not supported (expected {expected!r})")
@@ -50,7 +56,7 @@ class LLaDAModel(DiffusionLM):
             hidden_size=d_model,
             num_layers=integer(raw, "n_layers", _FAMILY),
             num_heads=n_heads,
-            num_kv_heads=integer(raw, "n_kv_heads", _FAMILY, n_heads),
+            num_kv_heads=integer(raw, "n_kv_heads", _FAMILY, 1 if raw.get("multi_query_attention") else n_heads),
             intermediate_size=mlp,
             rope_theta=number(raw, "rope_theta", _FAMILY, 10000.0),
             rms_norm_eps=number(raw, "rms_norm_eps", _FAMILY, 1e-5),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -245,3 +246,28 @@ def test_a_bad_tokenizer_config_is_named_before_the_weights_load(tmp_path, llada
         LLM(root)
     with pytest.raises(ValueError, match="max_model_len must be an integer in 1..512"):
         LLM(llada_dir, max_model_len=10_000)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ({"scale_logits": True}, "scale_logits=True"),
+    ({"attention_layer_norm": True}, "attention_layer_norm=True"),
+    ({"input_emb_norm": True}, "input_emb_norm=True"),
+])
+def test_an_olmo_option_llada_leaves_off_is_refused(tmp_path, llada_dir, change, message):
+    """Such a checkpoint ran without the option and decoded wrongly, with no error."""
+    root = _with_config(tmp_path, llada_dir, **change)
+    with pytest.raises(ConfigError, match=f"{message} .* is not supported"):
+        load_model(root)
+
+
+def test_llada_as_shipped_sets_those_options_off(tmp_path, llada_dir):
+    """LLaDA-8B's config writes them all, off; multi-query attention means one K/V head."""
+    from acache.models.loader import read_config
+
+    off = {"clip_qkv": None, "scale_logits": False, "attention_layer_norm": False, "input_emb_norm": False,
+           "multi_query_attention": None}
+    written = read_config(_with_config(tmp_path / "a", llada_dir, **off))[1]
+    assert dataclasses.replace(written, raw={}) == dataclasses.replace(read_config(llada_dir)[1], raw={})
+    config = read_config(_with_config(tmp_path / "b", llada_dir, multi_query_attention=True, n_kv_heads=None))[1]
+    assert config.num_kv_heads == 1
