@@ -143,7 +143,8 @@ def main(args) -> int:
     from acache.paths import default_model
 
     if args.variance:
-        rows = variance_study(args.model or str(default_model()), [1, 4, 16, 64], seeds=8, documents=args.limit)
+        rows = variance_study(args.model or str(default_model()), [1, 4, 16, 64], seeds=8, documents=args.limit,
+                              seed=args.seed)
         print("| MC samples | standard error, mean over documents | worst document | accuracy | pick differs "
               "from 64 samples |")
         print("|---:|---:|---:|---:|---:|")
@@ -201,14 +202,15 @@ def main(args) -> int:
     return 0
 
 
-def variance_study(model_dir: str, samples: list[int], seeds: int, documents: int, draws: int = 1024) -> list[dict]:
+def variance_study(model_dir: str, samples: list[int], seeds: int, documents: int, draws: int = 1024,
+                   seed: int = 0) -> list[dict]:
     """How much the Monte Carlo estimate moves with its draws, on arithmetic answers (five tokens each, so the
     draws matter; a one-token continuation's estimate is exact).
 
     The standard error at ``n`` samples is ``sigma / sqrt(n)``, with ``sigma`` the standard deviation of one
     draw of the right answer's estimate, measured from ``draws`` draws a document (mean and worst over the
     documents). Accuracy and how often the pick differs from the pick at the largest ``n`` are counted over
-    ``seeds`` seeds a document."""
+    ``seeds`` seeds a document. ``seed`` picks the held-out documents (``eval lm --seed``)."""
     import statistics
 
     import torch
@@ -219,7 +221,7 @@ def variance_study(model_dir: str, samples: list[int], seeds: int, documents: in
 
     llm = LLM(model_dir)
     encode = llm.inputs.encode_text
-    records = task_records("acache_arith_mc", documents, seed=0)
+    records = task_records("acache_arith_mc", documents, seed=seed)
     contexts = [encode(f"story : {r['story']} question : {r['question']} answer :") for r in records]
     sigmas = []
     for ctx, r in zip(tqdm(contexts, desc="one-draw spread", unit="doc"), records, strict=True):

@@ -101,8 +101,8 @@ def main(args) -> int:
                                                "far_mask_window")
                  if getattr(args, k, None) is not None}
     gen_length = getattr(args, "gen_length", None)
-    for task in tasks:  # every task's room is checked before the model loads
-        task_params(task, gen_length, **dict(overrides))
+    blocks = {task: task_params(task, gen_length, **dict(overrides)).block_length  # checked before the model loads
+              for task in tasks}
     layouts = tuple(x.strip() for x in args.layouts.split(",")) if getattr(args, "layouts", None) else LAYOUTS
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
@@ -111,6 +111,10 @@ def main(args) -> int:
     scores = evaluate(llm, args.examples, args.sentences, args.seed, tasks=tasks, layouts=layouts,
                       overrides=overrides, gen_length=gen_length)
     room = f", answers in {gen_length} columns (EOS after the answer)" if gen_length else ""
+    asked = overrides.get("block_length")
+    whole = [f"{task} in one block of {block}" for task, block in blocks.items() if asked and block != asked]
+    if whole:  # a block that does not divide a task's answer region: that task decodes its region as one block
+        room += f" ({', '.join(whole)}: its answer region is not a whole number of blocks of {asked})"
     print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
           "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
           + "".join(f", {k} {v}" for k, v in overrides.items()) + room)

@@ -330,8 +330,9 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                                     sampler)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
-                                         model.config.mask_token_id, gen, attention=attention,
-                                         neighbours=neighbours, teacher=taught)
+                                         model.config.mask_token_id, gen, masking="count",
+                                         weighting="masked_count", attention=attention, neighbours=neighbours,
+                                         teacher=taught)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)

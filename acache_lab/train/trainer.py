@@ -63,7 +63,7 @@ from acache_lab.train.neighbours import (
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
 REDUCTIONS = ("mean", "sum")
-MASKINGS = ("rate_t", "all")
+MASKINGS = ("rate_t", "all", "count")
 ROOM_LOSSES = ("columns", "region")
 TWO_AFFIX_FALLBACKS = ("first", "draw")
 PROBE_SEED = 1  # the in-training probe's held-out set; `acache eval tasks` reports on seed 0
@@ -347,9 +347,11 @@ class TrainConfig:
         if self.affix_anchor_pass not in ANCHOR_PASSES:
             raise ValueError(f"affix_anchor_pass must be one of {', '.join(ANCHOR_PASSES)}, not "
                              f"{self.affix_anchor_pass!r}")
-        if self.affix_anchored > 0 and (self.affix_isolation == 0 or self.context_mask_rate > 0):
-            raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0), and its "
-                             "anchors' two copies must agree, so context_mask_rate must be 0")
+        if self.affix_anchored > 0 and self.affix_isolation == 0:
+            raise ValueError("affix_anchored takes its rows among the isolated ones (affix_isolation > 0)")
+        if self.affix_isolation > 0 and self.context_mask_rate > 0:
+            raise ValueError("affix_isolation trains rows as direct reuse serves them, their affixes clean as the "
+                             "cache holds them, so context_mask_rate must be 0")
         if not isinstance(self.layer_lr_scale, dict):
             raise ValueError(f"layer_lr_scale maps layer indices to multipliers, not {self.layer_lr_scale!r}")
         scales: dict[str, float] = {}
@@ -714,6 +716,33 @@ def loss_weights(masked: torch.Tensor, answer: torch.Tensor, t: torch.Tensor, we
     return masked.float() * answer.sum(-1, keepdim=True) / (masked & answer).sum(-1, keepdim=True).clamp_min(1)
 
 
+def draw_masks(answer: torch.Tensor, valid: torch.Tensor, gen: torch.Generator, masking: str = "rate_t",
+               context_mask_rate: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns :func:`masked_diffusion_loss` masks ``[B, T]`` and each row's rate ``t`` ``[B, 1]`` (the share of
+    its answer masked, under ``masking="count"``)."""
+    b, t_len = answer.shape
+    # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
+    # tames the variance of the 1/t weight
+    # drawn from the CPU generator whatever the device, so a run's noise does not depend on where it runs
+    t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3).to(answer.device)
+    if masking == "all":
+        t = torch.ones_like(t)
+    u = torch.rand(b, t_len, generator=gen).to(answer.device)
+    if masking == "count":  # k of a row's n answer columns, k uniform in 1..n, the columns uniform among them
+        n = answer.sum(-1, keepdim=True)
+        k = (t * n).ceil().clamp_min(1)  # t is uniform on (0, 1]: k is uniform on 1..n
+        rank = torch.where(answer, u, 2.0).argsort(-1).argsort(-1)
+        masked = answer & (rank < k)
+        t = k / n.clamp_min(1)
+    else:
+        masked = answer & (u < t)
+        first = answer.float().argmax(-1)  # every row masks at least one answer token
+        masked[torch.arange(b, device=answer.device), first] |= ~masked.any(-1)
+    if context_mask_rate > 0:
+        masked |= valid & ~answer & (u < t * context_mask_rate)
+    return masked, t
+
+
 def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.Tensor, positions: torch.Tensor,
                           valid: torch.Tensor, mask_id: int, gen: torch.Generator,
                           context_mask_rate: float = 0.0, weighting: str = "inverse_t",
@@ -730,7 +759,11 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
     up to 1000, so one row steers the whole step (docs/model.md, run 7). ``reduction="mean"`` divides
     each row by the answer length, as LLaDA's SFT does; ``"sum"`` keeps a one-token answer's loss on
     the scale of a plain cross-entropy (docs/model.md, run 7). ``masking="all"`` hides the whole answer
-    (``t = 1``), and ``eos_weight`` scales the loss on the answer's EOS padding (``eos_id``). ``attention``
+    (``t = 1``); ``masking="count"`` masks ``k`` of a row's ``n`` answer columns, ``k`` uniform in ``1..n``
+    (the discrete form of the objective): never none, so no column is forced, and with ``"masked_count"``
+    (``n / k``) the estimate is unbiased, where ``"rate_t"`` forces the first answer column of a row that drew
+    none and so weighs it above the others (up to ``1/t``). ``eos_weight`` scales the loss on the answer's EOS
+    padding (``eos_id``). ``attention``
     (default ``valid``) is what the forward attends with: a ``[B, T, T]`` mask trains rows under direct reuse, a
     :class:`~acache_lab.train.isolation.LayeredMask` rows as ACache's one-pass refresh serves them.
     ``distill`` ``(weight, columns [B, T])`` adds ``weight`` times :func:`reuse_distillation` of this forward's
@@ -757,19 +790,9 @@ def masked_diffusion_loss(model: DiffusionLM, ids: torch.Tensor, answer: torch.T
         if neighbours.owner.shape != ids.shape:
             raise ValueError(f"neighbours' owner {tuple(neighbours.owner.shape)} does not match the batch's ids "
                              f"{tuple(ids.shape)}")
-    b, t_len = ids.shape
-    # stratified over the batch: each t is still U(0, 1], but the batch covers the range evenly, which
-    # tames the variance of the 1/t weight
-    # drawn from the CPU generator whatever the device, so a run's noise does not depend on where it runs
-    t = ((torch.arange(b)[:, None] + torch.rand(b, 1, generator=gen)) / b).clamp_min(1e-3).to(ids.device)
-    if masking == "all":
-        t = torch.ones_like(t)
-    u = torch.rand(b, t_len, generator=gen).to(ids.device)
-    masked = answer & (u < t)
-    first = answer.float().argmax(-1)  # every row masks at least one answer token
-    masked[torch.arange(b, device=ids.device), first] |= ~masked.any(-1)
-    if context_mask_rate > 0:
-        masked |= valid & ~answer & (u < t * context_mask_rate)
+    b = ids.shape[0]
+    masked, t = draw_masks(answer, valid, gen, masking, context_mask_rate)
+    first = answer.float().argmax(-1)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     attention = valid if attention is None else attention
     in_context = states = None

@@ -159,6 +159,17 @@ def test_eval_tasks_takes_a_subset_of_layouts(task_model_dir, capsys):
     assert "unknown layout 'diagonal'" in capsys.readouterr().err
 
 
+def test_eval_tasks_says_which_tasks_a_block_length_does_not_divide(task_model_dir, capsys):
+    """``--block-length 3`` divides arith's 6-column region, not qa1's 2: qa1 decodes one block of 2, and the header
+    says so (it printed the block asked for only)."""
+    from acache.cli import main
+
+    assert main(["eval", "tasks", "--model", str(task_model_dir), "--examples", "1", "--tasks", "qa1,arith",
+                 "--layouts", "prefix", "--block-length", "3"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "block_length 3 (qa1 in one block of 2: its answer region is not a whole number of blocks of 3)" in header
+
+
 def test_eval_tasks_runs_a_state_cache_family_on_the_engine(tmp_path, capsys):
     """acache eval tasks serves a state-cache family through the engine like any other, and says why a block-causal
     model's suffix layout is not scored."""

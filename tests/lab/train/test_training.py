@@ -1185,6 +1185,10 @@ def test_bad_training_configs(tmp_path):
     assert TrainConfig(layer_lr_scale={"01": 2, 3: 1.5}).layer_lr_scale == {"1": 2.0, "3": 1.5}
     with pytest.raises(ValueError, match="context_mask_rate must be 0"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, context_mask_rate=0.1)
+    with pytest.raises(ValueError, match="their affixes clean as the cache holds them, so context_mask_rate must be 0"):
+        TrainConfig(affix_isolation=0.5, context_mask_rate=0.3)  # isolated rows would mask affix tokens
+    with pytest.raises(ValueError, match="affix_anchored takes its rows among the isolated ones"):
+        TrainConfig(affix_anchored=0.5)
     with pytest.raises(ValueError, match="affix_isolation trains bidirectional attention families"):
         TrainConfig(family="fast_dllm_v2", layouts=("prefix", "infix"), affix_isolation=0.5,
                     model=ModelShape(block_size=8))
@@ -1518,3 +1522,27 @@ def test_a_row_longer_than_the_models_context_is_named(tmp_path):
     with pytest.raises(ValueError, match="a qa1 example in the .* layout takes \\d+ tokens, more than the model's "
                                          "max_seq_len of 32"):
         train(config, progress=False)
+
+
+def test_count_masking_weighs_every_answer_column_alike():
+    """``masking="count"`` (LoRA's) masks 1..n of a row's n answer columns and weighs them n / k: every column's
+    mean weight is 1, and no row is left with nothing masked. ``rate_t`` forces the first column of a row that drew
+    none, so under ``1/t`` that column weighs several times the others (what LoRA trained with before)."""
+    from acache_lab.train.trainer import draw_masks, loss_weights
+
+    b, width = 64, 8
+    answer = torch.zeros(b, width, dtype=torch.bool)
+    answer[:, 2:6] = True
+    valid = torch.ones(b, width, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(0)
+    totals = {"count": torch.zeros(width), "rate_t": torch.zeros(width)}
+    rounds = 200
+    for _ in range(rounds):
+        for masking, weighting in (("count", "masked_count"), ("rate_t", "inverse_t")):
+            masked, t = draw_masks(answer, valid, gen, masking)
+            assert bool(masked.any(-1).all()) and not bool((masked & ~answer).any())
+            totals[masking] += loss_weights(masked, answer, t, weighting).sum(0)
+    count = totals["count"] / (b * rounds)
+    assert torch.allclose(count[2:6], torch.ones(4), atol=0.08) and count[[0, 1, 6, 7]].sum() == 0
+    rate = totals["rate_t"] / (b * rounds)
+    assert rate[2] > 3 * rate[3:6].max()
