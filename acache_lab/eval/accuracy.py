@@ -182,6 +182,17 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
+    (out / "accuracy.md").write_text(report_markdown(cells))
+    written = [out / "accuracy.json", out / "accuracy.md"]
+    if plot_sweep(cells, out / "accuracy.png"):
+        written.append(out / "accuracy.png")
+    if plot_compute(cells, out / "accuracy_compute.png"):
+        written.append(out / "accuracy_compute.png")
+    return written
+
+
+def report_markdown(cells: list[Cell]) -> str:
+    """``accuracy.md``: the summary, our selectors against the target, one table per task and layout."""
     parts = ["## Summary (anchor ratio 0.2)", "", summary_table(cells), ""]
     rooms = sorted({c.gen_length for c in cells if c.gen_length is not None})
     if rooms:
@@ -193,13 +204,7 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
                   "every non-oracle selector beyond the intervals)", "", target_table(cells, ours), ""]
     for task, layout in dict.fromkeys((c.task, c.layout) for c in cells):
         parts += [f"## {task}, {layout}", "", sweep_table(cells, task, layout), ""]
-    (out / "accuracy.md").write_text("\n".join(parts))
-    written = [out / "accuracy.json", out / "accuracy.md"]
-    if plot_sweep(cells, out / "accuracy.png"):
-        written.append(out / "accuracy.png")
-    if plot_compute(cells, out / "accuracy_compute.png"):
-        written.append(out / "accuracy_compute.png")
-    return written
+    return "\n".join(parts)
 
 
 def parse_selectors(text: str | None, profiled: bool) -> tuple[str, ...]:

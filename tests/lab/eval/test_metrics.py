@@ -81,7 +81,27 @@ def test_target_table_reads_the_share_of_the_gap_and_the_margin_over_non_oracles
     # with demonstrations left out there is still one row per task and layout; no gap reads as such
     flat = [Cell("codes", "infix", s, r, 50, 100) for s, r in (("none", 0.0), ("full", 0.0),
                                                                 ("attention-deviation", 0.2))]
-    assert "| no gap |" in target_table(flat)
+    assert "| no gap beyond the intervals |" in target_table(flat) and target_table(flat).endswith("| n/a |")
+
+
+def test_a_gap_inside_the_intervals_has_no_share_and_a_share_is_at_most_all_of_it():
+    """A gap of one question in 300 read as 20,000% and 'target met'; equal cells read 'no'."""
+    cells = [Cell("qa1", "prefix", "none", 0.0, 100, 300), Cell("qa1", "prefix", "full", 0.0, 101, 300),
+             Cell("qa1", "prefix", "attention-deviation", 0.2, 300, 300)]
+    assert target_table(cells).splitlines()[2].endswith("| no gap beyond the intervals | – | yes | n/a |")
+    cells[1] = Cell("qa1", "prefix", "full", 0.0, 280, 300)
+    assert "| 100% |" in target_table(cells)  # 300 right beyond full's 280: all of the gap, not 111%
+
+
+def test_our_selectors_own_forms_are_not_the_others_it_must_beat():
+    """Its two-pass form and its depth variants are the same selector: a tie with itself cannot clear the
+    intervals, so they are not 'best other'."""
+    cells = [Cell("qa1", "prefix", "none", 0.0, 30, 300), Cell("qa1", "prefix", "full", 0.0, 300, 300),
+             Cell("qa1", "prefix", "attention-deviation", 0.2, 285, 300),
+             Cell("qa1", "prefix", "attention-deviation-2p", 0.2, 284, 300),
+             Cell("qa1", "prefix", "attention-deviation-d50", 0.2, 286, 300),
+             Cell("qa1", "prefix", "random", 0.2, 120, 300)]
+    assert target_table(cells).splitlines()[2].endswith("| random: 40.0 [35, 46] | yes | yes |")
 
 
 def test_cells_round_trip_through_dicts():
