@@ -86,6 +86,7 @@ class AsyncEngine:
         self._stop = False
         self._aborts: queue_module.SimpleQueue[str] = queue_module.SimpleQueue()
         self._cancelled: set[str] = set()  # aborted before (or while) being added
+        self._added: set[str] = set()  # added to the engine, their callers still reading
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.closed: ShuttingDown | None = None  # set once in-flight work was cancelled by a shutdown
@@ -132,10 +133,11 @@ class AsyncEngine:
                         # those the step finished before the fault first: they are no longer in the engine
                         outputs = [(out.request_id, out) for out in self.engine.take_undelivered()]
                         outputs += self._fail_all(exc)
-                        # and any other caller (one a fault dropped from the engine without an output): a caller
-                        # that got its final output already stops reading before this error
+                        # and any other request added (one a fault dropped from the engine without an output): a
+                        # caller that got its final output already stops reading before this error. A request whose
+                        # add still waits for the lock was not in this step: it is added and served after it
                         told = {request_id for request_id, _ in outputs}
-                        outputs += [(request_id, exc) for request_id in list(self._queues) if request_id not in told]
+                        outputs += [(request_id, exc) for request_id in list(self._added) if request_id not in told]
             for request_id, item in outputs:
                 self._deliver(request_id, item)
             if not busy:
@@ -185,6 +187,7 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineFailed(f"the engine thread has stopped: {type(self.dead).__name__}: {self.dead}")
             self.engine.add_request(prompt, params, request_id, generator, stream)
+            self._added.add(request_id)
         self.wake.set()
 
     async def generate(self, prompt: AffixPrompt, params: SamplingParams, stream: bool = False,
@@ -221,6 +224,7 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._added.discard(request_id)
             if not finished and added is not False:  # no await here: a cancelled task may not get to run another
                 self.request_abort(request_id, added=bool(added))
 

@@ -44,13 +44,23 @@ class Cut:
 
 
 def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> Cut:
-    """The text up to the first stop string, and the longest prefix of ``ids`` that decodes within it."""
+    """The text up to the first stop string, and the fewest tokens that spell it up to its last character that is
+    not a space: a token the stop string begins inside stays (``'.\\n'`` with the stop ``'\\n'``: its ``'.'`` is
+    in the text), as vLLM keeps it, while one that only adds the space a decoder puts between words goes. Found by
+    bisection (each try decodes a prefix), not by decoding every prefix, which took seconds at 4k tokens on the
+    event loop."""
     text = decode(ids)
     at = find_stop(text, stops)
     if at is None:
         return Cut(text, list(ids), False)
-    text = text[:at]
-    keep = 0
-    while keep < len(ids) and len(decode(ids[:keep + 1])) <= at:
-        keep += 1
-    return Cut(text, list(ids[:keep]), True)
+    target = len(text[:at].rstrip())
+    low, high = 0, len(ids)  # ids[:low] spell fewer than ``target`` characters, ids[:high] at least as many
+    if target == 0:
+        high = 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        if len(decode(ids[:mid])) < target:
+            low = mid
+        else:
+            high = mid
+    return Cut(text[:at], list(ids[:high]), True)

@@ -4,6 +4,7 @@ a step, cannot keep it from a request's add, a cancellation or a scoring forward
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -233,3 +234,52 @@ def test_a_request_a_fault_drops_from_the_engine_without_an_output_is_told(llada
     finally:
         engine.shutdown()
     assert isinstance(told, EngineFailed) and "out of memory while freeing" in str(told)
+
+
+def test_a_request_waiting_to_be_added_during_a_failing_step_is_served_after_it(llada_dir, monkeypatch):
+    """A step that fails fails the requests it held. A request whose add waited for the lock behind that step was
+    told of the fault as well, then added all the same: a spurious error, and its request decoded to the end for
+    nobody. Now it is served, with the tokens it gets alone, and nothing is left running."""
+    import asyncio
+
+    from acache import LLM, SamplingParams
+    from acache.engine import LLMEngine
+    from acache.server.async_engine import AsyncEngine, EngineFailed
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    real = LLMEngine.step
+    entered = threading.Event()
+    faults = []
+
+    def step(self):
+        if not faults:
+            faults.append(1)
+            entered.set()
+            time.sleep(0.5)  # the second request's add arrives and waits for the lock
+            raise MemoryError("out of memory (once)")
+        return real(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    engine = AsyncEngine(llm.engine)
+    first, second = llm.encode_prompt([5, 6, 7]), llm.encode_prompt([9, 8, 7, 6])
+    params = SamplingParams(gen_length=8, block_length=4)
+
+    async def final(prompt, wait):
+        if wait:
+            await asyncio.to_thread(entered.wait, 10)
+        return [o async for o in engine.generate(prompt, params)][-1]
+
+    async def both():
+        return await asyncio.wait_for(asyncio.gather(final(first, False), final(second, True),
+                                                     return_exceptions=True), 30)
+
+    engine.start()
+    try:
+        failed, served = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert isinstance(failed, EngineFailed) and "out of memory" in str(failed)
+    assert not isinstance(served, BaseException), served
+    monkeypatch.setattr(LLMEngine, "step", real)
+    alone = llm.generate(second, params, use_tqdm=False)[0]
+    assert served.token_ids == alone.token_ids and not llm.engine.has_unfinished() and engine._added == set()

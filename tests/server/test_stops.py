@@ -1,0 +1,65 @@
+"""Cutting a generated text at a stop string: which tokens go with the text, and at what cost."""
+
+import random
+
+from acache.server.stops import cut_at_stop
+
+VOCAB = {0: "The answer", 1: " is", 2: " 5", 3: ".\n", 4: "Next", 5: "\n", 6: " line", 7: "é"}
+
+
+def decode(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def test_a_token_the_stop_string_begins_inside_stays():
+    """'.\\n' holds the stop '\\n' after its '.': the text keeps the '.', so the token that spells it stays (as vLLM
+    keeps it), and the usage counts it."""
+    cut = cut_at_stop([0, 1, 2, 3, 4], decode, ["\n"])
+    assert (cut.text, cut.token_ids, cut.stopped) == ("The answer is 5.", [0, 1, 2, 3], True)
+
+
+def word_decode(ids):
+    """A word-level decoder: tokens joined by a space that belongs to none of them."""
+    return " ".join(["5", "+", "9", "=", "14"][i] for i in ids)
+
+
+def test_the_space_a_decoder_puts_between_words_takes_no_token():
+    cut = cut_at_stop([0, 1, 2, 3, 4], word_decode, ["+ 9"])
+    assert (cut.text, cut.token_ids) == ("5 ", [0])
+    assert cut_at_stop([0, 1, 2, 3, 4], word_decode, ["9 ="]).token_ids == [0, 1]
+
+
+def test_a_token_that_starts_at_the_stop_string_goes():
+    cut = cut_at_stop([0, 1, 5, 6, 5], decode, ["\n"])
+    assert (cut.text, cut.token_ids) == ("The answer is", [0, 1])
+    assert cut_at_stop([5, 0], decode, ["\n"]).token_ids == []  # the stop string first: nothing is kept
+    assert cut_at_stop([0, 1], decode, ["\n"]).stopped is False
+
+
+def test_the_tokens_kept_are_the_fewest_that_spell_the_text():
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(VOCAB)) for _ in range(rng.randrange(1, 30))]
+        stop = rng.choice(["\n", "is", "e N", "é", " line\n"])
+        cut = cut_at_stop(ids, decode, [stop])
+        text = decode(ids)
+        if stop not in text:
+            assert not cut.stopped and cut.token_ids == ids
+            continue
+        at = text.index(stop)
+        spelled = text[:at].rstrip()
+        fewest = next(k for k in range(len(ids) + 1) if decode(ids[:k]).startswith(spelled))
+        assert cut.text == text[:at] and cut.token_ids == ids[:fewest]
+
+
+def test_the_cut_decodes_a_logarithmic_number_of_prefixes():
+    """Bisection, not every prefix: 4,096 tokens decode about 13 prefixes (decoding each was 8 million ids)."""
+    read = []
+
+    def counting(ids):
+        read.append(len(ids))
+        return decode(ids)
+
+    ids = [0, 1] * 2047 + [3, 4]
+    cut = cut_at_stop(ids, counting, ["\n"])
+    assert cut.token_ids == ids[:-1] and len(read) <= 14 and sum(read) <= 14 * len(ids)
