@@ -28,6 +28,7 @@ from acache.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ModelNotFound,
     TokenizeRequest,
     error_body,
 )
@@ -147,6 +148,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def _bad(request: Request, exc: BadRequest):
         return error(400, str(exc))
 
+    @app.exception_handler(ModelNotFound)
+    async def _no_model(request: Request, exc: ModelNotFound):
+        return error(404, str(exc), "not_found_error", code="model_not_found")
+
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone):
         counters["requests_abandoned_total"] += 1
@@ -169,9 +174,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     async def health():
         if ctx.drain.started:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if engine.error is not None:
-            return JSONResponse({"status": "error", "error": f"the engine failed: {type(engine.error).__name__}"},
+        if engine.dead is not None:  # the engine thread has stopped: nothing will be served
+            return JSONResponse({"status": "error", "error": f"the engine failed: {type(engine.dead).__name__}"},
                                 status_code=503)
+        if engine.error is not None:  # a step failed its requests and the engine served on: still healthy
+            return {"status": "ok", "last_step_error": f"{type(engine.error).__name__}: {engine.error}"}
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -27,6 +27,10 @@ class BadRequest(ValueError):
     """A request the server refuses with 400."""
 
 
+class ModelNotFound(BadRequest):
+    """A request for a model this server does not serve: 404 ``model_not_found``, as OpenAI answers it."""
+
+
 class DiffusionFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -35,9 +39,11 @@ class DiffusionFields(BaseModel):
                                    description="maps to gen_length (rounded up to whole blocks)")
     temperature: float | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stop: str | list[str] | None = None
-    n: int = 1
+    stop_token_ids: list[int] | None = Field(default=None, description="token ids that end the answer, besides "
+                                             "the model's EOS (vLLM's field)")
+    n: int | None = 1
     user: str | None = None
     stream_options: dict | None = None
     gen_length: int | None = None
@@ -85,7 +91,7 @@ class DiffusionFields(BaseModel):
         """The request's SamplingParams, every field checked here (the body is left as it came):
         ``max_tokens`` becomes whole blocks of gen_length, a reused affix without a ``selector`` takes the served
         model's ``default_selector``. Raises BadRequest naming the request's own fields."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise BadRequest("only n=1 is supported")
         for name, (neutral, why) in NEUTRAL.items():
             value = getattr(self, name, None)
@@ -120,6 +126,8 @@ class DiffusionFields(BaseModel):
                   "temperature": self.temperature if self.temperature is not None else DEFAULTS.temperature,
                   "selector": selector if reuse and selector != "off" else None}
         kwargs.update({name: getattr(self, name) for name in PASSED_THROUGH if getattr(self, name) is not None})
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
             kwargs["probe_step"] = True
         if self.anchor_pass is not None and reuse and kwargs["selector"] is not None:
@@ -229,7 +237,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = Field(
+        default=None, description="the tokenizer's special tokens (a BOS) around the text; by default yes for a "
+        "prompt, as /v1/completions encodes it, and no for messages, whose template writes its own")
     add_generation_prompt: bool = True
 
 

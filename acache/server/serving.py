@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -29,7 +29,7 @@ from acache.scoring import ScoringCancelled
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine, EngineFailed, RequestFailed
 from acache.server.logprobs import Scorer, ScoringRefused
-from acache.server.protocol import BadRequest, DiffusionFields, error_body
+from acache.server.protocol import BadRequest, DiffusionFields, ModelNotFound, error_body
 from acache.server.reuse_gate import ReuseGate
 from acache.server.shutdown import Drain, ShuttingDown
 from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
@@ -112,7 +112,22 @@ class OpenAIServing:
 
     def check_model(self, body) -> None:
         if body.model is not None and body.model != self.ctx.model_name:
-            raise BadRequest(f"model {body.model!r} is not served here; this server serves {self.ctx.model_name!r}")
+            raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {self.ctx.model_name!r}")
+
+    def fit_to_context(self, prompt_tokens: int, params: SamplingParams, body: DiffusionFields) -> SamplingParams:
+        """``max_tokens`` becomes whole blocks (``to_sampling_params``); where those pass the context but
+        ``max_tokens`` itself fits beside a ``prompt_tokens`` prompt, the region is ``max_tokens`` long instead, in
+        the longest blocks that divide it and are no longer than the default (the client chose neither length).
+        Such a request near the context's end was refused, naming a gen_length it never sent."""
+        limit, room = body.token_limit, self.llm.max_model_len - prompt_tokens
+        if (limit is None or body.gen_length is not None or body.block_length is not None
+                or params.gen_length <= room or limit > room):
+            return params
+        block = max(d for d in range(1, min(params.block_length, limit) + 1) if limit % d == 0)
+        try:
+            return replace(params, gen_length=limit, block_length=block)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
 
     def prompt_fits(self, prompt: AffixPrompt, params: SamplingParams) -> None:
         """Every check the engine makes when a request is added (context, vocabulary, pool size, BiCache

@@ -59,6 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         reuse_params = body.to_sampling_params(reuse=bool(candidate.affixes), default_selector=llm.default_selector)
+        reuse_params = self.fit_to_context(len(candidate.token_ids), reuse_params, body)
         prompt, params, plan, check = self.plan(body, candidate, reuse_params, registered_key)
         try:
             self.prompt_fits(prompt, params)

@@ -75,6 +75,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = await asyncio.to_thread(build)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        if not score_only:
+            params = self.fit_to_context(max(len(p.token_ids) for p in prompts), params, body)
         for p in prompts:
             if body.logprobs is not None and p.gen_at != len(p.token_ids):
                 raise BadRequest("logprobs need the generation region at the end of the prompt; affix_layout "
@@ -96,8 +98,9 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             decoded = await until_disconnect(request, self.decode_all(prompts, params, body))
         echoes = [""] * len(prompts)
-        if body.echo:  # the whole prompt, a registered affix included, as its logprobs cover it
-            echoes = [llm.tokenizer.decode(p.token_ids) if affix_ids is not None or not isinstance(text, str) else text
+        if body.echo:  # the prompt before the generation region, a registered affix included, as logprobs cover it
+            echoes = [llm.tokenizer.decode(p.token_ids[:p.gen_at]) if affix_ids is not None or not isinstance(text, str)
+                      else text
                       for p, text in zip(prompts, texts, strict=True)]
         logprobs_list: list = [None] * len(prompts)
         if body.logprobs is not None:  # every prompt of the request in one scoring pass

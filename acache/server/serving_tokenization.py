@@ -18,13 +18,14 @@ class OpenAIServingTokenization(OpenAIServing):
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages")
         llm = self.llm
+        special = body.prompt is not None if body.add_special_tokens is None else body.add_special_tokens
 
         def encode() -> list[int]:
             try:
                 if body.prompt is not None:
-                    return llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                    return llm.tokenizer.encode(body.prompt, add_special_tokens=special)
                 text = llm.inputs.render_chat([m.as_dict() for m in body.messages], body.add_generation_prompt)
-                return llm.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+                return llm.tokenizer.encode(text, add_special_tokens=special)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 

@@ -24,10 +24,13 @@ def client(llada_dir):
         yield c
 
 
-def test_health_is_503_once_the_engine_has_failed(llada_dir, monkeypatch):
+def test_health_stays_200_while_the_engine_serves_after_a_failed_step(llada_dir, monkeypatch):
+    """A step that fails fails its requests, and the engine serves on: /health says so and stays 200 (it was 503
+    for good, so a load balancer drained a working server), naming the last fault."""
     llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    real = llm.engine.step
     with TestClient(create_app(llm, "tiny")) as c:
-        assert c.get("/health").status_code == 200
+        assert c.get("/health").json() == {"status": "ok"}
 
         def broken():
             raise MemoryError("device out of memory")
@@ -36,7 +39,27 @@ def test_health_is_503_once_the_engine_has_failed(llada_dir, monkeypatch):
         resp = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert resp.status_code == 500 and "the engine failed" in resp.json()["error"]["message"]
         health = c.get("/health")
-        assert health.status_code == 503 and "MemoryError" in health.json()["error"]
+        assert health.status_code == 200 and health.json()["last_step_error"] == "MemoryError: device out of memory"
+        monkeypatch.setattr(llm.engine, "step", real)
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+def test_health_is_503_once_the_engine_thread_has_stopped(llada_dir, monkeypatch):
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "tiny")) as c:
+        target = c.app.state.engine
+
+        def fail_aborts():
+            raise RuntimeError("the loop failed")
+
+        monkeypatch.setattr(target, "_process_aborts", fail_aborts)
+        target.wake.set()
+        for _ in range(100):
+            if target.dead is not None:
+                break
+            time.sleep(0.05)
+        health = c.get("/health")
+        assert health.status_code == 503 and "RuntimeError" in health.json()["error"]
 
 
 FIELDS = ["prompt", "messages", "max_tokens", "gen_length", "block_length", "steps", "threshold", "factor",

@@ -187,10 +187,11 @@ def test_tokenizer_endpoints_a_remote_client_uses(setup):
     status, chat = post(client, "/tokenize", {"messages": [{"role": "user", "content": "where is mary ?"}],
                                               "add_generation_prompt": False})
     assert status == 200 and post(client, "/detokenize", {"tokens": chat["tokens"]})[1]["prompt"].endswith("?")
-    for body, message in [({"tokens": [1, 10**6]}, "outside the vocabulary"), ({"tokens": "x"}, "tokens"),
-                          ({"tokens": [1], "model": "other"}, "not served here")]:
+    for body, code, message in [({"tokens": [1, 10**6]}, 400, "outside the vocabulary"),
+                                ({"tokens": "x"}, 400, "tokens"),
+                                ({"tokens": [1], "model": "other"}, 404, "not served here")]:
         status, out = post(client, "/detokenize", body)
-        assert status == 400 and message in out["error"]["message"], out
+        assert status == code and message in out["error"]["message"], out
 
 
 def test_echo_with_a_registered_affix_echoes_what_it_scores(setup):

@@ -271,3 +271,122 @@ def test_anchor_depth(setup, monkeypatch):
                         ({"anchor_pass": "two"}, "needs anchor_pass 'one'")]:
         status, out = post(client, "/v1/completions", {**body, "anchor_depth": 0.5, **change})
         assert status == 400 and why in str(out), (change, out)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": Q, "max_tokens": 2}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": Q}],
+                                                                  "max_tokens": 2})])
+def test_a_model_not_served_is_404_as_openai_answers_it(setup, path, body):
+    """The openai client raises NotFoundError for it, as for ``GET /v1/models/{id}``; it was a 400."""
+    client, _ = setup
+    resp = client.post(path, json={**body, "model": "gpt-4"})
+    err = resp.json()["error"]
+    assert resp.status_code == 404 and err["code"] == "model_not_found" and err["type"] == "not_found_error"
+    assert "model 'gpt-4' is not served here; this server serves 'tiny'" in err["message"]
+
+
+@pytest.mark.parametrize("field", ["stream", "n"])
+def test_null_stream_and_n_are_their_defaults(setup, field):
+    """OpenAI types both as nullable and clients that write unset fields as null send them so: they were 400."""
+    client, _ = setup
+    body = {"prompt": Q, "max_tokens": 2}
+    plain = post(client, "/v1/completions", body)[1]["choices"][0]["token_ids"]
+    status, out = post(client, "/v1/completions", {**body, field: None})
+    assert status == 200 and out["choices"][0]["token_ids"] == plain
+    status, out = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": Q}], field: None,
+                                                        "max_tokens": 2})
+    assert status == 200, out
+
+
+def test_stop_token_ids_end_the_answer(setup):
+    """vLLM's ``stop_token_ids``: the answer ends at the first of them, as the offline path ends it."""
+    client, offline = setup
+    prompt = f"story : {STORY} question : {Q} answer :"
+    body = {"prompt": prompt, "max_tokens": 4, "block_length": 4}
+    plain = post(client, "/v1/completions", body)[1]["choices"][0]
+    first = plain["token_ids"][0]
+    status, out = post(client, "/v1/completions", {**body, "stop_token_ids": [first]})
+    want = offline.generate(offline.tokenizer.encode(prompt), SamplingParams(
+        gen_length=4, block_length=4, stop_token_ids=(first,)), use_tqdm=False)[0]
+    choice = out["choices"][0]
+    assert status == 200 and choice["token_ids"] == want.token_ids != plain["token_ids"]
+    assert choice["finish_reason"] == "stop"
+    status, out = post(client, "/v1/completions", {**body, "stop_token_ids": [-1]})
+    assert status == 400 and "stop_token_ids must be non-negative" in out["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory):
+    """A checkpoint whose tokenizer puts a BOS before every text it encodes (as many real ones do)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from tests.conftest import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("bos"), "llada")
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    bos = "<|startoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(path / "tokenizer.json"))
+    llm = LLM(path, kv_cache_memory=1 << 22)
+    offline = LLM(path, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "bos")) as client:
+        yield client, offline, tok.token_to_id(bos)
+
+
+def test_a_text_prompt_is_encoded_as_the_offline_path_encodes_it(bos_server):
+    """The completions endpoint encoded a text prompt without the tokenizer's special tokens, so a BOS tokenizer's
+    model got another prompt (and answer) than ``LLM.generate`` gives it. ``/tokenize`` counts the same way."""
+    client, offline, bos = bos_server
+    prompt, params = "Where is Mary?", SamplingParams(gen_length=8, block_length=8)
+    want = offline.generate(prompt, params, use_tqdm=False)[0]
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "block_length": 8})
+    ids = offline.tokenizer.encode(prompt)
+    assert ids[0] == bos and status == 200
+    assert out["choices"][0]["token_ids"] == want.token_ids and out["usage"]["prompt_tokens"] == len(ids)
+    assert post(client, "/tokenize", {"prompt": prompt})[1]["tokens"] == ids
+    assert post(client, "/tokenize", {"prompt": prompt, "add_special_tokens": False})[1]["tokens"] == ids[1:]
+    chat = post(client, "/tokenize", {"messages": [{"role": "user", "content": prompt}]})[1]["tokens"]
+    assert chat[0] != bos or chat[1] != bos  # a template's own BOS is not doubled
+
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    from tests.conftest import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path_factory.mktemp("short"), "llada", max_seq_len=64)
+    llm, offline = LLM(path, kv_cache_memory=1 << 22), LLM(path, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "short")) as client:
+        yield client, offline
+
+
+def test_max_tokens_that_fit_the_context_are_served_when_whole_blocks_would_not(short_context):
+    """A 20-token prompt in a context of 64: ``max_tokens`` 40 rounded up to whole blocks of the default 32 is 64
+    and passed the context, so it was refused naming a gen_length of 64; now 40 are decoded in blocks of 20 (the
+    longest that divide 40), as the offline path decodes them."""
+    client, offline = short_context
+    prompt = list(range(20, 40))
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 40})
+    want = offline.generate(prompt, SamplingParams(gen_length=40, block_length=20), use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    chat = [{"role": "user", "content": "hi"}]
+    room = 64 - len(offline.chat_prompt(chat).token_ids)
+    status, out = post(client, "/v1/chat/completions", {"messages": chat, "max_tokens": room})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) <= room, out
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 45})  # past the context itself
+    assert status == 400 and "too long" in out["error"]["message"]
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "block_length": 32})
+    assert status == 400 and "gen_length 64" in out["error"]["message"]  # blocks the client chose are kept
+
+
+def test_echo_is_the_prompt_before_the_generation_region(setup):
+    """With text after the generation region (the affix in the suffix layout, or ``suffix``), echo put it before
+    the completion; now the echoed text is what precedes the answer."""
+    client, _ = setup
+    status, reg = post(client, "/v1/affixes", {"text": STORY})
+    assert status == 200
+    for extra, before in (({"affix_layout": "suffix"}, Q), ({"suffix": " the garden"}, f"{STORY} {Q}")):
+        body = {"prompt": Q, "max_tokens": 2, "affix": reg["id"], **extra}
+        status, out = post(client, "/v1/completions", {**body, "echo": True})
+        plain = post(client, "/v1/completions", body)[1]["choices"][0]["text"]
+        assert status == 200 and out["choices"][0]["text"] == before + plain
