@@ -18,15 +18,17 @@ TASK_CALIBRATION = "tasks"
 
 
 def task_calibration_prompts(tokenizer: Tokenizer, samples: int, seed: int = 0) -> list[AffixPrompt]:
-    """``samples`` task requests, the tasks and layouts in turn, 6-sentence contexts, from
-    ``acache_lab.tasks.generators.examples`` (its seed stream is neither training's nor the held-out one)."""
+    """``samples`` task requests, 6-sentence contexts, from ``acache_lab.tasks.generators.examples`` (its seed
+    stream is neither training's nor the held-out one): the tasks in turn, each task's layouts in turn, so that
+    every task meets every layout (both turned together with ``i``, which paired each task with one layout)."""
     if samples < 1:
         raise ValueError(f"samples must be positive, got {samples}")
     per_task = {t: examples(t, seed=10_000 + seed, count=samples) for t in TASKS}
     out = []
     for i in range(samples):
-        ex = per_task[TASKS[i % len(TASKS)]][i]
-        out += render_prompts(tokenizer, [ex], LAYOUTS[i % len(LAYOUTS)])
+        turn = i // len(TASKS)
+        ex = per_task[TASKS[i % len(TASKS)]][turn]
+        out += render_prompts(tokenizer, [ex], LAYOUTS[turn % len(LAYOUTS)])
     return out
 
 

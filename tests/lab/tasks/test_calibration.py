@@ -22,3 +22,17 @@ def test_calibration_file(tmp_path, llada_dir):
     path.write_text("{not json}\n")
     with pytest.raises(ValueError, match="cal.jsonl:1"):
         calibration_prompts(tok, model.config, path, samples=0)
+
+
+def test_task_calibration_meets_every_task_in_every_layout(monkeypatch):
+    """The task and the layout both turned with the request's index, so qa1 was only ever calibrated as a prefix,
+    arithmetic as an infix and two-hop as a suffix."""
+    from acache_lab.tasks import calibration
+
+    seen = []
+    monkeypatch.setattr(calibration, "render_prompts", lambda tok, exs, layout: seen.append((exs[0], layout)) or [])
+    calibration.task_calibration_prompts(None, 18)
+    pairs = [(next(t for t in calibration.TASKS if ex in calibration.examples(t, seed=10_000, count=18)), layout)
+             for ex, layout in seen]
+    assert sorted(set(pairs)) == sorted((t, lay) for t in calibration.TASKS for lay in calibration.LAYOUTS)
+    assert len({id(ex) for ex, _ in seen}) == 18 and len(set(pairs)) == 9  # no example drawn twice
