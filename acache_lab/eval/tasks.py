@@ -63,9 +63,12 @@ def task_prompts(llm: LLM, examples: list[Example], layout: str) -> list[AffixPr
 
 
 def exact_matches(llm: LLM, prompts: list[AffixPrompt], examples: list[Example], params: SamplingParams) -> int:
-    """How many generated answers equal the reference word for word (worked sums included)."""
+    """How many generated answers equal the reference word for word (worked sums included), special tokens
+    spelled out: an answer holding one is wrong (``o.text`` leaves them out, so '3 + <|startoftext|> 5 = 8' read as
+    right; on 8,100 of the study's answers, direct reuse and ACache at 0.2, the two counts agree)."""
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(o.text.split() == list(e.answer) for o, e in zip(outs, examples, strict=True))
+    spelled = (llm.tokenizer.decode(o.token_ids, skip_special_tokens=False) for o in outs)
+    return sum(text.split() == list(e.answer) for text, e in zip(spelled, examples, strict=True))
 
 
 def refuse_unread_suffix(llm: LLM, layouts: Sequence[str]) -> None:

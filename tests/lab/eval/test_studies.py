@@ -215,17 +215,27 @@ def test_the_sweep_and_the_task_scores_decode_in_the_room_asked(task_llm, monkey
     assert [(s.total, s.gen_length) for s in scores] == [(2, 8)] and seen == [8]
 
 
-def test_a_repeated_answer_is_not_an_exact_match():
+def test_a_repeated_answer_or_one_holding_a_special_token_is_not_an_exact_match():
+    """'kitchen <|startoftext|>' read as 'kitchen' when answers were compared by their text without special
+    tokens."""
     from types import SimpleNamespace
 
+    from acache.models.tokenizer import Tokenizer
+    from acache.paths import default_model
     from acache_lab.eval.tasks import exact_matches, task_params
 
-    class Model:
-        def generate(self, prompts, params, use_tqdm):
-            return [SimpleNamespace(text=t) for t in ("kitchen", "kitchen kitchen", "garden")]
+    tok = Tokenizer.from_dir(default_model())
+    answers = [tok.encode(t, add_special_tokens=False) for t in ("kitchen", "kitchen kitchen", "garden")]
+    answers.append(answers[0] + [tok.token_to_id("<|startoftext|>")])
 
-    examples = [SimpleNamespace(answer=("kitchen",))] * 3
-    assert exact_matches(Model(), [None] * 3, examples, task_params("qa1", 8)) == 1
+    class Model:
+        tokenizer = tok
+
+        def generate(self, prompts, params, use_tqdm):
+            return [SimpleNamespace(token_ids=ids, text=tok.decode(ids)) for ids in answers]
+
+    examples = [SimpleNamespace(answer=("kitchen",))] * 4
+    assert exact_matches(Model(), [None] * 4, examples, task_params("qa1", 8)) == 1
 
 
 @pytest.mark.parametrize("argv, message", [
