@@ -108,11 +108,12 @@ def test_task_calibration_feeds_a_bicache_profile_into_the_sweep(task_llm, task_
     from acache_lab.tasks.calibration import calibration_prompts
     from acache_lab.tasks.render import build_word_tokenizer
 
-    prompts = calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=6)
-    assert prompts == calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=6)
+    prompts = calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=9)
+    assert prompts == calibration_prompts(task_llm.tokenizer, task_llm.model.config, "tasks", samples=9)
     unk = build_word_tokenizer().token_to_id("[UNK]")
-    assert len(prompts) == 6 and all(p.affixes and unk not in p.token_ids for p in prompts)
-    assert [p.gen_at == len(p.token_ids) for p in prompts[:3]] == [True, True, False]  # prefix, infix, suffix
+    assert len(prompts) == 9 and all(p.affixes and unk not in p.token_ids for p in prompts)
+    # each of the three tasks as a prefix, then as an infix, then as a suffix (the generation region before it)
+    assert [p.gen_at == len(p.token_ids) for p in prompts] == [True] * 6 + [False] * 3
     path = tmp_path / "profile.json"
     profile_bicache(AffixStore(task_llm.model), prompts, gen_length=2).save(path)
     llm = LLM(task_model_dir, bicache_profile=path)
