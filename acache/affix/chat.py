@@ -9,9 +9,12 @@ from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, resolve_segmen
 
 
 def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
-                  affix_messages: Iterable[int] | None = None, split_before: Iterable[int] = ()) -> list[Segment]:
+                  affix_messages: Iterable[int] | None = None, split_before: Iterable[int] = (),
+                  encode: Callable[[str], list[int]] | None = None) -> list[Segment]:
     """Splits the rendered conversation at message boundaries; consecutive chosen messages form one affix
-    (a new one starts at each index of ``split_before``).
+    (a new one starts at each index of ``split_before``). With ``encode`` such an affix is the concatenation of
+    its messages' own encodings: the ids each message has when no message is chosen (a tokenizer may encode two
+    texts joined otherwise than one after the other), so choosing messages never changes the prompt's ids.
 
     ``render(messages, add_generation_prompt)`` is the chat template. The template must render each
     conversation as an extension of its shorter prefixes (Llama- and Qwen-style templates do); if it
@@ -39,20 +42,29 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
     run: list[str] = []
     names: list[str] = []
     splits = set(split_before)
+
+    def close() -> None:
+        name = "+".join(names)
+        if encode is None:
+            segments.append(Affix("".join(run), name=name))
+        else:
+            ids = [t for piece in run for t in encode(piece)]
+            segments.append(Affix(token_ids=ids, name=name) if ids else "")
+        run.clear()
+        names.clear()
+
     for i, piece in enumerate(pieces):
         if i in splits and run:
-            segments.append(Affix("".join(run), name="+".join(names)))
-            run, names = [], []
+            close()
         if i in chosen:
             run.append(piece)
             names.append(messages[i].get("role", "message"))
             continue
         if run:
-            segments.append(Affix("".join(run), name="+".join(names)))
-            run, names = [], []
+            close()
         segments.append(piece)
     if run:
-        segments.append(Affix("".join(run), name="+".join(names)))
+        close()
     segments.append(full[len(previous):])
     segments.append(GEN)
     return [s for s in segments if s != ""]
@@ -60,4 +72,4 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
 
 def chat_prompt(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
                 encode: Callable[[str], list[int]], affix_messages: Iterable[int] | None = None) -> AffixPrompt:
-    return resolve_segments(chat_segments(messages, render, affix_messages), encode)
+    return resolve_segments(chat_segments(messages, render, affix_messages, encode=encode), encode)

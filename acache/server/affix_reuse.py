@@ -256,10 +256,8 @@ class AutoAffixer:
             if m["role"] == "user" and len(self._encode(m["content"])) >= self.min_document_tokens:
                 candidates.add(i)
         chosen = sorted(candidates) if reuse else []
-        segments = chat_segments(messages, self.inputs.render_chat, chosen,
-                                 split_before=[registered] if registered else [])
-        return [Affix(token_ids=self._encode(seg.text), name=seg.name) if isinstance(seg, Affix) else seg
-                for seg in segments]
+        return chat_segments(messages, self.inputs.render_chat, chosen,
+                             split_before=[registered] if registered else [], encode=self._encode)
 
     def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0) -> AffixPrompt:
         """The chat's candidates that were seen before (or registered, or held) kept as affixes."""

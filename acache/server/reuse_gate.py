@@ -6,7 +6,10 @@ So automatic reuse (a chat's system prompt or document seen before) is earned sp
 mode (the default) the first ``checks`` requests that could reuse a span under a given policy (its selector and
 anchor settings and the request's decoding: the fields of :func:`policy_key`) are answered
 without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
-once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. Every
+once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. The
+checks must be of different requests (another prompt, or another seed): one request sent again is no new
+evidence, so it is recomputed, not checked again. Trust stays evidence from those requests, not a proof for
+every other one: the audits below are what catches a later request it does not hold for. Every
 ``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
 the trust. At most ``checks`` checks of a span run at once: the rest of a burst is recomputed meanwhile. A
 request answered during a check gets exactly its answer without reuse. ``on`` reuses at once (the old
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from enum import Enum
 
 from acache.sampling_params import SamplingParams
@@ -37,10 +41,13 @@ class Decision(str, Enum):
 
 @dataclass
 class SpanRecord:
+    #: the requests checked, or being checked, before the span was trusted: each counts once
+    requests: set = field(default_factory=set)
     checks: int = 0
     mismatches: int = 0
     served: int = 0  # requests answered with reuse since the span was trusted
     pending: int = 0  # checks started and not yet recorded
+    audit_owed: bool = False  # an audit fell due when none could run: the next request that can be checked is
     trusted: bool = False
     refused: bool = False
 
@@ -54,6 +61,7 @@ class Plan:
     decision: Decision
     key: tuple
     reason: str
+    request: Hashable = None  # the request a check is of (ReuseGate.plan)
 
 
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
@@ -72,10 +80,12 @@ def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
 class ReuseGate:
     """Per (spans, policy) records of how automatic reuse compared with recomputation; thread-safe.
 
-    At most ``max_tracked`` records are kept. A refusal is never forgotten (a span forgotten would be checked
-    again and could be trusted, and reuse then change an answer), nor is a record with a check running; the
-    others give way least recently used first (forgetting one only means checking it again). A key met while
-    every record is a refusal or a running check is not tracked, and its request recomputes. A request that could
+    At most ``max_tracked`` records are kept, and apart from them at most ``max_tracked`` refusals. A record with
+    a check running is never forgotten; the others give way least recently used first (forgetting one only means
+    checking it again). Refusals give way oldest first, to other refusals only: a span whose refusal is forgotten
+    is checked again from the start, as a new one (it was kept for good, and a client sending one mismatching
+    request under ever new settings could fill the gate with refusals, so that no span was checked again). A key
+    met while every record has a check running is not tracked, and its request recomputes. A request that could
     not be checked (sampled, without a seed) makes no record."""
 
     def __init__(self, mode: str = "verified", checks: int = 4, audit_every: int = 16,
@@ -88,13 +98,14 @@ class ReuseGate:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.mode, self.checks, self.audit_every, self.max_tracked = mode, checks, audit_every, max_tracked
         self._records: OrderedDict[tuple, SpanRecord] = OrderedDict()  # not refused, least recently used first
-        self._refused: dict[tuple, SpanRecord] = {}
+        self._refused: OrderedDict[tuple, SpanRecord] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.totals = {"checks": 0, "mismatches": 0}
 
     def plan(self, span_keys: tuple[str, ...], params: SamplingParams, deterministic: bool,
-             wants_logprobs: bool) -> Plan:
-        """How to answer a request whose automatic candidates ``span_keys`` could be reused with ``params``."""
+             wants_logprobs: bool, request: Hashable = None) -> Plan:
+        """How to answer a request whose automatic candidates ``span_keys`` could be reused with ``params``;
+        ``request`` tells requests apart (its whole prompt and seed): a check counts once a request."""
         key = policy_key(span_keys, params)
         if self.mode == "off":
             return Plan(Decision.RECOMPUTE, key, "automatic reuse is off on this server")
@@ -109,10 +120,12 @@ class ReuseGate:
             if record is not None:
                 self._records.move_to_end(key)
             if record is not None and record.trusted:
-                due = self.audit_every and (record.served + 1) % self.audit_every == 0
-                if not (due and deterministic and record.pending == 0):
+                if self.audit_every and (record.served + 1) % self.audit_every == 0:
+                    record.audit_owed = True
+                if not (record.audit_owed and deterministic and record.pending == 0):
                     record.served += 1
                     return Plan(Decision.REUSE, key, f"trusted after {record.checks} matching checks")
+                record.audit_owed = False
                 record.pending += 1
                 return Plan(Decision.CHECK, key, "an audit of a trusted span")
             if not deterministic:
@@ -120,17 +133,22 @@ class ReuseGate:
             if record is None:
                 if not self._make_room():
                     return Plan(Decision.RECOMPUTE, key, f"not checked: the gate tracks {self.max_tracked} spans, "
-                                                         "each refused or being checked")
+                                                         "each being checked")
                 record = self._records[key] = SpanRecord()
+            if request is not None and request in record.requests:
+                return Plan(Decision.RECOMPUTE, key, "this request was checked already: trust needs other requests")
             if record.checks + record.pending >= self.checks:  # a burst runs no more checks than it needs
                 return Plan(Decision.RECOMPUTE, key, f"{record.pending} checks of this span are still running")
             record.pending += 1
-            return Plan(Decision.CHECK, key, f"check {record.checks + record.pending} of {self.checks}")
+            if request is not None:
+                record.requests.add(request)
+            return Plan(Decision.CHECK, key, f"check {record.checks + record.pending} of {self.checks}",
+                        request)
 
     def _make_room(self) -> bool:
         """Room for one more record (called under the lock): the least recently used record with no check
         running gives way; False when there is none to give."""
-        if len(self._records) + len(self._refused) < self.max_tracked:
+        if len(self._records) < self.max_tracked:
             return True
         for key, record in self._records.items():
             if record.pending == 0:
@@ -153,17 +171,22 @@ class ReuseGate:
                 record.trusted, record.refused = False, True
                 self._records.pop(key, None)
                 self._refused[key] = record
+                self._refused.move_to_end(key)
+                while len(self._refused) > self.max_tracked:
+                    self._refused.popitem(last=False)
             elif not record.refused and record.checks >= self.checks:
                 record.trusted = True
             if record.trusted:
                 record.served += 1  # an audit counts as a use: the next audit is a full period later
 
-    def drop(self, key: tuple) -> None:
-        """A check that ended without an outcome (its client went away, a request failed)."""
+    def drop(self, key: tuple, request: Hashable = None) -> None:
+        """A check that ended without an outcome (its client went away, a request failed): ``request`` may be
+        checked again."""
         with self._lock:
             record = self._refused.get(key) or self._records.get(key)
             if record is not None:
                 record.pending = max(0, record.pending - 1)
+                record.requests.discard(request)
 
     def state(self, key: tuple) -> str:
         with self._lock:

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -48,12 +48,19 @@ class ClientGone(Exception):
 @dataclass
 class Check:
     """The same request with automatic reuse, run beside its answer without it to see if reuse changes it;
-    ``started`` once it runs (a check planned for a stream its client left before it began never does)."""
+    ``started`` once it runs (a check planned for a stream its client left before it began never does). The two
+    answers are compared on the tokens a client is sent, the first ``limit`` (``max_tokens``) of them."""
 
     prompt: AffixPrompt
     params: SamplingParams
     key: tuple
+    request: Hashable = None
+    limit: int | None = None
     started: bool = False
+
+    def abandon(self, gate: ReuseGate) -> None:
+        """Tells the gate that a check planned never ran, or ended without an answer to compare."""
+        gate.drop(self.key, self.request)
 
 
 class CheckedStream(StreamingResponse):
@@ -71,7 +78,7 @@ class CheckedStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # one left at a send that failed settles its check now, not at GC
             if not self.check.started:
-                self.gate.drop(self.check.key)
+                self.check.abandon(self.gate)
 
 
 @dataclass
@@ -205,15 +212,15 @@ class OpenAIServing:
         gate = self.ctx.gate
         if plain is None:
             shadow.cancel()
-            gate.drop(check.key)
+            check.abandon(gate)
             return
-        want = list(plain.token_ids)
+        want = list(plain.token_ids[:check.limit])
 
         def compare(task: asyncio.Task) -> None:
             if task.cancelled() or task.exception() is not None:
-                gate.drop(check.key)
+                check.abandon(gate)
             else:
-                same = list(task.result().token_ids) == want
+                same = list(task.result().token_ids[:check.limit]) == want
                 gate.record(check.key, same)
                 if not same:
                     log.warning("automatic reuse changed an answer: its spans are recomputed from now on under this "

@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
             self.prompt_fits(prompt, params)
         except BadRequest:
             if check is not None:  # the check planned never runs: the gate must not count it as running
-                ctx.gate.drop(check.key)
+                check.abandon(ctx.gate)
             raise
         ctx.counters["requests_total"] += 1
         if plan is not None:
@@ -82,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
             out = await until_disconnect(request, self.final_output(prompt, params, check))
         finally:
             if check is not None and not check.started:  # cancelled before it began: it never will
-                ctx.gate.drop(check.key)
+                check.abandon(ctx.gate)
         cut = self.final_text(out, body)
         logprobs = None
         if body.logprobs:
@@ -101,24 +101,27 @@ class OpenAIServingChat(OpenAIServing):
         """What the request runs: the candidate prompt with every span it could reuse, or, where the gate does
         not trust the automatic spans yet, the prompt without them (and, when the gate asks, a check with
         them run beside it)."""
-        automatic = tuple(a.key for a in candidate.affixes if a.key != registered_key)
+        # the registered affix is the first (a span of the same tokens later in the chat is an automatic one)
+        first = 1 if registered_key is not None else 0
+        automatic = tuple(a.key for a in candidate.affixes[first:])
         if not automatic or body.affix_reuse == "always":
             return candidate, reuse_params, None, None
         gate = self.ctx.gate
         deterministic = reuse_params.temperature == 0 or reuse_params.seed is not None
-        plan = gate.plan(automatic, reuse_params, deterministic, bool(body.logprobs))
+        request = (candidate.token_ids, reuse_params.seed)  # a check counts once for the same prompt and seed
+        plan = gate.plan(automatic, reuse_params, deterministic, bool(body.logprobs), hash(request))
         if plan.decision is Decision.REUSE:
             return candidate, reuse_params, plan, None
-        prompt = AffixPrompt(candidate.token_ids, candidate.gen_at,
-                             tuple(a for a in candidate.affixes if a.key == registered_key))
-        params = body.to_sampling_params(reuse=bool(prompt.affixes), default_selector=self.llm.default_selector)
+        prompt = AffixPrompt(candidate.token_ids, candidate.gen_at, candidate.affixes[:first])
+        params = self.fit_to_context(len(candidate.token_ids), body.to_sampling_params(
+            reuse=bool(prompt.affixes), default_selector=self.llm.default_selector), body)
         check = None
         if plan.decision is Decision.CHECK:
-            check = Check(candidate, reuse_params, plan.key)
+            check = Check(candidate, reuse_params, plan.key, plan.request, body.token_limit)
             try:
                 self.prompt_fits(candidate, reuse_params)
             except BadRequest as exc:  # the request runs as it is; only its check cannot
-                gate.drop(plan.key)
+                check.abandon(gate)
                 check, plan = None, Plan(Decision.RECOMPUTE, plan.key, f"not checked: with reuse, {exc}")
         return prompt, params, plan, check
 

@@ -76,20 +76,25 @@ def test_the_readme_chat_sent_again_answers_the_same(llm):
 
 def test_a_span_that_gives_the_same_answers_is_trusted_then_reused(llm):
     """At anchor ratio 1 reuse recomputes every affix token, so it matches: after the checks it answers."""
-    messages = chat(story(("emma", "cellar")), "Where is John?")
+    system = story(("emma", "cellar"))
+    messages = chat(system, "Where is John?")
+    questions = ["Where is John?", "Where is Mary?", "Where is Mary?", "Where is John?", "Where is Emma?"]
     with served(llm, reuse_checks=2, reuse_audit_every=0) as client:
-        answers = [ask(client, messages, anchor_ratio=1.0) for _ in range(4)]
+        answers = [ask(client, chat(system, q), anchor_ratio=1.0) for q in questions]
         after = answers[-1]
         longer = ask(client, messages, anchor_ratio=1.0, max_tokens=4)  # trust earned in 2 columns is not for 4
     decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
-    assert decisions == ["none", "checking", "checking", "reused"]
+    # the span is first seen with John's question (nothing to reuse yet), checked with Mary's; Mary's again is no
+    # new evidence (recomputed); John's is the second check; then Emma's is answered with reuse
+    assert decisions == ["none", "checking", "recomputed", "checking", "reused"]
+    assert "checked already" in answers[2]["usage"]["affix_reuse"]["reason"]
     assert longer["usage"]["affix_reuse"]["decision"] == "checking"
     assert longer["choices"][0]["token_ids"] == plain_answer(llm, messages, gen_length=4, block_length=4)[:4]
     usage = after["usage"]
     assert usage["affix_reuse"]["state"] == "trusted" and usage["affix_reuse"]["anchor_ratio"] == 1.0
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # every token recomputed at ratio 1
-    want = plain_answer(llm, messages)
-    assert all(a["choices"][0]["token_ids"] == want for a in [*answers, after])
+    assert all(a["choices"][0]["token_ids"] == plain_answer(llm, chat(system, q))
+               for a, q in zip(answers, questions, strict=True))
 
 
 def wait_for(condition, seconds: float = 30.0) -> bool:
@@ -291,3 +296,69 @@ def test_a_stream_whose_client_leaves_at_once_settles_its_check(llm, fails_at):
         state.engine.shutdown()
     assert check.started is (fails_at == "http.response.body")
     assert state.gate.plan(("span",), params, True, False).decision is Decision.CHECK  # not still "running"
+
+
+def test_one_chat_sent_again_never_earns_trust_for_the_other_questions(llm):
+    """The guide's chat sent five times made its system prompt trusted (four matching checks of one request), and
+    every other question on it was then answered with reuse: Mary's and Sandra's answers changed. One request
+    again is no new evidence: it is recomputed, and Mary's question is checked, not reused."""
+    with served(llm) as client:  # the guide's story: John's answer is the same with reuse, Mary's is not
+        repeats = [ask(client, chat(STORY, "Where is John?")) for _ in range(5)]
+        mary = ask(client, chat(STORY, "Where is Mary?"))
+    decisions = [a["usage"]["affix_reuse"]["decision"] for a in repeats]
+    # a first sighting reuses nothing ("none"; the story may be held already from another test): one check, then
+    # the same request again is recomputed, never checked or reused
+    assert decisions.count("checking") == 1 and decisions[-3:] == ["recomputed"] * 3, decisions
+    assert "checked already" in repeats[-1]["usage"]["affix_reuse"]["reason"]
+    assert mary["usage"]["affix_reuse"]["decision"] == "checking"  # was "reused", answering "mary"
+    assert mary["choices"][0]["message"]["content"] == "kitchen"
+    assert mary["choices"][0]["token_ids"] == plain_answer(llm, chat(STORY, "Where is Mary?"))
+
+
+@pytest.fixture(scope="module")
+def joining_tokenizer(tmp_path_factory):
+    """A byte-level tokenizer that puts a space before every text it encodes, and a plain chat template: two
+    messages encoded together are not the two encoded one after the other."""
+    from tests.conftest import tiny_checkpoint
+
+    root = tiny_checkpoint(tmp_path_factory.mktemp("joining"), "llada")
+    tok = json.loads((root / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (root / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return LLM(root, page_size=8, kv_cache_memory=1 << 22)
+
+
+def test_messages_reused_together_keep_the_ids_they_have_apart(joining_tokenizer):
+    """Consecutive earlier messages form one span; its ids were those of the messages' text joined, which such a
+    tokenizer encodes otherwise, so every request of that chat got another prompt than with reuse off. Now the
+    span is the messages' own encodings one after the other: the prompt, and so the answer, are the same."""
+    llm = joining_tokenizer
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    joined = llm.tokenizer.encode("system: be brief\nuser: hi\n", add_special_tokens=False)
+    apart = [t for text in ("system: be brief\n", "user: hi\n") for t in llm.tokenizer.encode(text, False)]
+    assert joined != apart  # the case at hand
+    with served(llm) as client:
+        off = ask(client, messages, affix_reuse="off", max_tokens=8)
+        auto = [ask(client, messages, max_tokens=8) for _ in range(2)]
+    assert all(a["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"] for a in auto)
+    assert all(a["choices"][0]["token_ids"] == off["choices"][0]["token_ids"] for a in auto)
+    assert auto[1]["usage"]["affix_reuse"]["decision"] == "checking"  # the span was a candidate, and checked
+
+
+def test_max_tokens_fitted_to_the_context_hold_when_a_span_is_a_candidate(llm):
+    """A 208-token chat with max_tokens 40 in the shipped model's context of 256 is served in blocks of 20 (whole
+    default blocks would pass the context); once its system prompt was a candidate, the request recomputed without
+    that fitting and was refused, every time."""
+    system = " ".join(["mary moved to the kitchen ."] * 33)
+    messages = chat(system, "where is mary ?")
+    assert len(llm.chat_prompt(messages).token_ids) + 64 > llm.max_model_len >= len(llm.chat_prompt(messages)
+                                                                                      .token_ids) + 40
+    with served(llm) as client:
+        answers = [ask(client, messages, max_tokens=40) for _ in range(3)]
+    assert [a["usage"]["affix_reuse"]["decision"] for a in answers][:2] == ["none", "checking"]
+    assert len({tuple(a["choices"][0]["token_ids"]) for a in answers}) == 1

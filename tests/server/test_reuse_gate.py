@@ -91,6 +91,7 @@ def test_a_request_that_cannot_be_checked_is_recomputed_until_trusted():
     gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
     # trusted: a sampled request reuses, and an audit that falls on it is passed to the next deterministic one
     assert [gate.plan(SPANS, PARAMS, False, False).decision for _ in range(3)] == [Decision.REUSE] * 3
+    assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.CHECK  # it waited a whole period before
 
 
 def test_logprobs_and_modes():
@@ -119,10 +120,10 @@ def test_the_records_stay_bounded():
     assert sum(gate.counts()[k] for k in ("trusted", "refused", "checking")) == 8
 
 
-def test_a_refusal_is_never_forgotten_however_many_spans_follow():
+def test_a_refusal_is_not_forgotten_for_new_spans_or_policies():
     """The records are bounded, but a refused span that gave way to others would be checked again from nothing and
     could be trusted: reuse would then change answers. Neither a flood of new policies (distinct temperatures,
-    sampled or seeded) nor of new spans lets it go."""
+    sampled or seeded) nor of new spans lets it go: refusals are kept apart from the records."""
     gate = ReuseGate("verified", checks=1, max_tracked=3)
     refused = gate.plan(SPANS, PARAMS, True, False)
     gate.record(refused.key, False)
@@ -133,7 +134,23 @@ def test_a_refusal_is_never_forgotten_however_many_spans_follow():
         gate.record(fresh.key, True)
     again = gate.plan(SPANS, PARAMS, True, False)
     assert again.decision is Decision.RECOMPUTE and "changed an answer" in again.reason
-    assert gate.counts()["refused"] == 1 and sum(gate.counts()[k] for k in ("trusted", "refused", "checking")) == 3
+    assert gate.counts()["refused"] == 1 and gate.counts()["trusted"] + gate.counts()["checking"] == 3
+
+
+def test_refusals_cannot_fill_the_gate():
+    """A client sending one mismatching request under ever new settings (threshold 0.9, 0.9 + 1e-9, ...) filled the
+    gate with refusals, each kept for good, until no span was checked again. Refusals now give way, oldest first,
+    to newer refusals only: the gate keeps checking, and a refusal forgotten is checked from the start again."""
+    gate = ReuseGate("verified", checks=1, max_tracked=2)
+    keys = []
+    for n in range(5):
+        params = SamplingParams(gen_length=8, block_length=8, selector="attention", threshold=0.9 + n * 1e-9)
+        plan = gate.plan(SPANS, params, True, False)
+        assert plan.decision is Decision.CHECK
+        gate.record(plan.key, False)
+        keys.append(plan.key)
+    assert gate.counts()["refused"] == 2 and [gate.state(k) for k in keys] == ["unseen"] * 3 + ["refused"] * 2
+    assert gate.plan(("another-span",), PARAMS, True, False).decision is Decision.CHECK
 
 
 def test_a_request_that_cannot_be_checked_makes_no_record():
@@ -147,7 +164,7 @@ def test_the_least_recently_used_record_gives_way_and_a_running_check_never_does
     gate = ReuseGate("verified", checks=1, audit_every=0, max_tracked=2)
     first, second = (gate.plan((name,), PARAMS, True, False) for name in ("a", "b"))
     assert gate.plan(("c",), PARAMS, True, False).decision is Decision.RECOMPUTE  # both checks still running
-    assert "each refused or being checked" in gate.plan(("c",), PARAMS, True, False).reason
+    assert "each being checked" in gate.plan(("c",), PARAMS, True, False).reason
     gate.record(first.key, True)
     gate.record(second.key, True)
     assert gate.plan(("a",), PARAMS, True, False).decision is Decision.REUSE  # "a" used after "b"
@@ -166,3 +183,30 @@ def test_a_match_recorded_after_a_mismatch_does_not_trust_a_refused_span():
     assert gate.state(plans[0].key) == "refused"
     assert gate.counts() == {"trusted": 0, "refused": 1, "checking": 0, "checks": 4, "mismatches": 1}
     assert gate.plan(SPANS, PARAMS, True, False).decision is Decision.RECOMPUTE
+
+
+def test_one_request_sent_again_is_no_new_evidence():
+    """Trust was earned by sending one chat four times, and then covered every other question on the same system
+    prompt (their answers changed). A check counts once a request: the same prompt and seed again is recomputed,
+    and only different requests (another question, another seed) are checked."""
+    gate = ReuseGate("verified", checks=3, audit_every=0)
+    first = gate.plan(SPANS, PARAMS, True, False, request="q1")
+    assert first.decision is Decision.CHECK and first.request == "q1"
+    gate.record(first.key, True)
+    again = gate.plan(SPANS, PARAMS, True, False, request="q1")
+    assert again.decision is Decision.RECOMPUTE and "checked already" in again.reason
+    assert gate.state(first.key) == "checked 1"
+    for request in ("q2", "q3"):
+        plan = gate.plan(SPANS, PARAMS, True, False, request=request)
+        assert plan.decision is Decision.CHECK
+        gate.record(plan.key, True)
+    assert gate.state(first.key) == "trusted"
+    assert gate.plan(SPANS, PARAMS, True, False, request="q1").decision is Decision.REUSE
+
+
+def test_a_dropped_check_lets_its_request_be_checked_again():
+    gate = ReuseGate("verified", checks=2, audit_every=0)
+    plan = gate.plan(SPANS, PARAMS, True, False, request="q1")
+    assert gate.plan(SPANS, PARAMS, True, False, request="q1").decision is Decision.RECOMPUTE  # its check runs
+    gate.drop(plan.key, plan.request)  # its client went away: nothing was learnt
+    assert gate.plan(SPANS, PARAMS, True, False, request="q1").decision is Decision.CHECK
