@@ -374,9 +374,6 @@ class TrainConfig:
                 raise ValueError(f"{name} is a loss weight >= 0, not {weight!r}")
             if weight > 0 and (self.affix_isolation == 0 or self.affix_anchored > 0):
                 raise ValueError(f"{name} {what}: it needs affix_isolation > 0 and no anchored rows (affix_anchored 0)")
-        if self.affix_neighbours > 0 and self.context_mask_rate > 0:
-            raise ValueError("affix_neighbours trains clean affix tokens, as the cache holds them: context_mask_rate "
-                             "must be 0")
         layers = (("affix_neighbour_layer", self.affix_neighbours), ("affix_bridge_layer", self.affix_bridge))
         for name, weight in layers:
             layer = getattr(self, name)

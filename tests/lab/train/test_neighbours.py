@@ -321,6 +321,6 @@ def test_bad_neighbour_settings_are_refused_by_name():
         with pytest.raises(ValueError, match="affix_neighbour_(layer|span) is"):
             TrainConfig(**bad)
     assert TrainConfig(model=ModelShape(layers=1)).affix_neighbour_layer == 1
-    with pytest.raises(ValueError, match="affix_neighbours trains clean affix tokens, as the cache holds them"):
+    with pytest.raises(ValueError, match="their affixes clean as the cache holds them, so context_mask_rate must be 0"):
         TrainConfig(affix_isolation=0.5, affix_neighbours=1.0, context_mask_rate=0.1)
     assert TrainConfig(affix_isolation=0.5, affix_neighbours=2, affix_neighbour_layer=3).affix_neighbour_layer == 3
