@@ -90,6 +90,14 @@ class StepKeyCache:
             self._stack = key, StackedKV(sets, device, room)
         return self._stack[1]
 
+    def nbytes(self) -> int:
+        """Bytes of the copies held now: every request's set and the last batch's stack (outside the pool, so the
+        pool's page count leaves them out)."""
+        held = sum(t.numel() * t.element_size() for e in self.entries.values() for t in (*e.keys, *e.values))
+        if self._stack is not None:
+            held += sum(t.numel() * t.element_size() for pair in self._stack[1]._layers.values() for t in pair)
+        return held
+
     def drop(self, request_id: str) -> None:
         """Forgets a request that left the engine (its copies would otherwise live until the next step)."""
         self.entries.pop(request_id, None)

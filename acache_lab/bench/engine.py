@@ -102,6 +102,9 @@ class ModeResult:
     peak_kv_pages: int
     peak_kv_bytes: int
     model_flops: int = 0  # useful model arithmetic of the run (acache_lab.bench.flops)
+    #: the peak bytes of the in-block steps' rotated K/V copies outside the pool (CPU: ``reuse_step_keys``), the
+    #: same size in both modes, since an in-block step of either attends to every other column
+    peak_step_key_bytes: int = 0
     refreshes: int = 0  # batched refresh forwards
     selecting_refresh_s: float = 0.0  # of them, those that chose anchors inside the forward (anchor_pass="one")
     selecting_refreshes: int = 0
@@ -120,6 +123,8 @@ class Comparison:
     throughput_gain_ideal: float
     peak_kv_reduction: float
     peak_kv_reduction_ideal: float
+    #: the peak K/V held in all, the pool's pages and the in-block steps' copies (the same reduction where none)
+    peak_memory_reduction: float = math.nan
 
     def fractions(self) -> dict[str, float]:
         """Each measured ratio over its ideal; NaN where the ideal is zero (nothing to reach)."""
@@ -226,25 +231,31 @@ def run_mode(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, reuse:
              mode: str | None = None) -> ModeResult:
     """Runs ``prompts`` (``params`` one per prompt, or the workload's) on a fresh engine of ``batch`` slots."""
     params = params or [workload_params(w, reuse)] * len(prompts)
-    tokens_per_refresh = batch * w.refresh_tokens(reuse)
+    # both modes get the budget of a whole canvas a request: ACache's first refresh feeds the whole canvas when it
+    # chooses its anchors inside it, and a smaller budget would push some of a batch's first refreshes to a later step
+    tokens_per_refresh = batch * w.refresh_tokens(False)
     engine = LLMEngine(model, EngineConfig(page_size=page_size, kv_cache_memory=kv_bytes, max_num_seqs=batch,
                                            max_num_batched_tokens=max(16384, tokens_per_refresh)))
     if reuse:
         cache_affix(engine, prompts[0])
     engine.reset_metrics()
+    copies = getattr(engine.runner, "step_keys", None)
+    peak_copies = 0
     with FlopCounter(model) as counter:
         start = time.perf_counter()
         for p, sp in zip(prompts, params, strict=True):
             engine.add_request(p, sp)
         while engine.has_unfinished():
             engine.step()
+            if copies is not None:  # read between steps: a few sums over the entries, next to a forward
+                peak_copies = max(peak_copies, copies.nbytes())
         wall = time.perf_counter() - start
     s = engine.summary()
     decoded = sum(sp.gen_length for sp in params)
     return ModeResult(mode or ("acache" if reuse else "dual"), batch, wall, decoded,
                       decoded / wall, s["recompute_latency_total_s"], s["step_time_total_s"],
                       s["selection_latency_total_s"], s["peak_kv_pages"], s["peak_kv_bytes"], counter.flops,
-                      s["refreshes"], s["selecting_refresh_total_s"], s["selecting_refreshes"])
+                      s["refreshes"], s["selecting_refresh_total_s"], s["selecting_refreshes"], peak_copies)
 
 
 def run_fastdllm(model: DiffusionLM, prompts: list[AffixPrompt], w: Workload, batch: int) -> ModeResult:
@@ -301,6 +312,8 @@ def compare(dual: ModeResult, acache: ModeResult, w: Workload, page_size: int, l
         throughput_gain_ideal=w.token_passes(False) / w.token_passes(True, layers),
         peak_kv_reduction=1 - acache.peak_kv_pages / dual.peak_kv_pages,
         peak_kv_reduction_ideal=1 - ideal_pages_acache / ideal_pages_dual,
+        peak_memory_reduction=1 - (acache.peak_kv_bytes + acache.peak_step_key_bytes)
+        / (dual.peak_kv_bytes + dual.peak_step_key_bytes),
     )
 
 
@@ -324,21 +337,23 @@ def _secs(x: float) -> str:
 
 def markdown(results: list[ModeResult], comparisons: list[Comparison], peak_flops: float | None = None) -> str:
     lines = ["| batch | mode | wall s | tokens/s | recompute s | in-block s | selection s | peak KV pages "
-             "| peak KV MiB | model GFLOP/s | of peak |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak KV MiB | step-key copies MiB | model GFLOP/s | of peak |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         share = f"{100 * r.model_flops_per_s / peak_flops:.1f}%" if peak_flops else "-"
         lines.append(f"| {r.batch} | {r.mode} | {_secs(r.wall_time_s)} | {r.throughput_tokens_per_s:.2f} | "
                      f"{_secs(r.recompute_latency_s)} | {_secs(r.step_time_s)} | {_secs(r.selection_time_s)} | "
-                     f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} | {r.model_flops_per_s / 1e9:.1f} | "
-                     f"{share} |")
-    lines += ["", "| batch | recompute latency (ideal) | throughput (ideal) | peak KV (ideal) "
-              "| % of ideal (r / t / m) |", "|---:|---:|---:|---:|---:|"]
+                     f"{r.peak_kv_pages} | {r.peak_kv_bytes / 2**20:.1f} | {r.peak_step_key_bytes / 2**20:.1f} | "
+                     f"{r.model_flops_per_s / 1e9:.1f} | {share} |")
+    lines += ["", "| batch | recompute latency (ideal) | throughput (ideal) | peak KV pages (ideal) "
+              "| peak K/V held, copies included | % of ideal (r / t / m) |", "|---:|---:|---:|---:|---:|---:|"]
     for c in comparisons:
         f = c.fractions()
         lines.append(f"| {c.batch} | {-100 * c.recompute_reduction:+.1f}% "
                      f"({-100 * c.recompute_reduction_ideal:+.1f}%) | "
                      f"{c.throughput_gain:.2f}x ({c.throughput_gain_ideal:.2f}x) | "
                      f"{-100 * c.peak_kv_reduction:+.1f}% ({-100 * c.peak_kv_reduction_ideal:+.1f}%) | "
+                     f"{'-' if math.isnan(c.peak_memory_reduction) else f'{-100 * c.peak_memory_reduction:+.1f}%'} | "
                      + " / ".join("-" if math.isnan(v) else f"{100 * v:.0f}%" for v in f.values()) + " |")
     return "\n".join(lines)
 
@@ -462,27 +477,34 @@ def main(args) -> int:
         return run_mode(m, prompts, wb, reuse, b, args.page_size, args.kv_cache_memory,
                         [workload_params(wb, True, pr)] * len(prompts) if pr else None, name)
 
-    if args.warmup:  # untimed runs first, so no timed run pays for lazy initialisation or compilation
-        ahead = [(batches[0], spec) for spec in specs]
-        # a compiled forward compiles once for every batch of 2 or more, and once more at batch 1
-        ahead += [(b, spec) for b in sorted({min(b, 2) for b in batches} - {batches[0]}) for spec in specs
-                  if spec[1] is not model]
-        for b, spec in tqdm(ahead, desc="bench warm-up (untimed)", unit="run"):
-            run_spec(spec, *requests(b), b)
     if args.fastdllm_loop and (model.shifted_logits or model.config.block_size is not None):
         raise ValueError("--fastdllm-loop runs LLaDA-style models (unshifted, bidirectional)")
+    if args.warmup:  # untimed runs first, so no timed run pays for lazy initialisation, compilation or the first
+        # touch of a batch size's buffers: every mode, the reference loop included, at every batch size, on one
+        # batch of its requests (the first timed run at a new batch size was always the dual cache's)
+        modes = [*specs, None] if args.fastdllm_loop else list(specs)  # None: the reference loop
+        ahead = [(b, spec) for b in batches for spec in modes]
+        for b, spec in tqdm(ahead, desc="bench warm-up (untimed)", unit="run"):
+            prompts, wb = requests(b)
+            if spec is None:
+                run_fastdllm(model, prompts[:b], wb, b)
+            else:
+                run_spec(spec, prompts[:b], wb, b)
     with tqdm(total=len(specs) * len(batches) * args.repeats, desc="bench engine", unit="run") as bar:
         for b in batches:
             prompts, w = requests(b)
             runs: dict[str, list[ModeResult]] = {spec[0]: [] for spec in specs}
             if args.fastdllm_loop:
                 runs["fast-dllm loop"] = []
-            for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits every mode alike
-                for spec in specs:
+            order = [*specs, None] if args.fastdllm_loop else list(specs)
+            for repeat in range(args.repeats):  # interleaved, so drift on a noisy machine hits every mode alike,
+                turn = repeat % len(order)  # and each repeat starts with another mode
+                for spec in order[turn:] + order[:turn]:
+                    if spec is None:
+                        runs["fast-dllm loop"].append(run_fastdllm(model, prompts, w, b))
+                        continue
                     runs[spec[0]].append(run_spec(spec, prompts, w, b))
                     bar.update(1)
-                if args.fastdllm_loop:
-                    runs["fast-dllm loop"].append(run_fastdllm(model, prompts, w, b))
             best = {name: median_run(r) for name, r in runs.items()}
             results += list(best.values())
             comparisons.append(compare(best["dual"], best["acache"], w, args.page_size, model.config.num_layers))
@@ -502,7 +524,8 @@ def main(args) -> int:
               f"({SamplingParams(selector=w.selector, anchor_pass=w.anchor_pass).resolved_anchor_pass} pass), "
               f"page {args.page_size}; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; "
-              f"median of {args.repeats} run(s) per mode{', after an untimed warm-up' if args.warmup else ''}")
+              f"median of {args.repeats} run(s) per mode, each repeat starting with the next mode"
+              f"{', after an untimed warm-up of every mode at every batch size' if args.warmup else ''}")
     cfg = model.config
     peak = matmul_peak(model.dtype, device, 2048, cfg.hidden_size, cfg.intermediate_size)
     header += (f"; machine peak {peak / 1e9:.1f} GFLOP/s ({model.dtype} matmul 2048 x {cfg.hidden_size} x "

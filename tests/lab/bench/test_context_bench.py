@@ -42,3 +42,31 @@ def test_serving_under_one_budget_admits_by_cache_size(tmp_path):
     assert attention["most_at_once"] == 1 and state["most_at_once"] == 4
     assert attention["peak_cache_mib"] <= 0.3 and state["peak_cache_mib"] * 2**20 == 4 * STATE
     assert attention["requests"] == state["requests"] == 4 and state["tokens_per_s"] > 0
+
+
+def test_both_steps_end_in_the_vocabulary_head(monkeypatch):
+    """The state-space step computed the head and the attention step did not, so the two sides timed different
+    work (the head is most of a small state-space step); each timed step now reads the head once."""
+    import torch
+
+    from acache.models.base import DiffusionLM
+    from acache.models.ssm import SSMBlockDiffusionLM
+    from acache_lab.bench import context
+
+    heads = []
+    real_logits = DiffusionLM.logits
+    real_ssm = SSMBlockDiffusionLM.forward
+
+    def logits(self, *args, **kwargs):
+        heads.append("attention")
+        return real_logits(self, *args, **kwargs)
+
+    def ssm_forward(self, *args, **kwargs):
+        heads.append("state-space" if kwargs.get("logits", True) else "state-space without its head")
+        return real_ssm(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiffusionLM, "logits", logits)
+    monkeypatch.setattr(SSMBlockDiffusionLM, "forward", ssm_forward)
+    attention, ssm = context.models(64, 2, 2, 8, 8, torch.float32, torch.device("cpu"))
+    context.measure(attention, ssm, 64, repeats=2)
+    assert heads.count("attention") == heads.count("state-space") == 3 and len(heads) == 6  # warm-up + 2 each

@@ -91,7 +91,8 @@ def test_bench_command_reports_the_median_of_interleaved_repeats(task_model_dir,
     written = json.loads(out.read_text())
     assert [(r["batch"], r["mode"]) for r in written["results"]] == [(1, "dual"), (1, "acache"), (2, "dual"),
                                                                       (2, "acache")]
-    assert "median of 2 run(s) per mode, after an untimed warm-up" in written["setup"]
+    assert ("median of 2 run(s) per mode, each repeat starting with the next mode, after an untimed warm-up of "
+            "every mode at every batch size") in written["setup"]
     capsys.readouterr()
     assert main([*args, "--repeats", "0"]) == 2
     assert "--repeats must be at least 1, not 0" in capsys.readouterr().err
@@ -236,3 +237,44 @@ def test_the_task_workload_takes_the_ratio_asked_for(task_model_dir, capsys, tmp
     assert main(["bench", "--model", str(task_model_dir), "--workload", "tasks", "--batch-sizes", "1", "--ratio",
                  "0.5", "--no-mixed", "--no-warmup", "--json", str(tmp_path / "b.json")]) == 0
     assert "ratio 0.5" in capsys.readouterr().out
+
+
+def test_the_step_key_copies_are_counted_beside_the_pool(task_model_dir):
+    """On a CPU the in-block steps hold rotated copies of every request's past outside the pool, the same bytes in
+    both modes; the pages-only figure left them out, so the memory ACache saves is reported with them too."""
+    model = load_model(task_model_dir)
+    w = Workload(affix_len=40, question_len=8, gen_length=8, block_length=4, steps=4)
+    from acache_lab.bench.engine import make_requests
+
+    prompts = make_requests(model, w, 4, seed=0)
+    dual = run_mode(model, prompts, w, False, 4, 8, 1 << 24)
+    acache = run_mode(model, prompts, w, True, 4, 8, 1 << 24)
+    assert dual.peak_step_key_bytes == acache.peak_step_key_bytes > 0
+    c = compare(dual, acache, w, 8)
+    held = (acache.peak_kv_bytes + acache.peak_step_key_bytes) / (dual.peak_kv_bytes + dual.peak_step_key_bytes)
+    assert math.isclose(c.peak_memory_reduction, 1 - held) and 0 < c.peak_memory_reduction < c.peak_kv_reduction
+    table = markdown([dual, acache], [c])
+    assert "step-key copies MiB" in table and f"{-100 * c.peak_memory_reduction:+.1f}%" in table
+
+
+def test_every_mode_is_warmed_at_every_batch_size_and_each_repeat_starts_with_another(task_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """The warm-up ran the first batch size only and the repeats always ran the dual cache first, so the first run at
+    a new batch size (a dual-cache run) paid for its buffers' first touch, in ACache's favour."""
+    from acache.cli import main
+    from acache_lab.bench import engine
+
+    calls = []
+    real = engine.run_mode
+
+    def recorded(model, prompts, w, reuse, batch, *args, **kwargs):
+        calls.append((batch, "acache" if reuse else "dual", len(prompts)))
+        return real(model, prompts, w, reuse, batch, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_mode", recorded)
+    assert main(["bench", "--workload", "tasks", "--model", str(task_model_dir), "--sentences", "3", "--requests",
+                 "4", "--batch-sizes", "1,2", "--repeats", "3", "--no-mixed", "--json", str(tmp_path / "b.json")]) == 0
+    warm, timed = calls[:4], calls[4:]
+    assert warm == [(1, "dual", 1), (1, "acache", 1), (2, "dual", 2), (2, "acache", 2)]
+    assert [m for b, m, _ in timed if b == 1] == ["dual", "acache", "acache", "dual", "dual", "acache"]
+    assert all(n == 4 for _, _, n in timed)
