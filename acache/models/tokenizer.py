@@ -120,22 +120,28 @@ class Tokenizer:
         Each token is decoded beside the few before it, never with the whole prefix, so this is linear in
         ``len(ids)`` (decoding ever longer prefixes was quadratic: seconds at 4k tokens)."""
         starts: list[int] = []
-        spelled, context, read = 0, 0, 0  # ids[context:read] is decoded beside the next token for its spacing
-        for i in range(len(ids)):
-            before = self.decode(ids[context:read])
-            through = self.decode(ids[context:i + 1])
-            piece = through[len(before):] if through.startswith(before) else ""
+        spelled = 0
+        before: list[int] = []  # the tokens last spelled, decoded beside the next one for its spacing
+        held: list[int] = []  # tokens since then that have not made a whole character yet
+        for token in ids:
+            prefix = self.decode(before)
+            through = self.decode([*before, *held, token])
+            piece = through[len(prefix):] if through.startswith(prefix) else ""
             if not piece or piece.endswith("\ufffd"):  # nothing spelled yet, or a character cut in its bytes
                 starts.append(spelled + len(piece) - len(piece.lstrip()))
+                if piece or self.decode([token]):  # a token that spells nothing at all leaves the window
+                    held.append(token)
                 continue
-            # tokens held back spelled ``pending``: kept as it is (bytes that never made a character) or not
-            pending = self.decode(ids[context:i])[len(before):] if i > read else ""
-            skip = len(pending) if piece.startswith(pending) else 0
-            own = self.decode(ids[i:i + 1])
+            # what the held tokens spelled: kept as it is (bytes that never made a character, a whole character
+            # before this token's own) or completed by this token
+            pending = self.decode([*before, *held])[len(prefix):] if held else ""
+            whole = pending.rstrip("\ufffd")
+            skip = len(pending) if piece.startswith(pending) else len(whole) if piece.startswith(whole) else 0
+            own = self.decode([token])
             rest = piece[skip:]
             starts.append(spelled + len(piece) - (len(own) if own and rest.endswith(own) else len(rest.lstrip())))
             spelled += len(piece)
-            context, read = read, i + 1
+            before, held = [*held, token], []
         return starts
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -86,7 +86,8 @@ class AsyncEngine:
         self._stop = False
         self._aborts: queue_module.SimpleQueue[str] = queue_module.SimpleQueue()
         self._cancelled: set[str] = set()  # aborted before (or while) being added
-        self._added: set[str] = set()  # added to the engine, their callers still reading
+        self._added: set[str] = set()  # added to the engine, their callers still reading (under _added_lock)
+        self._added_lock = threading.Lock()  # a few set operations: never held across anything slow
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.closed: ShuttingDown | None = None  # set once in-flight work was cancelled by a shutdown
@@ -137,7 +138,9 @@ class AsyncEngine:
                         # caller that got its final output already stops reading before this error. A request whose
                         # add still waits for the lock was not in this step: it is added and served after it
                         told = {request_id for request_id, _ in outputs}
-                        outputs += [(request_id, exc) for request_id in list(self._added) if request_id not in told]
+                        with self._added_lock:
+                            added = list(self._added)
+                        outputs += [(request_id, exc) for request_id in added if request_id not in told]
             for request_id, item in outputs:
                 self._deliver(request_id, item)
             if not busy:
@@ -151,6 +154,8 @@ class AsyncEngine:
             request_id = self._aborts.get()
             if self.engine.abort(request_id):
                 self._cancelled.discard(request_id)
+            with self._added_lock:  # an add that ran after its caller left added the id once the caller had gone
+                self._added.discard(request_id)
 
     def cancel_all(self, exc: ShuttingDown) -> None:
         """Aborts every request in flight and tells each of ``exc``; a request added later is refused with it."""
@@ -187,7 +192,8 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineFailed(f"the engine thread has stopped: {type(self.dead).__name__}: {self.dead}")
             self.engine.add_request(prompt, params, request_id, generator, stream)
-            self._added.add(request_id)
+            with self._added_lock:
+                self._added.add(request_id)
         self.wake.set()
 
     async def generate(self, prompt: AffixPrompt, params: SamplingParams, stream: bool = False,
@@ -224,7 +230,8 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            self._added.discard(request_id)
+            with self._added_lock:
+                self._added.discard(request_id)
             if not finished and added is not False:  # no await here: a cancelled task may not get to run another
                 self.request_abort(request_id, added=bool(added))
 

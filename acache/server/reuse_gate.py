@@ -172,8 +172,11 @@ class ReuseGate:
                 self._records.pop(key, None)
                 self._refused[key] = record
                 self._refused.move_to_end(key)
-                while len(self._refused) > self.max_tracked:
-                    self._refused.popitem(last=False)
+                # the oldest refusals give way, never one with a check still running (its outcome must find it) nor
+                # this one: past the bound until those checks land, if they are all that is older
+                idle = [k for k, r in self._refused.items() if r.pending == 0 and k != key]
+                for old in idle[:max(0, len(self._refused) - self.max_tracked)]:
+                    del self._refused[old]
             elif not record.refused and record.checks >= self.checks:
                 record.trusted = True
             if record.trusted:
@@ -187,6 +190,8 @@ class ReuseGate:
             if record is not None:
                 record.pending = max(0, record.pending - 1)
                 record.requests.discard(request)
+                if record.trusted:  # a dropped audit counts as a use: the next falls a whole period later, not at once
+                    record.served += 1
 
     def state(self, key: tuple) -> str:
         with self._lock:

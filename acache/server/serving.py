@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -49,14 +49,20 @@ class ClientGone(Exception):
 class Check:
     """The same request with automatic reuse, run beside its answer without it to see if reuse changes it;
     ``started`` once it runs (a check planned for a stream its client left before it began never does). The two
-    answers are compared on the tokens a client is sent, the first ``limit`` (``max_tokens``) of them."""
+    answers are compared on the tokens a client is sent: the first ``limit`` (``max_tokens``), cut at the first of
+    ``stops`` (a stream a stop string ended is compared on what it sent)."""
 
     prompt: AffixPrompt
     params: SamplingParams
     key: tuple
     request: Hashable = None
     limit: int | None = None
+    stops: tuple[str, ...] = ()
     started: bool = False
+
+    def sent(self, token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[int]:
+        """The tokens of an answer a client is sent."""
+        return cut_at_stop(list(token_ids[:self.limit]), decode, list(self.stops)).token_ids
 
     def abandon(self, gate: ReuseGate) -> None:
         """Tells the gate that a check planned never ran, or ended without an answer to compare."""
@@ -123,18 +129,25 @@ class OpenAIServing:
 
     def fit_to_context(self, prompt_tokens: int, params: SamplingParams, body: DiffusionFields) -> SamplingParams:
         """``max_tokens`` becomes whole blocks (``to_sampling_params``); where those pass the context but
-        ``max_tokens`` itself fits beside a ``prompt_tokens`` prompt, the region is ``max_tokens`` long instead, in
-        the longest blocks that divide it and are no longer than the default (the client chose neither length).
-        Such a request near the context's end was refused, naming a gen_length it never sent."""
+        ``max_tokens`` itself fits beside a ``prompt_tokens`` prompt, the blocks are those nearest the default length
+        (the shorter on a tie) whose whole number covering ``max_tokens`` still fits, and that ``steps`` divides when
+        given: 37 tokens with room for 37 are one block of 37, not 37 of one (the client chose neither length; the
+        answer is cut to ``max_tokens`` all the same). Such a request near the
+        context's end was refused, naming a gen_length it never sent. Where no block fits, the params are left
+        as they are, and the request is refused naming them."""
         limit, room = body.token_limit, self.llm.max_model_len - prompt_tokens
         if (limit is None or body.gen_length is not None or body.block_length is not None
                 or params.gen_length <= room or limit > room):
             return params
-        block = max(d for d in range(1, min(params.block_length, limit) + 1) if limit % d == 0)
-        try:
-            return replace(params, gen_length=limit, block_length=block)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        def fits(block: int) -> bool:
+            gen = -(-limit // block) * block
+            return gen <= room and (params.steps is None or params.steps % (gen // block) == 0)
+
+        blocks = [b for b in range(1, limit + 1) if fits(b)]
+        if not blocks:
+            return params
+        block = min(blocks, key=lambda b: (abs(b - params.block_length), b))
+        return replace(params, gen_length=-(-limit // block) * block, block_length=block)
 
     def prompt_fits(self, prompt: AffixPrompt, params: SamplingParams) -> None:
         """Every check the engine makes when a request is added (context, vocabulary, pool size, BiCache
@@ -214,13 +227,14 @@ class OpenAIServing:
             shadow.cancel()
             check.abandon(gate)
             return
-        want = list(plain.token_ids[:check.limit])
+        decode = self.llm.tokenizer.decode
+        want = check.sent(plain.token_ids, decode)
 
         def compare(task: asyncio.Task) -> None:
             if task.cancelled() or task.exception() is not None:
                 check.abandon(gate)
             else:
-                same = list(task.result().token_ids[:check.limit]) == want
+                same = check.sent(task.result().token_ids, decode) == want
                 gate.record(check.key, same)
                 if not same:
                     log.warning("automatic reuse changed an answer: its spans are recomputed from now on under this "
@@ -256,7 +270,7 @@ class OpenAIServing:
             async for out in self.ctx.engine.generate(prompt, params, stream=True):
                 cut = self.final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
-                    final = out if out.finished else None
+                    final = out  # cut by a stop string or not, what it sent is final
                     yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.token_limit))
                     if (body.stream_options or {}).get("include_usage"):
                         n, m = len(prompt.token_ids), len(cut.token_ids)
@@ -275,7 +289,7 @@ class OpenAIServing:
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         finally:
-            self.settle_check(shadow, check, final)  # a stream cut by a stop string is not compared
+            self.settle_check(shadow, check, final)
         yield "data: [DONE]\n\n"
 
 

@@ -16,6 +16,7 @@ from acache.sampling_params import SamplingParams
 from acache.server.protocol import BadRequest, ChatCompletionRequest
 from acache.server.reuse_gate import Decision, Plan
 from acache.server.serving import Check, CheckedStream, OpenAIServing, finish_reason, until_disconnect
+from acache.server.stops import stop_list
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -108,7 +109,10 @@ class OpenAIServingChat(OpenAIServing):
             return candidate, reuse_params, None, None
         gate = self.ctx.gate
         deterministic = reuse_params.temperature == 0 or reuse_params.seed is not None
-        request = (candidate.token_ids, reuse_params.seed)  # a check counts once for the same prompt and seed
+        # a check counts once a request: its prompt, and its seed where the seed changes what it decodes (sampling,
+        # or anchors drawn at random); at temperature 0 another seed is the same request
+        seeded = reuse_params.temperature > 0 or reuse_params.selector == "random"
+        request = (candidate.token_ids, reuse_params.seed if seeded else None)
         plan = gate.plan(automatic, reuse_params, deterministic, bool(body.logprobs), hash(request))
         if plan.decision is Decision.REUSE:
             return candidate, reuse_params, plan, None
@@ -117,7 +121,8 @@ class OpenAIServingChat(OpenAIServing):
             reuse=bool(prompt.affixes), default_selector=self.llm.default_selector), body)
         check = None
         if plan.decision is Decision.CHECK:
-            check = Check(candidate, reuse_params, plan.key, plan.request, body.token_limit)
+            check = Check(candidate, reuse_params, plan.key, plan.request, body.token_limit,
+                          tuple(stop_list(body.stop)))
             try:
                 self.prompt_fits(candidate, reuse_params)
             except BadRequest as exc:  # the request runs as it is; only its check cannot
@@ -140,8 +145,8 @@ class OpenAIServingChat(OpenAIServing):
                   "reused_tokens": reused, "anchor_tokens": anchors,
                   "selector": params.selector if prompt.affixes else None,
                   "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
-                  "spans": [{"tokens": a.length, "kind": "registered" if a.key == registered_key else "automatic"}
-                            for a in prompt.affixes]}
+                  "spans": [{"tokens": a.length, "kind": "registered" if registered_key is not None and i == 0
+                             else "automatic"} for i, a in enumerate(prompt.affixes)]}
         if plan is not None:
             report["state"] = self.ctx.gate.state(plan.key)
         if logprobs:

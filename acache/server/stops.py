@@ -59,7 +59,7 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
         high = 0
     while high - low > 1:
         mid = (low + high) // 2
-        if len(decode(ids[:mid])) < target:
+        if len(decode(ids[:mid]).rstrip("\ufffd")) < target:  # a character cut in its bytes is not spelled yet
             low = mid
         else:
             high = mid

@@ -393,6 +393,11 @@ class TrainConfig:
         if self.affix_isolation > 0 and (cls.block_causal or cls.family in ("blockdiff_ssm", "r2lm")):
             raise ValueError(f"affix_isolation trains bidirectional attention families (llada, dream), not "
                              f"{cls.family}")
+        terms = [name for name in ("affix_anchored", "affix_distill", "affix_neighbours", "affix_bridge")
+                 if getattr(self, name) > 0]
+        if cls.shifted_logits and terms:  # those rows are built column for column, without the refreshed column
+            raise ValueError(f"{', '.join(terms)} train {cls.family} rows that would miss the column before the "
+                             "answer, which a shifted family refreshes under reuse; plain affix_isolation trains it")
         self.layouts = tuple(self.layouts)
         known = (*LAYOUTS, TWO_AFFIXES)
         bad = [x for x in self.layouts if x not in known]
@@ -911,7 +916,8 @@ class Probe:
         for task, batch in self.batches.items():
             views = {task: (batch, batch.valid)}
             if self.reuse:  # the same questions with every affix computed alone: what direct reuse answers
-                views[f"{task}@reuse"] = (batch, batch.attention(torch.ones(len(batch.ids), dtype=torch.bool)))
+                every = torch.ones(len(batch.ids), dtype=torch.bool)
+                views[f"{task}@reuse"] = batch.reused(every, model.shifted_logits)
             if task in self.anchored:
                 views[f"{task}@anchors"] = self.anchored[task]
             for name, (view, attention) in views.items():
@@ -1260,8 +1266,11 @@ def _train_steps(config: TrainConfig, model, opt, batcher, probe, gen, lr_at, ba
             batch, attention = batch.with_anchors(isolated, anchored, config.affix_anchor_ratio, gen,
                                                   config.affix_anchor_pass)
             ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
+        elif isolated is not None:  # a shifted family's column before the answer refreshed, as the engine does
+            batch, attention = batch.reused(isolated, model.shifted_logits)
+            ids, answer, positions, valid = batch.ids, batch.answer, batch.positions, batch.valid
         else:
-            attention = batch.attention(isolated)
+            attention = batch.valid
         distill = neighbours = taught = bridge = None
         if hop is not None:  # its rows: the isolated ones with a first hop
             bridge = Bridge(config.affix_bridge, hop, config.affix_bridge_layer,

@@ -362,3 +362,27 @@ def test_max_tokens_fitted_to_the_context_hold_when_a_span_is_a_candidate(llm):
         answers = [ask(client, messages, max_tokens=40) for _ in range(3)]
     assert [a["usage"]["affix_reuse"]["decision"] for a in answers][:2] == ["none", "checking"]
     assert len({tuple(a["choices"][0]["token_ids"]) for a in answers}) == 1
+
+
+def test_a_check_compares_what_a_client_is_sent():
+    """The tokens compared are the first ``max_tokens``, cut at the first stop string, whole or streamed (a stream
+    a stop string ended dropped its check, so a span served to such clients was never trusted, and a trusted one
+    was audited at every request)."""
+    from acache.server.serving import Check
+
+    def decode(ids):
+        return "".join("ab\nd"[i] for i in ids)
+
+    assert Check(None, None, (), limit=3, stops=("\n",)).sent([0, 1, 2, 3], decode) == [0, 1]
+    assert Check(None, None, (), limit=1).sent([0, 1, 2, 3], decode) == [0]
+    assert Check(None, None, ()).sent([0, 1, 2, 3], decode) == [0, 1, 2, 3]
+
+
+def test_another_seed_at_temperature_zero_is_the_same_request(llm):
+    """At temperature 0 a seed changes nothing the default selector decodes: one chat sent with seeds 1, 2, 3 is one
+    request, checked once (it counted as three)."""
+    messages = chat(story(("lucas", "cellar")), "Where is John?")
+    with served(llm, reuse_checks=2) as client:
+        answers = [ask(client, messages, seed=seed) for seed in (1, 2, 3, 4)]
+    decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
+    assert decisions.count("checking") == 1 and "reused" not in decisions, decisions

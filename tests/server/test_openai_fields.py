@@ -362,13 +362,18 @@ def short_context(tmp_path_factory):
 
 def test_max_tokens_that_fit_the_context_are_served_when_whole_blocks_would_not(short_context):
     """A 20-token prompt in a context of 64: ``max_tokens`` 40 rounded up to whole blocks of the default 32 is 64
-    and passed the context, so it was refused naming a gen_length of 64; now 40 are decoded in blocks of 20 (the
-    longest that divide 40), as the offline path decodes them."""
+    and passed the context, so it was refused naming a gen_length of 64; now they are decoded in the blocks nearest
+    the default whose whole number still fits (one block of 40), as the offline path decodes them; a prime 43 with
+    steps 4 in blocks that fit and that 4 steps cover (two of 22)."""
     client, offline = short_context
     prompt = list(range(20, 40))
     status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 40})
-    want = offline.generate(prompt, SamplingParams(gen_length=40, block_length=20), use_tqdm=False)[0]
+    want = offline.generate(prompt, SamplingParams(gen_length=40, block_length=40), use_tqdm=False)[0]
     assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids
+    status, out = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 43, "steps": 4})
+    # 43 in blocks of 22 (2 x 22 = 44 fits; 4 steps cover 2 blocks), not 43 of one
+    want = offline.generate(prompt, SamplingParams(gen_length=44, block_length=22, steps=4), use_tqdm=False)[0]
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids[:43]
     chat = [{"role": "user", "content": "hi"}]
     room = 64 - len(offline.chat_prompt(chat).token_ids)
     status, out = post(client, "/v1/chat/completions", {"messages": chat, "max_tokens": room})

@@ -210,3 +210,32 @@ def test_a_dropped_check_lets_its_request_be_checked_again():
     assert gate.plan(SPANS, PARAMS, True, False, request="q1").decision is Decision.RECOMPUTE  # its check runs
     gate.drop(plan.key, plan.request)  # its client went away: nothing was learnt
     assert gate.plan(SPANS, PARAMS, True, False, request="q1").decision is Decision.CHECK
+
+
+def test_a_refusal_whose_check_still_runs_is_not_forgotten():
+    """Forgotten while a check of it still ran, a refusal came back as a new record when that check landed, and the
+    old outcome counted towards trust."""
+    gate = ReuseGate("verified", checks=2, max_tracked=1)
+    running = gate.plan(("a",), PARAMS, True, False, request="q1")
+    refused = gate.plan(("a",), PARAMS, True, False, request="q2")
+    gate.record(refused.key, False)  # 'a' refused, one of its checks still running
+    other = gate.plan(("b",), PARAMS, True, False, request="q1")
+    gate.record(other.key, False)  # 'b' refused: 'a' would be the oldest refusal to give way
+    assert gate.state(running.key) == gate.state(other.key) == "refused"
+    gate.record(running.key, True)
+    assert gate.state(running.key) == "refused"
+    assert gate.plan(("a",), PARAMS, True, False, request="q3").decision is Decision.RECOMPUTE
+
+
+def test_a_dropped_audit_counts_as_a_use():
+    """An audit that ended without an outcome (a client gone) left the count where it was, so every later request
+    of a trusted span was an audit again, decoded twice and never with reuse."""
+    gate = ReuseGate("verified", checks=1, audit_every=4)
+    gate.record(gate.plan(SPANS, PARAMS, True, False).key, True)
+    decisions = []
+    for _ in range(10):
+        plan = gate.plan(SPANS, PARAMS, True, False)
+        decisions.append(plan.decision)
+        if plan.decision is Decision.CHECK:
+            gate.drop(plan.key, plan.request)
+    assert decisions.count(Decision.CHECK) <= 3 and decisions.count(Decision.REUSE) >= 7

@@ -63,3 +63,19 @@ def test_the_cut_decodes_a_logarithmic_number_of_prefixes():
     ids = [0, 1] * 2047 + [3, 4]
     cut = cut_at_stop(ids, counting, ["\n"])
     assert cut.token_ids == ids[:-1] and len(read) <= 14 and sum(read) <= 14 * len(ids)
+
+
+def test_a_character_cut_in_its_bytes_is_not_spelled():
+    """A byte-level vocabulary splits 'é' in two: the prefix ending after its first byte decodes to a replacement
+    character, which counted as a character of the text, so the cut kept one byte of it."""
+    import tempfile
+
+    from acache.models.checkpoint import make_random_checkpoint
+    from acache.models.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory() as root:
+        tok = Tokenizer.from_dir(make_random_checkpoint("llada", root))
+    for text, stop, want in (("café\nmore", "\n", "café"), ("The answer is 中国\nX", "\n", "The answer is 中国")):
+        ids = tok.encode(text, add_special_tokens=False)
+        cut = cut_at_stop(ids, tok.decode, [stop])
+        assert cut.text == want and tok.decode(cut.token_ids) == want, (cut, tok.decode(cut.token_ids))

@@ -1163,6 +1163,11 @@ def test_bad_training_configs(tmp_path):
             TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_ratio=ratio)
     with pytest.raises(ValueError, match="affix_anchored takes its rows among the isolated ones"):
         TrainConfig(affix_anchored=0.5)
+    # rows built column for column would miss the column a shifted family refreshes before the answer
+    for term in ({"affix_anchored": 0.5}, {"affix_distill": 1.0}, {"affix_neighbours": 1.0}, {"affix_bridge": 1.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(term))} train dream rows that would miss the column"):
+            TrainConfig(family="dream", affix_isolation=0.5, **term)
+    assert TrainConfig(family="dream", affix_isolation=0.5).affix_isolation == 0.5
     with pytest.raises(ValueError, match="affix_anchor_pass must be one of one, two, not 'three'"):
         TrainConfig(affix_isolation=0.5, affix_anchored=0.5, affix_anchor_pass="three")
     for weight in (-1.0, float("nan"), float("inf"), "2", True):
