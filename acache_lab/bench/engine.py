@@ -102,12 +102,12 @@ class ModeResult:
     peak_kv_pages: int
     peak_kv_bytes: int
     model_flops: int = 0  # useful model arithmetic of the run (acache_lab.bench.flops)
-    #: the peak bytes of the in-block steps' rotated K/V copies outside the pool (CPU: ``reuse_step_keys``), the
-    #: same size in both modes, since an in-block step of either attends to every other column
-    peak_step_key_bytes: int = 0
     refreshes: int = 0  # batched refresh forwards
     selecting_refresh_s: float = 0.0  # of them, those that chose anchors inside the forward (anchor_pass="one")
     selecting_refreshes: int = 0
+    #: the peak bytes of the in-block steps' rotated K/V copies outside the pool (CPU: ``reuse_step_keys``), the
+    #: same size in both modes, since an in-block step of either attends to every other column
+    peak_step_key_bytes: int = 0
 
     @property
     def model_flops_per_s(self) -> float:
