@@ -200,20 +200,21 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def _add_engine_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: random SmolLM2-135M-shaped LLaDA)")
-    p.add_argument("--shape", default="smollm2-135m", choices=["smollm2-135m", "llada-8b"],
-                   help="the random model's shape when no --model is given")
+    p.add_argument("--shape", default=None, choices=["smollm2-135m", "llada-8b"],
+                   help="the random model's shape when no --model is given (default: smollm2-135m)")
     p.add_argument("--workload", default="shape", choices=["shape", "tasks"],
                    help="shape: random tokens in the paper's GSM8K-like shape; tasks: held-out qa1 stories (needs "
                         "--model)")
-    p.add_argument("--sentences", type=_positive_int, default=8, help="story length for --workload tasks")
+    p.add_argument("--sentences", type=_positive_int, default=None, help="story length for --workload tasks (8)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--requests", type=int, default=None,
                    help="requests a run (default: the batch size), through an engine of that many slots")
-    p.add_argument("--affix-len", type=int, default=700)
-    p.add_argument("--question-len", type=int, default=60)
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=64, help="fixed steps (gen/4) so both modes do equal work")
+    p.add_argument("--affix-len", type=int, default=None, help="--workload shape: the shared affix (700)")
+    p.add_argument("--question-len", type=int, default=None, help="--workload shape: a request's own tokens (60)")
+    p.add_argument("--gen-length", type=int, default=None, help="--workload shape: tokens generated (256)")
+    p.add_argument("--block-length", type=int, default=None, help="--workload shape: a block (32)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="--workload shape: fixed steps (64: gen/4), so both modes do equal work")
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--selector", default=DEFAULT_SELECTOR, choices=SELECTORS,
                    help=f"ACache's anchor selector (default: {DEFAULT_SELECTOR}, the server's)")

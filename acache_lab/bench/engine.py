@@ -414,8 +414,31 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+#: ``--workload shape``'s options and their defaults; ``--workload tasks`` takes its shape from the task instead
+SHAPE_OPTIONS = {"affix_len": 700, "question_len": 60, "gen_length": 256, "block_length": 32, "steps": 64}
+
+
+def workload_options(args) -> None:
+    """Fills in the options the workload reads, and refuses those it would ignore (they were dropped silently)."""
+    given = [name for name in SHAPE_OPTIONS if getattr(args, name) is not None]
+    if args.workload == "tasks" and given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"--workload tasks takes its shape from the task (its story, question and answer region): "
+                         f"{flags} would be ignored; drop them, or use --workload shape")
+    if args.workload != "tasks" and args.sentences is not None:
+        raise ValueError("--sentences is the story length of --workload tasks; --workload shape would ignore it")
+    if args.model and args.shape is not None:
+        raise ValueError("--shape is the random model's shape; with --model it would be ignored")
+    for name, default in SHAPE_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.sentences = 8 if args.sentences is None else args.sentences
+    args.shape = "smollm2-135m" if args.shape is None else args.shape
+
+
 def main(args) -> int:
     batch_sizes(args.batch_sizes)  # before the model loads
+    workload_options(args)
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests must be at least 1, not {args.requests}")
     if args.repeats < 1:

@@ -239,6 +239,23 @@ def test_the_task_workload_takes_the_ratio_asked_for(task_model_dir, capsys, tmp
     assert "ratio 0.5" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--workload", "tasks", "--gen-length", "64", "--steps", "16"],
+     "--workload tasks takes its shape from the task .*: --gen-length, --steps would be ignored"),
+    (["--workload", "tasks", "--affix-len", "700"], "--affix-len would be ignored"),
+    (["--sentences", "4"], "--sentences is the story length of --workload tasks"),
+    (["--shape", "llada-8b"], "--shape is the random model's shape; with --model it would be ignored"),
+])
+def test_options_the_workload_would_ignore_are_refused(task_model_dir, capsys, extra, message):
+    """They were dropped silently: a table headed with one shape measured another."""
+    import re
+
+    from acache.cli import main
+
+    assert main(["bench", "--model", str(task_model_dir), "--batch-sizes", "1", *extra]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
 def test_the_step_key_copies_are_counted_beside_the_pool(task_model_dir):
     """On a CPU the in-block steps hold rotated copies of every request's past outside the pool, the same bytes in
     both modes; the pages-only figure left them out, so the memory ACache saves is reported with them too."""
