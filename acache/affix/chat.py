@@ -20,24 +20,12 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
     conversation as an extension of its shorter prefixes (Llama- and Qwen-style templates do); if it
     does not, the messages cannot be cut into reusable spans and a ValueError says so.
     """
-    if not messages:
-        raise ValueError("a chat needs at least one message")
     chosen = set(affix_messages) if affix_messages is not None else {
         i for i, m in enumerate(messages) if m.get("role") == "system"}
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(messages)]
     if bad:
         raise ValueError(f"affix message index {bad[0]!r} is not a message index (0..{len(messages) - 1})")
-    pieces, previous = [], ""
-    for k in range(1, len(messages) + 1):
-        text = render(messages[:k], False)
-        if not text.startswith(previous):
-            raise ValueError("the chat template does not render a conversation as an extension of its first "
-                             f"{k - 1} messages, so its messages cannot be cut into affixes")
-        pieces.append(text[len(previous):])
-        previous = text
-    full = render(messages, True)
-    if not full.startswith(previous):
-        raise ValueError("the chat template's generation prompt does not extend the conversation")
+    *pieces, generation_prompt = message_pieces(messages, render)
     segments: list[Segment] = []
     run: list[str] = []
     names: list[str] = []
@@ -65,9 +53,28 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
         segments.append(piece)
     if run:
         close()
-    segments.append(full[len(previous):])
+    segments.append(generation_prompt)
     segments.append(GEN)
     return [s for s in segments if s != ""]
+
+
+def message_pieces(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str]) -> list[str]:
+    """The rendered conversation cut at message boundaries: each message's text, then the generation prompt. A
+    chat's prompt encodes each piece by itself, so anything that counts its tokens must too."""
+    if not messages:
+        raise ValueError("a chat needs at least one message")
+    pieces, previous = [], ""
+    for k in range(1, len(messages) + 1):
+        text = render(messages[:k], False)
+        if not text.startswith(previous):
+            raise ValueError("the chat template does not render a conversation as an extension of its first "
+                             f"{k - 1} messages, so its messages cannot be cut into affixes")
+        pieces.append(text[len(previous):])
+        previous = text
+    full = render(messages, True)
+    if not full.startswith(previous):
+        raise ValueError("the chat template's generation prompt does not extend the conversation")
+    return [*pieces, full[len(previous):]]
 
 
 def chat_prompt(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],

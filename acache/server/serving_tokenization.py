@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from acache.affix.chat import message_pieces
 from acache.models.tokenizer import token_text
 from acache.server.protocol import BadRequest, DetokenizeRequest, TokenizeRequest
 from acache.server.serving import OpenAIServing
@@ -24,8 +25,14 @@ class OpenAIServingTokenization(OpenAIServing):
             try:
                 if body.prompt is not None:
                     return llm.tokenizer.encode(body.prompt, add_special_tokens=special)
-                text = llm.inputs.render_chat([m.as_dict() for m in body.messages], body.add_generation_prompt)
-                return llm.tokenizer.encode(text, add_special_tokens=special)
+                messages = [m.as_dict() for m in body.messages]
+                if special:  # the rendered text with the tokenizer's own special tokens around it, as asked
+                    text = llm.inputs.render_chat(messages, body.add_generation_prompt)
+                    return llm.tokenizer.encode(text, add_special_tokens=True)
+                # message by message, as a chat request encodes them (a tokenizer may encode the whole otherwise)
+                *pieces, generation = message_pieces(messages, llm.inputs.render_chat)
+                pieces += [generation] if body.add_generation_prompt else []
+                return [t for piece in pieces if piece for t in llm.tokenizer.encode(piece, add_special_tokens=False)]
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 

@@ -345,7 +345,8 @@ def test_messages_reused_together_keep_the_ids_they_have_apart(joining_tokenizer
     with served(llm) as client:
         off = ask(client, messages, affix_reuse="off", max_tokens=8)
         auto = [ask(client, messages, max_tokens=8) for _ in range(2)]
-    assert all(a["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"] for a in auto)
+        counted = client.post("/tokenize", json={"messages": messages}).json()["count"]  # it encoded the whole
+    assert all(a["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"] == counted for a in auto)
     assert all(a["choices"][0]["token_ids"] == off["choices"][0]["token_ids"] for a in auto)
     assert auto[1]["usage"]["affix_reuse"]["decision"] == "checking"  # the span was a candidate, and checked
 
