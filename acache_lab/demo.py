@@ -95,9 +95,12 @@ def run(llm: LLM) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    mode = ("trained to be reused (config.json records affix-aware training): the server reuses its affixes by "
-            "direct reuse by default" if affix_training(llm.config) is not None else
-            f"not trained to be reused: the server reuses its affixes with ACache ({DEFAULT_SELECTOR}) by default")
+    how = ("by direct reuse" if affix_training(llm.config) is not None else f"with ACache ({DEFAULT_SELECTOR})")
+    mode = (("trained to be reused (config.json records affix-aware training)" if affix_training(llm.config)
+             is not None else "not trained to be reused")
+            + f": the server reuses a registered affix {how} at once, and a chat's spans seen before {how} only once "
+            "checks of different requests showed that reuse leaves their answers unchanged (on this model's "
+            "held-out chats that never happened: docs/guide/server.md)")
     print(f"{args.model}: {mode}.")
     print(f"Each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "
           "first refresh) at two anchor ratios and full recompute (ok: the expected answer). Full recompute reads "
