@@ -99,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
     mode = (("trained to be reused (config.json records affix-aware training)" if affix_training(llm.config)
              is not None else "not trained to be reused")
             + f": the server reuses a registered affix {how} at once, and a chat's spans seen before {how} only once "
-            "checks of different requests showed that reuse leaves their answers unchanged (on this model's "
-            "held-out chats that never happened: docs/guide/server.md)")
+            "checks of different requests showed that reuse leaves their answers unchanged (at the default four "
+            "checks, never on the held-out chats of docs/guide/server.md, which ask two or three questions a story)")
     print(f"{args.model}: {mode}.")
     print(f"Each question under direct reuse, ACache ({DEFAULT_SELECTOR}, anchors chosen inside the "
           "first refresh) at two anchor ratios and full recompute (ok: the expected answer). Full recompute reads "
