@@ -281,9 +281,8 @@ class AutoAffixer:
             if not isinstance(prompt, str) or prompt.count(AFFIX_MARKER) != 1:
                 raise ValueError(f"affix_layout 'infix' needs a text prompt holding {AFFIX_MARKER!r} exactly once, "
                                  "where the affix goes")
-        if affix is None:  # a whole prompt: with the tokenizer's special tokens (a BOS), as LLM.generate encodes it
-            body = self.inputs.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            return AffixPrompt(tuple(body), len(body))
+        if affix is None:  # a whole prompt, as LLM.generate encodes it (a text's special tokens, a BOS, included)
+            return self.inputs.encode_prompt(prompt)
         body = self._encode(prompt) if isinstance(prompt, str) and layout != "infix" else prompt
         segment = Affix(token_ids=affix, name=name)
         if layout == "infix":

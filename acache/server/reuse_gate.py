@@ -7,8 +7,9 @@ mode (the default) the first ``checks`` requests that could reuse a span under a
 anchor settings and the request's decoding: the fields of :func:`policy_key`) are answered
 without reuse while the same request with reuse runs beside them; the span is trusted under that policy only
 once every one of them gave the same tokens, and refused (always recomputed) at the first that did not. The
-checks must be of different requests (another prompt, or another seed): one request sent again is no new
-evidence, so it is recomputed, not checked again. Trust stays evidence from those requests, not a proof for
+checks must be of different requests (another prompt, or another seed where the seed changes the answer; the
+server says which, ``request``): one request sent again is no new evidence, so it is recomputed, not checked
+again. Trust stays evidence from those requests, not a proof for
 every other one: the audits below are what catches a later request it does not hold for. Every
 ``audit_every``-th request served from a trusted span is checked again the same way, and a mismatch revokes
 the trust. At most ``checks`` checks of a span run at once: the rest of a burst is recomputed meanwhile. A
@@ -47,7 +48,7 @@ class SpanRecord:
     mismatches: int = 0
     served: int = 0  # requests answered with reuse since the span was trusted
     pending: int = 0  # checks started and not yet recorded
-    audit_owed: bool = False  # an audit fell due when none could run: the next request that can be checked is
+    audit_owed: bool = False  # an audit fell due when none could run: the next request that can be is audited
     trusted: bool = False
     refused: bool = False
 

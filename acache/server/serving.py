@@ -61,8 +61,9 @@ class Check:
     started: bool = False
 
     def sent(self, token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[int]:
-        """The tokens of an answer a client is sent."""
-        return cut_at_stop(list(token_ids[:self.limit]), decode, list(self.stops)).token_ids
+        """The tokens of an answer a client is sent (decoded only where a stop string may cut them)."""
+        kept = list(token_ids[:self.limit])
+        return cut_at_stop(kept, decode, list(self.stops)).token_ids if self.stops else kept
 
     def abandon(self, gate: ReuseGate) -> None:
         """Tells the gate that a check planned never ran, or ended without an answer to compare."""
@@ -132,13 +133,14 @@ class OpenAIServing:
         ``max_tokens`` itself fits beside a ``prompt_tokens`` prompt, the blocks are those nearest the default length
         (the shorter on a tie) whose whole number covering ``max_tokens`` still fits, and that ``steps`` divides when
         given: 37 tokens with room for 37 are one block of 37, not 37 of one (the client chose neither length; the
-        answer is cut to ``max_tokens`` all the same). Such a request near the
-        context's end was refused, naming a gen_length it never sent. Where no block fits, the params are left
-        as they are, and the request is refused naming them."""
+        answer is cut to ``max_tokens`` all the same). Such a request near the context's end was refused, naming a
+        gen_length it never sent. Where no block fits, the params are left as they are, and the request is refused
+        naming them."""
         limit, room = body.token_limit, self.llm.max_model_len - prompt_tokens
         if (limit is None or body.gen_length is not None or body.block_length is not None
                 or params.gen_length <= room or limit > room):
             return params
+
         def fits(block: int) -> bool:
             gen = -(-limit // block) * block
             return gen <= room and (params.steps is None or params.steps % (gen // block) == 0)

@@ -32,7 +32,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 # message by message, as a chat request encodes them (a tokenizer may encode the whole otherwise)
                 *pieces, generation = message_pieces(messages, llm.inputs.render_chat)
                 pieces += [generation] if body.add_generation_prompt else []
-                return [t for piece in pieces if piece for t in llm.tokenizer.encode(piece, add_special_tokens=False)]
+                return [t for piece in pieces if piece for t in llm.inputs.encode_text(piece)]
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
 
