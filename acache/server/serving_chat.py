@@ -129,27 +129,3 @@ class OpenAIServingChat(OpenAIServing):
                 check.abandon(gate)
                 check, plan = None, Plan(Decision.RECOMPUTE, plan.key, f"not checked: with reuse, {exc}")
         return prompt, params, plan, check
-
-    def reuse_usage(self, prompt: AffixPrompt, params: SamplingParams, plan: Plan | None, registered_key: str | None,
-                    logprobs: bool, out) -> dict:
-        """What the answer reused, and why: OpenAI's ``prompt_tokens_details.cached_tokens`` (prompt tokens
-        whose K/V came from a shared copy, anchors and the affix columns recomputed beside the request's own not
-        counted) and acache's ``affix_reuse``."""
-        reused = out.affix_tokens if out is not None else 0
-        anchors = len(out.anchors) if out is not None else 0
-        cached = out.cached_tokens if out is not None else 0
-        report = {"decision": (plan.decision.value if plan is not None else
-                               Decision.REUSE.value if prompt.affixes else "none"),
-                  "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
-                                                                  "no span of this prompt was seen before"),
-                  "reused_tokens": reused, "anchor_tokens": anchors,
-                  "selector": params.selector if prompt.affixes else None,
-                  "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
-                  "spans": [{"tokens": a.length, "kind": "registered" if registered_key is not None and i == 0
-                             else "automatic"} for i, a in enumerate(prompt.affixes)]}
-        if plan is not None:
-            report["state"] = self.ctx.gate.state(plan.key)
-        if logprobs:
-            report["logprobs"] = ("estimated over the full context without reuse" + (
-                "; the tokens were decoded with reuse" if prompt.affixes else ", as the tokens were decoded"))
-        return {"prompt_tokens_details": {"cached_tokens": cached}, "affix_reuse": report}

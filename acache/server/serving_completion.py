@@ -4,6 +4,7 @@ and scoring (``echo`` with ``logprobs``, ``max_tokens=0`` to score the prompt al
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 
@@ -90,8 +91,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.prompt_fits(p, params)
         ctx.counters["requests_total"] += len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        reused = affix_ids is not None and not score_only
         if body.stream:
-            return StreamingResponse(self.stream_events(prompts[0], params, body, rid, created, chat=False),
+            report = (functools.partial(self.reuse_usage, prompts[0], params, None, body.affix, False) if reused
+                      else None)
+            return StreamingResponse(self.stream_events(prompts[0], params, body, rid, created, chat=False,
+                                                        report=report),
                                      media_type="text/event-stream")
         if score_only:
             decoded = [(None, Cut("", [], False), "length") for _ in prompts]
@@ -118,6 +123,9 @@ class OpenAIServingCompletion(OpenAIServing):
             usage["prompt_tokens"] += len(p.token_ids)
             usage["completion_tokens"] += len(cut.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if reused:
+            usage |= summed_reuse([self.reuse_usage(p, params, None, body.affix, body.logprobs is not None, out)
+                                   for p, (out, _, _) in zip(prompts, decoded, strict=True)])
         return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                 "choices": choices, "usage": usage}
 
@@ -162,3 +170,12 @@ def scored_tokens(out, cut: Cut, max_tokens: int | None) -> list[int]:
     if out is not None and out.stopped and not cut.stopped and len(ids) < (max_tokens or len(ids) + 1):
         ids.append(out.stop_token_id)
     return ids
+
+
+def summed_reuse(reports: list[dict]) -> dict:
+    """One usage report for several prompts on one registered affix: their token counts summed, the rest (the
+    same for every prompt of the request) as the first reports it."""
+    total = reports[0]["affix_reuse"] | {key: sum(r["affix_reuse"][key] for r in reports)
+                                         for key in ("reused_tokens", "anchor_tokens")}
+    cached = sum(r["prompt_tokens_details"]["cached_tokens"] for r in reports)
+    return {"prompt_tokens_details": {"cached_tokens": cached}, "affix_reuse": total}

@@ -135,6 +135,26 @@ def test_registered_affix(client, server):
     for _ in range(2):
         client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, extra_body={"affix": affix_id})
     assert metric(server, "affix_hits_total") == hits + 1  # computed once, reused the second time
+    tokens = json.loads(body)["tokens"]
+    # a completion on a registered affix says what it reused, as a chat does; two prompts sum their counts
+    one = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8,
+                                    extra_body={"affix": affix_id, "anchor_ratio": 0.2})
+    two = client.completions.create(model="llada0", prompt=["Summarise.", "Name the document, in one longer word."],
+                                    max_tokens=8, extra_body={"affix": affix_id, "anchor_ratio": 0.2})
+    report = one.usage.model_extra["affix_reuse"]
+    assert report["decision"] == "reused" and report["reason"] == "a registered affix"
+    assert report["reused_tokens"] == tokens and report["anchor_tokens"] == round(0.2 * tokens) > 0
+    assert report["spans"] == [{"tokens": tokens, "kind": "registered"}] and report["anchor_ratio"] == 0.2
+    assert 0 < one.usage.prompt_tokens_details.cached_tokens <= tokens - report["anchor_tokens"]
+    both = two.usage.model_extra["affix_reuse"]
+    assert both["reused_tokens"] == 2 * tokens and both["anchor_tokens"] == 2 * report["anchor_tokens"]
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens_details.cached_tokens
+    stream = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"affix": affix_id})
+    last = [chunk for chunk in stream][-1]
+    assert last.usage.model_extra["affix_reuse"]["reused_tokens"] == tokens
+    plain = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8)
+    assert "affix_reuse" not in (plain.usage.model_extra or {}) and plain.usage.prompt_tokens_details is None
 
 
 @pytest.mark.parametrize("body, message", [
