@@ -82,11 +82,12 @@ class InputProcessor:
             ids = list(prompt.token_ids)
             resolved = prompt
         elif isinstance(prompt, str):
-            if chat:
-                ids = self.encode_text(self.render_chat([{"role": "user", "content": prompt}]))
+            if chat:  # encoded message by message, as the server's chat and chat_prompt encode it
+                resolved = self.chat_prompt([{"role": "user", "content": prompt}], affix_messages=())
+                ids = list(resolved.token_ids)
             else:
                 ids = self.tokenizer.encode(prompt)
-            resolved = AffixPrompt(tuple(ids), len(ids))
+                resolved = AffixPrompt(tuple(ids), len(ids))
         elif _is_segment_list(prompt) and not all(isinstance(t, int) for t in prompt):
             resolved = resolve_segments(prompt, self.encode_text)
             ids = list(resolved.token_ids)

@@ -351,6 +351,21 @@ def test_messages_reused_together_keep_the_ids_they_have_apart(joining_tokenizer
     assert auto[1]["usage"]["affix_reuse"]["decision"] == "checking"  # the span was a candidate, and checked
 
 
+def test_offline_chat_encodes_a_prompt_as_the_server_does(joining_tokenizer):
+    """LLM.generate(chat=True) encoded the rendered chat as one text, where the server (and LLM.chat_prompt)
+    encode it message by message: with such a tokenizer the same question got another prompt offline."""
+    llm = joining_tokenizer
+    whole = llm.tokenizer.encode(llm.inputs.render_chat([{"role": "user", "content": "hi"}]), False)
+    params = SamplingParams(gen_length=8, block_length=8, steps=8)
+    out = llm.generate("hi", params, chat=True, use_tqdm=False)[0]
+    want = list(llm.chat_prompt([{"role": "user", "content": "hi"}], affix_messages=[]).token_ids)
+    assert out.prompt_token_ids == want != whole
+    with served(llm) as client:
+        served_out = ask(client, [{"role": "user", "content": "hi"}], affix_reuse="off", max_tokens=8)
+    assert served_out["usage"]["prompt_tokens"] == len(want)
+    assert served_out["choices"][0]["token_ids"] == out.token_ids
+
+
 def test_max_tokens_fitted_to_the_context_hold_when_a_span_is_a_candidate(llm):
     """A 208-token chat with max_tokens 40 in the shipped model's context of 256 is served in blocks of 20 (whole
     default blocks would pass the context); once its system prompt was a candidate, the request recomputed without
