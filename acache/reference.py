@@ -58,7 +58,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
                          "steps); compare a focused engine run with the engine's own unfocused one")
     if generator is None:
         generator = params.generator(model.device, default_seed=0)
-    stops = {cfg.eos_token_id, *stop_token_ids, *params.stop_token_ids}
+    stops = params.stop_ids({cfg.eos_token_id, *stop_token_ids})
     state = RequestState(prompt.layout, params, cfg.mask_token_id, cfg.pad_token_id, model.shifted_logits,
                          model.device, stops, cfg.block_size)
     t, dev = state.length, model.device
@@ -203,7 +203,7 @@ def reference_generate_state_cache(model: SSMBlockDiffusionLM | R2LM, prompt: Se
     check_state_request(model.family, plain, params)
     if generator is None:
         generator = params.generator(model.device, default_seed=0)
-    state = new_state(model, plain, params, {cfg.eos_token_id, *params.stop_token_ids})
+    state = new_state(model, plain, params, params.stop_ids({cfg.eos_token_id}))
     cache = BlockCache(model.empty_cache())
     while True:
         logits = run_plans(model, [(state.tokens, state.plan(), cache)])[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,10 @@ class SamplingParams:
     for a denoising step instead of adding a forward; the next forward is the first refresh with anchors.
     It trades that one step's accuracy (it sees the affix as direct reuse does) for a forward a request.
 
+    ``stop_token_ids`` end the request besides the model's EOS (and a tokenizer's end-of-turn tokens);
+    ``ignore_eos`` (vLLM's field) decodes the whole region through those, as throughput benchmarks need, the
+    request's own ``stop_token_ids`` still ending it.
+
     ``anchor_pass`` is where the anchors are chosen. ``"one"``: inside the request's first refresh forward,
     which runs its first two layers on every column in context, then feeds only the request's own columns and
     the carried candidates, filtering them down to the anchor count layer by layer; every K/V it computes is
@@ -80,6 +85,7 @@ class SamplingParams:
     refresh_interval: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
     selector: str | None = None
     anchor_ratio: float = 0.2
     anchor_query: str = "probe"
@@ -138,6 +144,8 @@ class SamplingParams:
             raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.selector is not None:
             if self.selector not in SELECTOR_CHOICES:
                 raise ValueError(f"selector must be one of {', '.join(SELECTOR_CHOICES)} or None, "
@@ -229,6 +237,12 @@ class SamplingParams:
         one rule the engine and the reference path both read."""
         reuse = self.selector is not None and has_affixes
         return reuse, reuse and self.selector in BICACHE_POLICIES
+
+    def stop_ids(self, model_stops: Iterable[int]) -> frozenset[int]:
+        """The token ids whose finished block ends this request: the model's (its EOS, a tokenizer's end of turn)
+        unless ``ignore_eos``, and the request's own ``stop_token_ids`` always. The one rule every decoding path
+        reads."""
+        return frozenset({*(() if self.ignore_eos else model_stops), *self.stop_token_ids})
 
     def generator(self, device: object = "cpu", default_seed: int | None = None) -> torch.Generator | None:
         """The request's sampling noise: None at temperature 0; otherwise seeded with ``seed``, else with

@@ -57,7 +57,7 @@ class Request:
         self.generator = generator
         self.stream = stream
         self.state = RequestState(prompt.layout, params, config.mask_token_id, config.pad_token_id, shifted, device,
-                                  {*stop_token_ids, *params.stop_token_ids}, config.block_size, state_cache)
+                                  params.stop_ids(stop_token_ids), config.block_size, state_cache)
         self.reuse, self.bicache = params.affix_reuse(bool(prompt.affixes))
         self.status = Status.WAITING
         self.shared: list[tuple[int, SharedAffix]] = []  # (index in prompt.affixes, shared pool affix)

@@ -43,6 +43,8 @@ class DiffusionFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="token ids that end the answer, besides "
                                              "the model's EOS (vLLM's field)")
+    ignore_eos: bool | None = Field(default=None, description="decode the whole region past the model's EOS "
+                                    "(vLLM's field; stop_token_ids still end it)")
     n: int | None = 1
     user: str | None = None
     stream_options: dict | None = None
@@ -128,6 +130,8 @@ class DiffusionFields(BaseModel):
         kwargs.update({name: getattr(self, name) for name in PASSED_THROUGH if getattr(self, name) is not None})
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
         if self.probe_step and reuse:  # a chat whose spans are not (yet) shared affixes decodes as usual
             kwargs["probe_step"] = True
         if self.anchor_pass is not None and reuse and kwargs["selector"] is not None:

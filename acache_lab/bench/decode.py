@@ -120,7 +120,7 @@ def main(args) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     params = {c: SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                                remasking="low_confidence", cache=c) for c in caches}
+                                remasking="low_confidence", cache=c, ignore_eos=True) for c in caches}
     rows = run_decode_bench(model, args.prompt_length, params, args.repeats, args.batch_size, args.seed)
     header = (f"model: {described} ({n_params / 1e6:.1f}M parameters), {model.dtype}, {device}; "
               f"prompt {args.prompt_length}, gen {args.gen_length}, block {args.block_length}, "

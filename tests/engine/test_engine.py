@@ -460,3 +460,26 @@ def test_a_fault_of_the_machine_mid_update_keeps_the_outputs_already_made(llada_
     kept = engine.take_undelivered()
     assert [(o.request_id, o.status) for o in kept] == [(ids[0], Status.FINISHED)] and kept[0].token_ids
     assert engine.request_ids() == [ids[1]] and engine.take_undelivered() == []
+
+
+def test_ignore_eos_decodes_the_whole_region_through_the_models_stops(family_model):
+    """``ignore_eos`` (vLLM's field, what throughput benchmarks set) decodes past the model's stop tokens, the
+    request's own ``stop_token_ids`` still ending it; beside requests that stop, at other block lengths and
+    selectors, arriving staggered, each as it decodes alone."""
+    prompts = [layouts(seed=3)[k] for k in ("prefix", "infix", "suffix", "prefix")]
+    probe = SamplingParams(gen_length=16, block_length=4, selector="attention")
+    stop = reference_generate(family_model, prompts[0], probe).token_ids[1]  # in the first block: ends it early
+    params = [SamplingParams(gen_length=16, block_length=4, selector="attention", ignore_eos=True),
+              SamplingParams(gen_length=16, block_length=4, selector="none"),
+              SamplingParams(gen_length=16, block_length=8, ignore_eos=True, stop_token_ids=(stop,)),
+              SamplingParams(gen_length=16, block_length=4, selector="attention", anchor_ratio=0.5)]
+    outs = run_engine(family_model, prompts, params, arrivals=[0, 1, 0, 2], stop_token_ids=(stop,),
+                      page_size=4, kv_cache_memory=1 << 24)
+    store = AffixStore(family_model)
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        ref = reference_generate(family_model, prompt, sp, store, stop_token_ids=(stop,))
+        assert (out.token_ids, out.nfe, out.refreshes) == (ref.token_ids, ref.nfe, ref.refreshes)
+    assert len(outs[0].token_ids) == 16 and outs[0].stop_token_id is None and stop in outs[0].token_ids
+    assert outs[3].stop_token_id == stop and len(outs[3].token_ids) < 16  # the same prompt, the model's stop
+    with pytest.raises(ValueError, match="ignore_eos must be true or false"):
+        SamplingParams(ignore_eos="yes")

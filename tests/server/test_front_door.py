@@ -94,6 +94,8 @@ CASES = [
     ("a negative stop token id", "POST", C, {"prompt": Q, "stop_token_ids": [5, -1]}, 400,
      "stop_token_ids must be non-negative"),
     ("a stop token id as a float", "POST", CH, {"messages": CHAT, "stop_token_ids": [2.5]}, 400, "stop_token_ids"),
+    ("ignore_eos as a string", "POST", C, {"prompt": Q, "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("ignore_eos as a number", "POST", CH, {"messages": CHAT, "ignore_eos": 1}, 400, "ignore_eos"),
     ("unknown field", "POST", C, {"prompt": Q, "top_k": 3}, 400, "unknown field 'top_k'"),
     ("malformed JSON", "POST", C, b'{"prompt": "x",', 400, "malformed JSON"),
     ("another model", "POST", C, {"prompt": Q, "model": "gpt-4"}, 404, "not served here"),

@@ -313,6 +313,17 @@ def test_stop_token_ids_end_the_answer(setup):
     assert choice["finish_reason"] == "stop"
     status, out = post(client, "/v1/completions", {**body, "stop_token_ids": [-1]})
     assert status == 400 and "stop_token_ids must be non-negative" in out["error"]["message"]
+    # ignore_eos decodes through the model's stops as offline, the request's own still ending it
+    long = {"prompt": prompt, "max_tokens": 8, "block_length": 2}
+    stopped = post(client, "/v1/completions", long)[1]["choices"][0]
+    status, out = post(client, "/v1/completions", {**long, "ignore_eos": True})
+    want = offline.generate(offline.tokenizer.encode(prompt), SamplingParams(
+        gen_length=8, block_length=2, ignore_eos=True), use_tqdm=False)[0]
+    choice = out["choices"][0]
+    assert status == 200 and choice["token_ids"] == want.token_ids and len(want.token_ids) == 8
+    assert stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) < 8 and choice["finish_reason"] == "length"
+    status, out = post(client, "/v1/completions", {**long, "ignore_eos": True, "stop_token_ids": [first]})
+    assert status == 200 and out["choices"][0]["token_ids"] == want.token_ids[:want.token_ids.index(first)]
 
 
 @pytest.fixture(scope="module")
