@@ -167,6 +167,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,
               bicache_profile=args.bicache_profile, tensor_parallel_size=args.tensor_parallel_size)
+    if cache_dir is not None and llm.affix_store is None:  # refused before any work, not after it
+        llm.close()
+        raise ValueError(f"--affix-cache: the {llm.model.family} family shares no affix K/V, so there is no affix "
+                         "cache to save")
     prompts = args.prompt
     if affix_text is not None:
         affix = Affix(affix_text, name="affix")
@@ -175,8 +179,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params, chat=args.chat)
     finally:
         llm.close()
-    if cache_dir is not None:
-        llm.save_affix_cache(cache_dir)
     for question, out in zip(args.prompt, outputs, strict=True):
         s = out.stats
         affix = s.affix
@@ -206,6 +208,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                      f"{len(affix.anchors)}/{affix.affix_tokens} anchors, "
                      f"{affix.recomputed_per_refresh} tokens a refresh")
         print(line + "]\n")
+    if cache_dir is not None:  # after the answers: a save that fails loses none of them
+        llm.save_affix_cache(cache_dir)
     failed = sum(out.error is not None for out in outputs)
     if failed:
         print(f"acache generate: error: {failed} of {len(outputs)} prompts failed", file=sys.stderr)

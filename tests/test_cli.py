@@ -38,6 +38,26 @@ def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):
     assert "error: --affix-cache is not supported with --tensor-parallel-size > 1" in capsys.readouterr().err
 
 
+def test_an_affix_cache_for_a_family_that_shares_none_is_refused_before_any_work(tmp_path, capsys):
+    """A state-space model holds no affix K/V: --affix-cache crashed on an AttributeError after generating, its
+    answers never printed; LLM.save_affix_cache and the server's --affix-cache-dir name the reason."""
+    from acache import LLM
+    from acache.paths import SHIPPED_MODEL
+    from acache.server.app import create_app
+
+    ssm = SHIPPED_MODEL.parent / "acache-tiny-ssm"
+    assert main(["generate", "--model", str(ssm), "--prompt", "question : where is mary ? answer :",
+                 "--affix-cache", str(tmp_path / "c"), "--gen-length", "4", "--block-length", "4"]) == 2
+    captured = capsys.readouterr()
+    assert "error: --affix-cache: the blockdiff_ssm family shares no affix K/V" in captured.err
+    assert "Traceback" not in captured.err and not (tmp_path / "c").exists()
+    llm = LLM(ssm)
+    with pytest.raises(ValueError, match="shares no affix K/V"):
+        llm.save_affix_cache(tmp_path / "d")
+    with pytest.raises(ValueError, match="--affix-cache-dir: the blockdiff_ssm family shares no affix K/V"):
+        create_app(llm, "ssm", affix_cache_dir=tmp_path / "d")
+
+
 def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_dir):
     cache = tmp_path / "affixes"
     args = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--prompt", "Where is John?",

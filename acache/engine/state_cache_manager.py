@@ -69,7 +69,13 @@ class NoSharedAffixes:
     def load(self, path: str | Path) -> int:
         raise self._refuse()
 
-    def save(self, path: str | Path) -> Path:
+    def recover(self, path: str | Path) -> None:
+        raise self._refuse()
+
+    def snapshot(self) -> None:
+        raise self._refuse()
+
+    def save(self, path: str | Path, snapshot: object = None) -> Path:
         raise self._refuse()
 
 

@@ -66,6 +66,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
     if isinstance(loglikelihood_samples, bool) or not isinstance(loglikelihood_samples, int) \
             or loglikelihood_samples <= 0:
         raise ValueError(f"loglikelihood_samples must be a positive integer, got {loglikelihood_samples!r}")
+    if affix_cache_dir is not None and llm.affix_store is None:
+        raise ValueError(f"--affix-cache-dir: the {llm.model.family} family shares no affix K/V, so there is no "
+                         "affix cache to keep")
     engine = AsyncEngine(llm.engine)
     ctx = ServerContext(
         llm=llm, model_name=model_name, engine=engine, drain=Drain(engine.cancel_all),
