@@ -3,7 +3,7 @@ affixes, rendered through the model's own chat template."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from acache.affix.prompt import GEN, Affix, AffixPrompt, Segment, resolve_segments
 
@@ -20,6 +20,10 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
     conversation as an extension of its shorter prefixes (Llama- and Qwen-style templates do); if it
     does not, the messages cannot be cut into reusable spans and a ValueError says so.
     """
+    messages = template_messages(messages)
+    if affix_messages is not None and (isinstance(affix_messages, (str, bytes)) or
+                                       not isinstance(affix_messages, Iterable)):
+        raise ValueError(f"affix_messages is a list of message indices, got {affix_messages!r}")
     chosen = set(affix_messages) if affix_messages is not None else {
         i for i, m in enumerate(messages) if m.get("role") == "system"}
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(messages)]
@@ -61,6 +65,7 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
 def message_pieces(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str]) -> list[str]:
     """The rendered conversation cut at message boundaries: each message's text, then the generation prompt. A
     chat's prompt encodes each piece by itself, so anything that counts its tokens must too."""
+    messages = template_messages(messages)
     if not messages:
         raise ValueError("a chat needs at least one message")
     pieces, previous = [], ""
@@ -80,3 +85,30 @@ def message_pieces(messages: list[dict[str, str]], render: Callable[[list[dict[s
 def chat_prompt(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str],
                 encode: Callable[[str], list[int]], affix_messages: Iterable[int] | None = None) -> AffixPrompt:
     return resolve_segments(chat_segments(messages, render, affix_messages, encode=encode), encode)
+
+
+def template_messages(messages: object) -> list[dict[str, str]]:
+    """Messages as a chat template reads them, in OpenAI's forms as the server takes them: a content list's text
+    parts joined, ``developer`` as ``system``, other keys (``name``) kept. Offline and served chats read them through
+    this one rule; a ValueError names the first message that is not one."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+                         f"{type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise ValueError(f"message {i}: 'role' must be a string, got {role!r}")
+        if isinstance(content, list):
+            if any(not isinstance(p, Mapping) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):
+                raise ValueError(f"message {i}: a content list holds text parts ({{'type': 'text', 'text': ...}}) "
+                                 "only")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}: 'content' must be text or a list of text parts, got "
+                             f"{type(content).__name__}")
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content})
+    return out

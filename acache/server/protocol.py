@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from acache.affix.chat import template_messages
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT_SELECTOR, SELECTOR_CHOICES
 from acache.sampling_params import SamplingParams
 
@@ -199,12 +200,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def as_dict(self) -> dict[str, str]:
-        """The message as the chat template reads it: text parts joined, ``developer`` as ``system``."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        """The message as the chat template reads it (:func:`acache.affix.chat.template_messages`)."""
+        return template_messages([self.model_dump(exclude_none=True)])[0]
 
 
 class ChatCompletionRequest(DiffusionFields):

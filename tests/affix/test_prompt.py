@@ -82,6 +82,31 @@ def test_chat_segments_mark_system_and_merge_consecutive_choices():
         chat_segments(msgs, unstable)
 
 
+def test_openai_message_forms_read_offline_as_the_server_reads_them(llada_dir):
+    """A developer message is a system prompt and a content list its text parts joined, offline as on the server:
+    offline they were an assistant turn (no affix) and a Python repr of the list. What is not a message is named."""
+    from acache.server.protocol import ChatMessage
+
+    llm = LLM(llada_dir)
+    openai_forms = [{"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text",
+                                                                                            "text": "terse."}]},
+                    {"role": "user", "content": "hi", "name": "ann"}]
+    plain = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi", "name": "ann"}]
+    assert [ChatMessage(**m).as_dict() for m in openai_forms] == plain
+    offline = llm.chat_prompt(openai_forms)
+    assert offline == llm.chat_prompt(plain) and len(offline.affixes) == 1
+    for bad, message in [("hi", "messages must be a list"),
+                         ([{"role": "user", "content": None}], "message 0: 'content'"),
+                         ([{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "image_url"}]}],
+                          "message 1: a content list holds text parts"),
+                         ([{"content": "a"}], "message 0: 'role' must be a string"),
+                         (["hi"], "message 0 must be a dict")]:
+        with pytest.raises(ValueError, match=message):
+            llm.chat_prompt(bad)
+    with pytest.raises(ValueError, match="affix_messages is a list of message indices, got 0"):
+        llm.chat_prompt(plain, affix_messages=0)
+
+
 def test_llm_chat_prompt_uses_the_template(llada_dir):
     llm = LLM(llada_dir)
     p = llm.chat_prompt([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}])
