@@ -52,7 +52,7 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_batch_size: int = 8, seed: int = 0, affix_cache_bytes: int | None = 1 << 30,
+                 max_batch_size: int = 8, seed: int | None = 0, affix_cache_bytes: int | None = 1 << 30,
                  affix_cache_dir: str | Path | None = None, bicache_profile: str | Path | None = None,
                  page_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
@@ -61,6 +61,10 @@ class LLM:
                  affix_cache_quarantine: bool = False) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) or None (a fresh seed), got {seed!r}")
+        if seed is None:  # drawn here, once: tensor-parallel ranks are given this one
+            seed = int(torch.randint(0, 2**62, (1,)))
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")

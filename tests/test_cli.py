@@ -352,7 +352,7 @@ def test_dtype_auto_and_max_model_len(llada_dir):
 
     llm = LLM(llada_dir, dtype="auto", device="auto", max_model_len=40)
     assert llm.model.dtype == torch.float32 and llm.engine.max_model_len == 40
-    with pytest.raises(ValueError, match="exceed the model's context of 40"):
+    with pytest.raises(ValueError, match="exceed the context of 40"):
         llm.generate([list(range(1, 30))], SamplingParams(gen_length=16, block_length=8))
     with pytest.raises(ValueError, match="max_model_len must be an integer in 1..512"):
         LLM(llada_dir, max_model_len=10_000)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from acache import LLM, SamplingParams
 from acache.reference import reference_generate
@@ -92,3 +93,27 @@ def test_one_sampling_params_per_prompt(llm):
         ref = reference_generate(llm.model, out.prompt_token_ids, p, stop_token_ids=llm.stop_token_ids)
         assert out.token_ids == ref.token_ids and out.stats.nfe == ref.nfe
     assert [len(o.token_ids) <= p.gen_length for o, p in zip(outs, params, strict=True)] == [True] * 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed=1.5), "seed must be an integer"), (dict(seed=2**64), "seed must be an integer"),
+    (dict(seed=True), "seed must be an integer"), (dict(dtype=torch.int64), "dtype torch.int64 is not one"),
+    (dict(dtype=torch.complex64), "dtype torch.complex64 is not one"),
+    (dict(max_affix_tokens=-1), "max_affix_tokens must be a positive integer"),
+    (dict(compile="yes"), "compile must be true or false"),
+    (dict(gpu_memory_utilization="half"), "gpu_memory_utilization must be in"),
+])
+def test_bad_settings_are_named_at_construction(llada_dir, kwargs, message):
+    """Each used to pass construction and fail later, or deep inside torch: seed=None and 1.5 in manual_seed after
+    the weights loaded, an integer dtype in Module.to, a complex one at every request, a negative affix cap and
+    compile='yes' at the first generate."""
+    with pytest.raises(ValueError, match=message):
+        LLM(llada_dir, **kwargs)
+
+
+def test_seed_none_draws_a_fresh_seed(llada_dir):
+    """vLLM's LLM(seed=None): a fresh seed, so unseeded sampled requests differ between two such LLMs."""
+    params = SamplingParams(gen_length=16, block_length=16, temperature=5.0)
+    outs = [LLM(llada_dir, seed=None).generate("x", params, use_tqdm=False)[0].token_ids for _ in range(2)]
+    seeded = [LLM(llada_dir, seed=3).generate("x", params, use_tqdm=False)[0].token_ids for _ in range(2)]
+    assert outs[0] != outs[1] and seeded[0] == seeded[1]

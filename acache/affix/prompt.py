@@ -117,10 +117,10 @@ class AffixPrompt:
         for span in self.affixes:
             if span.length > context:
                 raise ValueError(f"affix {span.name or span.key[:12]!r} of {label} has {span.length} tokens, "
-                                 f"more than the model's context of {context}")
+                                 f"more than the context of {context} (max_model_len, or the model's own)")
         if len(self.token_ids) + gen_length > context:
             raise ValueError(f"{label} is too long: {len(self.token_ids)} tokens plus gen_length {gen_length} "
-                             f"exceed the model's context of {context}")
+                             f"exceed the context of {context} (max_model_len, or the model's own)")
 
     @property
     def layout(self) -> Layout:

@@ -78,9 +78,6 @@ class AffixPageTable(AffixCache[SharedAffix]):
     pool); an affix longer than that is computed with its request instead of shared."""
 
     def __init__(self, model: DiffusionLM, pool: PagePool, max_tokens: int | None = None) -> None:
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                       or max_tokens <= 0):
-            raise ValueError(f"max_affix_tokens must be a positive integer or None, got {max_tokens!r}")
         max_pages = None if max_tokens is None else pool.pages_for(max_tokens)
         super().__init__(model, PagedStorage(pool, max_pages), wait_when_full=True)
         self.pool = pool

@@ -59,13 +59,20 @@ class EngineConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "max_model_len", "page_size"):
+        required = ("page_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in (*required, "kv_cache_memory", "max_model_len", "max_affix_tokens"):
             value = getattr(self, name)
-            if (value is not None or name == "page_size") and (
+            if (value is not None or name in required) and (
                     isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer{'' if name == 'page_size' else ' or None'}, "
+                raise ValueError(f"{name} must be a positive integer{'' if name in required else ' or None'}, "
                                  f"got {value!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        for name in ("compile", "reuse_step_keys"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and (value is not None or name == "compile"):
+                raise ValueError(f"{name} must be true or false{'' if name == 'compile' else ' or None'}, "
+                                 f"got {value!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, int | float) \
+                or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def model_len(self, context: int) -> int:

@@ -36,6 +36,9 @@ class CheckpointError(ValueError):
 def parse_dtype(dtype: str | torch.dtype, checkpoint: str | None = None) -> torch.dtype:
     """A dtype by name; ``auto`` is the checkpoint's own ``torch_dtype`` (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not one this engine runs; choose one of "
+                             f"{', '.join(sorted(set(map(str, DTYPES.values()))))}")
         return dtype
     if isinstance(dtype, str) and dtype.lower() == "auto":
         named = str(checkpoint or "float32").lower()

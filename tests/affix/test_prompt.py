@@ -42,7 +42,7 @@ def test_bad_layouts(build, message):
 def test_llm_rejects_affix_longer_than_context(llada_dir):
     llm = LLM(llada_dir)
     params = SamplingParams(gen_length=8, block_length=8, selector="attention")
-    with pytest.raises(ValueError, match="more than the model's context"):
+    with pytest.raises(ValueError, match="more than the context"):
         llm.generate([[Affix(token_ids=[5] * 600), "q", GEN]], params, use_tqdm=False)
     with pytest.raises(ValueError, match="too long"):
         llm.generate([[Affix(token_ids=[5] * 500), "q", GEN]], SamplingParams(gen_length=16, block_length=8),

@@ -133,9 +133,9 @@ def test_sampling_is_seeded_per_request(family_model):
 
 def test_prompt_too_long(family_model):
     too_long = [1] * (family_model.config.max_position_embeddings - 10)
-    with pytest.raises(ValueError, match="exceed the model's context"):
+    with pytest.raises(ValueError, match="exceed the context"):
         run_engine(family_model, [too_long], SamplingParams(gen_length=16, block_length=8))
-    with pytest.raises(ValueError, match="exceed the model's context"):
+    with pytest.raises(ValueError, match="exceed the context"):
         reference_generate(family_model, too_long, SamplingParams(gen_length=16, block_length=8))
 
 

@@ -399,7 +399,7 @@ def test_engine_config_resolves_the_limit_and_the_budget_once(llada_model):
     assert EngineConfig().kv_budget(cpu) == 1 << 30 and EngineConfig(kv_cache_memory=1 << 20).kv_budget(cpu) == 1 << 20
     engine = LLMEngine(llada_model, EngineConfig(kv_cache_memory=1 << 22, max_model_len=64))
     assert engine.max_model_len == 64 and engine.pool.num_pages * engine.pool.page_size > 0
-    with pytest.raises(ValueError, match="exceed the model's context of 64"):
+    with pytest.raises(ValueError, match="exceed the context of 64"):
         engine.add_request(list(range(1, 60)), SamplingParams(gen_length=16, block_length=8))
 
 

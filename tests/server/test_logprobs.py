@@ -157,7 +157,7 @@ def test_multiple_choice_through_the_server_beats_chance(setup):
     ({"prompt": "question : where is mary ? answer :", "suffix": "story : mary moved to the kitchen .",
       "max_tokens": 2, "logprobs": 1}, "suffix (infilling) are not implemented"),
     ({"prompt": [5, 500], "max_tokens": 0, "echo": True, "logprobs": 1}, "not in the model's vocabulary"),
-    ({"prompt": [5] * 300, "max_tokens": 0, "echo": True, "logprobs": 1}, "exceed the model's context"),
+    ({"prompt": [5] * 300, "max_tokens": 0, "echo": True, "logprobs": 1}, "exceed the context"),
 ])
 def test_bad_logprobs_requests(setup, body, message):
     client, _ = setup
