@@ -8,10 +8,11 @@ checks of a request against the model (vocabulary, context) that the engine repe
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 
 from acache.affix.chat import chat_prompt
-from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
+from acache.affix.prompt import GEN, Affix, AffixPrompt, as_token_ids, resolve_segments
 from acache.models.config import ModelConfig
 from acache.models.tokenizer import Tokenizer
 from acache.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ def prompt_list(prompts: object) -> list:
         if not prompts:
             return []
         if any(isinstance(p, Affix) or p is GEN for p in prompts) or all(
-                isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
             return [prompts]
         return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
     raise TypeError(f"prompts must be text, token ids, an AffixPrompt, segments, or a list of these; "
@@ -92,7 +93,7 @@ class InputProcessor:
             resolved = resolve_segments(prompt, self.encode_text)
             ids = list(resolved.token_ids)
         elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
+            ids = list(as_token_ids(prompt, "prompt token id"))
             resolved = None
         else:
             raise TypeError(f"a prompt must be text, token ids, an AffixPrompt or a segment list, "

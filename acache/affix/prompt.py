@@ -12,13 +12,28 @@ the generation region is inserted, and the affix spans. Layouts of the paper:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from acache.decoding.canvas import Layout
 from acache.policies import LAYOUTS
+
+
+def as_token_ids(values: Iterable, what: str = "token id") -> tuple[int, ...]:
+    """Token ids as Python ints: any integer type (numpy's, a 0-d integer tensor) taken, anything else (a float, a
+    string, a bool) named in a ValueError rather than truncated or parsed."""
+    out = []
+    for t in values:
+        if isinstance(t, (bool, np.bool_)):
+            raise ValueError(f"{what} {t!r} is a bool, not an integer")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"{what} {t!r} is not an integer") from None
+    return tuple(out)
 
 
 def affix_key(token_ids: Sequence[int]) -> str:
@@ -38,7 +53,7 @@ class Affix:
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("an Affix takes exactly one of text or token_ids")
         if self.token_ids is not None:
-            object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+            object.__setattr__(self, "token_ids", as_token_ids(self.token_ids, "affix token id"))
             if not self.token_ids:
                 raise ValueError(f"affix {self.name or ''} is empty: it has no tokens".replace("  ", " "))
         elif not self.text:
@@ -78,7 +93,10 @@ class AffixPrompt:
     affixes: tuple[AffixSpan, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", as_token_ids(self.token_ids, "prompt token id"))
         n = len(self.token_ids)
+        if isinstance(self.gen_at, bool) or not isinstance(self.gen_at, int):
+            raise ValueError(f"the generation region index must be an integer, got {self.gen_at!r}")
         if not 0 <= self.gen_at <= n:
             raise ValueError(f"generation region index {self.gen_at} is outside the prompt of {n} tokens")
         spans = sorted(self.affixes, key=lambda a: a.start)
@@ -101,7 +119,7 @@ class AffixPrompt:
     def from_spans(cls, token_ids: Sequence[int], gen_at: int | None = None,
                    affixes: Sequence[tuple[int, int] | tuple[int, int, str]] = ()) -> AffixPrompt:
         """Marks ``[start, end)`` spans of ``token_ids`` as affixes (optionally named)."""
-        ids = tuple(int(t) for t in token_ids)
+        ids = as_token_ids(token_ids, "prompt token id")
         spans = []
         for span in affixes:
             start, end = int(span[0]), int(span[1])
@@ -149,7 +167,7 @@ def resolve_segments(segments: Sequence[Segment], encode: Callable[[str], list[i
         elif isinstance(seg, str):
             ids.extend(encode(seg) if seg else [])
         elif isinstance(seg, Sequence):
-            ids.extend(int(t) for t in seg)
+            ids.extend(as_token_ids(seg, "prompt token id"))
         else:
             raise TypeError(f"a prompt segment must be text, token ids, an Affix or GEN, got {type(seg).__name__}")
     return AffixPrompt(tuple(ids), len(ids) if gen_at is None else gen_at, tuple(spans))

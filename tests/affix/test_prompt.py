@@ -117,3 +117,27 @@ def test_llm_chat_prompt_uses_the_template(llada_dir):
     assert llm.tokenizer.decode(list(p.affix_ids(span)), skip_special_tokens=False).endswith(
         "You are terse.<|eot_id|>")
     assert p.gen_at == len(p.token_ids)
+
+
+def test_token_ids_of_any_integer_type_are_taken_and_others_named(llada_dir):
+    """numpy's and torch's integers are token ids (a list of np.int64 was 'not in the vocabulary', or read as a
+    batch of one-token prompts); a float, a string or a bool inside a segment used to be truncated, parsed or read
+    as 1, and a float generation index failed inside torch."""
+    import numpy as np
+    import torch
+
+    llm = LLM(llada_dir)
+    params = SamplingParams(gen_length=4, block_length=4)
+    ids = llm.tokenizer.encode("Where is Mary?", add_special_tokens=False)
+    want = llm.generate([ids], params, use_tqdm=False)[0]
+    for same in ([[np.int64(t) for t in ids]], [np.int32(t) for t in ids], [[torch.tensor(t) for t in ids]],
+                 [[ids, GEN]], [[Affix(token_ids=[np.int64(t) for t in ids]), GEN]]):
+        out = llm.generate(same, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].token_ids == want.token_ids and out[0].prompt_token_ids == ids
+    for bad, message in [([[[*ids[:2], 86.9], GEN]], "86.9 is not an integer"),
+                         ([[[*ids[:2], "0"], GEN]], "'0' is not an integer"),
+                         ([[[*ids[:2], True], GEN]], "True is a bool"), ([[86.9, 0]], "86.9 is not an integer")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="generation region index must be an integer, got 3.5"):
+        AffixPrompt((1, 2, 3), 3.5)
