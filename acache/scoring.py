@@ -72,6 +72,8 @@ class ScoringCancelled(RuntimeError):
 def _check(model: DiffusionLM, ids: Sequence[int], starts: Sequence[int], samples: int) -> None:
     if isinstance(samples, bool) or not isinstance(samples, int) or samples <= 0:
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    if not starts:
+        raise ValueError(f"nothing to score: no split of the {len(ids)} tokens (the continuation is empty)")
     bad_start = next((c for c in starts if not 0 < c < len(ids)), None)
     if bad_start is not None:
         raise ValueError(f"the continuation must start inside the sequence (1..{len(ids) - 1}), got {bad_start}")
@@ -339,6 +341,8 @@ def continuation_logprob(model: DiffusionLM, context: Sequence[int], continuatio
     seed gives it the draws :func:`token_logprobs` gives this split on the same tokens."""
     if not continuation:
         raise ValueError("the continuation is empty")
+    if not context:
+        raise ValueError("the context is empty: a continuation is scored given at least one token before it")
     return split_estimates(model, [*context, *continuation], [len(context)], samples, generator, batch_size)[0]
 
 

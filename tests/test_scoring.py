@@ -121,6 +121,13 @@ def test_bad_top_k_and_empty_continuation(family_model):
         token_logprobs(family_model, [1, 2, 3], 1, 2, torch.Generator(), top_k=-1)
     with pytest.raises(ValueError, match="continuation is empty"):
         continuation_logprob(family_model, [1, 2], [], 2, torch.Generator())
+    # each used to pass the checks and fail inside the plan (min() of an empty sequence), or blame a split of 0
+    with pytest.raises(ValueError, match="nothing to score: no split of the 3 tokens"):
+        token_logprobs(family_model, [1, 2, 3], 3, 2, torch.Generator())
+    with pytest.raises(ValueError, match="nothing to score"):
+        split_estimates(family_model, [1, 2, 3], [], 2, torch.Generator())
+    with pytest.raises(ValueError, match="the context is empty"):
+        continuation_logprob(family_model, [], [1, 2], 2, torch.Generator())
 
 
 def test_a_set_cancel_event_stops_scoring(family_model):
