@@ -158,6 +158,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"affix file not found: {path}")
         affix_text = path.read_text()
+    if args.chat and affix_text is not None and (args.layout != "prefix" or args.answer_prompt):
+        raise ValueError("--chat with an affix makes it the chat's system prompt, before the prompt: --layout "
+                         f"{args.layout!r} and --answer-prompt do not apply (drop them, or --chat)")
     cache_dir = Path(args.affix_cache) if args.affix_cache else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache {cache_dir} exists and is not a directory")
@@ -172,11 +175,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--affix-cache: the {llm.model.family} family shares no affix K/V, so there is no affix "
                          "cache to save")
     prompts = args.prompt
-    if affix_text is not None:
+    chat = args.chat
+    if affix_text is not None and chat:  # the affix is the chat's system prompt, reused as the server reuses it
+        prompts = [llm.chat_prompt([{"role": "system", "content": affix_text}, {"role": "user", "content": p}])
+                   for p in args.prompt]
+        chat = False
+    elif affix_text is not None:
         affix = Affix(affix_text, name="affix")
         prompts = [layout_segments(args.layout, affix, p, args.answer_prompt) for p in args.prompt]
     try:
-        outputs = llm.generate(prompts, params, chat=args.chat)
+        outputs = llm.generate(prompts, params, chat=chat)
     finally:
         llm.close()
     for question, out in zip(args.prompt, outputs, strict=True):
@@ -394,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face layout (default: the shipped "
                    "model)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template (an --affix is "
+                   "then its system prompt)")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--json", action="store_true", help="one JSON object per output")
     _add_model_args(p)

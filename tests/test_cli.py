@@ -26,6 +26,13 @@ def test_make_random_checkpoint_and_generate(tmp_path, capsys):
     assert all(r["nfe"] >= 2 for r in lines)
 
 
+@pytest.mark.parametrize("std", ["nan", "inf", "0", "-0.1"])
+def test_a_random_checkpoint_of_unusable_weights_is_refused(tmp_path, capsys, std):
+    """--std nan wrote a checkpoint of NaNs and exited 0."""
+    assert main(["make-random-checkpoint", "--family", "llada", "--out", str(tmp_path / "c"), "--std", std]) == 2
+    assert "std must be a positive finite number" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "error: model directory not found" in capsys.readouterr().err
@@ -425,3 +432,23 @@ def test_a_page_size_that_is_not_positive_is_refused_at_construction(llada_dir):
     for size in (0, -3):
         with pytest.raises(ValueError, match=f"page_size must be a positive integer, got {size}"):
             LLM(llada_dir, page_size=size)
+
+
+def test_generate_chat_with_an_affix_reuses_it_as_the_system_prompt(llada_dir, capsys):
+    """--chat --affix was refused with advice to call LLM.chat_prompt, which a CLI user cannot: the affix is now the
+    chat's system prompt, reused as the server reuses one; a layout that cannot hold in a chat is named."""
+    from acache import LLM, SamplingParams
+
+    story = "Mary moved to the kitchen. John went to the garden."
+    args = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--prompt", "Where is John?",
+            "--affix", story, "--chat", "--gen-length", "8", "--block-length", "4", "--json"]
+    assert main(args) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    llm = LLM(llada_dir)
+    prompts = [llm.chat_prompt([{"role": "system", "content": story}, {"role": "user", "content": q}])
+               for q in ("Where is Mary?", "Where is John?")]
+    want = llm.generate(prompts, SamplingParams(gen_length=8, block_length=4, selector="attention"), use_tqdm=False)
+    assert [r["token_ids"] for r in records] == [w.token_ids for w in want]
+    assert [r["affix"]["misses"] for r in records] == [1, 0] and records[0]["affix"]["selector"] == "attention"
+    assert main([*args, "--layout", "suffix"]) == 2
+    assert "--layout 'suffix' and --answer-prompt do not apply" in capsys.readouterr().err

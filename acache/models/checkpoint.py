@@ -4,6 +4,7 @@ any model the project trains. What is written here goes back through the public 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -184,6 +185,8 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
                            shards: int = 1, dtype: str = "float32", std: float = 0.02,
                            block_size: int | None = None) -> Path:
     """A random-weight checkpoint in the family's upstream layout, with a byte-level tokenizer."""
+    if isinstance(std, bool) or not isinstance(std, int | float) or not math.isfinite(std) or std <= 0:
+        raise ValueError(f"std must be a positive finite number, got {std!r}")
     cls = family_class(family)
     tokenizer = build_byte_tokenizer(cls.family)
     n_tok = tokenizer.get_vocab_size(with_added_tokens=True)
