@@ -214,7 +214,7 @@ class ModelRunner:
             focus = reqs[0].params.focus_layers if not batch.refresh and paged is not None else None
             if focus is not None and focus < len(self.model.layers):
                 masked = (tokens[rows, fed] == self.model.config.mask_token_id) & fed_valid
-                ratios = torch.tensor([r.params.focus_ratio for r in reqs], device=dev)
+                ratios = torch.tensor([r.params.focus_ratio for r in reqs], dtype=torch.float64, device=dev)
                 least = torch.tensor([r.state.rule.least_commits(r.state.step) for r in reqs], device=dev)
                 hidden, kept = focused_step(self.model, self.pool, tokens[rows, fed], positions[rows, fed], fed_valid,
                                             slot_maps[rows, fed], paged, masked, ratios, focus, least)

@@ -64,7 +64,7 @@ def naive_focus(model, pool, past, tokens, positions, valid, fed_slots, ratios, 
                 for j in range(n):
                     importance[j] += math.exp(logits[len(ps) + j] - top) / z
         masked = [j for j in range(n) if int(toks[0, j]) == MASK]
-        count = max(1, math.ceil(float(ratios[b]) * len(masked)))
+        count = max(1, math.ceil(float(ratios[b]) * len(masked) * (1 - 1e-12)))
         kept = sorted(sorted(masked, key=lambda j: (-importance[j], j))[:count])
         dropped = [j for j in range(n) if j not in kept]
         ls = torch.cat((ps, fed_slots[b, dropped]))
@@ -82,7 +82,7 @@ def test_a_focused_step_is_its_definition(llada_model, ratio):
     model = llada_model
     pool, past, tokens, positions, valid, fed_slots = hand_built(model)
     masked = (tokens == MASK) & valid
-    ratios = torch.tensor([ratio, ratio])
+    ratios = torch.tensor([ratio, ratio], dtype=torch.float64)
     hidden, kept = focused_step(model, pool, tokens, positions, valid, fed_slots, past, masked, ratios, 1)
     want_kept, want_hidden = naive_focus(model, pool, past, tokens, positions, valid, fed_slots, ratios, 1)
     for b in range(2):
@@ -120,3 +120,16 @@ def test_focus_is_refused_where_it_cannot_hold(dream_dir):
         engine.add_request([1, 2, 3], SamplingParams(gen_length=8, block_length=8, focus_layers=1))
     with pytest.raises(ValueError, match="not 'factor'"):
         SamplingParams(focus_layers=1, remasking="factor")
+
+
+@pytest.mark.parametrize("ratio, masked, want", [(0.6, 25, 15), (0.3, 50, 15), (0.54, 50, 27), (0.25, 32, 8),
+                                                 (0.01, 5, 1), (1.0, 7, 7)])
+def test_focus_keeps_the_ceiling_of_ratio_times_masked_exactly(ratio, masked, want):
+    """The count is ceil(ratio x masked) as anchor counts are: in float32 0.6 x 25 is 15.0000006, and 16 were kept
+    (the engine builds the ratios in float64; a float32 tensor of them gives the same count)."""
+    from acache.engine.focus import focus_tokens
+
+    importance = torch.arange(masked, dtype=torch.float32).flip(0)[None]
+    mask = torch.ones(1, masked, dtype=torch.bool)
+    assert int(focus_tokens(importance, mask, torch.tensor([ratio], dtype=torch.float64)).sum()) == want
+    assert math.ceil(ratio * masked * (1 - 1e-12)) == want
