@@ -178,7 +178,9 @@ class SelectionContext:
         :meth:`shallow_probe` it runs the remaining layers only (not when K/V are asked: it kept none)."""
         if self._probe is None or (with_kv and self._probe[0].kv is None):
             layers = self.model.config.num_layers
-            if self._shallow is not None and not with_kv:
+            if self._shallow is not None and not with_kv and len(self._shallow[0].queries) == layers:
+                out, fed, fed_valid = self._shallow  # the shallow share was every layer (a 1-layer model), normed
+            elif self._shallow is not None and not with_kv:
                 early, fed, fed_valid = self._shallow
                 out, _, _ = self._run_probe(range(len(early.queries), layers), False, early.hidden)
                 out.queries = early.queries + out.queries

@@ -252,6 +252,22 @@ def test_shallow_probe_is_the_probe_cut_short(family_model):
             hook.remove()
 
 
+def test_a_probe_after_a_shallow_probe_of_every_layer_is_normed_once(tmp_path):
+    """On a 1-layer model the shallow probe is the whole probe, its states normed; a probe asked afterwards (a
+    probe step) normed them again, and its logits were another probe's."""
+    from acache.models.checkpoint import make_random_checkpoint
+    from acache.models.loader import load_model
+
+    model = load_model(make_random_checkpoint("llada", tmp_path / "one", layers=1, hidden_size=64, heads=4,
+                                              kv_heads=2, seed=1, std=0.15, max_seq_len=512))
+    prompt = layouts()["infix"]
+    with torch.inference_mode():
+        after = selection_context(model, prompt, 8)
+        after.shallow_probe()
+        direct = selection_context(model, prompt, 8)
+        torch.testing.assert_close(after.probe_logits(8), direct.probe_logits(8), rtol=1e-5, atol=1e-5)
+
+
 # -- hand-built contexts: one layer, one head, d = 8, RoPE that barely turns dims 1..3 --------------------
 def hand_context(prompt_ids=(1, 2, 3, 4, 5), affixes=((0, 3),), gen_length=2, heads=1, layers=1):
     cfg = ModelConfig(family="llada", vocab_size=16, hidden_size=8 * heads, num_layers=layers, num_heads=heads,
