@@ -112,11 +112,14 @@ class KVCacheManager:
         affix looked up goes into ``looked`` as ``(key, hit)``."""
         req.stats.affix_hits = 0  # a request that waited counts only the try that admits it
         if req.reuse and not req.bicache:
-            for index in self.shareable(req):
+            # another affix holding an affix's hash: that one is computed privately instead
+            indices = [i for i in self.shareable(req) if not self.affixes.collides(req.prompt.affix_ids(
+                req.prompt.affixes[i]))]
+            if not self._fits_now(req, indices):  # before any affix is computed or another evicted for it
+                return False
+            for index in indices:
                 span = req.prompt.affixes[index]
                 ids = req.prompt.affix_ids(span)
-                if self.affixes.collides(ids):  # another affix holds its hash: computed privately instead
-                    continue
                 got = self.affixes.acquire(ids, span.name)
                 if got is None:
                     return False
@@ -141,6 +144,18 @@ class KVCacheManager:
         if req.bicache or not req.reuse:
             req.slot_map = req.private_slots[:req.length].clone()
         return True
+
+    def _fits_now(self, req: Request, indices: list[int]) -> bool:
+        """Whether the whole admission (the affixes at ``indices`` not cached yet, then the private pages) can be
+        had now from the free pages and those of idle affixes it does not use, under the affix cap: acquiring
+        first and finding the private pages short would have evicted or computed affixes in vain."""
+        table, pool = self.affixes, self.pool
+        spans = {req.prompt.affix_ids(req.prompt.affixes[i]) for i in indices}
+        cached = {table.key_fn(ids) for ids in spans if table.lookup(ids) is not None}
+        new = sum(pool.pages_for(len(ids)) for ids in spans if table.key_fn(ids) not in cached)
+        private = pool.pages_for(req.private_tokens(indices))
+        pinned = sum(len(e.pages) for k, e in table.entries.items() if e.refcount > 0 or k in cached)
+        return table.fits_pages(pinned + new) and pool.num_free + table.reclaimable_pages(cached) >= new + private
 
     def map_slots(self, req: Request) -> None:
         """Once the recompute set is fixed: recomputed columns to private slots, the rest to shared ones."""

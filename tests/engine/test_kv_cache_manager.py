@@ -80,6 +80,28 @@ def test_a_waiting_request_evicts_no_affix_when_evicting_cannot_admit_it(llada_m
     assert sorted(o.token_ids for o in outs) == sorted(o.token_ids for o in alone)
 
 
+def test_an_idle_affix_is_not_evicted_for_a_request_that_still_cannot_be_admitted(llada_model):
+    """An idle affix's pages and the free ones together hold a new affix but not the request's own pages beside it:
+    the idle affix stays (it was evicted, the new affix computed, and the request waited all the same)."""
+    idle, story, plain = (layouts(affix_len=20, seed=s)["prefix"] for s in (6, 7, 8))
+    e = engine(llada_model, 20)
+    run_engine(llada_model, [idle], [params(4)], engine=e)  # its affix stays cached, held by no one
+    kept = set(e.affixes.entries)
+    e.add_request(plain.token_ids, SamplingParams(gen_length=20, block_length=4, threshold=0.5))  # 12 pages
+    e.step()
+    rid = e.add_request(story, params(8, 0.2))
+    waiting = e.scheduler.waiting[0]
+    free, new, own = e.pool.num_free, e.pool.pages_for(20), e.pool.pages_for(waiting.private_tokens([0]))
+    assert free + e.affixes.reclaimable_pages() >= new and free + e.affixes.reclaimable_pages() < new + own
+    e.step()
+    assert e.num_waiting == 1 and set(e.affixes.entries) == kept and e.affixes.stats.evictions == 0
+    outs = {}
+    while e.has_unfinished():
+        outs |= {o.request_id: o for o in e.step() if o.finished}
+    alone = run_engine(llada_model, [story], [params(8, 0.2)], engine=engine(llada_model, 64))
+    assert outs[rid].token_ids == alone[0].token_ids
+
+
 def test_a_request_that_waited_counts_one_affix_query(llada_model):
     story = layouts(affix_len=20)["prefix"]
     e = engine(llada_model, 16)
@@ -107,16 +129,16 @@ def test_a_request_that_left_keeps_no_step_keys(llada_model):
     assert e.runner.step_keys.entries == {} and e.runner.step_keys._stack is None
 
 
-def test_an_affix_a_waiting_request_computed_counts_as_its_miss(llada_model):
-    """The first try computes the affix (kept) but finds no private pages; the try that admits it finds the affix:
-    one lookup, a miss."""
+def test_a_request_that_cannot_be_admitted_computes_no_affix(llada_model):
+    """The first try would find room for the affix but not for the request's own pages: it computes nothing (it
+    used to compute and keep the affix, then wait); the try that admits it computes it: one lookup, a miss."""
     story, other = layouts(affix_len=20, seed=4)["prefix"], layouts(affix_len=20, seed=5)["prefix"]
     e = engine(llada_model, 20)
     e.add_request(other, params(24))
     e.step()  # holds 14 of the 20 pages: room for the second affix's 5, not for its request's own
     rid = e.add_request(story, params(8, 0.2))
     e.step()
-    assert e.num_waiting == 1 and len(e.affixes) == 2  # story's affix was computed by the try that failed
+    assert e.num_waiting == 1 and len(e.affixes) == 1
     outs = {}
     while e.has_unfinished():
         outs |= {o.request_id: o for o in e.step() if o.finished}
