@@ -11,7 +11,7 @@ class AffixRequestStats:
     anchor_ratio: float
     affix_tokens: int  # shared affix tokens of the request
     anchors: list[int]  # absolute positions of the recomputed affix tokens
-    recomputed_per_refresh: int  # tokens this request feeds at each refresh
+    recomputed_per_refresh: int  # tokens this request fed a refresh, on average (a far-mask window feeds fewer early)
     refresh_times_s: list[float] = field(default_factory=list)  # of the batched forwards its refreshes ran in
     selection_time_s: float = 0.0  # of the batched anchor selection it ran in
     affix_hits: int = 0

@@ -188,6 +188,12 @@ class RequestState:
     def recompute_count(self) -> int:
         return int(self.recompute.sum())
 
+    @property
+    def refresh_fed_count(self) -> int:
+        """The recompute set's columns a refresh of the current block feeds: the far masks a ``far_mask_window``
+        leaves out are not among them."""
+        return int((self.recompute & ~self.far_columns()).sum())
+
     # -- the step rules ---------------------------------------------------------------------------
     @property
     def block_cols(self) -> tuple[int, int]:

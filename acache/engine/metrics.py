@@ -44,7 +44,7 @@ class EngineMetrics:
     first_block_times: Timings = field(default_factory=Timings)  # arrival to a request's first completed block
     inter_block_times: Timings = field(default_factory=Timings)  # between a request's consecutive blocks
     request_times: Timings = field(default_factory=Timings)  # arrival to finish, of finished requests
-    refreshed_tokens: int = 0  # tokens fed by all refreshes
+    refreshed_tokens: int = 0  # columns fed by all refreshes (far masks a window leaves out not counted)
     anchors: int = 0  # anchors chosen over all requests
     affix_tokens: int = 0  # shared affix tokens of those requests
 

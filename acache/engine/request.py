@@ -44,6 +44,7 @@ class RequestMetrics:
     affix_hits: int = 0
     affix_queries: int = 0
     private_pages: int = 0
+    refreshed_tokens: int = 0  # columns its refreshes fed, all together
 
 
 class Request:

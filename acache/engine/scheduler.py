@@ -254,7 +254,9 @@ class Scheduler:
             self._count_anchors(req)
         if batch.refresh:
             s.refresh_times_s.append(elapsed)
-            self.metrics.refreshed_tokens += req.state.recompute_count
+            fed = req.state.refresh_fed_count
+            s.refreshed_tokens += fed
+            self.metrics.refreshed_tokens += fed
         return self._commit(req, result.samples[req.request_id])
 
     def _count_anchors(self, req: Request) -> None:
@@ -289,7 +291,9 @@ class Scheduler:
         state = req.state
         ids, stop_token = ([], None) if error else state.output(finished_blocks_only=not finished)
         anchors = state.positions[state.anchors].tolist() if finished else []
-        return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, state.recompute_count,
+        refreshes = len(req.stats.refresh_times_s)
+        per_refresh = round(req.stats.refreshed_tokens / refreshes) if refreshes else state.recompute_count
+        return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, per_refresh,
                             req.cached_tokens, req.stats,
                             state.nfe, state.refreshes, req.bicache_depth, finished=finished,
                             stop_token_id=stop_token, error=error)

@@ -483,3 +483,32 @@ def test_ignore_eos_decodes_the_whole_region_through_the_models_stops(family_mod
     assert outs[3].stop_token_id == stop and len(outs[3].token_ids) < 16  # the same prompt, the model's stop
     with pytest.raises(ValueError, match="ignore_eos must be true or false"):
         SamplingParams(ignore_eos="yes")
+
+
+def test_refreshed_tokens_count_the_columns_refreshes_fed(llada_model):
+    """With a far-mask window a refresh feeds only the masks its window reached; the counts said every one of them
+    at every refresh (61% too many here). Two requests, staggered, one with a window and one without, at other
+    selectors and ratios: each's per-refresh figure is the mean of what its refreshes fed, the engine's the sum. A
+    first refresh that chooses anchors inside its forward feeds every near column and keeps the recompute set's
+    K/V: it counts that set, what every later refresh of the request feeds."""
+    prompts = [layouts(seed=5)["prefix"], layouts(seed=6)["infix"]]
+    params = [SamplingParams(gen_length=64, block_length=8, threshold=0.5, selector="random", anchor_ratio=0.2,
+                             far_mask_window=0),
+              SamplingParams(gen_length=32, block_length=8, threshold=0.5, selector="attention", anchor_ratio=0.5)]
+    engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))
+    fed: dict[str, list[int | None]] = {}
+    forward = engine.runner._forward
+
+    def spy(batch, *args):
+        if batch.refresh:
+            for req, plan in zip(batch.requests, batch.plans, strict=True):
+                fed.setdefault(req.request_id, []).append(None if batch.select else len(plan.fed))
+        return forward(batch, *args)
+
+    engine.runner._forward = spy
+    outs = run_engine(llada_model, prompts, params, arrivals=[0, 2], engine=engine)
+    assert fed[outs[1].request_id][0] is None  # its selecting refresh
+    counts = [[c if c is not None else fed[o.request_id][1] for c in fed[o.request_id]] for o in outs]
+    assert len(set(counts[0])) > 1 and len(set(counts[1])) == 1  # the window grows; without one, each the same
+    assert [o.recomputed_per_refresh for o in outs] == [round(sum(c) / len(c)) for c in counts]
+    assert engine.metrics.refreshed_tokens == sum(map(sum, counts))
