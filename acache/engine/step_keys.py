@@ -70,7 +70,10 @@ class StepKeyCache:
     def __init__(self, pool: PagePool, head_dim: int, rope_theta: float) -> None:
         self.pool, self.head_dim, self.rope_theta = pool, head_dim, rope_theta
         self.entries: dict[str, StepKeys] = {}
-        self._stack: tuple[tuple, StackedKV] | None = None  # the last batch's stack, and what it was built from
+        # per in-block batch (its requests), its stack and what it was built from: a step may run several such
+        # batches (other block lengths, caches, FOCUS), each reusing its own
+        self._stacks: dict[tuple[str, ...], tuple[tuple, StackedKV]] = {}
+        self._used: set[tuple[str, ...]] = set()  # the batches that stepped since the last keep_only
 
     def get(self, request_id: str, refreshes: int, slots: torch.Tensor, positions: torch.Tensor) -> StepKeys:
         entry = self.entries.get(request_id)
@@ -82,29 +85,33 @@ class StepKeyCache:
         return entry
 
     def stacked(self, request_ids: list[str], sets: list[StepKeys], room: int, device: torch.device) -> StackedKV:
-        """The batch's stack: the last one again when the same requests step with the same sets and the same
+        """The batch's stack: its last one again when the same requests step with the same sets and the same
         number of fed tokens (every step of a block after the first), a new one otherwise."""
         # the same set objects (the stack holds them, so no id is reused while it lives), not equal values
-        key = (tuple(request_ids), tuple(id(s) for s in sets), room)
-        if self._stack is None or self._stack[0] != key:
-            self._stack = key, StackedKV(sets, device, room)
-        return self._stack[1]
+        batch = tuple(request_ids)
+        key = (batch, tuple(id(s) for s in sets), room)
+        held = self._stacks.get(batch)
+        if held is None or held[0] != key:
+            held = self._stacks[batch] = key, StackedKV(sets, device, room)
+        self._used.add(batch)
+        return held[1]
 
     def nbytes(self) -> int:
-        """Bytes of the copies held now: every request's set and the last batch's stack (outside the pool, so the
+        """Bytes of the copies held now: every request's set and each batch's stack (outside the pool, so the
         pool's page count leaves them out)."""
         held = sum(t.numel() * t.element_size() for e in self.entries.values() for t in (*e.keys, *e.values))
-        if self._stack is not None:
-            held += sum(t.numel() * t.element_size() for pair in self._stack[1]._layers.values() for t in pair)
-        return held
+        return held + sum(t.numel() * t.element_size() for _, stack in self._stacks.values()
+                          for pair in stack._layers.values() for t in pair)
 
     def drop(self, request_id: str) -> None:
         """Forgets a request that left the engine (its copies would otherwise live until the next step)."""
         self.entries.pop(request_id, None)
-        if self._stack is not None and request_id in self._stack[0][0]:
-            self._stack = None
+        self._stacks = {batch: held for batch, held in self._stacks.items() if request_id not in batch}
 
     def keep_only(self, request_ids: set[str]) -> None:
+        """Keeps the sets of ``request_ids`` (this step's in-block requests) and the stacks of the batches that
+        stepped since the last call and hold none but them."""
         self.entries = {k: v for k, v in self.entries.items() if k in request_ids}
-        if self._stack is not None and not set(self._stack[0][0]) <= request_ids:
-            self._stack = None
+        self._stacks = {batch: held for batch, held in self._stacks.items()
+                        if batch in self._used and set(batch) <= request_ids}
+        self._used = set()

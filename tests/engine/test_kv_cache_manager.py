@@ -121,12 +121,12 @@ def test_a_request_that_left_keeps_no_step_keys(llada_model):
     prompts = [layouts(affix_len=20, seed=s)["infix"] for s in (0, 1, 2)]
     e = engine(llada_model, 128, reuse_step_keys=True)
     outs = run_engine(llada_model, prompts[:2], [params(8), params(16, 0.2)], [0, 2], engine=e)
-    assert len(outs) == 2 and e.runner.step_keys.entries == {} and e.runner.step_keys._stack is None
+    assert len(outs) == 2 and e.runner.step_keys.entries == {} and e.runner.step_keys._stacks == {}
     rid = e.add_request(prompts[2], params(16))
     while not e.runner.step_keys.entries:
         e.step()
     assert e.abort(rid)
-    assert e.runner.step_keys.entries == {} and e.runner.step_keys._stack is None
+    assert e.runner.step_keys.entries == {} and e.runner.step_keys._stacks == {}
 
 
 def test_a_request_that_cannot_be_admitted_computes_no_affix(llada_model):

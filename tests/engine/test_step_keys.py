@@ -62,7 +62,7 @@ def test_the_room_takes_the_fed_keys_in_place_of_a_concatenation(llada_model):
     assert cache.stacked(["a", "b"], sets, 3, dev) is stack
     assert cache.stacked(["a", "b"], sets, 2, dev) is not stack  # another width: a new stack
     cache.keep_only({"a"})
-    assert cache._stack is None
+    assert cache._stacks == {}
 
 
 def test_reused_step_keys_change_no_token(family_model):
@@ -100,3 +100,36 @@ def test_focused_steps_read_the_kept_key_set_as_they_read_the_pool(llada_model):
         llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 22, reuse_step_keys=reuse)))]
         for reuse in (False, True)]
     assert outs[0] == outs[1]
+
+
+def test_two_in_block_batches_of_one_step_each_keep_their_stack(llada_model, monkeypatch):
+    """Requests of other block lengths step as two batches in one step; they overwrote each other's stack, so
+    every step rebuilt both (48 stacks here where each alone builds 1 and 8). Their tokens stay each one's alone."""
+    from acache.engine import EngineConfig, LLMEngine
+    from acache.engine import step_keys as module
+    from acache.sampling_params import SamplingParams
+    from tests.conftest import random_prompts
+    from tests.helpers import run_engine
+
+    built = []
+    init = module.StackedKV.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.StackedKV, "__init__", counted)
+    prompts = random_prompts([20, 24], seed=3)
+    params = [SamplingParams(gen_length=32, block_length=b, steps=32, remasking="low_confidence", ignore_eos=True)
+              for b in (32, 4)]
+
+    def run(indices):
+        built.clear()
+        engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, reuse_step_keys=True))
+        outs = run_engine(llada_model, [prompts[i] for i in indices], [params[i] for i in indices], engine=engine)
+        return len(built), [o.token_ids for o in outs], engine.runner.step_keys
+
+    together, tokens, cache = run([0, 1])
+    alone = [run([0]), run([1])]
+    assert together == alone[0][0] + alone[1][0] == 9
+    assert tokens == [alone[0][1][0], alone[1][1][0]] and cache._stacks == {} and cache.entries == {}
