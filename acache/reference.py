@@ -165,6 +165,7 @@ def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split
     for c0, c1, entry in spans:
         is_affix[c0:c1] = True
         fed_hidden[0, torch.searchsorted(fed, torch.arange(c0, c1, device=dev))] = entry.hidden[split].to(model.dtype)
+    is_affix &= ~state.base_recompute(is_affix)  # what direct reuse recomputes too runs with the request's own
     own_at = torch.nonzero(~is_affix[fed]).flatten()  # indices into fed
     own, acols = fed[own_at], fed[is_affix[fed]]
     pos = state.positions

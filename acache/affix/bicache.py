@@ -3,7 +3,9 @@
 *Matched layers*: the deep ``D = ceil(ratio * L)`` layers are recomputed for every token. At each
 refresh the request's own tokens run the shallow ``L - D`` layers alone against the cached affix K/V;
 then the affix's hidden state captured at layer ``L - D`` of its affix-only pass is spliced in and the
-deep layers run on the whole sequence. ``D = L`` is full recomputation, ``D = 0`` direct reuse.
+deep layers run on the whole sequence. The affix columns direct reuse recomputes too (a shifted model's column
+before the generation region, an attention block shared with the request's own columns) run with the request's
+own. ``D = L`` is full recomputation, ``D = 0`` direct reuse.
 
 *Profiled*: ``D`` comes from a table built on a calibration set (``acache bicache-profile``, in the lab): for each
 share of affix tokens in the request, the leading layers whose affix K/V stay above ``tau`` cosine

@@ -286,6 +286,7 @@ class ModelRunner:
                 is_affix[c0:c1] = True
                 at = torch.searchsorted(plan.fed, torch.arange(c0, c1, device=dev))
                 fed_hidden[i, at] = entry.hidden[split].to(fed_hidden.dtype)
+            is_affix &= ~req.state.base_recompute(is_affix)  # what direct reuse recomputes too runs as its own
             fed_is_affix = is_affix[plan.fed]
             own_index.append(torch.nonzero(~fed_is_affix).flatten())
             affix_cols.append(plan.fed[fed_is_affix])

@@ -120,10 +120,16 @@ class Request:
         """Of :attr:`affix_tokens`, those whose K/V every refresh reads from the shared copy: not the anchors, nor the
         affix columns recomputed beside the request's own (an attention block they share, the column before a
         shifted model's region: ``RequestState.base_recompute``), and none before they are fixed (every column is in
-        the recompute set until then). A BiCache request reads every affix token's layers below its split from its
-        copy, and none when it recomputes every layer."""
+        the recompute set until then). A BiCache request reads its affix tokens' layers below its split from its
+        copy, but for those direct reuse recomputes too, and none when it recomputes every layer."""
         if self.bicache:
-            return self.affix_tokens if (self.bicache_depth or 0) < self.num_layers else 0
+            if (self.bicache_depth or 0) >= self.num_layers:
+                return 0
+            affix = torch.zeros(self.length, dtype=torch.bool, device=self.state.tokens.device)
+            for index, _ in self.entries:
+                c0, c1 = self.span_columns(index)
+                affix[c0:c1] = True
+            return int((affix & ~self.state.base_recompute(affix)).sum())
         return int((self.shared_columns & ~self.state.recompute).sum())
 
     @property

@@ -7,22 +7,26 @@ import pytest
 import torch
 
 from acache.affix.bicache import matched_depth
+from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.affix.helpers import affix_run, layouts
-from tests.helpers import block_causal, tokens
+from tests.helpers import tokens
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
 
-@pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix"])
+@pytest.mark.parametrize("position", ["prefix", "infix", "suffix", "two-affix", "before the region"])
 def test_matched_depth_ends(family_model, position):
-    if block_causal(family_model):
-        pytest.skip("depth 0 is BiCache's own direct reuse; a block-causal model's direct reuse also recomputes the "
-                    "affix columns that share an attention block with the request's own")
-    prompt = layouts()[position]
+    """Depth 0 is direct reuse on every family: the affix columns direct reuse recomputes too (a block-causal
+    model's attention block shared with the request's own, a shifted model's column before the region, here an
+    affix's last) used to keep their cached shallow states."""
+    g = torch.Generator().manual_seed(11)
+    question, affix = (torch.randint(3, 200, (n,), generator=g).tolist() for n in (4, 14))
+    prompt = AffixPrompt.from_spans(question + affix, None, [(4, 18)]) if position == "before the region" else \
+        layouts()[position]
     store = AffixStore(family_model)
     full = tokens(affix_run(family_model, prompt, SamplingParams(**BASE)))
     direct = tokens(affix_run(family_model, prompt, SamplingParams(**BASE, selector="none"), store))
