@@ -11,6 +11,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable, Sequence
 
+import torch
+
 from acache.affix.chat import chat_prompt
 from acache.affix.prompt import GEN, Affix, AffixPrompt, as_token_ids, resolve_segments
 from acache.models.config import ModelConfig
@@ -25,6 +27,14 @@ def _is_segment_list(prompt: object) -> bool:
             and any(isinstance(s, (str, Affix)) or s is GEN or isinstance(s, (list, tuple)) for s in prompt))
 
 
+def _is_token_id(value: object) -> bool:
+    """One token id: any integer, a 0-d integer tensor too (a list of a tensor's items); not a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def prompt_list(prompts: object) -> list:
     """One prompt or a list of prompts, as a list. A list holding an Affix or GEN at its top level is one
     segment prompt; a list of ints (or an array of token ids) is one token-id prompt."""
@@ -35,8 +45,7 @@ def prompt_list(prompts: object) -> list:
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             return []
-        if any(isinstance(p, Affix) or p is GEN for p in prompts) or all(
-                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
+        if any(isinstance(p, Affix) or p is GEN for p in prompts) or all(map(_is_token_id, prompts)):
             return [prompts]
         return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]
     raise TypeError(f"prompts must be text, token ids, an AffixPrompt, segments, or a list of these; "

@@ -19,7 +19,7 @@ from acache.affix.bicache import BiCacheProfile, bicache_depth, bicache_forward
 from acache.affix.context import SelectionContext, request_seed
 from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
-from acache.affix.prompt import AffixPrompt
+from acache.affix.prompt import AffixPrompt, as_token_ids
 from acache.affix.selectors import admission_anchors, drop_uncounted, make_selector, request_anchor_counts
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
@@ -51,7 +51,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     draws its sampling noise (seeded from ``params.seed`` if None)."""
     cfg = model.config
     if not isinstance(prompt, AffixPrompt):
-        prompt = AffixPrompt(tuple(int(t) for t in prompt), len(prompt))
+        prompt = AffixPrompt(as_token_ids(prompt, "prompt token id"), len(prompt))
     prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
     if params.focus_layers is not None:
         raise ValueError("focus_layers is not run by the reference path (FOCUS prunes the engine's batched "
@@ -196,10 +196,10 @@ def reference_generate_state_cache(model: SSMBlockDiffusionLM | R2LM, prompt: Se
                        generator: torch.Generator | None = None) -> StateCacheResult:
     """Decodes one request on its own, the reference the engine is tested against."""
     cfg = model.config
-    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    ids = as_token_ids(prompt, "prompt token id")  # empty too: the answer starts at column 0, as on the engine
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in the vocabulary (got {bad[0]})")
-    ids = tuple(int(t) for t in prompt)  # empty too: the answer starts at column 0, as on the engine
     plain = AffixPrompt(ids, len(ids))
     check_state_request(model.family, plain, params)
     if generator is None:

@@ -72,7 +72,7 @@ class ScoringCancelled(RuntimeError):
 def _check(model: DiffusionLM, ids: Sequence[int], starts: Sequence[int], samples: int) -> None:
     if isinstance(samples, bool) or not isinstance(samples, int) or samples <= 0:
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
-    if not starts:
+    if len(starts) == 0:
         raise ValueError(f"nothing to score: no split of the {len(ids)} tokens (the continuation is empty)")
     bad_start = next((c for c in starts if not 0 < c < len(ids)), None)
     if bad_start is not None:

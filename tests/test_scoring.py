@@ -128,6 +128,11 @@ def test_bad_top_k_and_empty_continuation(family_model):
         split_estimates(family_model, [1, 2, 3], [], 2, torch.Generator())
     with pytest.raises(ValueError, match="the context is empty"):
         continuation_logprob(family_model, [], [1, 2], 2, torch.Generator())
+    # splits given as an array are splits (the emptiness check read an array's truth value)
+    import numpy as np
+
+    as_array = split_estimates(family_model, [1, 2, 3, 4, 5], np.arange(2, 5), 2, torch.Generator().manual_seed(3))
+    assert as_array == split_estimates(family_model, [1, 2, 3, 4, 5], [2, 3, 4], 2, torch.Generator().manual_seed(3))
 
 
 def test_a_set_cancel_event_stops_scoring(family_model):

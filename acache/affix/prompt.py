@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from acache.decoding.canvas import Layout
 from acache.policies import LAYOUTS
@@ -27,7 +28,7 @@ def as_token_ids(values: Iterable, what: str = "token id") -> tuple[int, ...]:
     string, a bool) named in a ValueError rather than truncated or parsed."""
     out = []
     for t in values:
-        if isinstance(t, (bool, np.bool_)):
+        if isinstance(t, (bool, np.bool_)) or getattr(t, "dtype", None) == torch.bool:
             raise ValueError(f"{what} {t!r} is a bool, not an integer")
         try:
             out.append(operator.index(t))
@@ -95,8 +96,8 @@ class AffixPrompt:
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", as_token_ids(self.token_ids, "prompt token id"))
         n = len(self.token_ids)
-        if isinstance(self.gen_at, bool) or not isinstance(self.gen_at, int):
-            raise ValueError(f"the generation region index must be an integer, got {self.gen_at!r}")
+        (gen_at,) = as_token_ids([self.gen_at], "the generation region index")
+        object.__setattr__(self, "gen_at", gen_at)
         if not 0 <= self.gen_at <= n:
             raise ValueError(f"generation region index {self.gen_at} is outside the prompt of {n} tokens")
         spans = sorted(self.affixes, key=lambda a: a.start)

@@ -190,8 +190,11 @@ class RequestState:
 
     @property
     def refresh_fed_count(self) -> int:
-        """The recompute set's columns a refresh of the current block feeds: the far masks a ``far_mask_window``
-        leaves out are not among them."""
+        """The columns a refresh of the current block feeds: the recompute set's, but for the far masks a
+        ``far_mask_window`` leaves out; a state-cache family's, the step span."""
+        if self.state_cache:
+            first, last = self.step_span()
+            return last - first
         return int((self.recompute & ~self.far_columns()).sum())
 
     # -- the step rules ---------------------------------------------------------------------------

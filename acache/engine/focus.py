@@ -53,9 +53,9 @@ def attention_received(model: DiffusionLM, layer: int, queries: torch.Tensor, ke
 def focus_tokens(importance: torch.Tensor, masked: torch.Tensor, ratios: torch.Tensor,
                  least: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, F]`` bool: per row, the ``max(1, least, ceil(ratio x masked))`` masked tokens of highest importance
-    (``least``: what the row's commit rule commits this step at the fewest, a quota rule's quota). ``ratios`` are
-    read in float64, a hair under their product, as anchor counts are (``anchor_count``): in float32 0.6 x 25 is
-    15.0000006, one token too many."""
+    (``least``: what the row's commit rule commits this step at the fewest, a quota rule's quota). ``ratios`` must
+    be float64 (the runner builds them so), and the product is taken a hair under, as anchor counts are
+    (``anchor_count``): a float32 0.6 times 25 is 15.0000006, one token too many."""
     count = torch.ceil(ratios.double() * masked.sum(-1) * (1 - 1e-12)).long().clamp_min(1)
     if least is not None:
         count = torch.maximum(count, least)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from acache.affix.bicache import BiCacheProfile
-from acache.affix.prompt import AffixPrompt
+from acache.affix.prompt import AffixPrompt, as_token_ids
 from acache.affix.store import AffixStore
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
@@ -164,7 +164,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt, AffixPrompt):
-            ids = tuple(int(t) for t in prompt)
+            ids = as_token_ids(prompt, "prompt token id")
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)

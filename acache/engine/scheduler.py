@@ -290,7 +290,7 @@ class Scheduler:
     def _output(self, req: Request, status: Status, finished: bool = True, error: str | None = None) -> EngineOutput:
         state = req.state
         ids, stop_token = ([], None) if error else state.output(finished_blocks_only=not finished)
-        anchors = state.positions[state.anchors].tolist() if finished else []
+        anchors = state.positions[state.anchors].tolist()  # a partial output's too: a stream cut by a stop string
         refreshes = len(req.stats.refresh_times_s)
         per_refresh = round(req.stats.refreshed_tokens / refreshes) if refreshes else state.recompute_count
         return EngineOutput(req.request_id, ids, status, anchors, req.affix_tokens, per_refresh,

@@ -92,6 +92,8 @@ class StepKeyCache:
         key = (batch, tuple(id(s) for s in sets), room)
         held = self._stacks.get(batch)
         if held is None or held[0] != key:
+            # a request steps in one batch: a stack it had in another is out of date, and freed before this one
+            self._stacks = {b: h for b, h in self._stacks.items() if not set(b) & set(batch)}
             held = self._stacks[batch] = key, StackedKV(sets, device, room)
         self._used.add(batch)
         return held[1]

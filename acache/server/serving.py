@@ -167,13 +167,15 @@ class OpenAIServing:
         reused = out.affix_tokens if out is not None else 0
         anchors = len(out.anchors) if out is not None else 0
         cached = out.cached_tokens if out is not None else 0
+        reuse = params.affix_reuse(bool(prompt.affixes))[0]  # a registered affix with selector 'off' is not reused
         report = {"decision": (plan.decision.value if plan is not None else
-                               Decision.REUSE.value if prompt.affixes else "none"),
-                  "reason": plan.reason if plan is not None else ("a registered affix" if prompt.affixes else
-                                                                  "no span of this prompt was seen before"),
+                               Decision.REUSE.value if reuse else "none"),
+                  "reason": plan.reason if plan is not None else (
+                      "a registered affix" if reuse else "selector 'off': the affix computed with the request"
+                      if prompt.affixes else "no span of this prompt was seen before"),
                   "reused_tokens": reused, "anchor_tokens": anchors,
-                  "selector": params.selector if prompt.affixes else None,
-                  "anchor_ratio": params.anchor_ratio if prompt.affixes else None,
+                  "selector": params.selector if reuse else None,
+                  "anchor_ratio": params.anchor_ratio if reuse else None,
                   "spans": [{"tokens": a.length, "kind": "registered" if registered_key is not None and i == 0
                              else "automatic"} for i, a in enumerate(prompt.affixes)]}
         if plan is not None:

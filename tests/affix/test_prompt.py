@@ -139,5 +139,20 @@ def test_token_ids_of_any_integer_type_are_taken_and_others_named(llada_dir):
                          ([[[*ids[:2], True], GEN]], "True is a bool"), ([[86.9, 0]], "86.9 is not an integer")]:
         with pytest.raises(ValueError, match=message):
             llm.generate(bad, params, use_tqdm=False)
-    with pytest.raises(ValueError, match="generation region index must be an integer, got 3.5"):
+    with pytest.raises(ValueError, match="generation region index 3.5 is not an integer"):
         AffixPrompt((1, 2, 3), 3.5)
+    assert AffixPrompt((1, 2, 3), np.int64(2)).gen_at == 2 and type(AffixPrompt((1, 2, 3), np.int64(2)).gen_at) is int
+    assert AffixPrompt.from_spans(np.array([1, 2, 3]), np.int64(2)).gen_at == 2
+    # a tensor's items as a list are one prompt, as the tensor is; a bool tensor is no token id
+    out = llm.generate(list(torch.tensor(ids)), params, use_tqdm=False)
+    assert len(out) == 1 and out[0].token_ids == want.token_ids
+    with pytest.raises(ValueError, match="is a bool"):
+        llm.generate([[torch.tensor(True), *ids]], params, use_tqdm=False)
+    # the engine's and the reference path's own entries name them too (they truncated 5.9 and parsed "7")
+    from acache.reference import reference_generate
+
+    for bad in ([5.9, 7], [True, 7], ["7", 5]):
+        with pytest.raises(ValueError, match="is not an integer|is a bool"):
+            llm.engine.add_request(bad, params)
+        with pytest.raises(ValueError, match="is not an integer|is a bool"):
+            reference_generate(llm.model, bad, params)

@@ -513,3 +513,21 @@ def test_refreshed_tokens_count_the_columns_refreshes_fed(llada_model):
     assert len(set(counts[0])) > 1 and len(set(counts[1])) == 1  # the window grows; without one, each the same
     assert [o.recomputed_per_refresh for o in outs] == [round(sum(c) / len(c)) for c in counts]
     assert engine.metrics.refreshed_tokens == sum(map(sum, counts))
+
+
+def test_a_streamed_partial_output_carries_the_anchors_once_fixed(llada_model):
+    """A stream cut early by a stop string reports the partial output's usage: its anchors were left empty until the
+    request finished (0 anchor tokens in the usage of a stream that had 3)."""
+    prompt = layouts(seed=2)["infix"]
+    params = SamplingParams(gen_length=16, block_length=4, threshold=0.5, selector="attention", anchor_ratio=0.5,
+                            ignore_eos=True)
+    engine = LLMEngine(llada_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24))
+    rid = engine.add_request(prompt, params, stream=True)
+    partial, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+            elif out.request_id == rid:
+                partial.append(out)
+    assert len(partial) == 3 and final.anchors and all(p.anchors == final.anchors for p in partial)

@@ -126,7 +126,7 @@ def test_focus_is_refused_where_it_cannot_hold(dream_dir):
                                                  (0.01, 5, 1), (1.0, 7, 7)])
 def test_focus_keeps_the_ceiling_of_ratio_times_masked_exactly(ratio, masked, want):
     """The count is ceil(ratio x masked) as anchor counts are: in float32 0.6 x 25 is 15.0000006, and 16 were kept
-    (the engine builds the ratios in float64; a float32 tensor of them gives the same count)."""
+    (the engine builds the ratios in float64, as focus_tokens needs them)."""
     from acache.engine.focus import focus_tokens
 
     importance = torch.arange(masked, dtype=torch.float32).flip(0)[None]

@@ -209,3 +209,26 @@ def test_an_empty_prompt_decodes_on_the_engine_as_on_the_reference(model):
     params = [SamplingParams(**MIXED[0]), SamplingParams(**MIXED[3])]
     outs = run_engine(model, prompts, params, [0, 1])
     assert tokens(outs) == reference(model, prompts, params)
+
+
+def test_refreshed_tokens_count_the_step_spans_refreshes_fed(model):
+    """A state-cache family's refresh feeds the attention blocks its step touches, not the canvas its recompute set
+    spans: the counts said the whole canvas (160 where 32 were fed)."""
+    prompts = random_prompts([8, 5], vocab=290, seed=9)
+    params = [SamplingParams(gen_length=32, block_length=8, ignore_eos=True),
+              SamplingParams(gen_length=16, block_length=4, threshold=0.3, ignore_eos=True)]
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    fed: dict[str, list[int]] = {}
+    forward = engine.runner._forward
+
+    def spy(batch, *args):
+        if batch.refresh:
+            for req, plan in zip(batch.requests, batch.plans, strict=True):
+                fed.setdefault(req.request_id, []).append(len(plan.fed))
+        return forward(batch, *args)
+
+    engine.runner._forward = spy
+    outs = run_engine(model, prompts, params, [0, 1], engine=engine)
+    counts = [fed[o.request_id] for o in outs]
+    assert [o.recomputed_per_refresh for o in outs] == [round(sum(c) / len(c)) for c in counts]
+    assert engine.metrics.refreshed_tokens == sum(map(sum, counts)) < sum(len(p) + 32 for p in prompts)

@@ -133,3 +133,19 @@ def test_two_in_block_batches_of_one_step_each_keep_their_stack(llada_model, mon
     alone = [run([0]), run([1])]
     assert together == alone[0][0] + alone[1][0] == 9
     assert tokens == [alone[0][1][0], alone[1][1][0]] and cache._stacks == {} and cache.entries == {}
+
+
+def test_a_request_joining_a_batch_frees_its_old_stack_first(llada_model):
+    """A request that stepped alone and now steps with another: its old stack was kept one more step beside the
+    new one, three copies of its keys where two are needed."""
+    cfg = llada_model.config
+    pool = PagePool(cfg, 8, 4, torch.float32, torch.device("cpu"))
+    cache = StepKeyCache(pool, cfg.head_dim, cfg.rope_theta)
+    a = cache.get("a", 1, torch.tensor([3, 0]), torch.arange(2))
+    b = cache.get("b", 1, torch.tensor([5]), torch.arange(1))
+    other = cache.get("c", 1, torch.tensor([6]), torch.arange(1))
+    cache.stacked(["a"], [a], 4, torch.device("cpu"))
+    cache.stacked(["c"], [other], 4, torch.device("cpu"))
+    cache.keep_only({"a", "b", "c"})
+    cache.stacked(["a", "b"], [a, b], 4, torch.device("cpu"))
+    assert set(cache._stacks) == {("a", "b"), ("c",)}

@@ -153,6 +153,19 @@ def test_registered_affix(client, server):
                                        stream_options={"include_usage": True}, extra_body={"affix": affix_id})
     last = [chunk for chunk in stream][-1]
     assert last.usage.model_extra["affix_reuse"]["reused_tokens"] == tokens
+    off = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8,
+                                    extra_body={"affix": affix_id, "selector": "off"}).usage.model_extra["affix_reuse"]
+    assert (off["decision"], off["reused_tokens"], off["selector"], off["anchor_ratio"]) == ("none", 0, None, None)
+    assert "selector 'off'" in off["reason"]
+    # a stream cut by a stop string in its first block reports the anchors of its partial output
+    fields = {"affix": affix_id, "anchor_ratio": 0.2, "block_length": 2, "ignore_eos": True}
+    whole = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, extra_body=fields)
+    first = whole.choices[0].text[:1]
+    assert first and whole.choices[0].finish_reason == "length"
+    cut = list(client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, stream=True,
+                                         stop=[first], stream_options={"include_usage": True}, extra_body=fields))
+    assert cut[-2].choices[0].finish_reason == "stop" and cut[-1].usage.completion_tokens < 8
+    assert cut[-1].usage.model_extra["affix_reuse"]["anchor_tokens"] == report["anchor_tokens"]
     plain = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8)
     assert "affix_reuse" not in (plain.usage.model_extra or {}) and plain.usage.prompt_tokens_details is None
 
