@@ -67,7 +67,13 @@ class AffixStore(AffixCache[AffixEntry]):
         return self.storage.used
 
     def ensure_hidden(self, entry: AffixEntry) -> AffixEntry:
-        """Adds the affix-alone hidden states (BiCache needs them) to an entry made without them."""
+        """Adds the affix-alone hidden states (BiCache needs them) to an entry made without them. A store under a
+        byte budget that was built without them (``keep_hidden=False``) does not count them, so it refuses rather
+        than grow past its budget."""
+        if entry.hidden is None and self.max_bytes is not None and not entry.transient \
+                and not self.keep_hidden:
+            raise ValueError("BiCache needs the affixes' hidden states, which this store's byte budget does not "
+                             "count: build it with keep_hidden=True")
         if entry.hidden is None:
             entry.hidden = compute_affix(self.model, entry.token_ids, entry.name, True, self.key_fn).hidden
         return entry

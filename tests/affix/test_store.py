@@ -66,3 +66,18 @@ def test_affix_longer_than_context_and_empty(model):
         store.compute([1] * 600, name="book")
     with pytest.raises(ValueError, match="empty"):
         store.compute([])
+
+
+def test_a_budgeted_store_without_hidden_states_refuses_to_grow_them(llada_model):
+    """BiCache adds the affix-alone hidden states to an entry; a budgeted store built without them does not count
+    them, so it went past its budget (133,120 bytes in 81,920). It refuses by name; one that keeps them, or has no
+    budget, gives them."""
+    ids = list(range(3, 23))
+    lean = AffixStore(llada_model, max_bytes=AffixStore(llada_model).storage.cost(20))
+    entry, _ = lean.acquire(ids)
+    with pytest.raises(ValueError, match="build it with keep_hidden=True"):
+        lean.ensure_hidden(entry)
+    assert entry.hidden is None and lean.nbytes <= lean.max_bytes
+    for store in (AffixStore(llada_model), AffixStore(llada_model, max_bytes=1 << 30, keep_hidden=True)):
+        got, _ = store.acquire(ids)
+        assert store.ensure_hidden(got).hidden is not None and store.nbytes <= (store.max_bytes or store.nbytes)
