@@ -126,7 +126,8 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, isolation=args.isolation, neighbours=args.neighbours,
                         neighbour_layer=args.neighbour_layer, neighbour_span=args.neighbour_span,
                         neighbour_rank=None if args.neighbour_rank == 0 else args.neighbour_rank,
-                        neighbour_pairs=args.neighbour_pairs, teacher=args.teacher, eval_data=args.eval_data,
+                        neighbour_pairs=args.neighbour_pairs, teacher=args.teacher, answer_room=args.answer_room,
+                        answer_room_share=args.answer_room_share, eval_data=args.eval_data,
                         eval_every=args.eval_every, merge=args.merge,
                         device=args.device, dtype=args.dtype, bf16=args.bf16,
                         time_limit_minutes=args.time_limit_minutes, seed=args.seed)
@@ -365,6 +366,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weight of the teacher term on the rows attending in context: KL(checkpoint || adapted "
                         "model) at their masked answer tokens, the checkpoint's predictions taken with the adapters "
                         "off; 0: off")
+    p.add_argument("--answer-room", type=int, default=0,
+                   help="up to this many more EOS columns after a drawn row's answer, so that the model learns to end "
+                        "an answer in a max_tokens longer than it (docs/accuracy.md, 'Answers given room'); 0: off")
+    p.add_argument("--answer-room-share", type=float, default=0.5, help="share of draws given --answer-room")
     p.add_argument("--eval-data", default=None,
                    help="held-out JSONL in --data's format, each answer read in one shot with its affix computed "
                         "alone and in context, before training, every --eval-every steps and at the end")

@@ -51,6 +51,7 @@ from acache_lab.train.trainer import (
     one_shot_answers,
     teacher_record,
     training_logits,
+    with_room,
     writable_out,
     write_affix_training,
 )
@@ -105,6 +106,12 @@ class LoraConfig:
     #: distributions at their masked answer tokens, the checkpoint's own predictions taken with the adapters off
     #: (:func:`~acache_lab.train.trainer.teacher_divergence`). 0: off
     teacher: float = 0.0
+    #: up to this many more EOS columns after a drawn row's answer (and its EOS), on ``answer_room_share`` of the
+    #: draws (each 1..answer_room, within the context): a served request's max_tokens is rarely its answer's length,
+    #: and a model that only saw each answer's own length does not learn to end one in more room (the tiny recipes'
+    #: ``answer_room``, docs/accuracy.md "Answers given room"). 0: off
+    answer_room: int = 0
+    answer_room_share: float = 0.5
     #: held-out records in the data's format, read before training, every ``eval_every`` steps and at the end: each
     #: answer in one shot with its affix computed alone (as direct reuse serves it) and in context, so that the log
     #: (``probe`` in finetune_log.json) shows whether reuse catches up with context and context holds. None: none
@@ -150,6 +157,11 @@ class LoraConfig:
         for name in ("neighbour_span", "neighbour_pairs"):
             if not is_whole(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a positive whole number, not {getattr(self, name)!r}")
+        if not is_whole(self.answer_room, 0):
+            raise ValueError(f"answer_room is a number of extra answer columns >= 0, not {self.answer_room!r}")
+        if not is_weight(self.answer_room_share) or not 0 < self.answer_room_share <= 1:
+            raise ValueError(f"answer_room_share is the share of draws given room, in (0, 1], not "
+                             f"{self.answer_room_share!r}")
         if self.neighbour_rank is not None and not is_whole(self.neighbour_rank, 1):
             raise ValueError(f"neighbour_rank must be a positive whole number or None, not {self.neighbour_rank!r}")
 
@@ -318,7 +330,11 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
             break
         for group in opt.param_groups:
             group["lr"] = config.lr_at(step)
-        batch = collate_rows(rng.choices(rows, k=config.batch_size), pad).to(device)
+        drawn = rng.choices(rows, k=config.batch_size)
+        if config.answer_room:
+            drawn = [with_room(r, rng.randint(1, config.answer_room), stop_id, context)
+                     if rng.random() < config.answer_room_share else r for r in drawn]
+        batch = collate_rows(drawn, pad).to(device)
         isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
         batch, attention = batch.reused(isolated, model.shifted_logits)
         neighbours = taught = None

@@ -500,12 +500,8 @@ class Batcher:
         if self.config.answer_room_layouts is not None and layout not in self.config.answer_room_layouts:
             room = 0
         r = render(example, layout, self.encode, self.eos)
-        answer = r.answer
-        if room:
-            fits = self.config.model.max_seq_len - len(r.prompt.token_ids) - len(r.answer)
-            answer = answer + (self.eos,) * max(0, min(room, fits))
-        row = answer_row(r.prompt, answer)._replace(room=len(answer) - len(r.answer))
         limit = self.config.model.max_seq_len
+        row = with_room(answer_row(r.prompt, r.answer), room, self.eos, limit)
         if len(row.ids) > limit:
             raise ValueError(f"a {example.task} example in the {layout} layout takes {len(row.ids)} tokens, more than "
                              f"the model's max_seq_len of {limit}: lower the config's sentences or raise max_seq_len")
@@ -560,6 +556,17 @@ def answer_row(prompt: AffixPrompt, answer: Sequence[int]) -> Row:
     g, n = prompt.gen_at, len(answer)
     spans = tuple((a.start + n * (a.start >= g), a.end + n * (a.start >= g)) for a in prompt.affixes)
     return Row(ids[:g] + list(answer) + ids[g:], g, n, spans)
+
+
+def with_room(row: Row, room: int, eos: int, limit: int) -> Row:
+    """``row`` with up to ``room`` more EOS columns after its answer region, as many as ``limit`` tokens leave (what
+    follows the region, a suffix affix, moves past them): a served request's max_tokens is rarely its answer's
+    length, and a model that only saw its own region does not learn to end an answer in more room."""
+    extra = max(0, min(room, limit - len(row.ids)))
+    end = row.answer_at + row.answer_len
+    spans = tuple((a + extra * (a >= end), b + extra * (a >= end)) for a, b in row.spans)
+    return row._replace(ids=row.ids[:end] + [eos] * extra + row.ids[end:], answer_len=row.answer_len + extra,
+                        spans=spans, room=row.room + extra)
 
 
 def collate_rows(rows: Sequence[Row], pad: int) -> Batch:

@@ -323,6 +323,39 @@ def test_the_command_line_takes_the_teacher_term(llada_dir, tmp_path, capsys):
 
 
 @needs_peft
+def test_answer_room_gives_drawn_rows_eos_columns_after_their_answer(llada_dir, tmp_path, monkeypatch, capsys):
+    """The LoRA rows had no room: each answer ended in its one EOS, where a served max_tokens gives more. With
+    answer_room, a share of the draws get 1..answer_room more EOS columns in their answer region (a suffix affix
+    moved past them), the rest as they were; the command line takes it."""
+    import acache_lab.train.lora as lora
+    from acache.cli import main
+
+    drawn = []
+    collate = lora.collate_rows
+    monkeypatch.setattr(lora, "collate_rows", lambda rows, pad: (drawn.extend(rows), collate(rows, pad))[1])
+    cfg = config(llada_dir, tmp_path, steps=6, answer_room=5, answer_room_share=0.5)
+    train_lora(cfg, progress=False)
+    tokenizer = Tokenizer.from_dir(llada_dir)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else read_config(llada_dir)[1].eos_token_id
+    rows = {tuple(r.ids): r for r in load_finetune_data(cfg.data, tokenizer, eos, 512)[0]}
+    roomy = [r for r in drawn if r.room]
+    assert 0 < len(roomy) < len(drawn) and all(tuple(r.ids) in rows for r in drawn if not r.room)
+    for r in roomy:
+        end = r.answer_at + r.answer_len
+        plain = rows[tuple(r.ids[:end - r.room] + r.ids[end:])]
+        assert 1 <= r.room <= 5 and r.ids[end - r.room:end] == [eos] * r.room
+        assert r.answer_len == plain.answer_len + r.room
+        assert r.spans == tuple((a + r.room * (a >= end - r.room), b + r.room * (a >= end - r.room))
+                                for a, b in plain.spans)
+    assert any(a >= r.answer_at for r in roomy for a, _ in r.spans)  # a suffix affix moved past the room
+    common = ["finetune-affix", "--model", str(llada_dir), "--data", cfg.data, "--steps", "2", "--batch-size", "2",
+              "--rank", "2", "--device", "cpu", "--out", str(tmp_path / "cli")]
+    assert main([*common, "--answer-room", "3", "--answer-room-share", "1"]) == 0
+    logged = json.loads((tmp_path / "cli" / "finetune_log.json").read_text())["config"]
+    assert (logged["answer_room"], logged["answer_room_share"]) == (3, 1)
+
+
+@needs_peft
 def test_the_time_limit_stops_the_run(llada_dir, tmp_path, monkeypatch):
     import acache_lab.train.lora as lora
 
@@ -420,6 +453,11 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"teacher": 1.0, "isolation": 1.0}, "teacher holds the rows attending in context .* with isolation 1 there"),
     ({"eval_every": 0}, "eval_every is a positive number of steps, not 0"),
     ({"eval_every": 2.5}, "eval_every is a positive number of steps, not 2.5"),
+    ({"answer_room": -1}, "answer_room is a number of extra answer columns >= 0"),
+    ({"answer_room": 1.5}, "answer_room is a number of extra answer columns >= 0"),
+    ({"answer_room": True}, "answer_room is a number of extra answer columns >= 0"),
+    ({"answer_room_share": 0.0}, r"answer_room_share is the share of draws given room, in \(0, 1\]"),
+    ({"answer_room_share": 1.5}, r"answer_room_share is the share of draws given room"),
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
