@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where newer checkpoints keep the template, beside the config
 
 
 def token_text(value: Any) -> str | None:
@@ -58,6 +60,12 @@ class Tokenizer:
             raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
         if not isinstance(config, dict):
             raise ValueError(f"{config_file} holds a {type(config).__name__}, not an object of settings")
+        template_file = root / CHAT_TEMPLATE_FILE
+        if template_file.is_file():  # as transformers reads it: the file's template over the config's
+            try:
+                config = {**config, "chat_template": template_file.read_text()}
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{template_file} is not UTF-8 text: {exc}") from None
         return cls(tok, config)
 
     @property
@@ -162,12 +170,17 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Renders messages through the checkpoint's Jinja chat template, in a sandbox."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+            raise ValueError(f"this tokenizer has no chat template ({TOKENIZER_CONFIG_FILE}'s chat_template or "
+                             f"{CHAT_TEMPLATE_FILE})")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat message {i} must be a dict with 'role' and 'content'")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # what Hugging Face's templates may use: {% break %} / {% continue %}, strftime_now, an unescaped tojson
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -76,3 +76,26 @@ def test_offsets_are_linear_in_the_tokens(word_level):
     assert tok.decoded < 12 * len(ids)
     words = text.split(" ")
     assert starts[:3] == [0, len(words[0]) + 1, len(words[0]) + len(words[1]) + 2]
+
+
+def test_a_chat_template_in_its_own_file_with_hugging_faces_extensions(tmp_path):
+    """Newer checkpoints keep the template in chat_template.jinja (it was never read: 'no chat_template'), and
+    templates use {% break %}, strftime_now and a tojson that leaves '<' and non-ASCII text as they are (each failed
+    to render, or rendered otherwise than transformers renders it)."""
+    import datetime
+    import json
+
+    root = make_random_checkpoint("llada", tmp_path / "ckpt")
+    (root / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}|{% endfor %}{{ {'k': '<é>'} | tojson }} {{ strftime_now('%Y') }}")
+    tok = Tokenizer.from_dir(root)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "stop", "content": "x"},
+                                        {"role": "user", "content": "never"}])
+    assert rendered == f"user: hi|{json.dumps({'k': '<é>'}, ensure_ascii=False)} {datetime.date.today().year}"
+    bare = make_random_checkpoint("llada", tmp_path / "bare")
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no chat template .*chat_template.jinja"):
+        Tokenizer.from_dir(bare).apply_chat_template([{"role": "user", "content": "hi"}])
