@@ -142,6 +142,9 @@ class SamplingParams:
                 not isinstance(self.refresh_interval, int) or isinstance(self.refresh_interval, bool)
                 or self.refresh_interval <= 0):
             raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
+        if self.refresh_interval is not None and self.cache == "none":
+            raise ValueError("refresh_interval refreshes a cache: with cache='none' there is none to refresh (every "
+                             "step recomputes everything)")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):

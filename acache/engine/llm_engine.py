@@ -170,6 +170,9 @@ class LLMEngine:
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
             check_state_request(self.model.family, prompt, params)
+        if params.focus_layers is not None and params.focus_layers >= len(self.model.layers):
+            raise ValueError(f"focus_layers ({params.focus_layers}) focuses the layers after it: it must be below "
+                             f"the model's {len(self.model.layers)} layers")
         if params.focus_layers is not None and self.model.shifted_logits:
             raise ValueError(f"focus_layers is not supported for {self.model.family} yet: a shifted-logit model "
                              "predicts a token from the column before it, which FOCUS may have left out")

@@ -122,6 +122,15 @@ def test_focus_is_refused_where_it_cannot_hold(dream_dir):
         SamplingParams(focus_layers=1, remasking="factor")
 
 
+def test_focus_past_the_models_layers_is_refused(llada_model):
+    """focus_layers at or past the model's depth focused nothing and said nothing."""
+    engine = LLMEngine(llada_model, EngineConfig(kv_cache_memory=1 << 22))
+    layers = len(llada_model.layers)
+    for focus in (layers, 100):
+        with pytest.raises(ValueError, match=f"focus_layers \\({focus}\\) .* below the model's {layers} layers"):
+            engine.add_request([1, 2, 3], SamplingParams(gen_length=8, block_length=8, focus_layers=focus))
+
+
 @pytest.mark.parametrize("ratio, masked, want", [(0.6, 25, 15), (0.3, 50, 15), (0.54, 50, 27), (0.25, 32, 8),
                                                  (0.01, 5, 1), (1.0, 7, 7)])
 def test_focus_keeps_the_ceiling_of_ratio_times_masked_exactly(ratio, masked, want):
