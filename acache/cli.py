@@ -263,6 +263,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cache_dir = Path(args.affix_cache_dir) if args.affix_cache_dir else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
+    _port_free(args.host, args.port)  # before the weights load, which may take minutes
     if args.replicas is not None or args.ray_address is not None:
         if args.tensor_parallel_size > 1:
             raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a cluster's replicas "
@@ -289,6 +290,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         app.state.close()  # done already unless a forced quit (a second Ctrl-C) made uvicorn skip the app's end
     return 0
+
+
+def _port_free(host: str, port: int) -> None:
+    """Raises a ValueError naming the address when the server could not listen there (in use, or not this host's),
+    found before any work instead of after the model loaded and the banner said it was serving."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror} (another server there? pick --port)") \
+                from None
 
 
 def serve_until_signalled(app, args: argparse.Namespace) -> None:

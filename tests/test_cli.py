@@ -452,3 +452,20 @@ def test_generate_chat_with_an_affix_reuses_it_as_the_system_prompt(llada_dir, c
     assert [r["affix"]["misses"] for r in records] == [1, 0] and records[0]["affix"]["selector"] == "attention"
     assert main([*args, "--layout", "suffix"]) == 2
     assert "--layout 'suffix' and --answer-prompt do not apply" in capsys.readouterr().err
+
+
+def test_serve_on_a_port_in_use_is_named_before_the_model_loads(llada_dir, capsys, monkeypatch):
+    """The banner said 'serving ... on' and the model loaded before uvicorn found the port taken (exit 3, a
+    traceback of its own): the address is now checked first."""
+    import socket
+
+    import acache
+
+    monkeypatch.setattr(acache, "LLM", lambda *a, **k: pytest.fail("the model loaded before the port was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(llada_dir), "--host", "127.0.0.1", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot serve on 127.0.0.1:{port}" in captured.err and "serving" not in captured.out
