@@ -32,13 +32,19 @@ def mixed_requests(n, params, seed=0):
 @pytest.mark.parametrize("selector", ["attention", "none", "all", "random"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_engine_matches_single_request_path(family_model, selector, batch):
-    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.3)
-    requests = mixed_requests(16, params)
+    """Sixteen requests of every layout, at three shapes of two blocks each, three ratios and two thresholds,
+    arriving over the first steps: each as the reference path decodes it alone."""
+    shapes = [dict(gen_length=16, block_length=8), dict(gen_length=8, block_length=4),
+              dict(gen_length=32, block_length=16)]
+    params = [SamplingParams(**shapes[i % 3], threshold=(0.5, 0.7)[i % 2], selector=selector,
+                             anchor_ratio=(0.3, 0.5, 0.1)[i % 3], ignore_eos=True) for i in range(16)]
+    requests = [(prompt, p, None) for (prompt, _, _), p in zip(mixed_requests(16, params[0]), params, strict=True)]
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, max_num_seqs=batch))
-    outs = run_all(engine, requests)
+    outs = run_engine(family_model, [r[0] for r in requests], params, arrivals=[i // 3 for i in range(16)],
+                      engine=engine)
     store = AffixStore(family_model)
-    for (prompt, _, _), out in zip(requests, outs, strict=True):
-        ref = reference_generate(family_model, prompt, params, store)
+    for (prompt, sp, _), out in zip(requests, outs, strict=True):
+        ref = reference_generate(family_model, prompt, sp, store)
         assert out.token_ids == ref.token_ids
         assert out.anchors == ref.anchors
         assert (out.nfe, out.refreshes) == (ref.nfe, ref.refreshes)

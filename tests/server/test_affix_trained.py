@@ -59,6 +59,11 @@ def test_a_trained_model_is_served_by_direct_reuse_by_default(trained_dir):
     with_anchors = llm.generate(prompt, SamplingParams(**params, selector="attention"), use_tqdm=False)[0]
     assert default["choices"][0]["token_ids"] == direct.token_ids
     assert anchored["choices"][0]["token_ids"] == with_anchors.token_ids  # anchors still on request
+    # the tokens of the two can agree on a prompt: the completions' own usage says which way each was served
+    served = default["usage"]["affix_reuse"]
+    assert served["selector"] == "none" and served["anchor_tokens"] == 0
+    assert anchored["usage"]["affix_reuse"]["selector"] == "attention"
+    assert anchored["usage"]["affix_reuse"]["anchor_tokens"] > 0
     assert chat["usage"]["affix_reuse"]["selector"] == "none" and chat["usage"]["affix_reuse"]["anchor_tokens"] == 0
 
 

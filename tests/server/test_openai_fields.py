@@ -47,11 +47,20 @@ CHAT_REFUSED = [("top_logprobs", 2, "needs logprobs=true"), ("top_logprobs", 21,
                 ("reasoning_effort", "high", "no reasoning mode")]
 
 
+def answer_without(client, path: str, body: dict) -> list[int]:
+    status, out = post(client, path, body)
+    assert status == 200, out
+    return out["choices"][0]["token_ids"]
+
+
 @pytest.mark.parametrize("field, value", NEUTRAL_OK, ids=lambda v: str(v))
 def test_completion_fields_at_their_neutral_value(setup, field, value):
+    """Accepted, and changing nothing: the answer is the one without the field."""
     client, _ = setup
-    status, body = post(client, "/v1/completions", {"prompt": Q, "max_tokens": 2, field: value})
-    assert status == 200, body
+    body = {"prompt": f"story : {STORY} question : {Q} answer :", "max_tokens": 2}
+    status, out = post(client, "/v1/completions", {**body, field: value})
+    assert status == 200, out
+    assert out["choices"][0]["token_ids"] == answer_without(client, "/v1/completions", body)
 
 
 @pytest.mark.parametrize("field, value, why", REFUSED, ids=lambda v: str(v))
@@ -64,11 +73,13 @@ def test_completion_fields_a_diffusion_model_cannot_honour(setup, field, value, 
 @pytest.mark.parametrize("field, value", CHAT_NEUTRAL_OK, ids=lambda v: str(v))
 def test_chat_fields_at_their_neutral_value(setup, field, value):
     client, _ = setup
-    body = {"messages": [{"role": "user", "content": Q}], field: value}
-    if field != "max_completion_tokens":
-        body["max_tokens"] = 2
+    plain = {"messages": [{"role": "user", "content": f"story : {STORY} question : {Q}"}], "max_tokens": 2}
+    body = {**plain, field: value}
+    if field == "max_completion_tokens":
+        del body["max_tokens"]
     status, out = post(client, "/v1/chat/completions", body)
     assert status == 200, out
+    assert out["choices"][0]["token_ids"] == answer_without(client, "/v1/chat/completions", plain)
 
 
 @pytest.mark.parametrize("case", CHAT_REFUSED, ids=lambda c: c[0])
@@ -99,8 +110,10 @@ def test_fields_with_an_effect(setup):
     status, out = post(client, "/v1/completions", {"prompt": story, "max_tokens": 2, "echo": True})
     assert status == 200 and out["choices"][0]["text"] == story + want.text
     ids = llm.tokenizer.encode(story)
-    status, out = post(client, "/v1/completions", {"prompt": [ids, ids[:-3] + ids[-3:]], "max_tokens": 2})
-    assert status == 200 and [c["token_ids"] for c in out["choices"]] == [want.token_ids] * 2
+    other = llm.tokenizer.encode(f"story : {STORY} question : where is john ? answer :")
+    status, out = post(client, "/v1/completions", {"prompt": [ids, other], "max_tokens": 2})
+    each = [o.token_ids for o in llm.generate([ids, other], params, use_tqdm=False)]
+    assert status == 200 and [c["token_ids"] for c in out["choices"]] == each and each[0] != each[1]
     # suffix: the text after the generation region (infilling)
     status, out = post(client, "/v1/completions", {"prompt": f"question : {Q} answer :", "suffix": f"story : {STORY}",
                                                    "max_tokens": 2})

@@ -237,18 +237,19 @@ def test_models_tokenize_metrics(client, server, llm):
 
 
 def test_max_tokens_cuts_whole_blocks_and_stop_strings(client, llm):
-    out = client.completions.create(model="llada0", prompt="Count:", max_tokens=10,
-                                    extra_body={"block_length": 8, "threshold": 0.5})
+    fields = {"block_length": 8, "threshold": 0.5, "ignore_eos": True}  # ten tokens whatever the model ends with
+    out = client.completions.create(model="llada0", prompt="Count:", max_tokens=10, extra_body=fields)
     ids = extra(out.choices[0], "token_ids")
-    full = llm.generate("Count:", SamplingParams(gen_length=16, block_length=8, threshold=0.5), use_tqdm=False)[0]
-    assert ids == full.token_ids[:10] and out.usage.completion_tokens == len(ids)
-    if len(full.token_ids) >= 10:
-        assert out.choices[0].finish_reason == "length"
+    full = llm.generate("Count:", SamplingParams(gen_length=16, block_length=8, threshold=0.5, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert ids == full.token_ids[:10] and out.usage.completion_tokens == 10
+    assert out.choices[0].finish_reason == "length"
+    # a stop string at the first character that is text of its own (not a byte-level fragment) and not earlier
     text = llm.tokenizer.decode(full.token_ids[:10])
-    if len(text) > 3:
-        cut = client.completions.create(model="llada0", prompt="Count:", max_tokens=10, stop=[text[2:4]],
-                                        extra_body={"block_length": 8, "threshold": 0.5})
-        assert cut.choices[0].text == text[:text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
+    at = next(i for i, ch in enumerate(text) if i > 0 and ch.isprintable() and ch != "\ufffd" and text.index(ch) == i)
+    cut = client.completions.create(model="llada0", prompt="Count:", max_tokens=10, stop=[text[at]],
+                                    extra_body=fields)
+    assert cut.choices[0].text == text[:at] != "" and cut.choices[0].finish_reason == "stop"
 
 
 def send(port: int, path: str, body: dict) -> tuple[int, str, list[int] | None, str | None]:

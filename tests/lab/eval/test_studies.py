@@ -16,7 +16,16 @@ def task_llm(task_model_dir):
     return LLM(task_model_dir)
 
 
-def test_sweep_cells_and_report(task_llm, tmp_path):
+def test_sweep_cells_and_report(task_llm, tmp_path, monkeypatch):
+    decoded = {}  # (selector, ratio, prompts) -> the tokens the sweep's requests decoded
+    generate = task_llm.generate
+
+    def recording(prompts, params, **kw):
+        outs = generate(prompts, params, **kw)
+        decoded[params.selector, params.anchor_ratio, tuple(p.token_ids for p in prompts)] = [o.token_ids for o in outs]
+        return outs
+
+    monkeypatch.setattr(task_llm, "generate", recording)
     cells = sweep(task_llm, examples=4, tasks=("qa1",), layouts=("prefix", "suffix"),
                   selectors=("attention", "random", "influence"), ratios=(0.0, 0.5), progress=False)
     for layout in ("prefix", "suffix"):
@@ -24,9 +33,14 @@ def test_sweep_cells_and_report(task_llm, tmp_path):
         assert set(mine) == {("full", 0.0), ("none", 0.0), ("all", 1.0), ("attention", 0.0), ("attention", 0.5),
                              ("random", 0.0), ("random", 0.5), ("influence", 0.0), ("influence", 0.5)}
         assert all(c.total == 4 for c in mine.values())
-        # no anchors is direct reuse; every anchor is full recomputation (token-equal, so equal counts)
+        # no anchors is direct reuse; every anchor is full recomputation
         assert mine[("attention", 0.0)].correct == mine[("random", 0.0)].correct == mine[("none", 0.0)].correct
         assert mine[("all", 1.0)].correct == mine[("full", 0.0)].correct
+    # the counts agree trivially where the tiny model answers nothing right: the sweep's requests, token for token
+    requests = {key[2] for key in decoded}
+    assert len(requests) == 2  # the prefix and the suffix layout's
+    for prompts in requests:
+        assert decoded["all", 1.0, prompts] == decoded[None, 0.0, prompts]
     written = write_report(cells, tmp_path / "acc")
     names = {p.name for p in written}
     assert {"accuracy.json", "accuracy.md", "accuracy.png"} <= names
