@@ -15,7 +15,9 @@ def llm(llada_dir):
 
 
 def test_generate_returns_text_ids_and_stats(llm):
-    params = SamplingParams(gen_length=16, block_length=8, threshold=0.5)
+    params = [SamplingParams(gen_length=16, block_length=8, threshold=0.5),
+              SamplingParams(gen_length=8, block_length=4, threshold=0.7),
+              SamplingParams(gen_length=16, block_length=16, remasking="low_confidence", steps=8)]
     outs = llm.generate(["Where is Mary?", "Hi", "A longer prompt than the others"], params, use_tqdm=False)
     assert [o.prompt for o in outs] == ["Where is Mary?", "Hi", "A longer prompt than the others"]
     for out in outs:
@@ -24,8 +26,9 @@ def test_generate_returns_text_ids_and_stats(llm):
         assert out.stats.num_generated_tokens == len(out.token_ids)
         assert out.stats.nfe >= 1 and out.stats.forward_time_s > 0
         assert not set(out.token_ids) & llm.stop_token_ids
-    direct = reference_generate(llm.model, outs[2].prompt_token_ids, params, stop_token_ids=llm.stop_token_ids)
-    assert outs[2].token_ids == direct.token_ids
+    for out, sp in zip(outs, params, strict=True):  # each, the two that shared a batch too, as it decodes alone
+        direct = reference_generate(llm.model, out.prompt_token_ids, sp, stop_token_ids=llm.stop_token_ids)
+        assert out.token_ids == direct.token_ids
     assert outs[0].stats.batch_size == outs[1].stats.batch_size == 2 and outs[2].stats.batch_size <= 2
     assert len({o.request_id for o in outs}) == 3
 

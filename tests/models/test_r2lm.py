@@ -99,7 +99,16 @@ def test_own_layout_checkpoints_round_trip(tmp_path, family):
     model = load_model(root)
     assert model.family == family and model.config.block_size == 4
     assert set(load_file(root / "model.safetensors")) == set(model.hf_tensor_names(model.config))
-    again = load_model(root)
+    # written and read back: every tensor the same (two loads of one file would agree on a wrong write too)
+
+    from acache.models.checkpoint import save_checkpoint
+    from acache.models.tokenizer import Tokenizer
+
+    save_checkpoint(model, tmp_path / "again", Tokenizer.from_dir(root)._tok, json.loads(
+        (root / "tokenizer_config.json").read_text()))
+    again = load_model(tmp_path / "again")
+    assert model.state_dict().keys() == again.state_dict().keys()
+    assert all(torch.equal(t, again.state_dict()[k]) for k, t in model.state_dict().items())
     params = SamplingParams(gen_length=8, block_length=4, threshold=0.4)
     want = reference_generate_state_cache(model, [5, 6, 7], params).token_ids
     assert reference_generate_state_cache(again, [5, 6, 7], params).token_ids == want

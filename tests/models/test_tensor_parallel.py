@@ -91,7 +91,8 @@ def test_serve_with_two_ranks_answers_as_one(tmp_path):
     bodies = [{"prompt": f"{story} question : where is {who} ? answer :", "max_tokens": n}
               for who, n in (("mary", 2), ("john", 4))]
     with TestClient(create_app(LLM(default_model(), kv_cache_memory=1 << 24), "tiny")) as client:
-        want = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+        single = [client.post("/v1/completions", json=b).json()["choices"][0] for b in bodies]
+    want = [c["text"] for c in single]
     proc, port = start_server(["--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB"])
 
     def post(body):
@@ -104,8 +105,9 @@ def test_serve_with_two_ranks_answers_as_one(tmp_path):
             return exc.code, exc.read().decode()
 
     try:
-        got = [json.loads(post(b)[1])["choices"][0]["text"] for b in bodies]
-        assert got == want
+        got = [json.loads(post(b)[1])["choices"][0] for b in bodies]
+        assert [c["token_ids"] for c in got] == [c["token_ids"] for c in single]  # special tokens included
+        assert [c["text"] for c in got] == want
         status, text = post({**bodies[1], "stream": True})
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want[1]
