@@ -39,13 +39,16 @@ def test_full_recompute_matches_dual_cache(family_model, position, how):
 @pytest.mark.parametrize("selector", ["attention", "attention-deviation", "cacheblend", "influence", "random",
                                       "kv-deviation", "query-attention"])
 def test_mixed_batch_matches_each_alone(family_model, selector):
+    """The four layouts at other ratios, lengths and thresholds, together and arriving apart: each as alone."""
     prompts = list(layouts().values())
-    params = SamplingParams(**BASE, selector=selector, anchor_ratio=0.3)
+    params = [SamplingParams(**{**BASE, **shape}, selector=selector, anchor_ratio=ratio)
+              for shape, ratio in ((dict(), 0.3), (dict(gen_length=8, block_length=4), 0.5),
+                                   (dict(threshold=0.8), 0.1), (dict(gen_length=24, block_length=8), 0.3))]
     store = AffixStore(family_model)
     batched = affix_run(family_model, prompts, params, store)
     staggered = affix_run(family_model, prompts, params, store, arrivals=[3, 0, 1, 5])
     for i, p in enumerate(prompts):
-        alone = reference_generate(family_model, p, params, store)
+        alone = reference_generate(family_model, p, params[i], store)
         assert alone.token_ids == batched[i].token_ids == staggered[i].token_ids
         if selector == "kv-deviation" and block_causal(family_model):
             continue  # a prefix affix's whole attention blocks deviate by rounding noise alone: ties, any order

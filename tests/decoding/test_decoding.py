@@ -24,10 +24,14 @@ def alone(model, prompts, params, **kw):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r["remasking"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_cache_refreshed_every_step_matches_no_cache(family_model, cache, rule):
+    """Three requests of other lengths and block sizes, arriving apart: refreshed at every step, each decodes as
+    with no cache."""
     prompts = random_prompts([7, 12, 3], seed=11)
-    base = dict(gen_length=32, block_length=8, **rule)
-    want = run_engine(family_model, prompts, SamplingParams(cache="none", **base))
-    got = run_engine(family_model, prompts, SamplingParams(cache=cache, refresh_interval=1, **base))
+    shapes = [dict(gen_length=32, block_length=8), dict(gen_length=16, block_length=4),
+              dict(gen_length=32, block_length=16)]
+    want = run_engine(family_model, prompts, [SamplingParams(cache="none", **s, **rule) for s in shapes], [0, 2, 1])
+    got = run_engine(family_model, prompts, [SamplingParams(cache=cache, refresh_interval=1, **s, **rule)
+                                             for s in shapes], [1, 0, 3])
     assert tokens(got) == tokens(want)
     assert all(o.refreshes == o.nfe for o in got)
 

@@ -57,11 +57,12 @@ def test_mixed_requests_arriving_apart_decode_as_alone(model, arrivals):
 
 def test_cached_steps_equal_uncached_in_the_engine(model):
     prompts = random_prompts([2, 5, 7, 10], vocab=290, seed=6)
-    for kw in MIXED:
-        if kw.get("cache") == "none":
-            continue
-        cached = run_engine(model, prompts, SamplingParams(**kw))
-        uncached = run_engine(model, prompts, SamplingParams(**{**kw, "cache": "none"}))
+    kinds = [kw for kw in MIXED if kw.get("cache") != "none"]
+    for shift in range(len(kinds)):  # each prompt with another of the mixed settings, arriving apart
+        mixed = [kinds[(shift + i) % len(kinds)] for i in range(len(prompts))]
+        cached = run_engine(model, prompts, [SamplingParams(**kw) for kw in mixed], [0, 2, 1, 4])
+        uncached = run_engine(model, prompts, [SamplingParams(**{**kw, "cache": "none"}) for kw in mixed],
+                              [3, 0, 0, 1])
         assert tokens(cached) == tokens(uncached)
         assert [o.nfe for o in cached] == [o.nfe for o in uncached]
 
