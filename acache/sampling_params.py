@@ -29,7 +29,8 @@ class SamplingParams:
     every masked token whose confidence reaches ``threshold``, at least one a step), ``factor``
     (Fast-dLLM's factor rule) or ``low_confidence`` (LLaDA: ``steps`` split evenly over blocks, a
     fixed quota a step). ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
-    ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts.
+    ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts (with
+    ``none`` every step recomputes everything already, so the same parameters compare the policies).
 
     ``selector`` turns on cross-request affix reuse for prompts that mark affixes: the anchor
     selector (``attention`` is ACache; ``none`` is direct reuse, ``all`` full recompute; baselines
@@ -142,9 +143,6 @@ class SamplingParams:
                 not isinstance(self.refresh_interval, int) or isinstance(self.refresh_interval, bool)
                 or self.refresh_interval <= 0):
             raise ValueError(f"refresh_interval must be a positive integer or None, got {self.refresh_interval!r}")
-        if self.refresh_interval is not None and self.cache == "none":
-            raise ValueError("refresh_interval refreshes a cache: with cache='none' there is none to refresh (every "
-                             "step recomputes everything)")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):

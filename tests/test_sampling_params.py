@@ -20,7 +20,6 @@ from acache import SamplingParams
     (dict(remasking="random"), "remasking must be one of"),
     (dict(factor=0), "factor must be positive"),
     (dict(refresh_interval=0), "refresh_interval must be a positive integer"),
-    (dict(refresh_interval=2, cache="none"), "with cache='none' there is none to refresh"),
     (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(probe_step=True), "probe_step decodes the first step .* needs an anchor selector"),
     (dict(probe_step=True, selector="bicache-matched"), "probe_step .* got 'bicache-matched'"),

@@ -68,8 +68,7 @@ def requests(draw):
         kw["temperature"] = draw(st.floats(0.3, 2.0))
         kw["seed"] = draw(st.integers(0, 1000))
     kw["cache"] = draw(st.sampled_from(["none", "prefix", "dual", "dual"]))
-    if kw["cache"] != "none":  # refused with no cache to refresh
-        kw["refresh_interval"] = draw(st.sampled_from([None, None, 1, 2, 3]))
+    kw["refresh_interval"] = draw(st.sampled_from([None, None, 1, 2, 3]))
     if kw["cache"] == "dual" and draw(st.integers(0, 3)):
         kw["selector"] = draw(st.sampled_from(SELECTOR_CHOICES))
         kw["anchor_ratio"] = draw(st.floats(0.0, 1.0))
