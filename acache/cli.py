@@ -263,7 +263,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cache_dir = Path(args.affix_cache_dir) if args.affix_cache_dir else None
     if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
         raise NotADirectoryError(f"--affix-cache-dir {cache_dir} exists and is not a directory")
-    _port_free(args.host, args.port)  # before the weights load, which may take minutes
     if args.replicas is not None or args.ray_address is not None:
         if args.tensor_parallel_size > 1:
             raise ValueError("--tensor-parallel-size with --replicas is not supported yet: a cluster's replicas "
@@ -272,6 +271,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cache_dir is not None and args.tensor_parallel_size > 1:
         raise ValueError("--affix-cache-dir is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
+    # before the weights load, which may take minutes (one process: a cluster's port is Ray Serve's, and may be
+    # held by its proxy from an earlier run, or on another machine)
+    _port_free(args.host, args.port)
     warm = cache_dir is not None and cache_dir.is_dir()
     llm = LLM(args.model, affix_cache_dir=cache_dir if warm else None, affix_cache_quarantine=True,
               tensor_parallel_size=args.tensor_parallel_size, **_serve_llm_kwargs(args))
@@ -297,18 +299,20 @@ def _port_free(host: str, port: int) -> None:
     found before any work instead of after the model loaded and the banner said it was serving."""
     import socket
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:  # every address the host names, as asyncio's create_server binds them ("" is every interface)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror} (another server there? pick --port)") \
-                from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ValueError(f"cannot serve on {host}:{port}: {exc.strerror} (another server there? pick "
+                                 "--port)") from None
 
 
 def serve_until_signalled(app, args: argparse.Namespace) -> None:

@@ -66,14 +66,19 @@ class AffixStore(AffixCache[AffixEntry]):
     def nbytes(self) -> int:
         return self.storage.used
 
+    def check_hidden_room(self) -> None:
+        """Raises a ValueError where the hidden states BiCache adds would go past the byte budget uncounted: the
+        engine asks when a BiCache request is added, before it could wait in the queue on it."""
+        if self.max_bytes is not None and not self.keep_hidden:
+            raise ValueError("BiCache needs the affixes' hidden states, which this store's byte budget does not "
+                             "count: build it with keep_hidden=True")
+
     def ensure_hidden(self, entry: AffixEntry) -> AffixEntry:
         """Adds the affix-alone hidden states (BiCache needs them) to an entry made without them. A store under a
         byte budget that was built without them (``keep_hidden=False``) does not count them, so it refuses rather
         than grow past its budget."""
-        if entry.hidden is None and self.max_bytes is not None and not entry.transient \
-                and not self.keep_hidden:
-            raise ValueError("BiCache needs the affixes' hidden states, which this store's byte budget does not "
-                             "count: build it with keep_hidden=True")
+        if entry.hidden is None and not entry.transient:
+            self.check_hidden_room()
         if entry.hidden is None:
             entry.hidden = compute_affix(self.model, entry.token_ids, entry.name, True, self.key_fn).hidden
         return entry

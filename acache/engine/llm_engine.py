@@ -170,6 +170,8 @@ class LLMEngine:
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
             check_state_request(self.model.family, prompt, params)
+        if params.affix_reuse(bool(prompt.affixes))[1]:  # BiCache: refused now, not at admission inside a step
+            self.kv.store.check_hidden_room()
         if params.focus_layers is not None and params.focus_layers >= len(self.model.layers):
             raise ValueError(f"focus_layers ({params.focus_layers}) focuses the layers after it: it must be below "
                              f"the model's {len(self.model.layers)} layers")

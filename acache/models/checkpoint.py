@@ -204,7 +204,8 @@ def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hid
 
 #: the files besides the weights and config.json that a checkpoint derived from another takes along: the
 #: tokenizer's, the generation defaults, and the modelling code (``*.py``) its config's ``auto_map`` names
-COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config")
+COPIED_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges", "generation_config",
+                   "chat_template")
 
 
 def derive_from(source: str | Path, out: str | Path) -> None:

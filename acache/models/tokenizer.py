@@ -63,7 +63,7 @@ class Tokenizer:
         template_file = root / CHAT_TEMPLATE_FILE
         if template_file.is_file():  # as transformers reads it: the file's template over the config's
             try:
-                config = {**config, "chat_template": template_file.read_text()}
+                config = {**config, "chat_template": template_file.read_text(encoding="utf-8")}
             except UnicodeDecodeError as exc:
                 raise ValueError(f"{template_file} is not UTF-8 text: {exc}") from None
         return cls(tok, config)
@@ -180,13 +180,19 @@ class Tokenizer:
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # a TypeError: a filter or global called otherwise
             raise ValueError(f"chat template could not be rendered: {exc}") from None
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
+    """Jinja's ``tojson`` as transformers' templates expect it: JSON as written, '<' and non-ASCII text kept."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from acache.models.base import DiffusionLM
 from acache.models.config import affix_training
 from acache.models.loader import CONFIG_FILE, load_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def average_models(paths: Sequence[str | Path], weights: Sequence[float] | None = None,

@@ -106,7 +106,8 @@ class LoraConfig:
     #: distributions at their masked answer tokens, the checkpoint's own predictions taken with the adapters off
     #: (:func:`~acache_lab.train.trainer.teacher_divergence`). 0: off
     teacher: float = 0.0
-    #: up to this many more EOS columns after a drawn row's answer (and its EOS), on ``answer_room_share`` of the
+    #: up to this many more EOS columns (the config's eos_token_id, LLaDA's |EOS| padding) after a drawn row's answer
+    #: (which ends in the tokenizer's stop token), on ``answer_room_share`` of the
     #: draws (each 1..answer_room, within the context): a served request's max_tokens is rarely its answer's length,
     #: and a model that only saw each answer's own length does not learn to end one in more room (the tiny recipes'
     #: ``answer_room``, docs/accuracy.md "Answers given room"). 0: off
@@ -162,6 +163,9 @@ class LoraConfig:
         if not is_weight(self.answer_room_share) or not 0 < self.answer_room_share <= 1:
             raise ValueError(f"answer_room_share is the share of draws given room, in (0, 1], not "
                              f"{self.answer_room_share!r}")
+        if self.teacher > 0 and self.answer_room and self.answer_room_share == 1:
+            raise ValueError("teacher holds the rows without answer room to the checkpoint's predictions: with "
+                             "answer_room_share 1 there are none")
         if self.neighbour_rank is not None and not is_whole(self.neighbour_rank, 1):
             raise ValueError(f"neighbour_rank must be a positive whole number or None, not {self.neighbour_rank!r}")
 
@@ -332,14 +336,15 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
             group["lr"] = config.lr_at(step)
         drawn = rng.choices(rows, k=config.batch_size)
         if config.answer_room:
-            drawn = [with_room(r, rng.randint(1, config.answer_room), stop_id, context)
+            drawn = [with_room(r, rng.randint(1, config.answer_room), model.config.eos_token_id, context)
                      if rng.random() < config.answer_room_share else r for r in drawn]
         batch = collate_rows(drawn, pad).to(device)
         isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
         batch, attention = batch.reused(isolated, model.shifted_logits)
         neighbours = taught = None
         if config.teacher > 0:
-            taught = Teacher(config.teacher, base_predictions, ~isolated)
+            # rows given room aside: the checkpoint never learnt to end an answer in more columns than its own
+            taught = Teacher(config.teacher, base_predictions, ~isolated & (batch.room.cpu() == 0))
         if heads is not None:
             neighbours = Neighbours(config.neighbours, heads, layer,
                                     span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs,

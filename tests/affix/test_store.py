@@ -81,3 +81,16 @@ def test_a_budgeted_store_without_hidden_states_refuses_to_grow_them(llada_model
     for store in (AffixStore(llada_model), AffixStore(llada_model, max_bytes=1 << 30, keep_hidden=True)):
         got, _ = store.acquire(ids)
         assert store.ensure_hidden(got).hidden is not None and store.nbytes <= (store.max_bytes or store.nbytes)
+    # an engine over such a store refuses the BiCache request when it is added, not inside a step, where it sat at
+    # the head of the queue and every step raised on it, the requests behind it stuck
+    from acache.affix.prompt import AffixPrompt
+    from acache.engine import EngineConfig, LLMEngine
+    from acache.sampling_params import SamplingParams
+
+    engine = LLMEngine(llada_model, EngineConfig(kv_cache_memory=1 << 22), affix_source=lean)
+    prompt = AffixPrompt.from_spans([*ids, 40, 41], None, [(0, 20)])
+    with pytest.raises(ValueError, match="build it with keep_hidden=True"):
+        engine.add_request(prompt, SamplingParams(gen_length=4, block_length=4, selector="bicache-matched"))
+    rid = engine.add_request(prompt, SamplingParams(gen_length=4, block_length=4, selector="attention"))
+    done = [o for _ in range(20) for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [rid] and done[0].error is None

@@ -336,8 +336,9 @@ def test_answer_room_gives_drawn_rows_eos_columns_after_their_answer(llada_dir, 
     cfg = config(llada_dir, tmp_path, steps=6, answer_room=5, answer_room_share=0.5)
     train_lora(cfg, progress=False)
     tokenizer = Tokenizer.from_dir(llada_dir)
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else read_config(llada_dir)[1].eos_token_id
-    rows = {tuple(r.ids): r for r in load_finetune_data(cfg.data, tokenizer, eos, 512)[0]}
+    eos = read_config(llada_dir)[1].eos_token_id  # the room's EOS, after each answer's own stop token
+    stop = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos
+    rows = {tuple(r.ids): r for r in load_finetune_data(cfg.data, tokenizer, stop, 512)[0]}
     roomy = [r for r in drawn if r.room]
     assert 0 < len(roomy) < len(drawn) and all(tuple(r.ids) in rows for r in drawn if not r.room)
     for r in roomy:
@@ -348,6 +349,16 @@ def test_answer_room_gives_drawn_rows_eos_columns_after_their_answer(llada_dir, 
         assert r.spans == tuple((a + r.room * (a >= end - r.room), b + r.room * (a >= end - r.room))
                                 for a, b in plain.spans)
     assert any(a >= r.answer_at for r in roomy for a, _ in r.spans)  # a suffix affix moved past the room
+    # the teacher term reads the rows attending in context that were given no room
+    taught = []
+    teacher = lora.Teacher
+    monkeypatch.setattr(lora, "Teacher", lambda weight, predict, rows: (taught.append(rows), teacher(weight, predict,
+                                                                                                      rows))[1])
+    drawn.clear()
+    train_lora(config(llada_dir, tmp_path, steps=4, answer_room=5, teacher=1.0, isolation=0.3), progress=False)
+    rooms = torch.tensor([r.room for r in drawn]).view(len(taught), -1)
+    assert all(not bool((rows & (room > 0)).any()) for rows, room in zip(taught, rooms, strict=True))
+    assert bool((rooms > 0).any()) and any(bool(rows.any()) for rows in taught)
     common = ["finetune-affix", "--model", str(llada_dir), "--data", cfg.data, "--steps", "2", "--batch-size", "2",
               "--rank", "2", "--device", "cpu", "--out", str(tmp_path / "cli")]
     assert main([*common, "--answer-room", "3", "--answer-room-share", "1"]) == 0
@@ -458,6 +469,7 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"answer_room": True}, "answer_room is a number of extra answer columns >= 0"),
     ({"answer_room_share": 0.0}, r"answer_room_share is the share of draws given room, in \(0, 1\]"),
     ({"answer_room_share": 1.5}, r"answer_room_share is the share of draws given room"),
+    ({"answer_room": 4, "answer_room_share": 1.0, "teacher": 1.0}, "with answer_room_share 1 there are none"),
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
