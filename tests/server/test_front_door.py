@@ -170,14 +170,25 @@ def test_a_chunked_body_is_counted_as_it_arrives(door):
 
 
 def test_registered_affixes_cannot_be_overwritten_and_are_bounded(door):
-    words = STORY.split()
     text_id = registered(door, text=STORY)
     messages_id = registered(door, messages=[{"role": "system", "content": STORY}])
     assert text_id != messages_id and registered(door, text=STORY) == text_id
     status, text = call(door, "POST", CH, {"messages": [{"role": "user", "content": "where is mary?"}],
                                            "affix": messages_id, "max_tokens": 2})
     assert status == 200, text
-    assert len(words) > 3
+    # bounded: past its bytes the registry lets go of the least recently used id (the door's holds 64 MiB; a small
+    # one shows the rule), and one too large for it alone is refused
+    from acache.server.affix_reuse import AffixRegistry, _size
+
+    small = AffixRegistry(max_bytes=2 * _size([1, 2], None, None))
+    first, second = small.register([1, 2], None, None), small.register([3, 4], None, None)
+    small.get(first)  # used: the second is now the least recent
+    third = small.register([5, 6], None, None)
+    assert len(small) == 2 and small.get(first) and small.get(third)
+    with pytest.raises(ValueError, match="unknown affix id"):
+        small.get(second)
+    with pytest.raises(ValueError, match="more than the registry's"):
+        small.register(list(range(50)), None, None)
 
 
 SHEET = ("mary has 5 pencils . oliver has 3 pencils . lucas has 5 pencils . john has 9 pencils . emma has 3 "

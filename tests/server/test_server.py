@@ -108,18 +108,22 @@ def test_load_64_requests_concurrency_16(client, llm, server):
     client.chat.completions.create(model="llada0", messages=warm, max_tokens=8, extra_body=body)  # seen once
     hits_before, queries_before = metric(server, "affix_hits_total"), metric(server, "affix_queries_total")
     questions = [f"Question {i}: where is {['Mary', 'John', 'Sandra', 'Daniel'][i % 4]}?" for i in range(64)]
+    shapes = [(16, 8, 0.2), (8, 4, 0.5), (24, 8, 0.1)]  # max_tokens, block_length, anchor_ratio, in turn
 
-    def ask(q):
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        out = client.chat.completions.create(model="llada0", messages=msgs, max_tokens=16, extra_body=body)
+    def ask(i):
+        tokens, block, ratio = shapes[i % 3]
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": questions[i]}]
+        out = client.chat.completions.create(model="llada0", messages=msgs, max_tokens=tokens,
+                                             extra_body={**body, "block_length": block, "anchor_ratio": ratio})
         return extra(out.choices[0], "token_ids")
 
     with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(ask, questions))
+        got = list(pool.map(ask, range(64)))
     prompts = [llm.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
-    want = llm.generate(prompts, SamplingParams(gen_length=16, block_length=8, threshold=0.5,
-                                                selector="attention"), use_tqdm=False)
+    want = llm.generate(prompts, [SamplingParams(gen_length=tokens, block_length=block, threshold=0.5,
+                                                 selector="attention", anchor_ratio=ratio)
+                                  for tokens, block, ratio in (shapes[i % 3] for i in range(64))], use_tqdm=False)
     assert got == [w.token_ids for w in want]
     # the warm-up saw the system prompt once; the first of the 64 computes its shared copy, 63 reuse it
     assert metric(server, "affix_queries_total") - queries_before == 64
