@@ -2,10 +2,13 @@
 :mod:`acache.models.tensor_parallel`): the scheduler is deterministic, so ranks fed the same calls make the
 same decisions and meet at the same collectives. Rank 0 is the engine a caller sees
 (:class:`MirroredEngine`); each call that changes engine state is broadcast first on a gloo control group,
-and the other ranks replay it (:func:`serve_rank`) until told to stop."""
+and the other ranks replay it (:func:`serve_rank`) until told to stop. After every step the ranks agree that
+each ran every call so far as rank 0 did: a fault on one rank alone (its memory, its device) would otherwise
+leave its engine apart from rank 0's, and the next collective hanging or mixing other requests' tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -39,11 +42,24 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def agree_same(self, value: int) -> bool:
+        """Whether every rank passed the same ``value`` (one all-reduce of it and its negation)."""
+        t = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t[0]) == -int(t[1])
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (a KV budget measured per device, say)."""
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+STEP_OK, STEP_FAILED, DIVERGED = 0, 1, 2  # what each rank says of a step at the agreement after it
+
+
+class RankFault(RuntimeError):
+    """A rank other than 0 failed an engine call rank 0 ran: the ranks' engines no longer agree."""
 
 
 class MirroredEngine:
@@ -64,8 +80,19 @@ class MirroredEngine:
         return request_id
 
     def step(self):
+        """Every rank's step; raises :class:`RankFault` (every later step too) once another rank has failed a call,
+        rather than serving from engines that no longer agree."""
         self.channel.send(("step",))
-        return self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the others wait to agree; a rank gone cannot, and that is known
+                self.channel.agree_same(STEP_FAILED)
+            raise
+        if not self.channel.agree_same(STEP_OK):
+            raise RankFault("a tensor-parallel rank failed an engine call that rank 0 ran (its log says which and "
+                            "why): the ranks no longer hold the same engine, so no step is served from them")
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)
@@ -79,16 +106,24 @@ class MirroredEngine:
 
 def serve_rank(engine, channel: Channel) -> None:
     """A rank other than 0: replays rank 0's engine calls until it sends ``stop``. A call that raises here
-    raised on rank 0 too (the same deterministic engine): rank 0 fails its requests and sends the aborts,
-    so this rank logs it and goes on, as rank 0's server does."""
+    raised on rank 0 too where it is the engine's (the same deterministic engine: rank 0 fails its requests and
+    sends the aborts, and the ranks go on together), or here alone where it is this rank's. At the agreement after
+    each step the ranks compare how it ended; once they differ, or an add or abort failed here (rank 0 only sends
+    what it ran), this rank says it diverged at every later step, and rank 0 serves no step from the ranks."""
+    diverged = False
     while True:
         call = channel.receive()
         if call[0] == "stop":
             return
+        outcome = STEP_OK
         try:
             _replay(engine, call)
         except Exception as exc:
-            log.warning("rank %d: engine call %r raised %s: %s", dist.get_rank(), call[0], type(exc).__name__, exc)
+            outcome = STEP_FAILED
+            diverged = diverged or call[0] != "step"
+            log.error("rank %d: engine call %r raised %s: %s", dist.get_rank(), call[0], type(exc).__name__, exc)
+        if call[0] == "step":
+            diverged = not channel.agree_same(DIVERGED if diverged else outcome) or diverged
 
 
 def _replay(engine, call: tuple) -> None:
