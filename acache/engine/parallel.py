@@ -85,7 +85,7 @@ class MirroredEngine:
         self.channel.send(("step",))
         try:
             outputs = self.engine.step()
-        except BaseException:
+        except Exception:  # not a Ctrl-C: the others may wait inside a collective then, and are terminated instead
             with contextlib.suppress(Exception):  # the others wait to agree; a rank gone cannot, and that is known
                 self.channel.agree_same(STEP_FAILED)
             raise

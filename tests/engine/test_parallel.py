@@ -99,3 +99,16 @@ def test_ranks_that_fail_the_same_step_go_on_together():
     channel = Channel(script, others=[[STEP_FAILED], [STEP_OK]])
     serve_rank(Engine(fail={0}), channel)
     assert channel.said == [STEP_FAILED, STEP_OK]
+
+
+def test_a_ctrl_c_in_rank_0s_step_does_not_wait_for_the_others():
+    """The others may be inside a collective rank 0 left: waiting for them to agree would hang the Ctrl-C (the
+    offline generate terminates them instead)."""
+    class Interrupted(Engine):
+        def step(self):
+            raise KeyboardInterrupt
+
+    channel = Channel()
+    with pytest.raises(KeyboardInterrupt):
+        MirroredEngine(Interrupted(), channel).step()
+    assert channel.said == []
