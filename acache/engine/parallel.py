@@ -59,7 +59,7 @@ STEP_OK, STEP_FAILED, DIVERGED = 0, 1, 2  # what each rank says of a step at the
 
 
 class RankFault(RuntimeError):
-    """A rank other than 0 failed an engine call rank 0 ran: the ranks' engines no longer agree."""
+    """The ranks ended an engine call differently (one failed what the others ran): their engines no longer agree."""
 
 
 class MirroredEngine:
@@ -80,8 +80,8 @@ class MirroredEngine:
         return request_id
 
     def step(self):
-        """Every rank's step; raises :class:`RankFault` (every later step too) once another rank has failed a call,
-        rather than serving from engines that no longer agree."""
+        """Every rank's step; raises :class:`RankFault` (at every later step too) once the ranks have ended a call
+        differently, rather than serving from engines that no longer agree."""
         self.channel.send(("step",))
         try:
             outputs = self.engine.step()
@@ -90,8 +90,9 @@ class MirroredEngine:
                 self.channel.agree_same(STEP_FAILED)
             raise
         if not self.channel.agree_same(STEP_OK):
-            raise RankFault("a tensor-parallel rank failed an engine call that rank 0 ran (its log says which and "
-                            "why): the ranks no longer hold the same engine, so no step is served from them")
+            raise RankFault("the tensor-parallel ranks ended an engine call differently (one failed what the others "
+                            "ran; the ranks' logs say which and why): they no longer hold the same engine, so no step "
+                            "is served from them; restart the server")
         return outputs
 
     def abort(self, request_id: str) -> bool:

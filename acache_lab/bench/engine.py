@@ -169,7 +169,8 @@ def make_task_requests(model_dir: str, n: int, sentences: int, seed: int) -> tup
 def workload_params(w: Workload, reuse: bool, prune: dict | None = None) -> SamplingParams:
     """The workload's parameters; ``prune`` adds FOCUS, far-mask, probe-step and anchor-query fields
     (``focus_layers``, ...). Every column of the region is decoded (``ignore_eos``), as the Fast-dLLM-style loop
-    decodes it and as tokens/s counts it: a mode whose answers reached an EOS block sooner did less work."""
+    decodes it and as tokens/s counts it (``bench decode`` does the same): a mode whose answers reached an EOS block
+    sooner did less work."""
     extra = {"anchor_pass": w.anchor_pass} if reuse and w.anchor_pass and "probe_step" not in (prune or {}) else {}
     return SamplingParams(gen_length=w.gen_length, block_length=w.block_length, steps=w.steps,
                           remasking="low_confidence", selector=w.selector if reuse else None, anchor_ratio=w.ratio,

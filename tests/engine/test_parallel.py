@@ -64,7 +64,7 @@ def test_rank_0_stops_serving_once_another_rank_says_otherwise():
     channel = Channel(others=[[STEP_OK], [STEP_FAILED], [DIVERGED]])
     mirrored = MirroredEngine(Engine(), channel)
     assert mirrored.step() == []
-    with pytest.raises(RankFault, match="a tensor-parallel rank failed an engine call"):
+    with pytest.raises(RankFault, match="the tensor-parallel ranks ended an engine call differently"):
         mirrored.step()
     with pytest.raises(RankFault):
         mirrored.step()
