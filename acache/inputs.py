@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from acache.affix.chat import chat_prompt
-from acache.affix.prompt import GEN, Affix, AffixPrompt, as_token_ids, resolve_segments
+from acache.affix.prompt import GEN, Affix, AffixPrompt, resolve_segments
 from acache.models.config import ModelConfig
 from acache.models.tokenizer import Tokenizer
 from acache.sampling_params import SamplingParams
@@ -89,29 +89,24 @@ class InputProcessor:
             raise ValueError("chat=True applies to text prompts; for a chat with affixes build the prompt with "
                              "LLM.chat_prompt(messages)")
         if isinstance(prompt, AffixPrompt):
-            ids = list(prompt.token_ids)
             resolved = prompt
+        elif isinstance(prompt, str) and chat:  # encoded message by message, as the server's chat encodes it
+            resolved = self.chat_prompt([{"role": "user", "content": prompt}], affix_messages=())
         elif isinstance(prompt, str):
-            if chat:  # encoded message by message, as the server's chat and chat_prompt encode it
-                resolved = self.chat_prompt([{"role": "user", "content": prompt}], affix_messages=())
-                ids = list(resolved.token_ids)
-            else:
-                ids = self.tokenizer.encode(prompt)
-                resolved = AffixPrompt(tuple(ids), len(ids))
+            ids = self.tokenizer.encode(prompt)
+            resolved = AffixPrompt(tuple(ids), len(ids))
         elif _is_segment_list(prompt) and not all(isinstance(t, int) for t in prompt):
             resolved = resolve_segments(prompt, self.encode_text)
-            ids = list(resolved.token_ids)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(as_token_ids(prompt, "prompt token id"))
-            resolved = None
+        elif isinstance(prompt, (list, tuple)):  # AffixPrompt takes the ids as integers (as_token_ids) or names them
+            resolved = AffixPrompt(tuple(prompt), len(prompt))
         else:
             raise TypeError(f"a prompt must be text, token ids, an AffixPrompt or a segment list, "
                             f"got {type(prompt).__name__}")
         vocab = self.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not in the model's vocabulary of {vocab}")
-        return resolved or AffixPrompt(tuple(ids), len(ids))
+        bad = next((t for t in resolved.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is not in the model's vocabulary of {vocab}")
+        return resolved
 
     def chat_prompt(self, messages: list[dict[str, str]], affix_messages: Iterable[int] | None = None
                     ) -> AffixPrompt:

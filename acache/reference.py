@@ -19,7 +19,7 @@ from acache.affix.bicache import BiCacheProfile, bicache_depth, bicache_forward
 from acache.affix.context import SelectionContext, request_seed
 from acache.affix.one_pass import refresh_selecting, selecting_inputs
 from acache.affix.placement import place_affixes
-from acache.affix.prompt import AffixPrompt, as_token_ids
+from acache.affix.prompt import AffixPrompt
 from acache.affix.selectors import admission_anchors, drop_uncounted, make_selector, request_anchor_counts
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
@@ -51,7 +51,7 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     draws its sampling noise (seeded from ``params.seed`` if None)."""
     cfg = model.config
     if not isinstance(prompt, AffixPrompt):
-        prompt = AffixPrompt(as_token_ids(prompt, "prompt token id"), len(prompt))
+        prompt = AffixPrompt(tuple(prompt), len(prompt))  # its ids taken as integers, or named
     prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
     if params.focus_layers is not None:
         raise ValueError("focus_layers is not run by the reference path (FOCUS prunes the engine's batched "
@@ -159,13 +159,11 @@ def _bicache_refresh(model: DiffusionLM, state: RequestState, spans: list, split
                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """BiCache's split refresh of the ``fed`` columns (all but far masks), on the dense K/V; returns their final
     states."""
-    t, dev = state.length, state.tokens.device
-    is_affix = torch.zeros(t, dtype=torch.bool, device=dev)
+    dev = state.tokens.device
     fed_hidden = torch.zeros(1, len(fed), model.config.hidden_size, dtype=model.dtype, device=dev)
     for c0, c1, entry in spans:
-        is_affix[c0:c1] = True
         fed_hidden[0, torch.searchsorted(fed, torch.arange(c0, c1, device=dev))] = entry.hidden[split].to(model.dtype)
-    is_affix &= ~state.base_recompute(is_affix)  # what direct reuse recomputes too runs with the request's own
+    is_affix = state.copied_affix_columns([(c0, c1) for c0, c1, _ in spans])  # the rest runs with the request's own
     own_at = torch.nonzero(~is_affix[fed]).flatten()  # indices into fed
     own, acols = fed[own_at], fed[is_affix[fed]]
     pos = state.positions
@@ -196,11 +194,10 @@ def reference_generate_state_cache(model: SSMBlockDiffusionLM | R2LM, prompt: Se
                        generator: torch.Generator | None = None) -> StateCacheResult:
     """Decodes one request on its own, the reference the engine is tested against."""
     cfg = model.config
-    ids = as_token_ids(prompt, "prompt token id")  # empty too: the answer starts at column 0, as on the engine
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    plain = AffixPrompt(tuple(prompt), len(prompt))  # empty too: the answer starts at column 0, as on the engine
+    bad = [t for t in plain.token_ids if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in the vocabulary (got {bad[0]})")
-    plain = AffixPrompt(ids, len(ids))
     check_state_request(model.family, plain, params)
     if generator is None:
         generator = params.generator(model.device, default_seed=0)

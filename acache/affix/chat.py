@@ -29,7 +29,7 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(messages)]
     if bad:
         raise ValueError(f"affix message index {bad[0]!r} is not a message index (0..{len(messages) - 1})")
-    *pieces, generation_prompt = message_pieces(messages, render)
+    *pieces, generation_prompt = _pieces(messages, render)
     segments: list[Segment] = []
     run: list[str] = []
     names: list[str] = []
@@ -65,7 +65,11 @@ def chat_segments(messages: list[dict[str, str]], render: Callable[[list[dict[st
 def message_pieces(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str]) -> list[str]:
     """The rendered conversation cut at message boundaries: each message's text, then the generation prompt. A
     chat's prompt encodes each piece by itself, so anything that counts its tokens must too."""
-    messages = template_messages(messages)
+    return _pieces(template_messages(messages), render)
+
+
+def _pieces(messages: list[dict[str, str]], render: Callable[[list[dict[str, str]], bool], str]) -> list[str]:
+    """:func:`message_pieces` of messages :func:`template_messages` has read already."""
     if not messages:
         raise ValueError("a chat needs at least one message")
     pieces, previous = [], ""

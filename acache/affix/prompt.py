@@ -168,7 +168,7 @@ def resolve_segments(segments: Sequence[Segment], encode: Callable[[str], list[i
         elif isinstance(seg, str):
             ids.extend(encode(seg) if seg else [])
         elif isinstance(seg, Sequence):
-            ids.extend(as_token_ids(seg, "prompt token id"))
+            ids.extend(seg)  # taken as integers, or named, by AffixPrompt
         else:
             raise TypeError(f"a prompt segment must be text, token ids, an Affix or GEN, got {type(seg).__name__}")
     return AffixPrompt(tuple(ids), len(ids) if gen_at is None else gen_at, tuple(spans))

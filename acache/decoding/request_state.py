@@ -130,6 +130,13 @@ class RequestState:
             recompute = recompute | own.repeat_interleave(size)[:self.length]
         return recompute
 
+    def copied_affix_columns(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """``[T]``: the columns of the affixes at ``spans`` whose K/V come from their copy, all but those
+        :meth:`base_recompute` recomputes anyway (BiCache's shallow layers read these; ``cached_tokens`` counts
+        them)."""
+        affix = self.span_mask(spans)
+        return affix & ~self.base_recompute(affix)
+
     def exact_affixes(self, spans: list[tuple[int, int]]) -> list[bool]:
         """For each shared affix at canvas columns ``[c0, c1)``: whether the K/V it was cached with (computed
         alone, at positions ``0..n-1``) are exactly the K/V this request's forwards would compute for the columns

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from acache.affix.bicache import BiCacheProfile
-from acache.affix.prompt import AffixPrompt, as_token_ids
+from acache.affix.prompt import AffixPrompt
 from acache.affix.store import AffixStore
 from acache.engine.kv_cache_manager import KVCacheManager
 from acache.engine.metrics import EngineMetrics
@@ -163,8 +163,8 @@ class LLMEngine:
                  generator: torch.Generator | None, stream: bool) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, AffixPrompt):
-            ids = as_token_ids(prompt, "prompt token id")
+        if not isinstance(prompt, AffixPrompt):  # its ids taken as integers, or named (as_token_ids)
+            ids = tuple(prompt)
             prompt = AffixPrompt(ids, len(ids))
         cfg = self.model.config
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)

@@ -280,13 +280,12 @@ class ModelRunner:
                                  device=dev)
         own_index, affix_cols = [], []
         for i, (req, plan) in enumerate(zip(batch.requests, batch.plans, strict=True)):
-            is_affix = torch.zeros(req.length, dtype=torch.bool, device=dev)
             for index, entry in req.entries:
                 c0, c1 = req.span_columns(index)
-                is_affix[c0:c1] = True
                 at = torch.searchsorted(plan.fed, torch.arange(c0, c1, device=dev))
                 fed_hidden[i, at] = entry.hidden[split].to(fed_hidden.dtype)
-            is_affix &= ~req.state.base_recompute(is_affix)  # what direct reuse recomputes too runs as its own
+            # the rest runs with the request's own columns
+            is_affix = req.state.copied_affix_columns([req.span_columns(index) for index, _ in req.entries])
             fed_is_affix = is_affix[plan.fed]
             own_index.append(torch.nonzero(~fed_is_affix).flatten())
             affix_cols.append(plan.fed[fed_is_affix])

@@ -125,11 +125,7 @@ class Request:
         if self.bicache:
             if (self.bicache_depth or 0) >= self.num_layers:
                 return 0
-            affix = torch.zeros(self.length, dtype=torch.bool, device=self.state.tokens.device)
-            for index, _ in self.entries:
-                c0, c1 = self.span_columns(index)
-                affix[c0:c1] = True
-            return int((affix & ~self.state.base_recompute(affix)).sum())
+            return int(self.state.copied_affix_columns([self.span_columns(i) for i, _ in self.entries]).sum())
         return int((self.shared_columns & ~self.state.recompute).sum())
 
     @property

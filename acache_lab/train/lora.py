@@ -344,7 +344,7 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
         neighbours = taught = None
         if config.teacher > 0:
             # rows given room aside: the checkpoint never learnt to end an answer in more columns than its own
-            taught = Teacher(config.teacher, base_predictions, ~isolated & (batch.room.cpu() == 0))
+            taught = Teacher(config.teacher, base_predictions, ~isolated & torch.tensor([r.room == 0 for r in drawn]))
         if heads is not None:
             neighbours = Neighbours(config.neighbours, heads, layer,
                                     span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs,
