@@ -28,7 +28,10 @@ class SamplingParams:
     right. ``remasking`` picks the commit rule: ``threshold`` (Fast-dLLM parallel decoding, commit
     every masked token whose confidence reaches ``threshold``, at least one a step), ``factor``
     (Fast-dLLM's factor rule) or ``low_confidence`` (LLaDA: ``steps`` split evenly over blocks, a
-    fixed quota a step). ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
+    fixed quota a step). ``steps`` is read by ``low_confidence`` only: the other rules run a block until it has no
+    mask, as Fast-dLLM's do. A shifted model (Dream) under a cache commits a block's first token alone on the
+    block's first step, as upstream Fast-dLLM's Dream loop does, so its blocks take at least two forwards even
+    where ``steps`` gives them one. ``cache`` is the intra-request KV cache: ``none``, ``prefix`` or ``dual``;
     ``refresh_interval`` refreshes it every that many steps inside a block as well as at block starts (with
     ``none`` every step recomputes everything already, so the same parameters compare the policies).
 
