@@ -32,7 +32,7 @@ from acache.server.logprobs import Scorer, ScoringRefused
 from acache.server.protocol import BadRequest, DiffusionFields, ModelNotFound, error_body
 from acache.server.reuse_gate import Decision, Plan, ReuseGate
 from acache.server.shutdown import Drain, ShuttingDown
-from acache.server.stops import Cut, cut_at_stop, held_back, stop_list
+from acache.server.stops import Cut, cut_at_stop, held_back, spelled, stop_list
 
 log = logging.getLogger("acache.server")
 
@@ -273,24 +273,29 @@ class OpenAIServing:
     async def stream_events(self, prompt: AffixPrompt, params: SamplingParams, body: DiffusionFields, rid: str,
                             created: int, chat: bool, check: Check | None = None,
                             report: Callable | None = None) -> AsyncIterator[str]:
-        """The server-sent events of one request: text deltas held back where a stop string may begin, the
-        finish, the usage when asked for, and an error event if the request fails after the first byte."""
+        """The server-sent events of one request: text deltas held back where a stop string may begin, each with
+        the ``token_ids`` whose text it completes (together, the answer's ``token_ids`` as a whole response gives
+        them), the finish, the usage when asked for, and an error event if the request fails after the first byte."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         model_name = self.ctx.model_name
         sent = ""
+        sent_ids = 0
         final = None
 
-        def event(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+        def event(delta_text: str | None, finish: str | None, first: bool = False,
+                  token_ids: Sequence[int] = ()) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": list(token_ids)}
             else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish,
+                          "token_ids": list(token_ids)}
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model_name,
                                           "choices": [choice]}) + "\n\n"
 
         stops = stop_list(body.stop)
+        decode = self.llm.tokenizer.decode
         shadow = self.start_check(check)
         try:
             if chat:  # inside: a client that leaves at this first event still has its check settled
@@ -299,7 +304,8 @@ class OpenAIServing:
                 cut = self.final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
                     final = out  # cut by a stop string or not, what it sent is final
-                    yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.token_limit))
+                    yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.token_limit),
+                                token_ids=cut.token_ids[sent_ids:])
                     if (body.stream_options or {}).get("include_usage"):
                         n, m = len(prompt.token_ids), len(cut.token_ids)
                         extra = report(out) if report is not None else {}
@@ -310,8 +316,9 @@ class OpenAIServing:
                     break
                 safe = cut.text[:len(cut.text) - held_back(cut.text, stops)]
                 if len(safe) > len(sent):
-                    yield event(safe[len(sent):], None)
-                    sent = safe
+                    spelt = spelled(cut.token_ids, decode, safe.rstrip(), sent_ids)  # spaces wait: a stop may drop them
+                    yield event(safe[len(sent):], None, token_ids=cut.token_ids[sent_ids:spelt])
+                    sent, sent_ids = safe, spelt
         except Exception as exc:  # after the first event the status is sent: report in the stream
             known = (RequestFailed, EngineFailed, ValueError, ShuttingDown)
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"

@@ -64,3 +64,19 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
         else:
             high = mid
     return Cut(text[:at], list(ids[:high]), True)
+
+
+def spelled(ids: Sequence[int], decode: Callable[[list[int]], str], text: str, known: int = 0) -> int:
+    """How many of ``ids`` a stream has sent once it has sent ``text``: a count ``n`` whose ``decode(ids[:n])``
+    begins ``text``, found by bisection from ``known`` (a count already found for a shorter ``text``). A token
+    whose characters are only partly sent (a stop string may begin inside it, or its bytes end a character
+    another token completes) waits for a later event."""
+    low, high = known, len(ids) + 1  # text.startswith(decode(ids[:low])); ``high`` not yet shown to
+    while high - low > 1:
+        mid = (low + high) // 2
+        if text.startswith(decode(list(ids[:mid]))):
+            low = mid
+        else:
+            high = mid
+    return low
+

@@ -97,8 +97,36 @@ def test_streaming_chat(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == whole.choices[0].message.content
+    assert sum((extra(c.choices[0], "token_ids") for c in chunks), []) == extra(whole.choices[0], "token_ids")
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert len(chunks) >= 2
+    assert sum(1 for c in chunks if extra(c.choices[0], "token_ids")) >= 2  # four blocks, sent as they finish
+
+
+def test_a_stream_cut_by_a_stop_string_sends_the_tokens_of_a_whole_answer(client):
+    """Streams of other shapes, one cut by a stop string, one with stop strings that never match, run side by
+    side: each sends the text and the token ids of the same request answered whole."""
+    asks = [("Where is Mary?", {"block_length": 4, "threshold": 0.5, "ignore_eos": True}, 16),
+            ("Tell me where John went.", {"block_length": 8, "threshold": 0.7, "ignore_eos": True}, 24)]
+    wholes = [client.completions.create(model="llada0", prompt=p, max_tokens=n, extra_body=b) for p, b, n in asks]
+    texts = [w.choices[0].text for w in wholes]
+    assert all(len(t) >= 4 for t in texts)
+    stops = [[texts[0][len(texts[0]) // 2:len(texts[0]) // 2 + 2]], ["\u2603never", "\u2603"]]
+
+    def ask(i):
+        time.sleep(0.05 * i)  # arriving at different times
+        (prompt, body, n), stop = asks[i], stops[i]
+        whole = client.completions.create(model="llada0", prompt=prompt, max_tokens=n, stop=stop, extra_body=body)
+        chunks = list(client.completions.create(model="llada0", prompt=prompt, max_tokens=n, stop=stop, stream=True,
+                                                extra_body=body))
+        return whole.choices[0], chunks
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, range(2)))
+    for whole, chunks in answers:
+        assert "".join(c.choices[0].text for c in chunks) == whole.text
+        assert sum((extra(c.choices[0], "token_ids") for c in chunks), []) == extra(whole, "token_ids")
+        assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    assert answers[0][0].finish_reason == "stop" and len(extra(answers[0][0], "token_ids")) < 16
 
 
 def test_load_64_requests_concurrency_16(client, llm, server):

@@ -2,7 +2,7 @@
 
 import random
 
-from acache.server.stops import cut_at_stop
+from acache.server.stops import cut_at_stop, spelled
 
 VOCAB = {0: "The answer", 1: " is", 2: " 5", 3: ".\n", 4: "Next", 5: "\n", 6: " line", 7: "é"}
 
@@ -79,3 +79,23 @@ def test_a_character_cut_in_its_bytes_is_not_spelled():
         ids = tok.encode(text, add_special_tokens=False)
         cut = cut_at_stop(ids, tok.decode, [stop])
         assert cut.text == want and tok.decode(cut.token_ids) == want, (cut, tok.decode(cut.token_ids))
+
+
+def test_a_stream_sends_the_tokens_its_text_has_spelled():
+    """Each event's token ids are the most whose text the event's text begins with (a decoder that concatenates,
+    and one that puts a space between words that belongs to no token); counting from an earlier event's count
+    finds the same."""
+    rng = random.Random(1)
+    for decoder, vocab in ((decode, len(VOCAB)), (word_decode, 5)):
+        for _ in range(300):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+            text = decoder(ids)
+            sent = text[:rng.randrange(len(text) + 1)]
+            n = spelled(ids, decoder, sent)
+            assert sent.startswith(decoder(ids[:n]))
+            assert n == len(ids) or not sent.startswith(decoder(ids[:n + 1]))
+            shorter = sent[:rng.randrange(len(sent) + 1)]
+            assert spelled(ids, decoder, sent, spelled(ids, decoder, shorter)) == n
+    assert spelled([0, 1, 2], decode, "The answer is 5") == 3 and spelled([0, 1, 2], decode, "The answer i") == 1
+    assert spelled([7], lambda ids: "\ufffd" if ids else "", "") == 0  # half a character is not sent yet
+
