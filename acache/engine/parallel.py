@@ -2,9 +2,10 @@
 :mod:`acache.models.tensor_parallel`): the scheduler is deterministic, so ranks fed the same calls make the
 same decisions and meet at the same collectives. Rank 0 is the engine a caller sees
 (:class:`MirroredEngine`); each call that changes engine state is broadcast first on a gloo control group,
-and the other ranks replay it (:func:`serve_rank`) until told to stop. After every step the ranks agree that
-each ran every call so far as rank 0 did: a fault on one rank alone (its memory, its device) would otherwise
-leave its engine apart from rank 0's, and the next collective hanging or mixing other requests' tensors."""
+and the other ranks replay it (:func:`serve_rank`) until told to stop. After every call the ranks agree that
+each ended it as rank 0 did: a fault on one rank alone (its memory, its device) would otherwise leave its engine
+apart from rank 0's, and the next collective hanging or mixing other requests' tensors. Once they disagree, rank 0
+sends no further call but ``stop``: a step's forward would meet the others at collectives of another batch."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Channel:
         return int(t.item())
 
 
-STEP_OK, STEP_FAILED, DIVERGED = 0, 1, 2  # what each rank says of a step at the agreement after it
+STEP_OK, STEP_FAILED = 0, 1  # what each rank says of a call at the agreement after it
 
 
 class RankFault(RuntimeError):
@@ -64,42 +65,61 @@ class RankFault(RuntimeError):
 
 class MirroredEngine:
     """Rank 0's view of the engine: ``add_request``, ``step`` and ``abort`` reach every rank; everything else
-    (checks, queries, metrics) is read from rank 0's own engine."""
+    (checks, queries, metrics) is read from rank 0's own engine. Once the ranks have ended a call differently,
+    ``add_request`` and ``step`` raise :class:`RankFault` at once, sending nothing, and ``abort`` frees rank 0's
+    request alone."""
 
     def __init__(self, engine, channel: Channel) -> None:
         self.engine = engine
         self.channel = channel
+        self.fault: RankFault | None = None
 
     def add_request(self, prompt, params, request_id: str | None = None, generator: torch.Generator | None = None,
                     stream: bool = False) -> str:
+        self._served()
         if generator is None:  # drawn here, once: a rank drawing its own unseeded noise would decode other tokens
             generator = params.generator(self.engine.model.device)
         state = generator.get_state() if generator is not None else None
         request_id = self.engine.add_request(prompt, params, request_id, generator, stream)
         self.channel.send(("add", prompt, params, request_id, state, stream))
+        try:
+            self._agree(STEP_OK)
+        except RankFault:  # its caller never learns its id: it is freed here
+            self.engine.abort(request_id)
+            raise
         return request_id
 
     def step(self):
-        """Every rank's step; raises :class:`RankFault` (at every later step too) once the ranks have ended a call
+        """Every rank's step; raises :class:`RankFault` (at every later call too) once the ranks have ended a call
         differently, rather than serving from engines that no longer agree."""
+        self._served()
         self.channel.send(("step",))
         try:
             outputs = self.engine.step()
         except Exception:  # not a Ctrl-C: the others may wait inside a collective then, and are terminated instead
             with contextlib.suppress(Exception):  # the others wait to agree; a rank gone cannot, and that is known
-                self.channel.agree_same(STEP_FAILED)
+                self._agree(STEP_FAILED)
             raise
-        if not self.channel.agree_same(STEP_OK):
-            raise RankFault("the tensor-parallel ranks ended an engine call differently (one failed what the others "
-                            "ran; the ranks' logs say which and why): they no longer hold the same engine, so no step "
-                            "is served from them; restart the server")
+        self._agree(STEP_OK)
         return outputs
 
     def abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)
-        if found:
+        if found and self.fault is None:
             self.channel.send(("abort", request_id))
+            self._agree(STEP_OK)
         return found
+
+    def _served(self) -> None:
+        if self.fault is not None:
+            raise self.fault
+
+    def _agree(self, outcome: int) -> None:
+        if not self.channel.agree_same(outcome):
+            self.fault = RankFault("the tensor-parallel ranks ended an engine call differently (one failed what the "
+                                   "others ran; the ranks' logs say which and why): they no longer hold the same "
+                                   "engine, so no call is served from them; restart the server")
+            raise self.fault
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -108,10 +128,8 @@ class MirroredEngine:
 def serve_rank(engine, channel: Channel) -> None:
     """A rank other than 0: replays rank 0's engine calls until it sends ``stop``. A call that raises here
     raised on rank 0 too where it is the engine's (the same deterministic engine: rank 0 fails its requests and
-    sends the aborts, and the ranks go on together), or here alone where it is this rank's. At the agreement after
-    each step the ranks compare how it ended; once they differ, or an add or abort failed here (rank 0 only sends
-    what it ran), this rank says it diverged at every later step, and rank 0 serves no step from the ranks."""
-    diverged = False
+    sends the aborts, and the ranks go on together), or here alone where it is this rank's. After each call the
+    ranks compare how it ended; once they differ, rank 0 sends nothing but ``stop``."""
     while True:
         call = channel.receive()
         if call[0] == "stop":
@@ -121,10 +139,10 @@ def serve_rank(engine, channel: Channel) -> None:
             _replay(engine, call)
         except Exception as exc:
             outcome = STEP_FAILED
-            diverged = diverged or call[0] != "step"
             log.error("rank %d: engine call %r raised %s: %s", dist.get_rank(), call[0], type(exc).__name__, exc)
-        if call[0] == "step":
-            diverged = not channel.agree_same(DIVERGED if diverged else outcome) or diverged
+        if not channel.agree_same(outcome):
+            log.error("rank %d: engine call %r ended otherwise on another rank; waiting for the stop",
+                      dist.get_rank(), call[0])
 
 
 def _replay(engine, call: tuple) -> None:

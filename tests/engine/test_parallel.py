@@ -1,14 +1,14 @@
-"""The tensor-parallel control protocol (acache.engine.parallel): after every step the ranks agree on how it
+"""The tensor-parallel control protocol (acache.engine.parallel): after every call the ranks agree on how it
 ended, so that a fault on one rank alone stops the serving instead of leaving the ranks' engines apart. The
-processes and their collectives are exercised by tests/models/test_tensor_parallel.py; here the channel is a
-stand-in that records what each side says."""
+processes and their collectives are exercised by tests/models/test_tensor_parallel.py (a fault injected into one
+rank's process included); here the channel is a stand-in that records what each side says."""
 
 from __future__ import annotations
 
 import pytest
 
 from acache.engine import parallel
-from acache.engine.parallel import DIVERGED, STEP_FAILED, STEP_OK, MirroredEngine, RankFault, serve_rank
+from acache.engine.parallel import STEP_FAILED, STEP_OK, MirroredEngine, RankFault, serve_rank
 
 
 class Channel:
@@ -55,20 +55,44 @@ class Engine:
     model = type("M", (), {"device": "cpu"})()
 
 
+class Params:
+    """Greedy sampling: no generator to draw."""
+
+    def generator(self, device):
+        return None
+
+
 @pytest.fixture(autouse=True)
 def a_rank(monkeypatch):
     monkeypatch.setattr(parallel.dist, "get_rank", lambda: 1)
 
 
 def test_rank_0_stops_serving_once_another_rank_says_otherwise():
-    channel = Channel(others=[[STEP_OK], [STEP_FAILED], [DIVERGED]])
+    """After the disagreement nothing more reaches the others but the stop: a step's forward would meet them at
+    collectives of another batch."""
+    channel = Channel(others=[[STEP_OK], [STEP_FAILED]])
     mirrored = MirroredEngine(Engine(), channel)
     assert mirrored.step() == []
     with pytest.raises(RankFault, match="the tensor-parallel ranks ended an engine call differently"):
         mirrored.step()
+    for call in (mirrored.step, lambda: mirrored.add_request([1], Params())):
+        with pytest.raises(RankFault):
+            call()
+    assert mirrored.abort("r") is True  # rank 0's own request is freed
+    assert channel.said == [STEP_OK] * 2 and channel.sent == [("step",)] * 2
+
+
+def test_an_add_that_failed_on_another_rank_stops_serving_at_once():
+    """Rank 0 holds a request the others do not: its next step's forward would not match theirs."""
+    channel = Channel(others=[[STEP_FAILED]])
+    engine = Engine()
+    mirrored = MirroredEngine(engine, channel)
+    with pytest.raises(RankFault):
+        mirrored.add_request([1], Params())
+    assert engine.calls == 2  # added, then aborted: its caller never learnt its id
     with pytest.raises(RankFault):
         mirrored.step()
-    assert channel.said == [STEP_OK] * 3 and channel.sent == [("step",)] * 3
+    assert channel.said == [STEP_OK] and [c[0] for c in channel.sent] == ["add"]
 
 
 def test_rank_0_that_fails_a_step_still_takes_part_in_the_agreement():
@@ -79,19 +103,12 @@ def test_rank_0_that_fails_a_step_still_takes_part_in_the_agreement():
     assert channel.said == [STEP_FAILED]
 
 
-def test_a_rank_that_failed_alone_says_so_at_every_later_step():
-    # calls: a step rank 0 also failed (the ranks agree and go on), an add that failed here alone, two steps
-    script = [("step",), ("add", [1], None, "r", None, False), ("step",), ("step",), ("stop",)]
+def test_every_call_this_rank_replays_is_agreed_on():
+    # calls: a step rank 0 also failed (the ranks agree and go on), an add that failed here alone, then the stop
+    script = [("step",), ("add", [1], None, "r", None, False), ("abort", "r"), ("stop",)]
     channel = Channel(script, others=[[STEP_FAILED], [STEP_OK], [STEP_OK]])
     serve_rank(Engine(fail={0, 1}), channel)
-    assert channel.said == [STEP_FAILED, DIVERGED, DIVERGED]
-
-
-def test_a_step_that_ended_otherwise_on_rank_0_makes_this_rank_diverge():
-    script = [("step",), ("step",), ("abort", "r"), ("step",), ("stop",)]
-    channel = Channel(script, others=[[STEP_FAILED], [STEP_OK], [STEP_OK]])  # rank 0 failed the first, not here
-    serve_rank(Engine(), channel)
-    assert channel.said == [STEP_OK, DIVERGED, DIVERGED]
+    assert channel.said == [STEP_FAILED, STEP_FAILED, STEP_OK]
 
 
 def test_ranks_that_fail_the_same_step_go_on_together():

@@ -3,15 +3,18 @@ with requests of mixed selectors, lengths and sampling arriving in one batch; an
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import pytest
 
 from acache import LLM, SamplingParams
+from acache.engine.parallel import RankFault
 from acache.models.config import ModelConfig
 from acache.models.tensor_parallel import shard_config
 from tests.affix.helpers import layouts
+from tests.models import tp_faults
 
 
 def mixed():
@@ -218,3 +221,27 @@ def test_ctrl_c_in_an_offline_generate_ends_the_ranks_at_once(llada_dir, monkeyp
     with pytest.raises(KeyboardInterrupt):
         two.generate([[1, 2, 3], [4, 5]], SamplingParams(gen_length=8, block_length=8), use_tqdm=False)
     assert time.monotonic() - began < 30 and all(not p.is_alive() for p in workers) and two._tp_workers == []
+
+
+@pytest.mark.parametrize("where", ["step", "add"])
+def test_a_fault_on_one_rank_alone_stops_serving_and_hangs_nothing(llada_dir, monkeypatch, where):
+    """Rank 1 alone fails its second step (after the forward) or its second add: rank 0 raises RankFault for that
+    call and at once for every later one, sending the others nothing that would meet them at a collective of
+    another batch, and the ranks still stop."""
+    monkeypatch.setattr("acache.llm._tp_worker", functools.partial(tp_faults.faulty_worker, where))
+    two = LLM(llada_dir, kv_cache_memory=1 << 24, max_batch_size=3, tensor_parallel_size=2)
+    workers = list(two._tp_workers)
+    prompts, params = mixed()
+    try:
+        began = time.monotonic()
+        with pytest.raises(RankFault, match="ended an engine call differently"):
+            two.generate(prompts[:4], params[:4], use_tqdm=False)
+        assert two.engine.fault is not None
+        with pytest.raises(RankFault):
+            two.generate(prompts[4:5], params[4:5], use_tqdm=False)
+        assert time.monotonic() - began < 60 and all(p.is_alive() for p in workers)
+        assert not two.engine.has_unfinished()  # rank 0's own requests were freed
+    finally:
+        two.close()
+    assert all(not p.is_alive() for p in workers) and two._tp_workers == []
+
