@@ -14,6 +14,7 @@ import torch
 
 from acache.affix.prompt import AffixPrompt
 from acache.engine import EngineOutput, LLMEngine, Status
+from acache.engine.parallel import RankFault
 from acache.sampling_params import SamplingParams
 from acache.server.shutdown import ShuttingDown
 
@@ -91,7 +92,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.closed: ShuttingDown | None = None  # set once in-flight work was cancelled by a shutdown
-        self.dead: BaseException | None = None  # what stopped the engine thread, if anything but a shutdown
+        self.dead: BaseException | None = None  # what stopped the engine thread (or its ranks), if not a shutdown
 
     def start(self) -> None:
         if self._thread is None:
@@ -131,6 +132,8 @@ class AsyncEngine:
                         outputs = [(out.request_id, out) for out in self.engine.step()]
                     except BaseException as exc:  # keep serving: fail the requests in flight, not the server
                         self.error = exc
+                        if isinstance(exc, RankFault):  # but the ranks no longer agree: nothing more is served
+                            self.dead = exc
                         # those the step finished before the fault first: they are no longer in the engine
                         outputs = [(out.request_id, out) for out in self.engine.take_undelivered()]
                         outputs += self._fail_all(exc)
@@ -190,8 +193,13 @@ class AsyncEngine:
             if self.closed is not None:
                 raise self.closed
             if self.dead is not None:
-                raise EngineFailed(f"the engine thread has stopped: {type(self.dead).__name__}: {self.dead}")
-            self.engine.add_request(prompt, params, request_id, generator, stream)
+                what = "serves no more requests" if isinstance(self.dead, RankFault) else "thread has stopped"
+                raise EngineFailed(f"the engine {what}: {type(self.dead).__name__}: {self.dead}")
+            try:
+                self.engine.add_request(prompt, params, request_id, generator, stream)
+            except RankFault as exc:  # the ranks no longer agree: nothing more is served from them
+                self.error = self.dead = exc
+                raise EngineFailed(f"the engine failed: {exc}") from None
             with self._added_lock:
                 self._added.add(request_id)
         self.wake.set()

@@ -62,6 +62,26 @@ def test_health_is_503_once_the_engine_thread_has_stopped(llada_dir, monkeypatch
         assert health.status_code == 503 and "RuntimeError" in health.json()["error"]
 
 
+@pytest.mark.parametrize("at", ["step", "add"])
+def test_ranks_that_no_longer_agree_make_the_server_unhealthy_and_refuse_later_requests(llada_dir, monkeypatch, at):
+    """A RankFault (tensor-parallel ranks that ended a call differently) is not a step to serve past: every later
+    call would raise it. /health turns 503 naming it, and later requests are refused with its message."""
+    from acache.engine.parallel import RankFault
+
+    llm = LLM(llada_dir, kv_cache_memory=1 << 22)
+    with TestClient(create_app(llm, "tiny")) as c:
+        def disagree(*args, **kwargs):
+            raise RankFault("the tensor-parallel ranks ended an engine call differently")
+
+        monkeypatch.setattr(llm.engine, "step" if at == "step" else "add_request", disagree)
+        first = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert first.status_code == 500 and "ranks ended an engine call differently" in first.json()["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and "RankFault" in health.json()["error"]
+        later = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        assert later.status_code == 500 and "serves no more requests" in later.json()["error"]["message"]
+
+
 FIELDS = ["prompt", "messages", "max_tokens", "gen_length", "block_length", "steps", "threshold", "factor",
           "temperature", "seed", "remasking", "selector", "anchor_ratio", "affix", "stop", "stream", "n", "model",
           "text", "name", "affix_layout", "bogus", "top_p", "logprobs", "suffix", "echo", "max_completion_tokens",
