@@ -28,6 +28,7 @@ from acache.server.protocol import AffixRegistration, ChatCompletionRequest, err
 from acache.server.serving_affixes import leading_affix_ids
 
 log = logging.getLogger("acache.cluster")
+STATS_WAIT_S = 5.0  # how long /cluster/stats waits for the affix directory
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
@@ -53,7 +54,8 @@ class SpanExtractor:
     spans (earlier messages, long user messages) by the same rules as the single server."""
 
     def __init__(self, settings: FrontendSettings) -> None:
-        _, config = read_config(settings.model)
+        family, config = read_config(settings.model)
+        self.shares_affixes = not getattr(family, "state_cache", False)  # as the replica reads it: no affix K/V
         limit = EngineConfig(max_model_len=settings.max_model_len).model_len(config.max_position_embeddings)
         self.inputs = InputProcessor(Tokenizer.from_dir(settings.model), config, limit)  # as the replicas'
         self.affixer = AutoAffixer(self.inputs, min_document_tokens=settings.min_document_tokens)
@@ -69,7 +71,7 @@ class SpanExtractor:
             except ValueError:
                 return (), None
         if path == "/v1/completions":
-            ids = registered[0] if registered else None
+            ids = registered[0] if registered and body.get("selector") != "off" and self.shares_affixes else None
             return (((affix_key(ids), len(ids)),) if ids else ()), registered
         if path == "/v1/chat/completions":
             request = ChatCompletionRequest.model_validate(body)
@@ -77,7 +79,8 @@ class SpanExtractor:
             count = 0
             if registered is not None and registered[1] is not None:
                 messages, count = list(registered[1]) + messages, len(registered[1])
-            segments = self.affixer.chat_candidates(messages, request.selector != "off", count)
+            reuse = request.selector != "off" and request.affix_reuse != "off" and self.shares_affixes
+            segments = self.affixer.chat_candidates(messages, reuse, count)
             found = tuple((affix_key(s.token_ids), len(s.token_ids)) for s in segments if isinstance(s, Affix))
             return found, registered
         return (), registered
@@ -174,7 +177,11 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
         """Per replica: shared affixes held, affix hits and queries (from the replicas' own reports)."""
         if not keyed(request):
             return unkeyed()
-        return await directory.snapshot.remote()
+        try:
+            return await asyncio.wait_for(asyncio.ensure_future(directory.snapshot.remote()), STATS_WAIT_S)
+        except Exception as exc:  # restarting, or cannot be placed: say so rather than hold the caller
+            return error(503, f"the affix directory did not answer in {STATS_WAIT_S:g} s "
+                              f"({type(exc).__name__}); try again")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def relay(path: str, request: Request):

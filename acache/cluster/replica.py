@@ -23,6 +23,9 @@ log = logging.getLogger("acache.cluster")
 #: how long a stopping replica waits for its running reuse checks: well inside Serve's graceful shutdown (20 s by
 #: default), which also covers the requests in flight, the engine thread's stop and the save
 CHECKS_GRACE_S = 5.0
+#: how long an answer's end, or a replica's start, waits for its report to the affix directory (the router's own
+#: directory calls wait as long): past it the report goes on in the background, and the answer is not held
+REPORT_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,19 @@ class EngineReplica:
             log.warning("replica %s loaded %d shared affixes from %s", self.replica_id, len(affixes), cache_dir)
         self._directory = None
         try:  # before its first request: the router knows at once what it holds
-            ray.get(self._report(self._taken()))
+            ray.get(self._report(self._taken()), timeout=REPORT_WAIT_S)
         except Exception as exc:  # the directory is down: the replica serves, and reports in full once it is back
             self._full = True
             log.warning("replica %s could not report to the affix directory: %s", self.replica_id, exc)
 
     def check_health(self) -> None:
-        """Serve's periodic health check: a replica whose engine failed is replaced, and is not ready meanwhile."""
-        error = self.app.state.engine.error
-        if error is not None:
-            raise RuntimeError(f"the engine of replica {self.replica_id} failed: {type(error).__name__}: {error}")
+        """Serve's periodic health check: a replica whose engine stopped serving (its thread ended, or its ranks no
+        longer agree) is replaced, and is not ready meanwhile. A step that failed its requests while the engine
+        served on is not such a fault, as the single server's /health says: replacing the replica for it would lose
+        its affix cache, and a client resending a request that fails a step could take every replica down in turn."""
+        dead = self.app.state.engine.dead
+        if dead is not None:
+            raise RuntimeError(f"the engine of replica {self.replica_id} failed: {type(dead).__name__}: {dead}")
 
     def _taken(self) -> list[tuple[str, str, int]]:
         events = []
@@ -88,8 +94,9 @@ class EngineReplica:
         whose answer says whether the directory knows this replica."""
         full, self._full = self._full, False
         sent = events
-        if full:
-            held = [("stored", h.key, len(h.token_ids)) for h in self.llm.engine.affixes.entries.values()]
+        if full:  # the table copied in one C call, which no engine-thread store or eviction can interleave
+            entries = list(self.llm.engine.affixes.entries.values())
+            held = [("stored", h.key, len(h.token_ids)) for h in entries]
             sent = held + [e for e in events if e[0] == "seen"]
         stats = self.llm.engine.affixes.stats
         if self._directory is None:
@@ -113,8 +120,8 @@ class EngineReplica:
             self._full = True
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        """Serves one forwarded request; the directory hears of its affix events before the request ends (those of
-        the reuse checks it started, which can end later, when they end)."""
+        """Serves one forwarded request; the directory hears of its affix events as the request ends, within
+        ``REPORT_WAIT_S`` (those of the reuse checks it started, which can end later, when they end)."""
         if not self._started:
             self.app.state.engine.start()
             self._started = True
@@ -128,12 +135,21 @@ class EngineReplica:
             async for item in call_app(self.app, request):
                 yield item
         finally:
-            await self._flush()
+            await self._flush_within(REPORT_WAIT_S)
             checks = set(self.app.state.checks_running)
             if checks:  # a check can store the affix it computes after the answer: reported once it ends
                 task = asyncio.ensure_future(self._flush_after(checks))
                 self._late_flushes.add(task)  # the loop keeps only a weak reference to a task
                 task.add_done_callback(self._late_flushes.discard)
+
+    async def _flush_within(self, seconds: float) -> None:
+        """Reports, waiting for the directory at most ``seconds``: one that is slow or restarting (it is retried for
+        ever) holds no answer past that. The report goes on in the background; Ray runs a caller's calls to an
+        actor in the order they were made, so a later report cannot overtake it."""
+        task = asyncio.ensure_future(self._flush())
+        self._late_flushes.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._late_flushes.discard)
+        await asyncio.wait({task}, timeout=seconds)
 
     async def _flush_after(self, checks: set[asyncio.Task]) -> None:
         """Reports once ``checks`` have ended: what they stored after their answers went out."""

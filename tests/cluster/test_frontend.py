@@ -1,6 +1,9 @@
-"""The cluster's front door without Ray running: /health is ready only once every replica runs."""
+"""The cluster's front door without Ray running: /health is ready only once every replica runs; the spans it
+sends the router are those the replica will reuse; /cluster/stats does not wait on the directory for ever."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
@@ -40,3 +43,33 @@ def test_a_request_without_the_key_is_refused_at_the_front_door():
         resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", (path, resp.text)
     assert client.get("/health").status_code == 200  # a load balancer's probe needs no key
+
+
+def test_cluster_stats_answers_503_when_the_directory_does_not_answer(monkeypatch):
+    monkeypatch.setattr("acache.cluster.frontend.STATS_WAIT_S", 0.2)
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    directory = type("D", (), {"snapshot": type("S", (), {"remote": staticmethod(never)})()})()
+    settings = FrontendSettings(str(default_model()), "dir", "ns")
+    resp = TestClient(build_frontend(settings, engine=None, directory=directory, ready=lambda: 1)).get("/cluster/stats")
+    assert resp.status_code == 503 and "did not answer in 0.2 s" in resp.json()["error"]["message"]
+
+
+def test_the_spans_sent_to_the_router_are_those_the_replica_reuses():
+    """A request the replica computes without reuse (affix_reuse or selector off) holds no span: pinning it to a
+    holder would count spans it never stores."""
+    from acache.cluster.frontend import SpanExtractor
+
+    extractor = SpanExtractor(FrontendSettings(str(default_model()), "dir", "ns", min_document_tokens=4))
+    messages = [{"role": "system", "content": "Mary moved to the kitchen. John went to the garden."},
+                {"role": "user", "content": "Where is Mary?"}]
+    reused, _ = extractor.spans("/v1/chat/completions", {"messages": messages})
+    assert reused and all(n > 0 for _, n in reused)
+    for off in ({"affix_reuse": "off"}, {"selector": "off"}):
+        assert extractor.spans("/v1/chat/completions", {"messages": messages, **off}) == ((), None)
+    affix = extractor.registry.register(extractor.inputs.encode_text("Sandra went to the office."), None, None)
+    assert extractor.spans("/v1/completions", {"prompt": "x", "affix": affix})[0]
+    assert extractor.spans("/v1/completions", {"prompt": "x", "affix": affix, "selector": "off"})[0] == ()
+

@@ -97,3 +97,58 @@ def test_a_family_without_shared_affixes_reads_as_an_empty_cache():
     table = NoSharedAffixes("ssm")
     table.listeners.append(print)
     assert list(table.entries.values()) == [] and len(table) == 0
+
+
+def test_a_replica_whose_engine_served_past_a_failed_step_stays_healthy():
+    """Serve replaces a replica whose health check raises, and its affix cache goes with it: a step that failed its
+    requests while the engine served on (a client's batch out of memory) is not that, as the single server's
+    /health says; an engine thread that stopped, or ranks that no longer agree, are."""
+    r = EngineReplica.__new__(EngineReplica)
+    r.replica_id = "r1"
+    engine = SimpleNamespace(error=MemoryError("a batch out of memory"), dead=None)
+    r.app, r._stopping = SimpleNamespace(state=SimpleNamespace(engine=engine)), True  # no shutdown at collection
+    r.check_health()
+    engine.dead = RuntimeError("the engine thread stopped")
+    with pytest.raises(RuntimeError, match="the engine of replica r1 failed: RuntimeError"):
+        r.check_health()
+
+
+def test_an_answer_waits_for_a_slow_directory_no_longer_than_the_bound(monkeypatch):
+    """A directory that is restarting (retried for ever) or slow used to hold the end of every answer; now the
+    answer ends within the bound, and the report still arrives, in the background."""
+    monkeypatch.setattr("acache.cluster.replica.REPORT_WAIT_S", 0.2)
+    arrived = []
+
+    class Slow:
+        def _remote(self, replica_id, events, stats, full):
+            async def answer():
+                await asyncio.sleep(1.0)
+                arrived.append(list(events))
+                return True
+            return answer()
+
+        report = SimpleNamespace()
+
+    directory = Slow()
+    directory.report = SimpleNamespace(remote=directory._remote)
+    r = fake_replica(directory, {})
+    r._started, r._late_flushes, r._stopping = True, set(), True
+    r.app = SimpleNamespace(state=SimpleNamespace(checks_running=set(), registry=None))
+
+    async def answer(app, request):
+        yield b"the answer"
+
+    monkeypatch.setattr("acache.cluster.replica.call_app", answer)
+    r._events.append(("stored", "x", 3))
+
+    async def run():
+        began = asyncio.get_running_loop().time()
+        got = [item async for item in r.handle(SimpleNamespace(registered=None))]
+        ended = asyncio.get_running_loop().time() - began
+        await asyncio.gather(*r._late_flushes)
+        return got, ended
+
+    got, ended = asyncio.run(run())
+    assert got == [b"the answer"] and ended < 0.8
+    assert arrived == [[("stored", "x", 3)]] and not r._late_flushes
+
