@@ -69,6 +69,10 @@ class LLM:
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         self.device = parse_device(device)
+        if self.device.type == "cuda" and tensor_parallel_rank is None and \
+                tensor_parallel_size > torch.cuda.device_count():  # else a rank dies alone and rank 0 waits 10 min
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} runs one rank a GPU, and this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
         self.model_path = Path(model)
         engine_config = EngineConfig(page_size=page_size, kv_cache_memory=kv_cache_memory,
                                      gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_batch_size,

@@ -245,3 +245,14 @@ def test_a_fault_on_one_rank_alone_stops_serving_and_hangs_nothing(llada_dir, mo
         two.close()
     assert all(not p.is_alive() for p in workers) and two._tp_workers == []
 
+
+def test_more_ranks_than_gpus_are_refused_before_any_is_spawned(llada_dir, monkeypatch):
+    """On CUDA each rank takes GPU ``rank``: a rank past the last GPU died alone, and rank 0 waited out the group's
+    10-minute timeout for it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 runs one rank a GPU, and this machine has 1 CUDA"):
+        LLM(llada_dir, device="cuda", tensor_parallel_size=2)
+
