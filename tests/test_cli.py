@@ -33,6 +33,25 @@ def test_a_random_checkpoint_of_unusable_weights_is_refused(tmp_path, capsys, st
     assert "std must be a positive finite number" in capsys.readouterr().err and not (tmp_path / "c").exists()
 
 
+def test_the_state_cache_families_take_the_shape_they_are_asked_for(tmp_path, capsys):
+    """--kv-heads and --max-seq-len were ignored for them (R2LM wrote 4 K/V heads and 4096 positions whatever was
+    asked); the state-space family, which has no attention, refuses --kv-heads by name."""
+    r2lm, ssm = tmp_path / "r2lm", tmp_path / "ssm"
+    assert main(["make-random-checkpoint", "--family", "r2lm", "--out", str(r2lm), "--hidden-size", "32",
+                 "--heads", "4", "--kv-heads", "2", "--max-seq-len", "512"]) == 0
+    config = load_model(r2lm).config
+    assert (config.num_kv_heads, config.max_position_embeddings) == (2, 512)
+    assert main(["make-random-checkpoint", "--family", "blockdiff_ssm", "--out", str(ssm), "--hidden-size", "32",
+                 "--max-seq-len", "1024"]) == 0
+    assert load_model(ssm).config.max_position_embeddings == 1024
+    assert main(["make-random-checkpoint", "--family", "blockdiff_ssm", "--out", str(tmp_path / "no"),
+                 "--kv-heads", "2"]) == 2
+    assert "kv_heads shapes attention, which the blockdiff_ssm family has not" in capsys.readouterr().err
+    assert main(["make-random-checkpoint", "--family", "blockdiff_ssm", "--out", str(tmp_path / "default"),
+                 "--hidden-size", "32"]) == 0
+    assert load_model(tmp_path / "default").config.max_position_embeddings == 65536
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "error: model directory not found" in capsys.readouterr().err

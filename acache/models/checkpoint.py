@@ -95,8 +95,8 @@ def save_checkpoint(model: DiffusionLM, out: str | Path, tokenizer: HFTokenizer 
         # a fused projection's weight is a view into its layer's stacked matrix: safetensors stores tensors alone
         tensors[hf_name] = t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
     hf_config = model.config_to_hf(model.config)
-    if target is not None:
-        hf_config["torch_dtype"] = str(target).removeprefix("torch.")
+    stored = target if target is not None else next(iter(tensors.values())).dtype  # what "auto" loads it as
+    hf_config["torch_dtype"] = str(stored).removeprefix("torch.")
     (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     names = list(tensors)
     if shards == 1:
@@ -153,21 +153,23 @@ def init_random_(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
 
 def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id: int, *, layers: int,
                  hidden_size: int, heads: int, kv_heads: int | None = None, intermediate_size: int | None = None,
-                 max_seq_len: int = 4096, rope_theta: float | None = None, block_size: int | None = None,
+                 max_seq_len: int | None = None, rope_theta: float | None = None, block_size: int | None = None,
                  **scan: int) -> nn.Module:
     """An uninitialised model of any family at a shape: a transformer family through :func:`random_config`, a
     state-cache family (our own layout) through its ``random_config``, which also takes the ``scan`` options it
-    names (``state_size``; ``conv_kernel`` and ``n_groups`` for the state-space variant)."""
+    names (``state_size``; ``conv_kernel`` and ``n_groups`` for the state-space variant). ``max_seq_len`` None is
+    the family's default (4096; the state-space family's 65536)."""
     cls = family_class(family)
     if issubclass(cls, DiffusionLM):
         if scan:
             raise ValueError(f"{', '.join(sorted(scan))} belong to the state-cache families, not to {cls.family}")
         return cls(random_config(cls.family, vocab_size, mask_token_id, eos_token_id, layers=layers,
                                  hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
-                                 intermediate_size=intermediate_size, max_seq_len=max_seq_len, rope_theta=rope_theta,
-                                 block_size=block_size))
+                                 intermediate_size=intermediate_size, max_seq_len=max_seq_len or 4096,
+                                 rope_theta=rope_theta, block_size=block_size))
     return cls(cls.random_config(vocab_size, mask_token_id, eos_token_id, layers, hidden_size, heads,
-                                 intermediate_size, block_size, rope_theta, **scan))
+                                 intermediate_size, block_size, rope_theta, kv_heads=kv_heads, max_seq_len=max_seq_len,
+                                 **scan))
 
 
 def init_weights_(model: nn.Module, seed: int, std: float = 0.02, scan_init: str = "short") -> None:
@@ -181,7 +183,7 @@ def init_weights_(model: nn.Module, seed: int, std: float = 0.02, scan_init: str
 
 def make_random_checkpoint(family: str, out: str | Path, *, layers: int = 2, hidden_size: int = 64,
                            heads: int = 4, kv_heads: int | None = None, intermediate_size: int | None = None,
-                           vocab_size: int | None = None, max_seq_len: int = 4096, seed: int = 0,
+                           vocab_size: int | None = None, max_seq_len: int | None = None, seed: int = 0,
                            shards: int = 1, dtype: str = "float32", std: float = 0.02,
                            block_size: int | None = None) -> Path:
     """A random-weight checkpoint in the family's upstream layout, with a byte-level tokenizer."""

@@ -153,6 +153,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
         raise CheckpointError(f"checkpoint {root} lacks tensor {missing[0]}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     unexpected = sorted(set(files) - set(names))
+    modules = {n.rsplit(".", 1)[0] for n in names}
+    clashing = [n for n in unexpected if n.rsplit(".", 1)[0] in modules]
+    if clashing:  # a layer the config builds without it: ignoring it would run another model than was saved
+        raise CheckpointError(f"checkpoint {root} holds {clashing[0]}"
+                              + (f" and {len(clashing) - 1} more" if len(clashing) > 1 else "")
+                              + ", a tensor of a layer the config builds without it: config.json does not describe "
+                              "these weights (a bias the config leaves out, say)")
     if unexpected:
         logger.warning("ignoring %d tensors the %s model does not use, e.g. %s", len(unexpected),
                        cls.family, unexpected[0])

@@ -50,10 +50,14 @@ class R2LMConfig:
     def __post_init__(self) -> None:
         check_sizes(self, "R2LM config", ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                                           "intermediate_size", "sidecar_heads", "sidecar_head_dim", "state_size",
-                                          "block_size", "max_position_embeddings"))
+                                          "block_size", "max_position_embeddings"),
+                    reals=("rope_theta", "rms_norm_eps"))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"R2LM config: hidden {self.hidden_size}, {self.num_heads} heads and "
                              f"{self.num_kv_heads} K/V heads do not divide")
+        if self.head_dim % 2:
+            raise ValueError(f"R2LM config: the head dimension {self.head_dim} is odd; rotary position embeddings "
+                             "rotate pairs of dimensions")
 
     @property
     def head_dim(self) -> int:
@@ -120,12 +124,14 @@ class R2LM(OwnLayout, nn.Module):
     @classmethod
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
                       heads: int, intermediate_size: int | None, block_size: int | None,
-                      rope_theta: float | None = None, state_size: int | None = None) -> R2LMConfig:
+                      rope_theta: float | None = None, state_size: int | None = None, kv_heads: int | None = None,
+                      max_seq_len: int | None = None) -> R2LMConfig:
         """A config at a width: a sidecar of 2 heads of 16 channels, state 16 unless given; RoPE at LLaDA's base
-        unless given, so a LLaDA parent's attention carries over."""
-        return R2LMConfig(vocab_size, hidden_size, layers, heads, heads, intermediate_size or 4 * hidden_size,
-                          2, 16, state_size or 16, block_size or 32, mask_token_id, eos_token_id,
-                          rope_theta or 500000.0)
+        unless given, so a LLaDA parent's attention carries over; as many K/V heads as query heads unless given."""
+        return R2LMConfig(vocab_size, hidden_size, layers, heads, kv_heads or heads,
+                          intermediate_size or 4 * hidden_size, 2, 16, state_size or 16, block_size or 32,
+                          mask_token_id, eos_token_id, rope_theta or 500000.0,
+                          max_position_embeddings=max_seq_len or 4096)
 
     def __init__(self, config: R2LMConfig) -> None:
         super().__init__()

@@ -57,7 +57,8 @@ class SSMConfig:
     def __post_init__(self) -> None:
         check_sizes(self, "state-space config", ("vocab_size", "hidden_size", "num_layers", "intermediate_size",
                                                  "num_heads", "head_dim", "state_size", "block_size",
-                                                 "max_position_embeddings", "conv_kernel", "n_groups"))
+                                                 "max_position_embeddings", "conv_kernel", "n_groups"),
+                    reals=("rms_norm_eps",))
         if self.num_heads % self.n_groups:
             raise ValueError(f"state-space config: num_heads={self.num_heads} is not a multiple of "
                              f"n_groups={self.n_groups}")
@@ -71,13 +72,18 @@ class SSMConfig:
         return self.num_heads * self.head_dim
 
 
-def check_sizes(config: object, label: str, names: tuple[str, ...]) -> None:
-    """Every one of ``names`` a positive integer, and the mask and end-of-text ids inside the vocabulary: the
-    checks a config of the state-cache families makes once, at construction, naming the field."""
+def check_sizes(config: object, label: str, names: tuple[str, ...], reals: tuple[str, ...] = ()) -> None:
+    """Every one of ``names`` a positive integer, every one of ``reals`` a positive finite number (a norm's epsilon,
+    RoPE's base: 0 or a negative one made every logit NaN), and the mask and end-of-text ids inside the vocabulary:
+    the checks a config of the state-cache families makes once, at construction, naming the field."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{label}: {name} must be a positive integer, got {value!r}")
+    for name in reals:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{label}: {name} must be a positive number, got {value!r}")
     for name in ("mask_token_id", "eos_token_id"):
         if not 0 <= getattr(config, name) < config.vocab_size:
             raise ValueError(f"{label}: {name}={getattr(config, name)} is outside the vocabulary of "
@@ -314,13 +320,17 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
     def random_config(cls, vocab_size: int, mask_token_id: int, eos_token_id: int, layers: int, hidden_size: int,
                       heads: int, intermediate_size: int | None, block_size: int | None,
                       rope_theta: float | None = None, state_size: int | None = None,
-                      conv_kernel: int | None = None, n_groups: int | None = None) -> SSMConfig:
+                      conv_kernel: int | None = None, n_groups: int | None = None, kv_heads: int | None = None,
+                      max_seq_len: int | None = None) -> SSMConfig:
         """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16, a
         convolution of 4 taps and one group unless given (``heads`` and ``rope_theta`` are attention's, which
-        this family has not)."""
+        this family has not: an attention shape it is asked for is refused, not ignored)."""
+        if kv_heads is not None:
+            raise ValueError(f"kv_heads shapes attention, which the {cls.family} family has not")
         return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
                          max(1, 2 * hidden_size // 16), 16, state_size or 16, block_size or 32, mask_token_id,
-                         eos_token_id, conv_kernel=conv_kernel or 4, n_groups=n_groups or 1)
+                         eos_token_id, max_position_embeddings=max_seq_len or 65536, conv_kernel=conv_kernel or 4,
+                         n_groups=n_groups or 1)
 
     def __init__(self, config: SSMConfig) -> None:
         super().__init__()

@@ -76,6 +76,16 @@ def test_bfloat16_load(llada_dir):
     assert got.dtype == torch.float32 and (got - ref).abs().max() < 0.25
 
 
+def test_a_checkpoint_says_the_dtype_its_weights_are_stored_in(tmp_path, dream_dir):
+    """A bfloat16 model saved without a dtype said float32, and dtype='auto' loaded it at twice the memory."""
+    model = load_model(dream_dir, dtype="bfloat16")
+    save_checkpoint(model, tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_model(tmp_path / "m", dtype="auto").dtype == torch.bfloat16
+    save_checkpoint(model, tmp_path / "f", dtype="float32")
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         load_model(tmp_path / "nowhere")
@@ -108,6 +118,22 @@ def test_wrong_tensor_shape(tmp_path, dream_dir):
     tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
     save_file(tensors, root / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(7, 64\)"):
+        load_model(root)
+
+
+def test_a_tensor_of_a_layer_the_config_builds_without_it_is_refused(tmp_path, llada_dir, caplog):
+    """A bias the config leaves out was ignored with a warning, and another model than the one saved ran (logits
+    0.585 apart in the reviewer's case); a tensor of no layer the model has (a stored rotary table) is still only
+    named."""
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    tensors = load_file(root / "model.safetensors")
+    save_file({**tensors, "model.transformer.blocks.0.rotary_emb.inv_freq": torch.ones(4)}, root / "model.safetensors")
+    load_model(root)
+    assert "ignoring 1 tensors" in caplog.text and "rotary_emb.inv_freq" in caplog.text
+    biases = {f"model.transformer.blocks.{i}.k_proj.bias": torch.ones(16) for i in range(2)}
+    save_file({**tensors, **biases}, root / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"holds model\.transformer\.blocks\.0\.k_proj\.bias and 1 more, a "
+                                              "tensor of a layer the config builds without it"):
         load_model(root)
 
 

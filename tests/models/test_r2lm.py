@@ -78,6 +78,13 @@ def test_config_is_validated():
         R2LMConfig(**{**CONFIG, "sidecar_heads": 0})
     with pytest.raises(ValueError, match="do not divide"):
         R2LMConfig(**{**CONFIG, "num_kv_heads": 3})
+    for name, value in (("rope_theta", 0), ("rope_theta", -5.0), ("rms_norm_eps", -1), ("rms_norm_eps", "1e-6"),
+                        ("rope_theta", float("inf"))):
+        with pytest.raises(ValueError, match=f"{name} must be a positive number"):
+            R2LMConfig(**{**CONFIG, name: value})
+    heads = CONFIG["hidden_size"] // 3  # a head dimension of 3
+    with pytest.raises(ValueError, match="the head dimension 3 is odd"):
+        R2LMConfig(**{**CONFIG, "num_heads": heads, "num_kv_heads": heads})
 
 
 @pytest.mark.parametrize("family", ["r2lm", "blockdiff_ssm"])

@@ -203,6 +203,9 @@ def test_config_is_validated():
         SSMConfig(**{**CONFIG, "n_groups": 2})
     with pytest.raises(ValueError, match="mask_token_id=300 is outside the vocabulary"):
         SSMConfig(**{**CONFIG, "mask_token_id": 300})
+    for eps in (0, -1.0, float("nan"), "1e-6", True):  # a bad epsilon made every logit NaN, or failed in RMSNorm
+        with pytest.raises(ValueError, match="rms_norm_eps must be a positive number"):
+            SSMConfig(**{**CONFIG, "rms_norm_eps": eps})
 
 
 def test_padding_is_transparent_to_the_scans(model):
