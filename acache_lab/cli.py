@@ -7,8 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from acache.cli import _add_model_args, _positive_int, parse_size
+from acache.cli import _add_model_args, _checked, _positive_int, parse_size
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
+
+_unit_interval = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def _add_study_args(p: argparse.ArgumentParser, examples: int) -> None:
@@ -34,6 +36,7 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     from acache_lab.tasks.calibration import calibration_prompts
 
     args = _with_default_model(args)
+    _refuse_no_shared_affixes(args.model, "bicache-profile")
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     tokenizer = Tokenizer.from_dir(args.model)
     prompts = calibration_prompts(tokenizer, model.config, args.calibration, args.samples, args.seed)
@@ -161,10 +164,22 @@ def _with_default_model(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _refuse_no_shared_affixes(model: str, what: str) -> None:
+    """A study of affix K/V needs a family that has them: refused before the model loads, not in a traceback."""
+    from acache.models.loader import read_config
+
+    family, _ = read_config(model)
+    if getattr(family, "state_cache", False):
+        raise ValueError(f"{what} measures an affix's K/V computed alone, which a {family.family} model does not "
+                         "have (its cache is built per request): use a llada, dream or fast_dllm_v2 model")
+
+
 def _cmd_eval_staleness(args: argparse.Namespace) -> int:
     from acache_lab.eval.staleness import main
 
-    return main(_with_default_model(args))
+    args = _with_default_model(args)
+    _refuse_no_shared_affixes(args.model, "eval staleness")
+    return main(args)
 
 
 def _cmd_eval_accuracy(args: argparse.Namespace) -> int:
@@ -392,7 +407,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "demonstration task of models/acache-tiny-plus)")
     p.add_argument("--batch-size", type=_positive_int, default=32)
     p.add_argument("--json", default=None)
-    p.add_argument("--block-length", type=int, default=None,
+    p.add_argument("--block-length", type=_positive_int, default=None,
                    help="blocks that divide each task's answer region, or --gen-length (default: the region as one "
                    "block)")
     p.add_argument("--threshold", type=float, default=None,
@@ -472,8 +487,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL of {affix, prompt, layout, answer_prompt}, or 'tasks' for requests from the task "
                         "suite (the project's own models); default: random-token requests")
     p.add_argument("--samples", type=_positive_int, default=64, help="requests for 'tasks' or random calibration")
-    p.add_argument("--gen-length", type=int, default=32)
-    p.add_argument("--tau", type=float, default=0.97)
+    p.add_argument("--gen-length", type=_positive_int, default=32)
+    p.add_argument("--tau", type=_unit_interval, default=0.97, help="cosine a layer's affix K/V must keep, in (0, 1]")
     p.add_argument("--bins", type=_positive_int, default=10)
     p.add_argument("--seed", type=int, default=0)
     _add_model_args(p)

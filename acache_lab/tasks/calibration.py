@@ -53,6 +53,8 @@ def calibration_prompts(tokenizer: Tokenizer, config: ModelConfig, path: str | P
                 continue
             try:
                 item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise TypeError(f"a JSON {type(item).__name__}, not an object of fields")
                 segs = layout_segments(item.get("layout", "prefix"), Affix(item["affix"]), item["prompt"],
                                        item.get("answer_prompt", ""))
             except (json.JSONDecodeError, KeyError, TypeError) as exc:

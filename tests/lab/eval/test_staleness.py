@@ -77,3 +77,25 @@ def test_profile_bins_match_depth_lookup_at_the_edges(llada_dir, monkeypatch):
     assert [profile.depth(s) for s in (0.25, 0.5, 0.75, 1.0)] == [2, 1, 0, 0]
     with pytest.raises(ValueError, match="bins must be a positive integer"):
         staleness.profile_bicache(AffixStore(model), [layouts()["prefix"]], 8, bins=0)
+
+
+@pytest.mark.parametrize("argv", [["eval", "staleness", "--examples", "1"], ["bicache-profile", "--samples", "3"]])
+@pytest.mark.parametrize("model", ["models/acache-tiny-ssm", "models/acache-tiny-r2lm"])
+def test_studies_of_affix_kv_refuse_a_family_without_it_by_name(tmp_path, capsys, argv, model):
+    """They ended in an AttributeError from inside (the store is None for these families), after loading."""
+    from acache.cli import main
+
+    out = ["--out", str(tmp_path / ("p.json" if argv[0] == "bicache-profile" else "s"))]
+    assert main([*argv, "--model", model, *out]) == 2
+    assert "measures an affix's K/V computed alone, which a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value", [("--gen-length", "-4"), ("--gen-length", "0"), ("--tau", "5"),
+                                           ("--tau", "0"), ("--tau", "nan")])
+def test_bicache_profile_refuses_bad_settings_by_name(tmp_path, capsys, option, value):
+    from acache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bicache-profile", "--out", str(tmp_path / "p.json"), option, value])
+    assert f"argument {option}: not a" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+

@@ -338,3 +338,12 @@ def test_a_sweep_stopped_near_its_end_keeps_the_cells_it_measured(task_model_dir
     assert "the 3 cells measured so far" in capsys.readouterr().out
     monkeypatch.setattr(accuracy, "exact_matches", real)
     assert main(argv) == 0 and (out / "accuracy.json").is_file() and not (out / "partial").exists()
+
+
+def test_eval_tasks_refuses_a_block_length_that_is_not_positive(capsys):
+    """0 fell through to the whole region while the header printed 'block_length 0'."""
+    from acache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "tasks", "--examples", "1", "--block-length", "0"])
+    assert "argument --block-length: not a positive integer: '0'" in capsys.readouterr().err

@@ -22,6 +22,9 @@ def test_calibration_file(tmp_path, llada_dir):
     path.write_text("{not json}\n")
     with pytest.raises(ValueError, match="cal.jsonl:1"):
         calibration_prompts(tok, model.config, path, samples=0)
+    path.write_text("[1, 2]\n")  # JSON, but not a record: was an AttributeError from inside
+    with pytest.raises(ValueError, match="cal.jsonl:1: not a calibration record .a JSON list, not an object"):
+        calibration_prompts(tok, model.config, path, samples=0)
 
 
 def test_task_calibration_meets_every_task_in_every_layout(monkeypatch):
