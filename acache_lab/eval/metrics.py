@@ -99,8 +99,9 @@ def sweep_table(cells: list[Cell], task: str, layout: str) -> str:
 
 
 def summary_table(cells: list[Cell], focus_ratio: float = 0.2, ours: str = "attention") -> str:
-    """Markdown, one row per task and layout: direct reuse, ours at ``focus_ratio``, the best other
-    selector at that ratio, and full recomputation (the headline comparison of the study)."""
+    """Markdown, one row per task and layout: direct reuse, ours at ``focus_ratio``, the best other row at that
+    ratio (the oracle and ours in another form included: a study of one form against another names it; the target
+    table leaves both out), and full recomputation (the headline comparison of the study)."""
     keys = list(dict.fromkeys((c.task, c.layout) for c in cells))
     lines = [f"| task | layout | direct reuse | ACache ({ours}) @ {focus_ratio:g} | best other @ {focus_ratio:g} "
              "| full recompute |", "|---|---|---:|---:|---|---:|"]
