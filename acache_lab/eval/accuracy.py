@@ -9,9 +9,14 @@ affix is demonstrations also runs without them (``without``), which shows what t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -191,6 +196,25 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     return written
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """A SIGTERM (``timeout``, a batch scheduler) raises KeyboardInterrupt inside, so a long sweep stopped that way
+    keeps its cells as Ctrl-C does; the handler before is put back after. Only in the main thread, where Python
+    delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def report_markdown(cells: list[Cell]) -> str:
     """``accuracy.md``: the summary, our selectors against the target, one table per task and layout."""
     parts = ["## Summary (anchor ratio 0.2)", "", summary_table(cells), ""]
@@ -256,14 +280,18 @@ def main(args) -> int:
     refuse_unread_suffix(llm, layouts)
     cells: list[Cell] = []
     try:
-        sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios, gen_length=gen_length,
-              into=cells)
-    except KeyboardInterrupt:  # the cells measured so far are kept, apart from the full report
+        with terminate_as_interrupt():
+            sweep(llm, args.examples, args.sentences, args.seed, tasks, layouts, selectors, ratios,
+                  gen_length=gen_length, into=cells)
+    except BaseException as exc:  # Ctrl-C, a SIGTERM, or a later cell's fault: what was measured is kept
         if cells:
             partial = Path(args.out) / "partial"
             write_report(cells, partial)
-            print(f"stopped: the {len(cells)} cells measured so far are in {partial} (not the report)")
-        return 130
+            print(f"stopped ({type(exc).__name__}): the {len(cells)} cells measured so far are in {partial} (not "
+                  "the report)", file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):
+            return 130
+        raise
     written = write_report(cells, args.out)
     shutil.rmtree(Path(args.out) / "partial", ignore_errors=True)  # an earlier stopped run's, now superseded
     if args.json:

@@ -316,26 +316,42 @@ def test_repeated_selectors_and_ratios_are_swept_once():
     assert parse_ratios("0.2,0.5,0.2") == (0.2, 0.5)
 
 
-def test_a_sweep_stopped_near_its_end_keeps_the_cells_it_measured(task_model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "fault"])
+def test_a_sweep_stopped_near_its_end_keeps_the_cells_it_measured(task_model_dir, tmp_path, monkeypatch, capsys,
+                                                                  stop):
+    """Ctrl-C kept them; a SIGTERM (timeout, a scheduler) or a later cell's fault lost every one."""
+    import os
+    import signal
+
     import acache_lab.eval.accuracy as accuracy
     from acache.cli import main
 
     real, calls = accuracy.exact_matches, []
 
-    def ctrl_c_at_the_fourth(*args):
+    def stopped_at_the_fourth(*args):
         calls.append(1)
         if len(calls) == 4:
-            raise KeyboardInterrupt
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            if stop == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise MemoryError("out of memory in a later cell")
         return real(*args)
 
-    monkeypatch.setattr(accuracy, "exact_matches", ctrl_c_at_the_fourth)
+    monkeypatch.setattr(accuracy, "exact_matches", stopped_at_the_fourth)
     out = tmp_path / "study"
     argv = ["eval", "accuracy", "--model", str(task_model_dir), "--examples", "1", "--tasks", "qa1", "--layouts",
             "prefix", "--selectors", "attention,random", "--ratios", "0.2", "--out", str(out)]
-    assert main(argv) == 130
+    handler = signal.getsignal(signal.SIGTERM)
+    if stop == "fault":  # raised as it came, once the cells are kept
+        with pytest.raises(MemoryError, match="out of memory in a later cell"):
+            main(argv)
+    else:
+        assert main(argv) == 130
+    assert signal.getsignal(signal.SIGTERM) == handler  # put back
     kept = json.loads((out / "partial" / "accuracy.json").read_text())
     assert [c["selector"] for c in kept] == ["full", "none", "all"] and not (out / "accuracy.json").exists()
-    assert "the 3 cells measured so far" in capsys.readouterr().out
+    assert "the 3 cells measured so far" in capsys.readouterr().err
     monkeypatch.setattr(accuracy, "exact_matches", real)
     assert main(argv) == 0 and (out / "accuracy.json").is_file() and not (out / "partial").exists()
 
