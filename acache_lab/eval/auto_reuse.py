@@ -8,6 +8,7 @@ reference. A changed answer is one whose token ids differ from the reference's f
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from acache.llm import LLM
 from acache.server.app import create_app
 from acache.server.reuse_gate import AUTO_REUSE_MODES
-from acache_lab.tasks.generators import held_out
+from acache_lab.tasks.generators import held_out_stories
 from acache_lab.tasks.render import answer_length
 
 
@@ -42,7 +43,7 @@ def chat_workload(tasks: list[str], stories: int, seed: int) -> list[dict]:
     """Request bodies: ``stories`` held-out contexts a task, every question of each."""
     bodies = []
     for task in tasks:
-        for ex in held_out(task, stories * 3, 6, seed):
+        for ex in (e for story in itertools.islice(held_out_stories(task, 6, seed), stories) for e in story):
             gen = answer_length(task)
             bodies.append({"messages": [{"role": "system", "content": " ".join(ex.context + ex.affix)},
                                         {"role": "user", "content": " ".join(ex.question)}],

@@ -18,6 +18,7 @@ Each generator is deterministic in its ``random.Random``.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 NAMES = ["mary", "john", "sandra", "daniel", "emma", "oliver", "lucas", "sofia"]
@@ -243,15 +244,24 @@ def examples(task: str, seed: int, count: int, size: int = 6) -> list[Example]:
 
 def held_out(task: str, count: int, sentences: int, seed: int = 0) -> list[Example]:
     """``count`` examples from the evaluation seed stream, which training never draws from."""
+    out: list[Example] = []
+    for story in held_out_stories(task, sentences, seed):
+        out.extend(story)
+        if len(out) >= count:
+            return out[:count]
+    raise AssertionError("the story stream is endless")
+
+
+def held_out_stories(task: str, sentences: int, seed: int = 0) -> Iterator[list[Example]]:
+    """The evaluation seed stream one context at a time: each item every question the generator asked of one story
+    (or worksheet), so a workload can keep a story's questions together."""
     if task not in TRAIN_GENERATORS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TRAIN_GENERATORS)}")
-    out: list[Example] = []
     k = 0
-    while len(out) < count:
+    while True:
         rng = random.Random(f"eval:{task}:{EVAL_SEED_BASE + seed}:{k}")
         drawn = TRAIN_GENERATORS[task](rng, sentences)
         if not drawn:
             raise ValueError(f"the {task} generator makes no example of {sentences} sentences")
-        out.extend(drawn)
+        yield drawn
         k += 1
-    return out[:count]

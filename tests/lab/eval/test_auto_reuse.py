@@ -21,3 +21,17 @@ def test_only_trusted_reuse_can_change_an_answer(tmp_path, capsys):
     assert verified.refused_spans <= verified.mismatches  # a mismatch refuses a span (checks in flight may add)
     text = report(list(results.values()), tmp_path / "auto_reuse.json")
     assert "| verified | " in text and (tmp_path / "auto_reuse.json").is_file()
+
+
+def test_the_workload_asks_whole_stories_each_all_their_questions():
+    """--stories N drew 3N questions a task, cutting a story short (one asked once can never be reused) and giving
+    qa1 five stories for four."""
+    from acache_lab.tasks.generators import held_out
+
+    for task, stories in (("qa1", 4), ("twohop", 3), ("arith", 2)):
+        bodies = chat_workload([task], stories, 0)
+        contexts = [b["messages"][0]["content"] for b in bodies]
+        assert len(set(contexts)) == stories
+        per_story = {c: contexts.count(c) for c in contexts}
+        firsts = held_out(task, len(bodies) + 3, 6, 0)
+        assert len([e for e in firsts if " ".join(e.context + e.affix) in per_story]) == len(bodies)
