@@ -120,10 +120,13 @@ def read_results(out: Path) -> dict:
     return json.loads(files[-1].read_text())["results"]
 
 
-def markdown(results: dict, model: str, samples: int, limit: int, seconds: float) -> str:
-    lines = [f"lm-eval (local-completions, remote tokenizer) against `acache serve {model} "
-             f"--loglikelihood-samples {samples}`, {limit} held-out documents a task, {seconds / 60:.1f} min "
-             "on this machine.", "",
+def markdown(results: dict, model: str, samples: int, limit: int, seconds: float, base_url: str | None = None) -> str:
+    """The results table, under what was scored: the server this command started, or ``base_url``, a server it
+    did not start (whose model and samples it does not know)."""
+    served = (f"the server at {base_url} (started elsewhere: its model and --loglikelihood-samples are its own)"
+              if base_url else f"`acache serve {model} --loglikelihood-samples {samples}`")
+    lines = [f"lm-eval (local-completions, remote tokenizer) against {served}, {limit} held-out documents a task, "
+             f"{seconds / 60:.1f} min on this machine.", "",
              "| task | kind | metric | score | ± stderr | chance |", "|---|---|---|---:|---:|---:|"]
     for task in LM_TASKS:
         if task not in results:
@@ -195,7 +198,7 @@ def main(args) -> int:
                 proc.wait()
     results = read_results(out / "results")
     table = markdown(results, model if args.model else "models/acache-tiny", args.samples, args.limit,
-                     time.time() - started)
+                     time.time() - started, args.base_url and base)
     (out / "lm_eval.md").write_text(table)
     print(table)
     print(f"wrote {out / 'lm_eval.md'}")

@@ -26,3 +26,16 @@ def test_the_variance_study_takes_the_seed_asked(seed, monkeypatch):
     with pytest.raises(Stop):
         main(["eval", "lm", "--variance", "--limit", "3", "--seed", str(seed)])
     assert asked == [("acache_arith_mc", 3, seed)]
+
+
+def test_the_table_names_a_server_it_did_not_start_as_such():
+    """Against --base-url the header named `acache serve models/acache-tiny --loglikelihood-samples 8`, a command
+    that was never run."""
+    from acache_lab.eval.lm import markdown
+
+    results = {"acache_qa1_mc": {"acc,none": 0.5, "acc_stderr,none": 0.1}}
+    own = markdown(results, "models/acache-tiny", 8, 10, 60.0)
+    assert "against `acache serve models/acache-tiny --loglikelihood-samples 8`" in own
+    other = markdown(results, "models/acache-tiny", 8, 10, 60.0, "http://gpu-box:8000")
+    assert "against the server at http://gpu-box:8000 (started elsewhere" in other and "acache serve" not in other
+    assert "| acache_qa1_mc | multiple_choice | acc | 0.500 | 0.100 |" in other
