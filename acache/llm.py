@@ -20,6 +20,7 @@ from acache.affix.store import AffixStore
 from acache.engine import EngineConfig, EngineOutput, LLMEngine, parallel
 from acache.engine.parallel import MirroredEngine, serve_rank
 from acache.inputs import InputProcessor, PromptInput, prompt_list, sampling_params_list
+from acache.models.checkpoint import SPECIAL_TOKENS
 from acache.models.config import affix_training
 from acache.models.loader import load_model, parse_device, read_config
 from acache.models.tensor_parallel import check_divisible, shard_model
@@ -80,6 +81,7 @@ class LLM:
         family, model_config = read_config(model)
         engine_config.check_family(family)  # before the weights load, as the tokenizer and the context length
         self.tokenizer = Tokenizer.from_dir(model)
+        check_mask_token(family.family, model_config.mask_token_id, self.tokenizer)
         self.max_model_len = engine_config.model_len(model_config.max_position_embeddings)
         state_cache = getattr(family, "state_cache", False)  # a cache of the family's own, no affix K/V
         if state_cache:
@@ -312,3 +314,14 @@ def _tp_worker(rank: int, world_size: int, init_method: str, backend: str, model
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     LLM(model, tensor_parallel_size=world_size, tensor_parallel_rank=(rank, world_size, init_method, backend),
         **kwargs)
+
+
+def check_mask_token(family: str, mask_token_id: int, tokenizer: Tokenizer) -> None:
+    """The config's mask id is the tokenizer's mask token where the tokenizer has the family's one (a Fast-dLLM v2
+    config without the field takes upstream's Qwen2.5 id): a mismatch would decode from the wrong token, silently."""
+    name = SPECIAL_TOKENS.get(family, {}).get("mask")
+    found = tokenizer.token_to_id(name) if name else None
+    if found is not None and found != mask_token_id:
+        raise ValueError(f"config.json's mask_token_id {mask_token_id} is not the tokenizer's mask token {name!r} "
+                         f"(id {found}): set mask_token_id to {found} in config.json")
+

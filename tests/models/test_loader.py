@@ -86,6 +86,26 @@ def test_a_checkpoint_says_the_dtype_its_weights_are_stored_in(tmp_path, dream_d
     assert json.loads((tmp_path / "f" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
+@pytest.mark.parametrize("change", ["other id", "field left out"])
+def test_a_mask_id_that_is_not_the_tokenizers_mask_token_is_refused(tmp_path, blockdiff_dir, change):
+    """A Fast-dLLM v2 config without mask_token_id takes upstream's Qwen2.5 id (151665): with a tokenizer whose
+    mask token is elsewhere it decoded from the wrong token, silently."""
+    from acache import LLM
+
+    root = shutil.copytree(blockdiff_dir, tmp_path / "m")
+    config = json.loads((root / "config.json").read_text())
+    mask = config["mask_token_id"]
+    if change == "other id":
+        config["mask_token_id"] = mask - 1
+    else:
+        del config["mask_token_id"]
+        config["vocab_size"] = 151680  # room for upstream's id, so that only the tokenizer can tell
+    (root / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"mask_token_id \d+ is not the tokenizer's mask token '\|<MASK>\|' "
+                                         rf"\(id {mask}\): set mask_token_id to {mask}"):
+        LLM(root)
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         load_model(tmp_path / "nowhere")
