@@ -63,6 +63,8 @@ class ScoreJob:
     samples: int
     generator: torch.Generator
     top_k: int = 0
+    #: this job's caller gave up: its rows are left out of the forwards still to come (the others' go on)
+    cancel: threading.Event | None = None
 
 
 class ScoringCancelled(RuntimeError):
@@ -198,12 +200,13 @@ def _batch_rows(batch_size: int, batch_tokens: int | None, n: int) -> int:
 @dataclass
 class _RowSet:
     """Rows of one canvas to forward: ``masks [U, n]`` (distinct), and whether each row's first masked column
-    needs its top ``top_k`` tokens."""
+    needs its top ``top_k`` tokens; ``cancel``, once set, leaves its rows still to come out (their values unset)."""
 
     ids: torch.Tensor
     masks: torch.Tensor
     top: torch.Tensor
     top_k: int
+    cancel: threading.Event | None = None
 
 
 @torch.inference_mode()
@@ -233,9 +236,17 @@ def _forward_rows(model: DiffusionLM, sets: Sequence[_RowSet], batch_size: int,
         top_values = torch.empty(len(masks), min(k, model.config.vocab_size), device=dev)
         top_ids = torch.empty(len(masks), min(k, model.config.vocab_size), dtype=torch.long, device=dev)
         lo = 0
+        gone: set[int] = set()
         while lo < len(order):
             if cancel is not None and cancel.is_set():
                 raise ScoringCancelled("scoring was cancelled")
+            left = {j for j, i in enumerate(members) if j not in gone and sets[i].cancel is not None
+                    and sets[i].cancel.is_set()}
+            if left:  # a caller gave up: the rest of its rows are not forwarded
+                gone |= left
+                rest = order[lo:]
+                order, lo = rest[~torch.isin(owner[rest], torch.tensor(sorted(left)))], 0
+                continue
             hi = lo + 1
             while hi < len(order) and hi - lo < _rows_per_batch(model, int(counts[order[hi]]), rows_cap):
                 hi += 1
@@ -352,7 +363,8 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
     """:func:`token_logprobs` of several sequences at once: each job draws from its own generator, so its
     values are those it gets alone (to float tolerance: batches are composed differently), while the rows of
     jobs of one length share forwards (an echo's prompt and its continuation, a batch of choices). A forward
-    takes at most ``batch_size`` rows and ``batch_tokens`` tokens; ``cancel`` is read between jobs' plans too."""
+    takes at most ``batch_size`` rows and ``batch_tokens`` tokens; ``cancel`` is read between jobs' plans too. A job
+    whose own ``cancel`` is set before the end gets None: the rest of its rows were left out."""
     plans = []
     for job in jobs:
         validate(model, job)
@@ -360,10 +372,15 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
         if cancel is not None and cancel.is_set():
             raise ScoringCancelled("scoring was cancelled")
         starts = range(job.start, len(job.token_ids))
-        plans.append(_plan(job.token_ids, starts, job.samples, job.generator, job.start if job.top_k else None,
-                           job.top_k))
+        rows, plan = _plan(job.token_ids, starts, job.samples, job.generator, job.start if job.top_k else None,
+                           job.top_k)
+        rows.cancel = job.cancel
+        plans.append((rows, plan))
     out = []
     for job, (draws, tops) in zip(jobs, _run(model, plans, batch_size, lock, cancel, batch_tokens), strict=True):
+        if job.cancel is not None and job.cancel.is_set():
+            out.append(None)
+            continue
         estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
         values = [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
         out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else

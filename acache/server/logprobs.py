@@ -11,6 +11,7 @@ continuation and every other prompt of the request are scored in one pass (:func
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -47,10 +48,13 @@ class _Waiting:
 class SharedPasses:
     """Scores the jobs of concurrent callers in shared passes. A caller that finds no pass running runs one
     with every caller waiting at that moment, its own jobs included; callers arriving meanwhile wait and the
-    next of them runs the next pass. Each job keeps its own generator, so its values are those it gets alone."""
+    next of them runs the next pass. Each job keeps its own generator, so its values are those it gets alone. A
+    caller that gives up has the rest of its rows left out of the pass, which goes on for the others (it stopped
+    only once every caller had given up); every caller hears at the pass's end."""
 
-    def __init__(self, run: Callable[[list[ScoreJob], AllSet], list[TokenLogprobs]]) -> None:
-        self.run = run
+    def __init__(self, run: Callable[[list[ScoreJob], AllSet], list[TokenLogprobs]],
+                 attach: Callable[[ScoreJob, threading.Event | None], ScoreJob] = lambda job, cancel: job) -> None:
+        self.run, self.attach = run, attach  # ``attach`` gives a job its caller's cancel
         self.passes = 0
         self._waiting: list[_Waiting] = []
         self._running = False
@@ -62,7 +66,10 @@ class SharedPasses:
         with self._cv:
             self._waiting.append(me)
             while self._running and not me.done:
-                self._cv.wait()
+                if cancel is not None and cancel.is_set():  # gave up while queued: its thread is freed now
+                    self._waiting.remove(me)
+                    raise ScoringCancelled("scoring was cancelled")
+                self._cv.wait(timeout=0.1)
             if not me.done:
                 batch, self._waiting = self._waiting, []
                 for gone in [w for w in batch if w.cancel is not None and w.cancel.is_set()]:
@@ -78,10 +85,14 @@ class SharedPasses:
 
     def _run(self, batch: list[_Waiting]) -> None:
         try:
-            results = self.run([job for w in batch for job in w.jobs], AllSet([w.cancel for w in batch]))
+            # each job carries its caller's cancel: one that gives up has its rows left out, the others' go on
+            jobs = [self.attach(job, w.cancel) for w in batch for job in w.jobs]
+            results = self.run(jobs, AllSet([w.cancel for w in batch]))
             at = 0
             for w in batch:
                 w.result, at = results[at:at + len(w.jobs)], at + len(w.jobs)
+                if w.cancel is not None and w.cancel.is_set():
+                    w.result, w.error = None, ScoringCancelled("scoring was cancelled")
         except BaseException as exc:  # every caller of the pass hears of it (a cancel, a bad sequence)
             for w in batch:
                 w.error = exc
@@ -114,7 +125,8 @@ class Scorer:
         self.model, self.tokenizer, self.samples, self.lock = model, tokenizer, samples, lock
         self.max_tokens = max_tokens
         self.shared = SharedPasses(lambda jobs, cancel: score_jobs(self.model, jobs, lock=self.lock, cancel=cancel,
-                                                                   batch_tokens=batch_tokens))
+                                                                   batch_tokens=batch_tokens),
+                                   lambda job, cancel: dataclasses.replace(job, cancel=cancel))
 
     def job(self, token_ids: Sequence[int], start: int, top_k: int, seed: int | None,
             samples: int | None) -> ScoreJob:

@@ -359,7 +359,9 @@ def test_a_caller_that_gave_up_before_its_pass_costs_no_work():
     later = [threading.Thread(target=call, args=("b", gone)), threading.Thread(target=call, args=("c",))]
     for t in later:
         t.start()
-    while len(shared._waiting) < 2:
+    later[0].join(5)  # gave up while queued: it leaves at once, not at the pass's end
+    assert isinstance(results["b"], ScoringCancelled) and not release.is_set()
+    while len(shared._waiting) < 1:
         threading.Event().wait(0.01)
     release.set()
     for t in (first, *later):
@@ -383,3 +385,84 @@ def test_byte_pieces_of_one_character_are_named_by_their_bytes(llada_dir):
         == "é".encode()
     assert all(len(c["top_logprobs"]) == 2 and all(isinstance(t["bytes"], list) for t in c["top_logprobs"])
                for c in content)
+
+
+def test_a_caller_that_gives_up_mid_pass_has_its_rows_left_out_and_the_others_go_on(setup):
+    """A pass shared with a small request ran a cancelled large one to its end (67 forwards in the reviewer's case),
+    and the small request waited for all of it."""
+    import contextlib
+    import threading
+
+    from acache.scoring import ScoreJob, score_jobs
+
+    _, llm = setup
+    ids = llm.tokenizer.encode(STORY)
+    small_ids = ids[:10]
+
+    def jobs(cancel=None):
+        big = ScoreJob(ids, 1, 16, torch.Generator().manual_seed(1), 0, cancel)
+        small = ScoreJob(small_ids, 8, 2, torch.Generator().manual_seed(2))
+        return [big, small]
+
+    forwards = []
+
+    class Counting(contextlib.AbstractContextManager):
+        """The engine lock's place: held around each forward, so it counts them."""
+
+        def __enter__(self):
+            forwards.append(1)
+            if len(forwards) == 2:
+                gone.set()  # the big job's caller gives up during the second forward
+
+        def __exit__(self, *exc):
+            return None
+
+    gone = threading.Event()
+    alone = score_jobs(llm.model, jobs()[1:], batch_size=4)[0]
+    whole = len(forwards)
+    full_run = score_jobs(llm.model, jobs(), batch_size=4, lock=Counting())
+    everything, forwards[:] = len(forwards), []
+    gone.clear()
+    big, small = score_jobs(llm.model, jobs(gone), batch_size=4, lock=Counting())
+    assert big is None and full_run[0] is not None
+    torch.testing.assert_close(torch.tensor(small.values), torch.tensor(alone.values), rtol=0, atol=1e-5)
+    assert len(forwards) < everything / 2 and whole == 0  # the rest of the big job's rows never ran
+
+
+def test_a_caller_queued_behind_a_pass_that_gives_up_is_freed_at_once():
+    import threading
+    import time
+
+    from acache.scoring import ScoringCancelled
+    from acache.server.logprobs import SharedPasses
+
+    started, release = threading.Event(), threading.Event()
+
+    def run(jobs, cancel):
+        started.set()
+        release.wait(10)
+        return jobs
+
+    shared = SharedPasses(run)
+    first = threading.Thread(target=shared, args=(["a"],))
+    first.start()
+    started.wait(5)
+    gone, outcome = threading.Event(), []
+
+    def queued():
+        try:
+            outcome.append(shared(["b"], gone))
+        except ScoringCancelled as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=queued)
+    waiter.start()
+    while not shared._waiting:
+        time.sleep(0.01)
+    began = time.monotonic()
+    gone.set()
+    waiter.join(5)
+    assert isinstance(outcome[0], ScoringCancelled) and time.monotonic() - began < 1 and not release.is_set()
+    release.set()
+    first.join(5)
+    assert shared._waiting == []
