@@ -141,19 +141,32 @@ class Scorer:
     def score_all(self, jobs: Sequence[ScoreJob], cancel: threading.Event | None = None) -> list[TokenLogprobs]:
         """Several jobs in one pass, with those of any request scoring at the same time: rows of sequences of
         one length share forwards."""
+        self._refuse(jobs)
+        return self.shared(jobs, cancel)
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], echo: bool, top_k: int, samples: int | None) -> None:
+        """What a request's scoring would be refused for that its prompts alone show, checked before it decodes
+        (it decoded first, then heard the 400): a token scoring cannot read (the mask token, one outside the
+        vocabulary), and echoed prompts whose own scoring is past ``max_tokens``."""
+        checked = [self.job(ids, 1, top_k, None, samples) for ids in prompts if len(ids) > 1]
+        self._refuse(checked, work=[j for j in checked if echo])
+
+    def _refuse(self, jobs: Sequence[ScoreJob], work: Sequence[ScoreJob] | None = None) -> None:
+        """Raises :class:`ScoringRefused` for a job that cannot be scored, or for too much work in ``work`` (all
+        of ``jobs`` by default)."""
         for job in jobs:
             try:
                 validate(self.model, job)
             except ValueError as exc:
                 raise ScoringRefused(str(exc)) from None
-        work = sum(scoring_work(job) for job in jobs)
-        if work > self.max_tokens:
-            longest = max(len(job.token_ids) for job in jobs)
+        work = jobs if work is None else work
+        total = sum(scoring_work(job) for job in work)
+        if total > self.max_tokens:
+            longest = max(len(job.token_ids) for job in work)
             raise ScoringRefused(
-                f"scoring this request forwards about {work:,} token positions ({longest} tokens, "
-                f"{max(job.samples for job in jobs)} draws a split), more than this server's --max-scoring-tokens of "
+                f"scoring this request forwards about {total:,} token positions ({longest} tokens, "
+                f"{max(job.samples for job in work)} draws a split), more than this server's --max-scoring-tokens of "
                 f"{self.max_tokens:,}: lower mc_samples or score a shorter prompt")
-        return self.shared(jobs, cancel)
 
     def piece(self, token_id: int) -> str:
         """A token's own text, special tokens included (an EOS is reported as itself, not as nothing); a byte-level

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from acache.affix.prompt import AffixPrompt, affix_key
 from acache.sampling_params import SamplingParams
+from acache.server.logprobs import ScoringRefused
 from acache.server.protocol import BadRequest, ChatCompletionRequest
 from acache.server.reuse_gate import Decision, Plan
 from acache.server.serving import Check, CheckedStream, OpenAIServing, finish_reason, until_disconnect
@@ -64,6 +65,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt, params, plan, check = self.plan(body, candidate, reuse_params, registered_key)
         try:
             self.prompt_fits(prompt, params)
+            if body.logprobs:  # refused before decoding, not after it
+                try:
+                    ctx.scorer.check_prompts([prompt.token_ids], False, body.top_logprobs or 0, body.mc_samples)
+                except ScoringRefused as exc:
+                    raise BadRequest(str(exc)) from None
         except BadRequest:
             if check is not None:  # the check planned never runs: the gate must not count it as running
                 check.abandon(ctx.gate)

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from acache.affix.prompt import AffixPrompt
 from acache.sampling_params import SamplingParams
+from acache.server.logprobs import ScoringRefused
 from acache.server.protocol import BadRequest, CompletionRequest
 from acache.server.serving import OpenAIServing, RequestError, finish_reason, until_disconnect
 from acache.server.stops import Cut
@@ -89,6 +90,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise BadRequest(str(exc)) from None
             else:
                 self.prompt_fits(p, params)
+        if body.logprobs is not None and not score_only:  # refused before decoding, not after it
+            try:
+                ctx.scorer.check_prompts([p.token_ids for p in prompts], bool(body.echo), body.logprobs,
+                                         body.mc_samples)
+            except ScoringRefused as exc:
+                raise BadRequest(str(exc)) from None
         ctx.counters["requests_total"] += len(prompts)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         reused = affix_ids is not None and not score_only

@@ -466,3 +466,38 @@ def test_a_caller_queued_behind_a_pass_that_gives_up_is_freed_at_once():
     release.set()
     first.join(5)
     assert shared._waiting == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, monkeypatch, path):
+    """A prompt holding the mask token, or an echoed prompt whose scoring alone is past the budget, was decoded to
+    the end before the 400."""
+    client, llm = setup
+    engine = client.app.state.engine
+    real, calls = engine.generate, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counting)
+    mask = llm.tokenizer.decode([llm.config.mask_token_id], skip_special_tokens=False)
+    if path == "/v1/completions":
+        body = {"prompt": f"where is mary {mask} ?", "max_tokens": 8, "logprobs": 0}
+    else:
+        body = {"messages": [{"role": "user", "content": f"where is mary {mask} ?"}], "max_tokens": 8,
+                "logprobs": True}
+    status, out = post(client, path, body)
+    assert status == 400 and "is the model's mask token" in out["error"]["message"] and calls == []
+    if path == "/v1/completions":
+        ids = llm.tokenizer.encode(STORY)
+        with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=30 * 16 * 8)) as c:
+            engine = c.app.state.engine
+            real = engine.generate
+            monkeypatch.setattr(engine, "generate", counting)
+            status, out = post(c, path, {"prompt": ids, "max_tokens": 4, "echo": True, "logprobs": 0,
+                                         "mc_samples": 64})
+            assert status == 400 and "--max-scoring-tokens" in out["error"]["message"] and calls == []
+            status, out = post(c, path, {"prompt": ids[:12], "max_tokens": 2, "echo": True, "logprobs": 0,
+                                         "mc_samples": 2})
+            assert status == 200 and calls == [1]  # a request within the budget still decodes and is scored
