@@ -68,8 +68,8 @@ def lm_eval_choices(model: str, limit: int, seed: int = 0) -> list[Choice]:
             text = PROMPT.replace("{{story}}", record["story"]).replace("{{question}}", record["question"])
             context = tokenizer.encode(text)
             for i, choice in enumerate(record["choices"]):
-                out.append(Choice(task, d, i, record["label"], context + tokenizer.encode(" " + choice),
-                                  len(context)))
+                tail = tokenizer.encode(" " + choice, add_special_tokens=False)  # no BOS inside the sequence
+                out.append(Choice(task, d, i, record["label"], context + tail, len(context)))
     return out
 
 
