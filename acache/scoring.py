@@ -25,6 +25,12 @@ masked set is forwarded once however many (split, sample) pairs drew it, so a re
 ``samples x (prompt length) / 2`` sequence forwards instead of ``samples x (prompt length - 1)``. The draws of a
 split depend only on the seed and the splits after it: scoring from an earlier start, or one split alone
 (:func:`continuation_logprob`), gives that split the same draws.
+
+**Block-causal models** (block diffusion) decode a block of their attention given the blocks before it, clean,
+and never see the blocks after it. Their bound is each block's bound with the earlier blocks unmasked, summed
+(:func:`block_spans`): every block draws its own chain (the last block first), the per-token values telescope
+within a block, and the sums from a split on still give its estimate. The whole-sequence bound, which masks earlier
+blocks' tokens as well, scores a canvas their decoding never reads.
 """
 
 from __future__ import annotations
@@ -322,16 +328,47 @@ def _run(model: DiffusionLM, plans: Sequence[tuple[_RowSet, _Plan]], batch_size:
     return out
 
 
+def block_spans(model: DiffusionLM, n: int, first: int) -> list[tuple[int, int]]:
+    """The column ranges of ``first..n`` scored apart: one range, or, for a block-causal model, one a block of its
+    attention (``position // block_size``), where a block is decoded given the blocks before it, clean, and never
+    sees the blocks after it. Its bound is then the sum of each block's bound with the earlier blocks unmasked:
+    masking earlier blocks' tokens too, as the whole-sequence bound does, scores a canvas its decoding never
+    reads."""
+    size = model.config.block_size if getattr(model, "block_causal", False) else None
+    if not size:
+        return [(first, n)]
+    spans, a = [], first
+    while a < n:
+        e = min(n, (a // size + 1) * size)
+        spans.append((a, e))
+        a = e
+    return spans
+
+
 def bound_draws(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
                 generator: torch.Generator, batch_size: int = 64,
                 lock: contextlib.AbstractContextManager | None = None,
                 cancel: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every single draw of the bound: ``samples`` values for each split in ``starts`` (float64), and the
     index into ``starts`` each belongs to. The samples of one split are independent; those of different
-    splits are coupled (the module docstring)."""
+    splits are coupled (the module docstring). On a block-causal model a split's draw is the sum of its
+    blocks' (:func:`block_spans`), each block drawn on its own, the last first."""
     _check(model, token_ids, starts, samples)
-    draws, _ = _run(model, [_plan(token_ids, starts, samples, generator, None, 0)], batch_size, lock, cancel)[0]
-    return draws.reshape(-1), torch.arange(len(starts)).repeat_interleave(samples)
+    spans = block_spans(model, len(token_ids), min(starts))
+    if len(spans) == 1:
+        draws, _ = _run(model, [_plan(token_ids, starts, samples, generator, None, 0)], batch_size, lock, cancel)[0]
+        return draws.reshape(-1), torch.arange(len(starts)).repeat_interleave(samples)
+    needs, plans = [], []
+    for a, e in reversed(spans):  # each block's splits asked for, and its first column where a later block's tail
+        need = sorted({c for c in starts if a <= c < e} | ({a} if any(c < a for c in starts) else set()))
+        needs.append(need)
+        plans.append(_plan(token_ids[:e], need, samples, generator, None, 0))
+    at: dict[int, torch.Tensor] = {}
+    for need, (draws, _) in zip(needs, _run(model, plans, batch_size, lock, cancel), strict=True):
+        at.update({c: draws[i] for i, c in enumerate(need)})
+    per = [at[c] + sum((at[a] for a, _ in spans if a > c), torch.zeros(samples, dtype=torch.float64))
+           for c in starts]
+    return torch.stack(per).reshape(-1), torch.arange(len(starts)).repeat_interleave(samples)
 
 
 def split_estimates(model: DiffusionLM, token_ids: Sequence[int], starts: Sequence[int], samples: int,
@@ -365,24 +402,31 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
     jobs of one length share forwards (an echo's prompt and its continuation, a batch of choices). A forward
     takes at most ``batch_size`` rows and ``batch_tokens`` tokens; ``cancel`` is read between jobs' plans too. A job
     whose own ``cancel`` is set before the end gets None: the rest of its rows were left out."""
-    plans = []
+    plans, blocks = [], []
     for job in jobs:
         validate(model, job)
     for job in jobs:
         if cancel is not None and cancel.is_set():
             raise ScoringCancelled("scoring was cancelled")
-        starts = range(job.start, len(job.token_ids))
-        rows, plan = _plan(job.token_ids, starts, job.samples, job.generator, job.start if job.top_k else None,
-                           job.top_k)
-        rows.cancel = job.cancel
-        plans.append((rows, plan))
+        spans = block_spans(model, len(job.token_ids), job.start)
+        blocks.append(len(spans))
+        for a, e in reversed(spans):  # a block-causal model's blocks apart, the last drawn first (bound_draws)
+            rows, plan = _plan(job.token_ids[:e], range(a, e), job.samples, job.generator,
+                               a if job.top_k else None, job.top_k)
+            rows.cancel = job.cancel
+            plans.append((rows, plan))
+    results = iter(_run(model, plans, batch_size, lock, cancel, batch_tokens))
     out = []
-    for job, (draws, tops) in zip(jobs, _run(model, plans, batch_size, lock, cancel, batch_tokens), strict=True):
+    for job, count in zip(jobs, blocks, strict=True):
+        values, tops = [], []
+        for draws, block_tops in reversed([next(results) for _ in range(count)]):
+            # telescoped within the block: the later blocks' estimates are in both E_c and E_(c+1)
+            estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
+            values += [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
+            tops += block_tops
         if job.cancel is not None and job.cancel.is_set():
             out.append(None)
             continue
-        estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
-        values = [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
         out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else
                                  [{} for _ in values]))
     return out
