@@ -509,6 +509,19 @@ class Batcher:
             row = row._replace(bridge=self.token(example.bridge[0]))
         return row
 
+    def check_lengths(self, draws: int = 8) -> None:
+        """Raises the ValueError :meth:`row` would raise on a row past the model's max_seq_len, for every task of
+        every stage in every layout of the config at the stage's most sentences (``draws`` stories each, on
+        generators of their own: the training stream is not touched)."""
+        stages = self.config.stages or (self.config.stage_at(self.config.steps - 1),)  # the last step: the longest
+        for stage in stages:
+            for task in stage.tasks:
+                most = self.config.task_sentences.get(task, (stage.min_sentences, stage.max_sentences))[1]
+                for i in range(draws):
+                    for example in TRAIN_GENERATORS[task](random.Random(f"check:{task}:{i}"), most):
+                        for layout in self.config.layouts:
+                            self.row(example, layout)
+
     def token(self, word: str) -> int:
         """The id of ``word``, which must be one token of the vocabulary."""
         token = self.tok.token_to_id(word)
@@ -1084,6 +1097,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     opt = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98), eps=config.adam_eps)
 
     batcher = Batcher(config, tokenizer)
+    batcher.check_lengths()  # before any step: a row too long for the model was found only when drawn, hours in
     probe = Probe(config, batcher) if config.eval_every else None
     gen = torch.Generator().manual_seed(config.seed + 1)
     log: list[dict] = []

@@ -1529,6 +1529,16 @@ def test_a_row_longer_than_the_models_context_is_named(tmp_path):
         train(config, progress=False)
 
 
+def test_a_row_too_long_at_the_curriculums_end_is_named_before_any_step(tmp_path, monkeypatch):
+    """The curriculum grows the stories: a row past max_seq_len was drawn (and the run lost) only hours in."""
+    config = small_run(tmp_path / "run", model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64,
+                                                          max_seq_len=64), min_sentences=2, max_sentences=14,
+                       curriculum_steps=30, steps=40)
+    monkeypatch.setattr(Batcher, "batch", lambda self, step: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match="takes \\d+ tokens, more than the model's max_seq_len of 64"):
+        train(config, progress=False)
+
+
 def test_count_masking_weighs_every_answer_column_alike():
     """``masking="count"`` (LoRA's) masks 1..n of a row's n answer columns and weighs them n / k: every column's
     mean weight is 1, and no row is left with nothing masked. ``rate_t`` forces the first column of a row that drew
