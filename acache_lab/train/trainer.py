@@ -13,6 +13,7 @@ reads it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -994,10 +995,7 @@ def start_from_(model: DiffusionLM, path: str | Path | Sequence[str | Path]) -> 
         except ValueError as e:
             raise ValueError(f"init_from: {e}") from None
         path = f"the mean of {', '.join(str(p) for p in paths)}"
-    mine, theirs = model.config, source.config
-    fields = ("num_layers", "hidden_size", "intermediate_size", "vocab_size")
-    diff = [f"{f} {getattr(theirs, f)} (config: {getattr(mine, f)})" for f in fields
-            if getattr(mine, f) != getattr(theirs, f)]
+    diff = shape_differences(model.config, source.config)
     if diff:
         raise ValueError(f"init_from {path}: the checkpoint's shape differs: " + ", ".join(diff))
     theirs_by_name = dict(source.named_parameters())
@@ -1202,6 +1200,22 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         if main_thread:
             signal.signal(signal.SIGINT, previous)
     return summary
+
+
+def shape_differences(mine: Any, theirs: Any) -> list[str]:
+    """What ``init_from``'s checkpoint (``theirs``) computes otherwise than the config's model (``mine``): its sizes,
+    and, where both have attention, its heads, which change no tensor's shape (a 2-head checkpoint copied into a
+    4-head model trained from a loss of 60.9 where its parent ended at 6.8). A RoPE base that differs is a choice
+    (the block-diffusion recipe moves its LLaDA parent to Qwen's base): the run logs it, and goes on."""
+    fields = ["num_layers", "hidden_size", "intermediate_size", "vocab_size"]
+    if hasattr(mine, "num_kv_heads") and hasattr(theirs, "num_kv_heads"):
+        fields += ["num_heads", "num_kv_heads"]
+        if mine.rope_theta != theirs.rope_theta:
+            logging.getLogger("acache.train").warning(
+                "init_from: the checkpoint's rope_theta is %g, the config's %g: its attention starts from positions "
+                "it was not trained at", theirs.rope_theta, mine.rope_theta)
+    return [f"{f} {getattr(theirs, f)} (config: {getattr(mine, f)})" for f in fields
+            if getattr(mine, f) != getattr(theirs, f)]
 
 
 def writable_out(out: str | Path) -> None:

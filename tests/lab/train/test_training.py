@@ -774,6 +774,11 @@ def test_init_from_starts_at_a_checkpoint(tmp_path):
                         model=ModelShape(layers=2, hidden_size=32, heads=2, intermediate_size=64))
     with pytest.raises(ValueError, match=r"shape differs: num_layers 1 \(config: 2\)"):
         train(wider, progress=False)
+    # heads change no tensor's shape: the copy went through and trained another model than the checkpoint's
+    more_heads = TrainConfig(out=str(tmp_path / "e"), steps=1, tasks=("qa1",), init_from=str(tmp_path / "a"),
+                             model=ModelShape(layers=1, hidden_size=32, heads=4, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"shape differs: num_heads 2 \(config: 4\), num_kv_heads 2 \(config: 4\)"):
+        train(more_heads, progress=False)
     with pytest.raises(FileNotFoundError, match="init_from: no checkpoint at"):
         train(TrainConfig(out=str(tmp_path / "d"), steps=1, init_from=str(tmp_path / "missing")), progress=False)
 
