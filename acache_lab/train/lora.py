@@ -128,6 +128,10 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
+        for name in ("lr", "alpha", "grad_clip", "weight_decay", "dropout"):
+            value = getattr(self, name)  # infinity or NaN trained to a NaN adapter and exited 0
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, not {value!r}")
         if self.rank <= 0 or self.alpha <= 0:
             raise ValueError(f"rank and alpha must be positive, got rank={self.rank}, alpha={self.alpha}")
         if not 0.0 <= self.dropout < 1.0:

@@ -287,11 +287,21 @@ class TrainConfig:
                              f"not {self.decay_steps}")
         if self.grad_clip <= 0 or self.adam_eps <= 0:
             raise ValueError("grad_clip and adam_eps must be positive")
+        for name, low, high, closed in (("lr", 0.0, math.inf, False), ("weight_decay", 0.0, math.inf, True),
+                                        ("context_mask_rate", 0.0, 1.0, True),
+                                        ("time_limit_minutes", 0.0, math.inf, False)):
+            value = getattr(self, name)  # a string, NaN, infinity or a negative decay trained on, or failed late
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or not (low <= value if closed else low < value) or value > high:
+                raise ValueError(f"{name} must be a finite number in {'[' if closed else '('}{low:g}, {high:g}], not "
+                                 f"{value!r}")
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 1:
+            raise ValueError(f"log_every is a positive number of steps, not {self.log_every!r}")
         if self.answer_reduction not in REDUCTIONS:
             raise ValueError(f"answer_reduction must be 'mean' or 'sum', not {self.answer_reduction!r}")
         for masking in (self.answer_masking, *(st.answer_masking for st in self.stages if st.answer_masking)):
             if masking not in MASKINGS:
-                raise ValueError(f"answer_masking must be 'rate_t' or 'all', not {masking!r}")
+                raise ValueError(f"answer_masking must be one of {', '.join(MASKINGS)}, not {masking!r}")
         if self.eos_weight < 0:
             raise ValueError("eos_weight must be >= 0")
         if isinstance(self.answer_room, bool) or not isinstance(self.answer_room, int) or self.answer_room < 0:

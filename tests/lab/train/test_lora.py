@@ -470,6 +470,9 @@ def test_a_block_diffusion_checkpoint_is_refused(blockdiff_dir, tmp_path):
     ({"answer_room_share": 0.0}, r"answer_room_share is the share of draws given room, in \(0, 1\]"),
     ({"answer_room_share": 1.5}, r"answer_room_share is the share of draws given room"),
     ({"answer_room": 4, "answer_room_share": 1.0, "teacher": 1.0}, "with answer_room_share 1 there are none"),
+    ({"lr": float("inf")}, "lr must be a finite number, not inf"),  # trained to a NaN adapter and exited 0
+    ({"alpha": float("nan")}, "alpha must be a finite number, not nan"),
+    ({"lr": float("nan")}, "lr must be a finite number"),  # refused by AdamW only, after the checkpoint loaded
 ])
 def test_bad_options(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):

@@ -1229,7 +1229,7 @@ def test_bad_training_configs(tmp_path):
         TrainConfig(scan_init="mamba")
     with pytest.raises(ValueError, match="answer_masking must be"):
         TrainConfig(answer_masking="some")
-    with pytest.raises(ValueError, match="answer_masking must be 'rate_t' or 'all', not 'half'"):
+    with pytest.raises(ValueError, match="answer_masking must be one of rate_t, all, count, not 'half'"):
         TrainConfig(steps=5, stages=(Stage(5, ("qa1",), 2, 2, answer_masking="half"),))
     with pytest.raises(ValueError, match="eos_weight must be >= 0"):
         TrainConfig(eos_weight=-1.0)
@@ -1532,6 +1532,19 @@ def test_a_row_longer_than_the_models_context_is_named(tmp_path):
     with pytest.raises(ValueError, match="a qa1 example in the .* layout takes \\d+ tokens, more than the model's "
                                          "max_seq_len of 32"):
         train(config, progress=False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("weight_decay", -1.0, r"weight_decay must be a finite number in \[0, inf\], not -1.0"),  # weights grew
+    ("context_mask_rate", 2.0, r"context_mask_rate must be a finite number in \[0, 1\], not 2.0"),
+    ("lr", "0.001", "lr must be a finite number in \\(0, inf\\], not '0.001'"),  # a TypeError from inside
+    ("lr", float("nan"), "lr must be a finite number"),
+    ("time_limit_minutes", 0, r"time_limit_minutes must be a finite number in \(0, inf\], not 0"),
+    ("log_every", 0, "log_every is a positive number of steps, not 0"),
+])
+def test_bad_numbers_are_named_at_construction(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        small_run(tmp_path / "run", **{field: value})
 
 
 def test_a_row_too_long_at_the_curriculums_end_is_named_before_any_step(tmp_path, monkeypatch):
