@@ -98,6 +98,9 @@ def save_checkpoint(model: DiffusionLM, out: str | Path, tokenizer: HFTokenizer 
     stored = target if target is not None else next(iter(tensors.values())).dtype  # what "auto" loads it as
     hf_config["torch_dtype"] = str(stored).removeprefix("torch.")
     (root / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    # another checkpoint's weights left in ``out`` would load in place of these: the index before the single file
+    for old in (root / INDEX_FILE, root / WEIGHTS_FILE, *root.glob("model-*-of-*.safetensors")):
+        old.unlink(missing_ok=True)
     names = list(tensors)
     if shards == 1:
         save_file(tensors, root / WEIGHTS_FILE, metadata={"format": "pt"})

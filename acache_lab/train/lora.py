@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -421,6 +422,7 @@ def save_run(run: LoraRun, config: LoraConfig) -> dict:
     # the embeddings are never adapted: False also keeps peft from reading the base config as a transformers one
     run.adapted.save_pretrained(str(out / ADAPTER_DIR), save_embedding_layers=False)
     summary = {**run.summary, "adapter": str(out / ADAPTER_DIR), "merged": None}
+    shutil.rmtree(out / MERGED_DIR, ignore_errors=True)  # an earlier run's merged model is not this run's
     if config.merge:
         merged = run.adapted.merge_and_unload()
         summary["merged"] = str(write_merged(merged, run.source, out / MERGED_DIR, run.record))

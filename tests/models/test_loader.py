@@ -106,6 +106,22 @@ def test_a_mask_id_that_is_not_the_tokenizers_mask_token_is_refused(tmp_path, bl
         LLM(root)
 
 
+def test_a_checkpoint_written_over_another_loads_as_written(tmp_path, llada_dir):
+    """A sharded checkpoint left in the folder loaded in place of a single file written over it (the index comes
+    first): a merged LoRA run into the same --out served the earlier run's weights."""
+    first, second = load_model(llada_dir), load_model(llada_dir)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(0.5)
+    for shards in ((3, 1), (1, 3), (3, 2)):
+        save_checkpoint(first, tmp_path / "m", shards=shards[0])
+        save_checkpoint(second, tmp_path / "m", shards=shards[1])
+        got = dict(load_model(tmp_path / "m").named_parameters())
+        for name, p in second.named_parameters():
+            assert torch.equal(got[name], p), (shards, name)
+        assert len(list((tmp_path / "m").glob("*.safetensors"))) == shards[1]
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model directory not found"):
         load_model(tmp_path / "nowhere")

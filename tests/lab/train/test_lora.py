@@ -122,6 +122,11 @@ def test_the_command_line_writes_the_adapter_and_the_merged_checkpoint(llada_dir
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"] and adapter["r"] == 2
     assert read_config(out / "merged")[1].affix_training["affix_isolation"] == 1.0
+    # run again into the same --out without --merge: the earlier merged model is not this run's, and goes
+    argv = ["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--out", str(out), "--steps", "1",
+            "--batch-size", "2", "--rank", "2", "--device", "cpu", "--time-limit-minutes", "5"]
+    assert main(argv) == 0
+    assert not (out / "merged").exists() and json.loads((out / "finetune_log.json").read_text())["merged"] is None
 
 
 @needs_peft
