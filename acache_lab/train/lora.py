@@ -22,11 +22,15 @@ the engine's front ends serve it by direct reuse.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -333,46 +337,57 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     bar = tqdm(range(config.steps), desc="finetune", unit="step", disable=not progress)
     if held:
         probe(0)
-    for step in bar:
-        if time.perf_counter() - started - probing > limit_s:
-            bar.write(f"time limit of {config.time_limit_minutes} min reached after {steps_done} steps")
-            break
-        for group in opt.param_groups:
-            group["lr"] = config.lr_at(step)
-        drawn = rng.choices(rows, k=config.batch_size)
-        if config.answer_room:
-            drawn = [with_room(r, rng.randint(1, config.answer_room), model.config.eos_token_id, context)
-                     if rng.random() < config.answer_room_share else r for r in drawn]
-        batch = collate_rows(drawn, pad).to(device)
-        isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
-        batch, attention = batch.reused(isolated, model.shifted_logits)
-        neighbours = taught = None
-        if config.teacher > 0:
-            # rows given room aside: the checkpoint never learnt to end an answer in more columns than its own
-            taught = Teacher(config.teacher, base_predictions, ~isolated & torch.tensor([r.room == 0 for r in drawn]))
-        if heads is not None:
-            neighbours = Neighbours(config.neighbours, heads, layer,
-                                    span_owners(batch.valid, batch.isolated_spans(isolated)), config.neighbour_pairs,
-                                    sampler)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
-                                         model.config.mask_token_id, gen, masking="count",
-                                         weighting="masked_count", attention=attention, neighbours=neighbours,
-                                         teacher=taught)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
-        opt.step()
-        steps_done, tokens = step + 1, tokens + int(batch.valid.sum())
-        window.append(loss.item())
-        if len(window) == config.log_every or steps_done == config.steps:
-            mean = sum(window) / len(window)
-            log.append({"step": steps_done, "loss": mean, "lr": config.lr_at(step),
-                        "elapsed_s": time.perf_counter() - started - probing})
-            bar.set_postfix(loss=f"{mean:.3f}")
-            window.clear()
-        if held and steps_done % config.eval_every == 0:
-            probe(steps_done)
+    stopped_by = None
+    with stop_requests(bar.write) as stop:
+        for step in bar:
+            if stop["asked"]:  # Ctrl-C or SIGTERM: what was trained is saved, as at the time limit
+                stopped_by = stop["asked"]
+                bar.write(f"{stopped_by}: stopped after {steps_done} steps; saving the adapters trained so far")
+                break
+            if time.perf_counter() - started - probing > limit_s:
+                stopped_by = f"the time limit of {config.time_limit_minutes} min"
+                bar.write(f"time limit of {config.time_limit_minutes} min reached after {steps_done} steps")
+                break
+            for group in opt.param_groups:
+                group["lr"] = config.lr_at(step)
+            drawn = rng.choices(rows, k=config.batch_size)
+            if config.answer_room:
+                drawn = [with_room(r, rng.randint(1, config.answer_room), model.config.eos_token_id, context)
+                         if rng.random() < config.answer_room_share else r for r in drawn]
+            batch = collate_rows(drawn, pad).to(device)
+            isolated = torch.rand(config.batch_size, generator=gen) < config.isolation
+            batch, attention = batch.reused(isolated, model.shifted_logits)
+            neighbours = taught = None
+            if config.teacher > 0:
+                # rows given room aside: the checkpoint never learnt to end an answer in more columns than its own
+                plain = torch.tensor([r.room == 0 for r in drawn])
+                taught = Teacher(config.teacher, base_predictions, ~isolated & plain)
+            if heads is not None:
+                owners = span_owners(batch.valid, batch.isolated_spans(isolated))
+                neighbours = Neighbours(config.neighbours, heads, layer, owners, config.neighbour_pairs, sampler)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = masked_diffusion_loss(model, batch.ids, batch.answer, batch.positions, batch.valid,
+                                             model.config.mask_token_id, gen, masking="count",
+                                             weighting="masked_count", attention=attention, neighbours=neighbours,
+                                             teacher=taught)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+            opt.step()
+            steps_done, tokens = step + 1, tokens + int(batch.valid.sum())
+            window.append(loss.item())
+            if len(window) == config.log_every or steps_done == config.steps:
+                mean = sum(window) / len(window)
+                log.append({"step": steps_done, "loss": mean, "lr": config.lr_at(step),
+                            "elapsed_s": time.perf_counter() - started - probing})
+                bar.set_postfix(loss=f"{mean:.3f}")
+                window.clear()
+            if held and steps_done % config.eval_every == 0:
+                probe(steps_done)
+    if window:  # the run stopped inside a logging window: its last steps are logged too
+        log.append({"step": steps_done, "loss": sum(window) / len(window), "lr": config.lr_at(max(0, steps_done - 1)),
+                    "elapsed_s": time.perf_counter() - started - probing})
+        window.clear()
     if held and probes[-1]["step"] != steps_done:  # the last step, or where the time limit stopped the run
         probe(steps_done)
     bar.close()
@@ -389,8 +404,36 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                "tokens": tokens, "rows": len(rows), "layouts": layouts,
                "trainable_parameters": sum(p.numel() for p in trainable),
                "neighbour_parameters": 0 if heads is None else sum(p.numel() for p in heads.parameters()),
-               "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probe": probes}
+               "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probe": probes,
+               "stopped_by": stopped_by}
     return LoraRun(adapted, source, summary, record, heads)
+
+
+@contextlib.contextmanager
+def stop_requests(say: Callable[[str], None]) -> Iterator[dict]:
+    """A run's stop flag: a first Ctrl-C, or a SIGTERM (``timeout``, a scheduler), sets ``["asked"]`` to what asked,
+    for the loop to stop at the next step and save; a second Ctrl-C quits at once. The handlers before are put
+    back after; only in the main thread, where Python delivers signals."""
+    stop: dict = {"asked": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if stop["asked"]:
+            raise KeyboardInterrupt
+        stop["asked"] = "Ctrl-C"
+        say("Ctrl-C: stopping after this step and saving what was trained (Ctrl-C again quits at once)")
+
+    def on_sigterm(signum, frame) -> None:
+        stop["asked"] = "SIGTERM"
+
+    before = signal.signal(signal.SIGINT, on_sigint), signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
 
 
 def probe_rows(model: DiffusionLM, rows: list[Row], pad: int, device: torch.device, batch_size: int, mask_id: int,

@@ -1156,19 +1156,23 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     started = time.perf_counter() - spent
     bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
                initial=steps_done, total=config.steps)
-    stop = {"asked": False}
+    stop: dict = {"asked": None}  # what asked the run to stop: Ctrl-C, or a SIGTERM (timeout, a scheduler)
 
     def on_sigint(signum, frame) -> None:
         if stop["asked"]:
             raise KeyboardInterrupt
-        stop["asked"] = True
+        stop["asked"] = "Ctrl-C"
         bar.write("Ctrl-C: stopping after this step and saving a resumable run (Ctrl-C again quits at once)")
+
+    def on_sigterm(signum, frame) -> None:
+        stop["asked"] = stop["asked"] or "SIGTERM"
 
     def saving(signum, frame) -> None:
         bar.write("saving the run: wait a moment (a kill now leaves it unresumable, never resumed wrong)")
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    previous_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
                                   started, steps_done, stop, heads, teacher, hop, snapshot)
@@ -1177,7 +1181,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         target = config.stop_after or config.steps
         interrupted = steps_done < target  # Ctrl-C, or the time limit: resumable either way
         if stop["asked"] and interrupted:
-            reason = "Ctrl-C"
+            reason = stop["asked"]
         elif interrupted:
             reason = f"the time limit of {config.time_limit_minutes} min"
             bar.write(f"stopped by {reason} after {steps_done} of {target} steps: the run is saved resumable")
@@ -1209,6 +1213,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, previous_term)
     return summary
 
 

@@ -507,3 +507,30 @@ def test_the_command_line_names_a_missing_peft_in_one_line(llada_dir, tmp_path, 
     data = write_data(tmp_path / "data.jsonl", n=3)
     assert main(["finetune-affix", "--model", str(llada_dir), "--data", str(data), "--out", str(tmp_path / "r")]) == 2
     assert "pip install 'acache[lora]'" in capsys.readouterr().err
+
+
+@needs_peft
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_a_run_stopped_by_a_signal_saves_what_it_trained(llada_dir, tmp_path, monkeypatch, stop):
+    """Ctrl-C or a SIGTERM (timeout, a scheduler) left an empty --out: hours of an 8B run lost. Now the run stops
+    at the next step and saves its adapters, and its last steps' loss is logged though their window is short."""
+    import os
+    import signal
+
+    import acache_lab.train.lora as lora
+
+    real, calls = lora.masked_diffusion_loss, []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM if stop == "SIGTERM" else signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora, "masked_diffusion_loss", signalled)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    summary = finetune(config(llada_dir, tmp_path, steps=20, log_every=5), progress=False)
+    assert (summary["steps_done"], summary["stopped_by"]) == (3, stop)
+    assert [entry["step"] for entry in summary["log"]] == [3]  # the short last window, not nothing
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

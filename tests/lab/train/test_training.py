@@ -1547,6 +1547,25 @@ def test_bad_numbers_are_named_at_construction(tmp_path, field, value, message):
         small_run(tmp_path / "run", **{field: value})
 
 
+def test_a_sigterm_stops_a_run_as_ctrl_c_does_and_it_is_saved_resumable(tmp_path, monkeypatch):
+    """timeout or a scheduler's kill sends SIGTERM: everything after the last save_every folder was lost."""
+    import os
+    import signal
+
+    real = Batcher.batch
+
+    def batch(self, step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, step)
+
+    monkeypatch.setattr(Batcher, "batch", batch)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = train(small_run(tmp_path / "run"), progress=False)
+    assert (stopped["interrupted"], stopped["steps_done"], stopped["stopped_by"]) == (True, 4, "SIGTERM")
+    assert (tmp_path / "run" / "resume_state.pt").is_file() and signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_row_too_long_at_the_curriculums_end_is_named_before_any_step(tmp_path, monkeypatch):
     """The curriculum grows the stories: a row past max_seq_len was drawn (and the run lost) only hours in."""
     config = small_run(tmp_path / "run", model=ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64,
