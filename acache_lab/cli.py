@@ -104,17 +104,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trained.add(out.resolve())
         summary = train(config, resume=resume)
         if summary.get("interrupted"):
-            if summary.get("stopped_by") == "Ctrl-C":
-                print(f"stopped after {summary['steps_done']} steps; wrote {config.out}; continue with the same "
-                      "command and --resume")
-                return 130
+            if summary.get("stopped_by") in ("Ctrl-C", "SIGTERM"):
+                print(f"stopped by {summary['stopped_by']} after {summary['steps_done']} steps; wrote {config.out}; "
+                      "continue with the same command and --resume")
+                return 130 if summary["stopped_by"] == "Ctrl-C" else 143
             print(f"stopped by {summary['stopped_by']} after {summary['steps_done']} steps; wrote {config.out}; "
                   "raise time_limit_minutes in its config and continue with --resume", file=sys.stderr)
             return 1  # a chain's later configs never start from a run cut short
         total_s += summary["train_time_s"]
         last = summary["log"][-1]["loss"] if summary["log"] else float("nan")
+        curve = f" (loss curve: {summary['loss_curve']})" if summary.get("loss_curve") else ""
         print(f"trained {summary['steps_done']} steps in {summary['train_time_s'] / 60:.1f} min, final loss "
-              f"{last:.4f}; wrote {config.out} (loss curve: {config.out}/loss_curve.png)")
+              f"{last:.4f}; wrote {config.out}{curve}")
     if len(configs) > 1:
         print(f"{len(configs)} configs, {total_s / 60:.1f} min of training in all")
     return 0

@@ -224,6 +224,14 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
     out = capsys.readouterr().out
     assert f"{tmp_path / 'a'}: finished before, skipped" in out and f"{tmp_path / 'b'}: finished before" in out
+    # the guards of the machine's budget changed on both (as a slow machine's user raises them): nothing retrains
+    first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 2, "time_limit_minutes": 120,
+                                 "save_every": 1}))
+    second.write_text(json.dumps({**common, "out": str(tmp_path / "b"), "steps": 2, "init_from": str(tmp_path / "a"),
+                                  "affix_isolation": 0.5, "affix_teacher": str(tmp_path / "a"),
+                                  "time_limit_minutes": 120}))
+    assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
+    assert capsys.readouterr().out.count("finished before, skipped") == 2
     # the first retrained (its config changed): the second, which starts from it and reads it as teacher, trains again
     first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 3}))
     before = (tmp_path / "b" / "model.safetensors").read_bytes()

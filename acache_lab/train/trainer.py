@@ -1059,8 +1059,10 @@ def with_defaults(config: dict) -> dict:
 
 
 def finished_as(logged: dict, config: TrainConfig) -> bool:
-    """``logged`` (a finished run's ``training_log.json`` config) is ``config``'s run, time limit included."""
-    return with_defaults(logged) == json.loads(json.dumps(asdict(config)))
+    """``logged`` (a finished run's ``training_log.json`` config) is ``config``'s run: all but what
+    :func:`_resumable` leaves out, which a finished run's weights do not depend on (raising a chain's time limits
+    retrained its finished runs)."""
+    return _resumable(logged) == _resumable(asdict(config))
 
 
 def _resumable(config: dict) -> dict:
@@ -1199,8 +1201,9 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
         summary = {"config": asdict(config), "steps_done": steps_done, "train_time_s": time.perf_counter() - started,
                    "parameters": sum(p.numel() for p in model.parameters()), "answer_lengths": dict(ANSWER_LENGTHS),
                    "log": log, "probes": probes, "interrupted": interrupted, "stopped_by": reason}
+        curve = out / "loss_curve.png"
+        summary["loss_curve"] = str(curve) if plot_loss(log, curve, probes) else None  # None: no matplotlib
         (out / "training_log.json").write_text(json.dumps(summary, indent=2) + "\n")
-        plot_loss(log, out / "loss_curve.png", probes)
         if interrupted:  # last, and whole or absent: its presence says everything before it was written
             partial = out / f".{RESUME_FILE}.partial"
             torch.save({"config": asdict(config), "optimizer": opt.state_dict(), "generator": gen.get_state(),
