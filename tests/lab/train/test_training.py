@@ -849,7 +849,6 @@ def test_init_from_a_list_refuses_a_missing_or_foreign_member_before_training(tm
 def test_a_soup_stage_resumes_without_its_members(tmp_path, monkeypatch):
     """A resumed run loads its own weights: the members of its ``init_from`` mean are not read again (they may be
     gone), and it ends as the run never stopped."""
-    import os
     import shutil
     import signal
 
@@ -861,13 +860,7 @@ def test_a_soup_stage_resumes_without_its_members(tmp_path, monkeypatch):
     soup = {"steps": 5, "init_from": members, **common}
     train(TrainConfig(out=str(tmp_path / "straight"), **soup), progress=False)
     real = Batcher.batch
-
-    def batch(self, step):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(self, step)
-
-    monkeypatch.setattr(Batcher, "batch", batch)
+    signal_at(monkeypatch, 2, signal.SIGINT)
     assert train(TrainConfig(out=str(tmp_path / "stopped"), **soup), progress=False)["interrupted"]
     monkeypatch.setattr(Batcher, "batch", real)
     shutil.rmtree(tmp_path / "b")
@@ -1437,6 +1430,20 @@ def test_ssm_recipe_and_model():
     assert all(s.accuracy >= 0.9 for s in scores), scores
 
 
+def signal_at(monkeypatch, step: int, signum: int) -> None:
+    """Sends this process ``signum`` while the batch of ``step`` is drawn (a Ctrl-C or a kill during that step)."""
+    import os
+
+    real = Batcher.batch
+
+    def batch(self, at):
+        if at == step:
+            os.kill(os.getpid(), signum)
+        return real(self, at)
+
+    monkeypatch.setattr(Batcher, "batch", batch)
+
+
 def small_run(out, **extra) -> TrainConfig:
     opts = {"out": str(out), "steps": 6, "batch_size": 4, "lr": 3e-3, "warmup": 2, "log_every": 2,
             "model": ModelShape(layers=1, hidden_size=32, heads=2, intermediate_size=64), "tasks": ("qa1",),
@@ -1549,18 +1556,10 @@ def test_bad_numbers_are_named_at_construction(tmp_path, field, value, message):
 
 def test_a_sigterm_stops_a_run_as_ctrl_c_does_and_it_is_saved_resumable(tmp_path, monkeypatch):
     """timeout or a scheduler's kill sends SIGTERM: everything after the last save_every folder was lost."""
-    import os
     import signal
 
-    real = Batcher.batch
-
-    def batch(self, step):
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, step)
-
-    monkeypatch.setattr(Batcher, "batch", batch)
     before = signal.getsignal(signal.SIGTERM)
+    signal_at(monkeypatch, 3, signal.SIGTERM)
     stopped = train(small_run(tmp_path / "run"), progress=False)
     assert (stopped["interrupted"], stopped["steps_done"], stopped["stopped_by"]) == (True, 4, "SIGTERM")
     assert (tmp_path / "run" / "resume_state.pt").is_file() and signal.getsignal(signal.SIGTERM) == before
