@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None, help="default: as many as query heads")
     p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
     p.add_argument("--vocab-size", type=int, default=None, help="default: tokenizer size rounded up to 64")
-    p.add_argument("--max-seq-len", type=int, default=None, help="default: 4096 (65536 for blockdiff_ssm)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None, help="default: 4096 (65536 for blockdiff_ssm)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     p.add_argument("--block-size", type=int, default=None,

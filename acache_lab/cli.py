@@ -148,6 +148,11 @@ def _cmd_finetune_affix(args: argparse.Namespace) -> int:
         start, end = summary["probe"][0], summary["probe"][-1]
         print("held out, exact in one shot: " + "; ".join(
             f"{view} {start[view]['exact']:.1%} -> {end[view]['exact']:.1%}" for view in ("reuse", "context")))
+    stopped = summary.get("stopped_by")
+    if stopped:  # what was saved is a partial run: a script chaining on the exit status must not take it as whole
+        print(f"stopped by {stopped} after {summary['steps_done']} of {config.steps} steps: the adapters saved are "
+              "those steps'", file=sys.stderr)
+        return {"Ctrl-C": 130, "SIGTERM": 143}.get(stopped, 1)
     return 0
 
 

@@ -50,6 +50,9 @@ def test_the_state_cache_families_take_the_shape_they_are_asked_for(tmp_path, ca
     assert main(["make-random-checkpoint", "--family", "blockdiff_ssm", "--out", str(tmp_path / "default"),
                  "--hidden-size", "32"]) == 0
     assert load_model(tmp_path / "default").config.max_position_embeddings == 65536
+    with pytest.raises(SystemExit):  # 0 became the default without a word
+        main(["make-random-checkpoint", "--family", "llada", "--out", str(tmp_path / "zero"), "--max-seq-len", "0"])
+    assert "argument --max-seq-len: not a positive integer: '0'" in capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys, llada_dir):

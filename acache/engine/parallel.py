@@ -96,9 +96,11 @@ class MirroredEngine:
         self.channel.send(("step",))
         try:
             outputs = self.engine.step()
-        except Exception:  # not a Ctrl-C: the others may wait inside a collective then, and are terminated instead
+        except Exception as exc:  # not a Ctrl-C: the others may wait inside a collective, and are terminated instead
             with contextlib.suppress(Exception):  # the others wait to agree; a rank gone cannot, and that is known
                 self._agree(STEP_FAILED)
+            if self.fault is not None:  # rank 0 alone failed it: the ranks no longer agree, which its caller must hear
+                raise self.fault from exc
             raise
         self._agree(STEP_OK)
         return outputs

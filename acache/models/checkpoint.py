@@ -166,9 +166,10 @@ def family_model(family: str, vocab_size: int, mask_token_id: int, eos_token_id:
     if issubclass(cls, DiffusionLM):
         if scan:
             raise ValueError(f"{', '.join(sorted(scan))} belong to the state-cache families, not to {cls.family}")
+        positions = 4096 if max_seq_len is None else max_seq_len
         return cls(random_config(cls.family, vocab_size, mask_token_id, eos_token_id, layers=layers,
                                  hidden_size=hidden_size, heads=heads, kv_heads=kv_heads,
-                                 intermediate_size=intermediate_size, max_seq_len=max_seq_len or 4096,
+                                 intermediate_size=intermediate_size, max_seq_len=positions,
                                  rope_theta=rope_theta, block_size=block_size))
     return cls(cls.random_config(vocab_size, mask_token_id, eos_token_id, layers, hidden_size, heads,
                                  intermediate_size, block_size, rope_theta, kv_heads=kv_heads, max_seq_len=max_seq_len,

@@ -131,7 +131,7 @@ class R2LM(OwnLayout, nn.Module):
         return R2LMConfig(vocab_size, hidden_size, layers, heads, kv_heads or heads,
                           intermediate_size or 4 * hidden_size, 2, 16, state_size or 16, block_size or 32,
                           mask_token_id, eos_token_id, rope_theta or 500000.0,
-                          max_position_embeddings=max_seq_len or 4096)
+                          max_position_embeddings=4096 if max_seq_len is None else max_seq_len)
 
     def __init__(self, config: R2LMConfig) -> None:
         super().__init__()

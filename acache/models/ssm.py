@@ -327,9 +327,10 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         this family has not: an attention shape it is asked for is refused, not ignored)."""
         if kv_heads is not None:
             raise ValueError(f"kv_heads shapes attention, which the {cls.family} family has not")
+        positions = 65536 if max_seq_len is None else max_seq_len
         return SSMConfig(vocab_size, hidden_size, layers, intermediate_size or 4 * hidden_size,
                          max(1, 2 * hidden_size // 16), 16, state_size or 16, block_size or 32, mask_token_id,
-                         eos_token_id, max_position_embeddings=max_seq_len or 65536, conv_kernel=conv_kernel or 4,
+                         eos_token_id, max_position_embeddings=positions, conv_kernel=conv_kernel or 4,
                          n_groups=n_groups or 1)
 
     def __init__(self, config: SSMConfig) -> None:

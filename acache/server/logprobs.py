@@ -66,8 +66,9 @@ class SharedPasses:
         with self._cv:
             self._waiting.append(me)
             while self._running and not me.done:
-                if cancel is not None and cancel.is_set():  # gave up while queued: its thread is freed now
-                    self._waiting.remove(me)
+                if cancel is not None and cancel.is_set():  # gave up: its thread is freed now
+                    if me in self._waiting:  # still queued (else a running pass took it, and leaves its rows out)
+                        self._waiting.remove(me)
                     raise ScoringCancelled("scoring was cancelled")
                 self._cv.wait(timeout=0.1)
             if not me.done:

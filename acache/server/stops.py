@@ -68,9 +68,10 @@ def cut_at_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[
 
 def spelled(ids: Sequence[int], decode: Callable[[list[int]], str], text: str, known: int = 0) -> int:
     """How many of ``ids`` a stream has sent once it has sent ``text``: a count ``n`` whose ``decode(ids[:n])``
-    begins ``text``, found by bisection from ``known`` (a count already found for a shorter ``text``). A token
-    whose characters are only partly sent (a stop string may begin inside it, or its bytes end a character
-    another token completes) waits for a later event."""
+    begins ``text``, found by bisection from ``known`` (a count already found for a shorter ``text``), and the fewest
+    that spell what they spell, as :func:`cut_at_stop` keeps them (a token that decodes to nothing, a special one
+    say, waits: a stop string after it would drop it). A token whose characters are only partly sent (a stop string
+    may begin inside it, or its bytes end a character another token completes) waits for a later event."""
     low, high = known, len(ids) + 1  # text.startswith(decode(ids[:low])); ``high`` not yet shown to
     while high - low > 1:
         mid = (low + high) // 2
@@ -78,5 +79,8 @@ def spelled(ids: Sequence[int], decode: Callable[[list[int]], str], text: str, k
             low = mid
         else:
             high = mid
+    spelt = decode(list(ids[:low]))
+    while low > known and decode(list(ids[:low - 1])) == spelt:
+        low -= 1
     return low
 

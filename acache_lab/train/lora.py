@@ -265,8 +265,14 @@ class LoraRun:
 
 def finetune(config: LoraConfig, progress: bool = True) -> dict:
     """Trains LoRA adapters on ``config.model`` with the isolation objective and writes them (and, with
-    ``merge``, the merged checkpoint) under ``config.out``; returns the run's log."""
-    return save_run(train_lora(config, progress), config)
+    ``merge``, the merged checkpoint) under ``config.out``; returns the run's log. A Ctrl-C or SIGTERM while it
+    writes waits for the writing to end (a kill cuts it)."""
+    run = train_lora(config, progress)
+    with stop_requests(lambda text: None) as stop:  # the signals are noted, not acted on, until the files are whole
+        summary = save_run(run, config)
+    if stop["asked"] and not summary.get("stopped_by"):
+        summary["stopped_by"] = stop["asked"]  # asked while saving: the run was whole, the caller still asked
+    return summary
 
 
 def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:

@@ -1084,9 +1084,11 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     spec = SPECIAL_TOKENS["llada"]
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     shape = config.model
+    # max_seq_len bounds a transformer's rows and RoPE; a state-cache family's config keeps its own serving limit
+    positions = None if getattr(family_class(config.family), "state_cache", False) else shape.max_seq_len
     model = family_model(config.family, vocab, tokenizer.token_to_id(spec["mask"]), tokenizer.token_to_id(spec["eos"]),
                          layers=shape.layers, hidden_size=shape.hidden_size, heads=shape.heads,
-                         intermediate_size=shape.intermediate_size, max_seq_len=shape.max_seq_len,
+                         intermediate_size=shape.intermediate_size, max_seq_len=positions,
                          rope_theta=shape.rope_theta, block_size=shape.block_size, **shape.scan_options())
     init_for_training_(model, config.seed, config.init_std, config.embed_init_std,
                        torch.Generator().manual_seed(config.seed), config.scan_init)

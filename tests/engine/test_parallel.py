@@ -103,6 +103,16 @@ def test_rank_0_that_fails_a_step_still_takes_part_in_the_agreement():
     assert channel.said == [STEP_FAILED]
 
 
+def test_a_step_rank_0_alone_failed_is_a_rank_fault():
+    """The others ran it: the caller must hear that the ranks no longer agree (the server then stops serving), not
+    only rank 0's own fault, which it would serve past."""
+    channel = Channel(others=[[STEP_OK]])
+    mirrored = MirroredEngine(Engine(fail={0}), channel)
+    with pytest.raises(RankFault) as raised:
+        mirrored.step()
+    assert "fault at call 0" in str(raised.value.__cause__) and mirrored.fault is raised.value
+
+
 def test_every_call_this_rank_replays_is_agreed_on():
     # calls: a step rank 0 also failed (the ranks agree and go on), an add that failed here alone, then the stop
     script = [("step",), ("add", [1], None, "r", None, False), ("abort", "r"), ("stop",)]

@@ -402,7 +402,8 @@ def test_a_caller_that_gives_up_mid_pass_has_its_rows_left_out_and_the_others_go
     def jobs(cancel=None):
         big = ScoreJob(ids, 1, 16, torch.Generator().manual_seed(1), 0, cancel)
         small = ScoreJob(small_ids, 8, 2, torch.Generator().manual_seed(2))
-        return [big, small]
+        beside = ScoreJob(ids, 20, 3, torch.Generator().manual_seed(3), 2)  # the big one's length: shared forwards
+        return [big, small, beside]
 
     forwards = []
 
@@ -418,15 +419,16 @@ def test_a_caller_that_gives_up_mid_pass_has_its_rows_left_out_and_the_others_go
             return None
 
     gone = threading.Event()
-    alone = score_jobs(llm.model, jobs()[1:], batch_size=4)[0]
-    whole = len(forwards)
+    alone = score_jobs(llm.model, jobs()[1:], batch_size=4)
     full_run = score_jobs(llm.model, jobs(), batch_size=4, lock=Counting())
     everything, forwards[:] = len(forwards), []
     gone.clear()
-    big, small = score_jobs(llm.model, jobs(gone), batch_size=4, lock=Counting())
+    big, small, beside = score_jobs(llm.model, jobs(gone), batch_size=4, lock=Counting())
     assert big is None and full_run[0] is not None
-    torch.testing.assert_close(torch.tensor(small.values), torch.tensor(alone.values), rtol=0, atol=1e-5)
-    assert len(forwards) < everything / 2 and whole == 0  # the rest of the big job's rows never ran
+    for got, want in ((small, alone[0]), (beside, alone[1])):  # the same-length job's rows too, top tokens included
+        torch.testing.assert_close(torch.tensor(got.values), torch.tensor(want.values), rtol=0, atol=1e-5)
+        assert [list(t) for t in got.top] == [list(t) for t in want.top]
+    assert len(forwards) < everything / 2  # the rest of the big job's rows never ran
 
 
 def test_a_caller_queued_behind_a_pass_that_gives_up_is_freed_at_once():
@@ -501,3 +503,52 @@ def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, 
             status, out = post(c, path, {"prompt": ids[:12], "max_tokens": 2, "echo": True, "logprobs": 0,
                                          "mc_samples": 2})
             assert status == 200 and calls == [1]  # a request within the budget still decodes and is scored
+
+
+def test_a_caller_another_took_into_its_pass_that_gives_up_is_cancelled_not_a_500():
+    """Its rows are already left out of the pass: it leaves with ScoringCancelled (a ValueError from the queue, a
+    500 at shutdown, before)."""
+    import threading
+    import time
+
+    from acache.scoring import ScoringCancelled
+    from acache.server.logprobs import SharedPasses
+
+    began = [threading.Event(), threading.Event()]
+    ends = [threading.Event(), threading.Event()]
+    passes = []
+
+    def run(jobs, cancel):
+        n = len(passes)
+        passes.append(list(jobs))
+        began[n].set()
+        ends[n].wait(10)
+        return jobs
+
+    shared = SharedPasses(run)
+    outcome: dict = {}
+
+    def call(name, cancel=None):
+        try:
+            outcome[name] = shared([name], cancel)
+        except BaseException as exc:  # noqa: BLE001 (what it raises is the point)
+            outcome[name] = exc
+
+    gone = threading.Event()
+    threads = [threading.Thread(target=call, args=args) for args in (("a",), ("b",), ("c", gone))]
+    threads[0].start()
+    began[0].wait(5)
+    for queued, t in enumerate(threads[1:], start=1):
+        t.start()
+        while len(shared._waiting) < queued:
+            time.sleep(0.01)
+    ends[0].set()  # a's pass ends; b or c runs the next with both
+    began[1].wait(5)
+    gone.set()  # c gives up inside that pass: it leaves at once, unless it is the one running it (b waits on it)
+    threads[2].join(2)
+    runner = threads[2].is_alive()
+    ends[1].set()
+    for t in threads:
+        t.join(5)
+    assert isinstance(outcome["c"], ScoringCancelled), outcome
+    assert passes == [["a"], ["b", "c"]] and outcome["a"] == ["a"] and outcome["b"] == ["b"], (passes, runner)

@@ -98,4 +98,12 @@ def test_a_stream_sends_the_tokens_its_text_has_spelled():
             assert spelled(ids, decoder, sent, spelled(ids, decoder, shorter)) == n
     assert spelled([0, 1, 2], decode, "The answer is 5") == 3 and spelled([0, 1, 2], decode, "The answer i") == 1
     assert spelled([7], lambda ids: "\ufffd" if ids else "", "") == 0  # half a character is not sent yet
+    # a token that decodes to nothing (a special one) waits: a stop string right after it drops it from the answer
+    silent = {0: "Hi", 1: "", 2: "\n"}
+
+    def quiet(ids):
+        return "".join(silent[i] for i in ids)
+
+    assert spelled([0, 1], quiet, "Hi") == 1 and cut_at_stop([0, 1, 2], quiet, ["\n"]).token_ids == [0]
+    assert spelled([0, 1, 0], quiet, "HiHi") == 3  # inside the text it is sent with the tokens around it
 

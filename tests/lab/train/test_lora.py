@@ -534,3 +534,10 @@ def test_a_run_stopped_by_a_signal_saves_what_it_trained(llada_dir, tmp_path, mo
     assert [entry["step"] for entry in summary["log"]] == [3]  # the short last window, not nothing
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    # the command says so, and its exit status is not a whole run's (a script chaining on it would merge on)
+    from acache.cli import main
+
+    calls.clear()
+    argv = ["finetune-affix", "--model", str(llada_dir), "--data", str(write_data(tmp_path / "d.jsonl")), "--out",
+            str(tmp_path / "cli"), "--steps", "20", "--batch-size", "2", "--rank", "2", "--device", "cpu"]
+    assert main(argv) == {"SIGTERM": 143, "Ctrl-C": 130}[stop]

@@ -1125,6 +1125,8 @@ def test_a_state_cache_family_trains_from_a_llada_checkpoint(tmp_path, family, n
     train(config, progress=False)
     parent, model = load_model(tmp_path / "llada"), load_model(tmp_path / family)
     assert model.family == family and model.config.block_size == 4
+    # the rows' max_seq_len (256) is not the served model's context: the family keeps its own, as shipped
+    assert model.config.max_position_embeddings == {"r2lm": 4096, "blockdiff_ssm": 65536}[family]
     theirs = dict(parent.named_parameters())
     mine = dict(model.named_parameters())
     for name, p in mine.items():
