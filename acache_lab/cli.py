@@ -98,6 +98,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 continue
             if fresh:
                 print(f"{config.out}: finished before, but {fresh[0]} was trained again: training it again")
+            elif done.get("interrupted"):  # stopped, but killed before its resume state was whole
+                print(f"{config.out}: stopped before without a resume state (a kill cut its save): training it from "
+                      "the start", file=sys.stderr)
         elif resume and fresh:  # a stopped run grew from what this command has just retrained: it starts over
             print(f"{config.out}: stopped before, but {fresh[0]} was trained again: training it from the start")
             resume = False

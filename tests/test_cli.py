@@ -245,6 +245,23 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     assert (tmp_path / "b" / "model.safetensors").read_bytes() != before
 
 
+def test_train_resume_says_when_a_stopped_run_has_no_state_to_resume(tmp_path, capsys):
+    """A kill between the log and the resume state left a run marked stopped with nothing to resume: --resume
+    trained it from the start without a word."""
+    shape = {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64}
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"model": shape, "batch_size": 2, "warmup": 1, "bf16": False, "tasks": ["qa1"],
+                                  "log_every": 1, "out": str(tmp_path / "a"), "steps": 2}))
+    assert main(["train", "--config", str(config)]) == 0
+    log = tmp_path / "a" / "training_log.json"
+    log.write_text(json.dumps({**json.loads(log.read_text()), "interrupted": True}))
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), "--resume"]) == 0
+    assert "stopped before without a resume state (a kill cut its save): training it from the start" in \
+        capsys.readouterr().err
+    assert json.loads(log.read_text())["interrupted"] is False
+
+
 def test_train_resume_retrains_a_soup_stage_when_any_member_was_trained_again(tmp_path, capsys):
     """A config whose ``init_from`` lists several checkpoints starts from their mean; --resume skips it while no member
     changed, and trains it again when a config before it in the command retrained one of them."""

@@ -98,6 +98,12 @@ def evaluate(llm: LLM, examples: int = 100, sentences: int = 6, seed: int = 0, t
     return scores
 
 
+def story_sentences(example) -> int:
+    """The sentences of an example's story (its context, else its affix): what ``--sentences`` asked for, where a
+    generator keeps it (arithmetic caps its facts at 8, two-hop has at least 5 sentences, codes 6 pickups)."""
+    return (example.context or example.affix).count(".")
+
+
 def main(args) -> int:
     tasks = parse_tasks(getattr(args, "tasks", None))
     overrides = {k: getattr(args, k) for k in ("block_length", "threshold", "focus_layers", "focus_ratio",
@@ -118,7 +124,12 @@ def main(args) -> int:
     whole = [f"{task} in one block of {block}" for task, block in blocks.items() if asked and block != asked]
     if whole:  # a block that does not divide a task's answer region: that task decodes its region as one block
         room += f" ({', '.join(whole)}: its answer region is not a whole number of blocks of {asked})"
-    print(f"held-out exact match, {args.examples} questions each, contexts of {args.sentences} sentences, "
+    drawn = {task: sorted({story_sentences(ex) for ex in held_out(task, args.examples, args.sentences, args.seed)})
+             for task in tasks}
+    other = [f"{task} {'-'.join(map(str, (n[0], n[-1]) if len(n) > 1 else n))}" for task, n in drawn.items()
+             if n != [args.sentences]]
+    length = f"contexts of {args.sentences} sentences" + (f" (as drawn: {', '.join(other)})" if other else "")
+    print(f"held-out exact match, {args.examples} questions each, {length}, "
           "dual cache, full recomputation, threshold " + str(overrides.pop("threshold", 0.9))
           + "".join(f", {k} {v}" for k, v in overrides.items()) + room)
     print("| task | " + " | ".join(layouts) + " |")

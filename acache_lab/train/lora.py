@@ -401,7 +401,8 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     adapted.eval()
     record = {"affix_isolation": config.isolation, "steps": steps_done, "init_from": str(source.resolve()),
               "layouts": layouts, "lora": {"rank": config.rank, "alpha": config.alpha,
-                                           "targets": list(config.targets), "data": str(config.data)}}
+                                           "targets": list(config.targets),
+                                           "data": str(Path(config.data).resolve())}}
     if heads is not None:
         record.update(neighbour_record(config.neighbours, layer, config.neighbour_span))
     if config.teacher > 0:  # the teacher is the checkpoint the adapters start from

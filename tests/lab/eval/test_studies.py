@@ -363,3 +363,14 @@ def test_eval_tasks_refuses_a_block_length_that_is_not_positive(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "tasks", "--examples", "1", "--block-length", "0"])
     assert "argument --block-length: not a positive integer: '0'" in capsys.readouterr().err
+
+
+def test_eval_tasks_says_the_context_lengths_a_generator_drew_instead_of_those_asked(capsys):
+    """Arithmetic caps its worksheets at 8 facts: the header said '20 sentences' over 8-sentence worksheets."""
+    from acache.cli import main
+
+    assert main(["eval", "tasks", "--examples", "1", "--sentences", "20", "--tasks", "arith,qa1"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "contexts of 20 sentences (as drawn: arith 8)," in head
+    assert main(["eval", "tasks", "--examples", "1", "--sentences", "6", "--tasks", "qa1"]) == 0
+    assert "as drawn" not in capsys.readouterr().out.splitlines()[0]
