@@ -196,9 +196,13 @@ def write_report(cells: list[Cell], out_dir: str | Path) -> list[Path]:
     return written
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be: handled alike, told apart by the exit status."""
+
+
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """A SIGTERM (``timeout``, a batch scheduler) raises KeyboardInterrupt inside, so a long sweep stopped that way
+    """A SIGTERM (``timeout``, a batch scheduler) raises :class:`Terminated` inside, so a long sweep stopped that way
     keeps its cells as Ctrl-C does; the handler before is put back after. Only in the main thread, where Python
     delivers signals."""
     if threading.current_thread() is not threading.main_thread():
@@ -206,7 +210,7 @@ def terminate_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     before = signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -290,7 +294,7 @@ def main(args) -> int:
             print(f"stopped ({type(exc).__name__}): the {len(cells)} cells measured so far are in {partial} (not "
                   "the report)", file=sys.stderr)
         if isinstance(exc, KeyboardInterrupt):
-            return 130
+            return 143 if isinstance(exc, Terminated) else 130  # as acache train exits
         raise
     written = write_report(cells, args.out)
     shutil.rmtree(Path(args.out) / "partial", ignore_errors=True)  # an earlier stopped run's, now superseded
