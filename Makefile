@@ -74,7 +74,7 @@ model: install
 	$(VENV)/bin/acache eval tasks --model $(MODEL)
 
 # the second shipped model (docs/model.md, "acache-tiny-plus"): the shipped model fine-tuned on the paper's
-# demonstration setting (codes) and on documents past 200 tokens; one config, about 65 minutes on 2 CPU cores
+# demonstration setting (codes) and on documents past 200 tokens; one config, about 36 minutes on 2 CPU cores (35.2 training)
 model-plus: install
 	OMP_NUM_THREADS=2 $(VENV)/bin/acache train --config configs/plus.json --overwrite
 	$(VENV)/bin/acache eval tasks --model $(PLUS) --tasks qa1,arith,twohop,codes

@@ -383,7 +383,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
         from acache.cluster.replica import ReplicaSettings
     except ImportError as exc:
         raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
-                         "pip install 'acache[cluster]'") from None
+                         "pip install -e '.[cluster]'") from None
     cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
                               host=args.host, port=args.port, balance_absolute=args.balance_abs,
                               balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug",
                                                               "trace"],
                    help="uvicorn's and acache's log level (warning: shutdown, saves and reuse mismatches)")
-    cluster = p.add_argument_group("cluster (Ray Serve, pip install 'acache[cluster]')")
+    cluster = p.add_argument_group("cluster (Ray Serve, pip install -e '.[cluster]')")
     cluster.add_argument("--replicas", type=_positive_int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint")
     cluster.add_argument("--ray-address", default=None,

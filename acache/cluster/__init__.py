@@ -2,5 +2,5 @@
 shared spans (affixes at any position), not only its prefix.
 
 ``directory`` and ``affinity`` are plain Python (the map of who holds what, and the routing rule); ``router``,
-``replica``, ``frontend`` and ``launch`` need Ray Serve (``pip install 'acache[cluster]'``).
+``replica``, ``frontend`` and ``launch`` need Ray Serve (``pip install -e '.[cluster]'``).
 """
