@@ -324,4 +324,3 @@ def check_mask_token(family: str, mask_token_id: int, tokenizer: Tokenizer) -> N
     if found is not None and found != mask_token_id:
         raise ValueError(f"config.json's mask_token_id {mask_token_id} is not the tokenizer's mask token {name!r} "
                          f"(id {found}): set mask_token_id to {found} in config.json")
-

@@ -418,15 +418,16 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
     results = iter(_run(model, plans, batch_size, lock, cancel, batch_tokens))
     out = []
     for job, count in zip(jobs, blocks, strict=True):
+        mine = [next(results) for _ in range(count)]
+        if job.cancel is not None and job.cancel.is_set():
+            out.append(None)
+            continue
         values, tops = [], []
-        for draws, block_tops in reversed([next(results) for _ in range(count)]):
+        for draws, block_tops in reversed(mine):
             # telescoped within the block: the later blocks' estimates are in both E_c and E_(c+1)
             estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
             values += [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
             tops += block_tops
-        if job.cancel is not None and job.cancel.is_set():
-            out.append(None)
-            continue
         out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else
                                  [{} for _ in values]))
     return out

@@ -138,18 +138,20 @@ class EngineReplica:
             await self._flush_within(REPORT_WAIT_S)
             checks = set(self.app.state.checks_running)
             if checks:  # a check can store the affix it computes after the answer: reported once it ends
-                task = asyncio.ensure_future(self._flush_after(checks))
-                self._late_flushes.add(task)  # the loop keeps only a weak reference to a task
-                task.add_done_callback(self._late_flushes.discard)
+                self._in_background(self._flush_after(checks))
 
     async def _flush_within(self, seconds: float) -> None:
         """Reports, waiting for the directory at most ``seconds``: one that is slow or restarting (it is retried for
         ever) holds no answer past that. The report goes on in the background; Ray runs a caller's calls to an
         actor in the order they were made, so a later report cannot overtake it."""
-        task = asyncio.ensure_future(self._flush())
-        self._late_flushes.add(task)  # the loop keeps only a weak reference to a task
+        await asyncio.wait({self._in_background(self._flush())}, timeout=seconds)
+
+    def _in_background(self, report: Coroutine) -> asyncio.Task:
+        """``report`` run as a task this replica holds until it ends (the loop keeps only a weak reference)."""
+        task = asyncio.ensure_future(report)
+        self._late_flushes.add(task)
         task.add_done_callback(self._late_flushes.discard)
-        await asyncio.wait({task}, timeout=seconds)
+        return task
 
     async def _flush_after(self, checks: set[asyncio.Task]) -> None:
         """Reports once ``checks`` have ended: what they stored after their answers went out."""

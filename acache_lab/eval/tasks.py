@@ -126,7 +126,7 @@ def main(args) -> int:
         room += f" ({', '.join(whole)}: its answer region is not a whole number of blocks of {asked})"
     drawn = {task: sorted({story_sentences(ex) for ex in held_out(task, args.examples, args.sentences, args.seed)})
              for task in tasks}
-    other = [f"{task} {'-'.join(map(str, (n[0], n[-1]) if len(n) > 1 else n))}" for task, n in drawn.items()
+    other = [f"{task} {n[0]}" + (f"-{n[-1]}" if len(n) > 1 else "") for task, n in drawn.items()
              if n != [args.sentences]]
     length = f"contexts of {args.sentences} sentences" + (f" (as drawn: {', '.join(other)})" if other else "")
     print(f"held-out exact match, {args.examples} questions each, {length}, "

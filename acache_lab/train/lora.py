@@ -22,15 +22,11 @@ the engine's front ends serve it by direct reuse.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +42,7 @@ from acache.models.tokenizer import Tokenizer
 from acache.policies import LAYOUTS
 from acache_lab.train.isolation import span_owners
 from acache_lab.train.neighbours import NeighbourHeads, is_weight, is_whole, neighbour_record
+from acache_lab.train.stopping import stop_requests
 from acache_lab.train.trainer import (
     Neighbours,
     Row,
@@ -268,7 +265,8 @@ def finetune(config: LoraConfig, progress: bool = True) -> dict:
     ``merge``, the merged checkpoint) under ``config.out``; returns the run's log. A Ctrl-C or SIGTERM while it
     writes waits for the writing to end (a kill cuts it)."""
     run = train_lora(config, progress)
-    with stop_requests(lambda text: None) as stop:  # the signals are noted, not acted on, until the files are whole
+    with stop_requests(print, "", "saving the adapters: wait a moment (a kill now cuts the files)") as stop:
+        stop["saving"] = True  # a signal is noted, not acted on, until the files are whole
         summary = save_run(run, config)
     if stop["asked"] and not summary.get("stopped_by"):
         summary["stopped_by"] = stop["asked"]  # asked while saving: the run was whole, the caller still asked
@@ -344,7 +342,8 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
     if held:
         probe(0)
     stopped_by = None
-    with stop_requests(bar.write) as stop:
+    with stop_requests(bar.write, "Ctrl-C: stopping after this step and saving what was trained (Ctrl-C again "
+                       "quits at once)", "") as stop:
         for step in bar:
             if stop["asked"]:  # Ctrl-C or SIGTERM: what was trained is saved, as at the time limit
                 stopped_by = stop["asked"]
@@ -414,33 +413,6 @@ def train_lora(config: LoraConfig, progress: bool = True) -> LoraRun:
                "parameters": sum(p.numel() for p in model.parameters()), "log": log, "probe": probes,
                "stopped_by": stopped_by}
     return LoraRun(adapted, source, summary, record, heads)
-
-
-@contextlib.contextmanager
-def stop_requests(say: Callable[[str], None]) -> Iterator[dict]:
-    """A run's stop flag: a first Ctrl-C, or a SIGTERM (``timeout``, a scheduler), sets ``["asked"]`` to what asked,
-    for the loop to stop at the next step and save; a second Ctrl-C quits at once. The handlers before are put
-    back after; only in the main thread, where Python delivers signals."""
-    stop: dict = {"asked": None}
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def on_sigint(signum, frame) -> None:
-        if stop["asked"]:
-            raise KeyboardInterrupt
-        stop["asked"] = "Ctrl-C"
-        say("Ctrl-C: stopping after this step and saving what was trained (Ctrl-C again quits at once)")
-
-    def on_sigterm(signum, frame) -> None:
-        stop["asked"] = "SIGTERM"
-
-    before = signal.signal(signal.SIGINT, on_sigint), signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, before[0])
-        signal.signal(signal.SIGTERM, before[1])
 
 
 def probe_rows(model: DiffusionLM, rows: list[Row], pad: int, device: torch.device, batch_size: int, mask_id: int,

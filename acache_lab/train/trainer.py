@@ -19,8 +19,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,6 +58,7 @@ from acache_lab.train.neighbours import (
     neighbour_loss,
     neighbour_record,
 )
+from acache_lab.train.stopping import stop_requests
 
 #: the loss settings a config may choose (TrainConfig and masked_diffusion_loss check against these)
 WEIGHTINGS = ("inverse_t", "masked_count")
@@ -1160,28 +1159,12 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
     started = time.perf_counter() - spent
     bar = tqdm(range(steps_done, config.steps), desc="train", unit="step", disable=not progress,
                initial=steps_done, total=config.steps)
-    stop: dict = {"asked": None}  # what asked the run to stop: Ctrl-C, or a SIGTERM (timeout, a scheduler)
-
-    def on_sigint(signum, frame) -> None:
-        if stop["asked"]:
-            raise KeyboardInterrupt
-        stop["asked"] = "Ctrl-C"
-        bar.write("Ctrl-C: stopping after this step and saving a resumable run (Ctrl-C again quits at once)")
-
-    def on_sigterm(signum, frame) -> None:
-        stop["asked"] = stop["asked"] or "SIGTERM"
-
-    def saving(signum, frame) -> None:
-        bar.write("saving the run: wait a moment (a kill now leaves it unresumable, never resumed wrong)")
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
-    previous_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
-    try:
+    with stop_requests(bar.write, "Ctrl-C: stopping after this step and saving a resumable run (Ctrl-C again quits "
+                       "at once)", "saving the run: wait a moment (a kill now leaves it unresumable, never resumed "
+                       "wrong)") as stop:
         steps_done = _train_steps(config, model, opt, batcher, probe, gen, config.lr_at, bar, log, probes, window,
                                   started, steps_done, stop, heads, teacher, hop, snapshot)
-        if main_thread:  # the save below is whole or not resumable: Ctrl-C no longer cuts it
-            signal.signal(signal.SIGINT, saving)
+        stop["saving"] = True  # the save below is whole or not resumable: Ctrl-C no longer cuts it
         target = config.stop_after or config.steps
         interrupted = steps_done < target  # Ctrl-C, or the time limit: resumable either way
         if stop["asked"] and interrupted:
@@ -1215,10 +1198,6 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
                         **({"neighbour_heads": heads.state_dict()} if heads is not None else {}),
                         **({"bridge_head": hop.state_dict()} if hop is not None else {})}, partial)
             os.replace(partial, out / RESUME_FILE)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
-            signal.signal(signal.SIGTERM, previous_term)
     return summary
 
 
