@@ -379,13 +379,13 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
 
     try:
         from acache.cluster.frontend import FrontendSettings
-        from acache.cluster.launch import NAMESPACE, ClusterSettings, connect, start, stop
+        from acache.cluster.launch import NAMESPACE, ClusterSettings, prepare, start, stop
         from acache.cluster.replica import ReplicaSettings
     except ImportError as exc:
         raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
                          "pip install -e '.[cluster]'") from None
     cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
-                              host=args.host, port=args.port, balance_absolute=args.balance_abs,
+                              host=args.host, port=args.port, app_name=args.app_name, balance_absolute=args.balance_abs,
                               balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
                               gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0)
     name = args.served_model_name or Path(args.model).resolve().name
@@ -399,7 +399,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     frontend = FrontendSettings(model, cluster.directory, NAMESPACE, args.max_model_len, args.min_document_tokens,
                                 args.affix_registry_bytes, args.max_request_bytes, api_key,
                                 replicas=cluster.replicas, app_name=cluster.app_name)
-    connect(cluster)
+    prepare(cluster)  # a refusal here stops nothing: the application of that name, if any, is another's
 
     def terminate(*_) -> None:  # after ray.init, which sets a handler of its own
         raise KeyboardInterrupt
@@ -513,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run this many engine replicas on Ray Serve behind one endpoint")
     cluster.add_argument("--ray-address", default=None,
                          help="join this Ray cluster (e.g. 'auto' or ray://HEAD:10001) instead of starting one")
+    cluster.add_argument("--app-name", default="acache",
+                         help="the Ray Serve application's name, which its affix directory's actor is named after")
     cluster.add_argument("--router", default="span", choices=["span", "default"],
                          help="span: to the replica holding the request's affixes (any position); default: Ray "
                               "Serve's power of two choices")

@@ -26,6 +26,10 @@ class AffixDirectory:
 
     def __init__(self, max_seen: int = 65536) -> None:
         self.max_seen = max_seen
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every replica: an application starting anew has none yet, whatever an earlier run left here."""
         self.held: dict[str, dict[str, int]] = defaultdict(dict)  # key -> replica -> tokens
         self.totals: dict[str, int] = defaultdict(int)  # replica -> affix tokens held
         self.seen: OrderedDict[tuple[str, str], int] = OrderedDict()  # (key, replica) -> tokens

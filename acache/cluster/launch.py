@@ -19,6 +19,8 @@ from acache.cluster.router import SpanAwareRouter
 
 NAMESPACE = "acache"
 ROUTERS = ("span", "default")
+#: the route the front door answers under: the OpenAI paths from the root, as the single server answers them
+ROUTE_PREFIX = "/"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class ClusterSettings:
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         Balance(self.balance_absolute, self.balance_relative)  # refused here, not inside the router
+        if not isinstance(self.app_name, str) or not self.app_name.strip():
+            raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
 
     @property
     def directory(self) -> str:
@@ -69,15 +73,40 @@ def connect(cluster: ClusterSettings) -> None:
                  log_to_driver=bool(os.environ.get("ACACHE_RAY_LOGS")))
 
 
-def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
-    """Deploys the application and returns once every replica is ready (Serve keeps running after)."""
+def prepare(cluster: ClusterSettings) -> None:
+    """Joins or starts Ray and Serve, refusing what a Serve already running there would silently change: its HTTP
+    proxy keeps the address it started with (new options are ignored), and an application of the same name would
+    be replaced in place. Deploys nothing, so a refusal leaves what runs as it was."""
+    from ray.serve.context import _get_global_client  # the running proxy's options: no public API reads them
+
     connect(cluster)
     serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    client = _get_global_client()
+    config = client.http_config
+    if (config.host, config.port) != (cluster.host, cluster.port):
+        raise ValueError(f"Ray Serve already runs on this Ray cluster with its HTTP proxy on {config.host}:"
+                         f"{config.port}, and a running proxy cannot move to {cluster.host}:{cluster.port}: pass "
+                         f"--host {config.host} --port {config.port}, or stop that Serve first (serve shutdown)")
+    apps = client.get_serve_details().get("applications", {})
+    if cluster.app_name in apps:
+        raise ValueError(f"an application named {cluster.app_name!r} already runs on this Ray Serve: stop it "
+                         "first, or name this one otherwise (--app-name)")
+    taken = [name for name, app in apps.items() if app.get("route_prefix") == ROUTE_PREFIX]
+    if taken:
+        raise ValueError(f"Ray Serve's {ROUTE_PREFIX!r} route, which this application takes, is application "
+                         f"{taken[0]!r}'s: stop that one first")
+
+
+def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
+    """Deploys the application and returns once every replica is ready (Serve keeps running after); refuses
+    first as :func:`prepare` does."""
+    prepare(cluster)
     # restarted if it dies (empty: the replicas then report in full, as the directory asks them to)
     directory = ray.remote(AffixDirectory).options(name=cluster.directory, namespace=NAMESPACE,
                                                    lifetime="detached", get_if_exists=True, num_cpus=0,
                                                    max_restarts=-1, max_task_retries=-1).remote()
-    ray.get(directory.snapshot.remote())
+    # one left by an earlier run of this application that was not stopped names replicas that are gone
+    ray.get(directory.reset.remote())
     if cluster.router == "span":
         router = RequestRouterConfig(request_router_class=SpanAwareRouter, request_router_kwargs={
             "directory": cluster.directory, "namespace": NAMESPACE, "balance_absolute": cluster.balance_absolute,
@@ -92,7 +121,7 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
                               request_router_config=router)
     front = serve.deployment(Frontend, name="Frontend", num_replicas=1, max_ongoing_requests=4096,
                              ray_actor_options={"num_cpus": 0})
-    serve.run(front.bind(frontend, engine.bind(replica)), name=cluster.app_name, route_prefix="/")
+    serve.run(front.bind(frontend, engine.bind(replica)), name=cluster.app_name, route_prefix=ROUTE_PREFIX)
 
 
 def stop(cluster: ClusterSettings) -> None:

@@ -13,8 +13,9 @@ import ray
 from fastapi.testclient import TestClient
 
 from acache import LLM
+from acache.cluster.directory import AffixDirectory
 from acache.cluster.frontend import FrontendSettings
-from acache.cluster.launch import NAMESPACE, ClusterSettings, start, stop
+from acache.cluster.launch import NAMESPACE, ClusterSettings, prepare, start, stop
 from acache.cluster.replica import ReplicaSettings
 from acache.paths import default_model
 from acache.server.app import create_app
@@ -128,11 +129,16 @@ def test_a_replica_starts_warm_from_a_shared_affix_directory(local_ray, workload
             assert out.status_code == 200
             asked.append((body, out.json()["choices"][0]["token_ids"]))
         assert client.post("/v1/affixes/save").json()["saved"] == 2
+    # an earlier run of the same application left its directory behind (its driver died without stopping it): the
+    # replica it names is gone, and must not be counted, nor routed to, by the new run
+    stale = ray.remote(AffixDirectory).options(name=ClusterSettings(app_name="test-warm").directory,
+                                               namespace=NAMESPACE, lifetime="detached", num_cpus=0).remote()
+    ray.get(stale.report.remote("ghost", [("stored", "k", 38)], {"hits": 5, "queries": 9}, True))
     settings, url = cluster(local_ray, "span", "test-warm", affix_cache_dir=str(tmp_path),
                             llm={"max_affix_tokens": None})
     try:
         held = call(url, "/cluster/stats")[1]
-        assert [row["affixes"] for row in held["replicas"].values()] == [2, 2]
+        assert [row["affixes"] for row in held["replicas"].values()] == [2, 2] and "ghost" not in held["replicas"]
         for body, want in asked:  # ids registered before the restart, unknown to this front door: the replicas' own
             status, out = call(url, "/v1/completions", body)
             assert status == 200 and out["choices"][0]["token_ids"] == want, out
@@ -167,3 +173,34 @@ def test_a_stopping_replica_saves_the_affix_its_running_check_computes(local_ray
     manifest = tmp_path / "manifest.json"
     assert wait_until(manifest.is_file, 60)
     assert len(json.loads(manifest.read_text())["entries"]) == 1
+
+
+def test_a_running_serve_is_neither_moved_nor_replaced(local_ray):
+    """Serve keeps its proxy's first address and ignores new options, and a deployment of a running application's
+    name replaces it: both are refused before anything is deployed, naming what runs."""
+    from ray import serve
+
+    prepare(ClusterSettings(port=local_ray))  # Serve runs, its proxy on the module's port
+    with pytest.raises(ValueError, match=f"HTTP proxy on 127.0.0.1:{local_ray}.*--port {local_ray}"):
+        prepare(ClusterSettings(port=local_ray + 1))
+
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    class Other:
+        def __call__(self, request) -> str:
+            return "other"
+
+    serve.run(Other.bind(), name="someone-else", route_prefix="/")
+    try:
+        with pytest.raises(ValueError, match="named 'someone-else' already runs"):
+            prepare(ClusterSettings(port=local_ray, app_name="someone-else"))
+        with pytest.raises(ValueError, match="route, which this application takes, is application 'someone-else'"):
+            prepare(ClusterSettings(port=local_ray, app_name="acache-second"))
+        assert "someone-else" in serve.status().applications  # a refusal stops nothing
+    finally:
+        serve.delete("someone-else")
+
+
+@pytest.mark.parametrize("name", ["", "  ", None, 3])
+def test_an_application_name_is_a_non_empty_string(name):
+    with pytest.raises(ValueError, match="app_name must be a non-empty string"):
+        ClusterSettings(app_name=name)
