@@ -68,14 +68,16 @@ class Plan:
 def policy_key(span_keys: tuple[str, ...], params: SamplingParams) -> tuple:
     """What a check vouches for: these spans, reused with these anchors (selector, ratio, pass, depth, query,
     probe step), on a canvas decoded the same way (length, blocks, steps, commit rule, temperature, cache, refresh
-    interval, FOCUS and far-mask pruning). A diffusion model fills the whole generation region at once, so reuse
-    that leaves a two-column answer unchanged can still change the same question's four-column one
-    (docs/accuracy.md, "Answers given room"). The seed is not part of it: a check at one seed vouches for the reuse,
-    not for one draw."""
+    interval, FOCUS and far-mask pruning) and as far (the tokens that end it: EOS unless ``ignore_eos``, and
+    ``stop_token_ids``). A diffusion model fills the whole generation region at once, so reuse that leaves a
+    two-column answer unchanged can still change the same question's four-column one (docs/accuracy.md, "Answers
+    given room"). The seed is not part of it: a check at one seed vouches for the reuse, not for one draw. Nor are
+    ``max_tokens`` below the region and stop strings: a check compares the whole region (:class:`Check`)."""
     return (span_keys, params.selector, params.anchor_ratio, params.resolved_anchor_pass, params.resolved_anchor_depth,
             params.anchor_query, params.probe_step, params.gen_length, params.block_length, params.steps,
             params.remasking, params.threshold, params.factor, params.temperature, params.cache,
-            params.refresh_interval, params.far_mask_window, params.focus_layers, params.focus_ratio)
+            params.refresh_interval, params.far_mask_window, params.focus_layers, params.focus_ratio,
+            params.ignore_eos, tuple(sorted(set(params.stop_token_ids))))
 
 
 class ReuseGate:

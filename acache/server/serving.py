@@ -49,8 +49,11 @@ class ClientGone(Exception):
 class Check:
     """The same request with automatic reuse, run beside its answer without it to see if reuse changes it;
     ``started`` once it runs (a check planned for a stream its client left before it began never does). The two
-    answers are compared on the tokens a client is sent: the first ``limit`` (``max_tokens``), cut at the first of
-    ``stops`` (a stream a stop string ended is compared on what it sent)."""
+    answers are compared on the whole region the engine decoded (every token up to the first stop token), not on
+    what this client is sent: trust is shared by every request of the same spans and decoding, whatever its
+    ``max_tokens`` or stop strings, so a match on part of an answer does not vouch for the whole. Where the answer
+    without reuse was not decoded whole (a stream a stop string ended), the tokens the client was sent (the first
+    ``limit``, cut at the first of ``stops``) can only show a mismatch: a match there is no evidence."""
 
     prompt: AffixPrompt
     params: SamplingParams
@@ -171,7 +174,8 @@ class OpenAIServing:
         report = {"decision": (plan.decision.value if plan is not None else
                                Decision.REUSE.value if reuse else "none"),
                   "reason": plan.reason if plan is not None else (
-                      "a registered affix" if reuse else "selector 'off': the affix computed with the request"
+                      "a registered affix" if reuse else
+                      "reuse off (selector or affix_reuse 'off'): the affix computed with the request"
                       if prompt.affixes else "no span of this prompt was seen before"),
                   "reused_tokens": reused, "anchor_tokens": anchors,
                   "selector": params.selector if reuse else None,
@@ -256,13 +260,18 @@ class OpenAIServing:
             check.abandon(gate)
             return
         decode = self.llm.tokenizer.decode
-        want = check.sent(plain.token_ids, decode)
+        whole = plain.finished
+        want = list(plain.token_ids) if whole else check.sent(plain.token_ids, decode)
 
         def compare(task: asyncio.Task) -> None:
             if task.cancelled() or task.exception() is not None:
                 check.abandon(gate)
+                return
+            reused = task.result().token_ids
+            same = (list(reused) if whole else check.sent(reused, decode)) == want
+            if same and not whole:  # part of an answer matched: no evidence for the rest of it
+                check.abandon(gate)
             else:
-                same = check.sent(task.result().token_ids, decode) == want
                 gate.record(check.key, same)
                 if not same:
                     log.warning("automatic reuse changed an answer: its spans are recomputed from now on under this "

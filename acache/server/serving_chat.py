@@ -50,6 +50,8 @@ class OpenAIServingChat(OpenAIServing):
             messages = registered + messages
             registered_count, registered_key = len(registered), affix_key(registered_ids)
         self.check(body)
+        # every field checked before the chat counts as a sighting of its spans: a refused request is none
+        body.to_sampling_params(reuse=False, default_selector=llm.default_selector)
         reuse = body.selector != "off" and body.affix_reuse != "off"
         if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
             if body.selector not in (None, "off") or body.affix_reuse == "always":

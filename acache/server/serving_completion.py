@@ -52,8 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise BadRequest(str(exc)) from None
         score_only = body.max_tokens == 0
         self.check(body)
+        # a registered affix is reused from its first use (auto and always alike) unless the request turns reuse off
+        reuse = affix_ids is not None and body.affix_reuse != "off"
         params = (body.model_copy(update={"max_tokens": None}) if score_only else body).to_sampling_params(
-            reuse=affix_ids is not None, default_selector=llm.default_selector)
+            reuse=reuse, default_selector=llm.default_selector)
         if body.selector not in (None, "off") and affix_ids is None:
             raise BadRequest("selector applies to a reused affix: pass 'affix' (an id from POST /v1/affixes)")
         for field in ("probe_step", "anchor_query", "anchor_pass", "anchor_depth"):

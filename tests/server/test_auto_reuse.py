@@ -380,18 +380,99 @@ def test_max_tokens_fitted_to_the_context_hold_when_a_span_is_a_candidate(llm):
     assert len({tuple(a["choices"][0]["token_ids"]) for a in answers}) == 1
 
 
-def test_a_check_compares_what_a_client_is_sent():
-    """The tokens compared are the first ``max_tokens``, cut at the first stop string, whole or streamed (a stream
-    a stop string ended dropped its check, so a span served to such clients was never trusted, and a trusted one
-    was audited at every request)."""
-    from acache.server.serving import Check
+def test_a_check_on_part_of_an_answer_earns_no_trust_for_the_whole(llm):
+    """Checks whose answers a stop string cut (here to nothing: every letter stops them) matched on what their
+    clients were sent, earned the span trust, and a later request with no stop string was answered with reuse:
+    "daniel", where the answer without reuse is "garden". A check now compares the whole region decoded."""
+    import string
+
+    system = story(("emma", "garage"))
+    stops = list(string.ascii_lowercase)
+    with served(llm) as client:
+        ask(client, chat(system, "Where is Mary?"))  # the first sighting
+        checked = [ask(client, chat(system, q), stop=stops)
+                   for q in ("Where is Mary?", "Where is John?", "Where is Emma?", "Where is Sandra?")]
+        later = ask(client, chat(system, "Where is Daniel?"))
+    assert [c["choices"][0]["message"]["content"] for c in checked] == [""] * 4
+    assert later["usage"]["affix_reuse"]["decision"] != "reused"
+    assert later["choices"][0]["token_ids"] == plain_answer(llm, chat(system, "Where is Daniel?"))
+    # what reuse gives that question, so that trusting the span would have changed its answer
+    reused = llm.generate(llm.chat_prompt(chat(system, "Where is Daniel?")),
+                          SamplingParams(gen_length=2, block_length=2, selector="attention"), use_tqdm=False)[0]
+    assert reused.token_ids != later["choices"][0]["token_ids"]
+
+
+def test_a_stream_cut_by_a_stop_string_can_only_show_a_mismatch():
+    """A streamed answer a stop string ended was not decoded whole: its sent tokens (the first ``max_tokens``, cut
+    at the stop string) are compared, and a match there settles nothing, where a mismatch refuses the span."""
+    from types import SimpleNamespace
+
+    from acache.server.reuse_gate import ReuseGate
+    from acache.server.serving import Check, OpenAIServing
 
     def decode(ids):
         return "".join("ab\nd"[i] for i in ids)
 
     assert Check(None, None, (), limit=3, stops=("\n",)).sent([0, 1, 2, 3], decode) == [0, 1]
     assert Check(None, None, (), limit=1).sent([0, 1, 2, 3], decode) == [0]
-    assert Check(None, None, ()).sent([0, 1, 2, 3], decode) == [0, 1, 2, 3]
+
+    class Done:
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+        def cancelled(self):
+            return False
+
+        def exception(self):
+            return None
+
+        def result(self):
+            return SimpleNamespace(token_ids=self.token_ids)
+
+        def add_done_callback(self, fn):
+            fn(self)
+
+    gate = ReuseGate(checks=1)
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.ctx = SimpleNamespace(gate=gate)
+    serving.llm = SimpleNamespace(tokenizer=SimpleNamespace(decode=decode))
+    for plain_ids, reused_ids, finished, state in (
+            ([0, 1, 2], [0, 1, 2, 3], False, "checked 0"),  # the sent [0, 1] match: no evidence
+            ([0, 1, 2, 0], [0, 1, 2, 3], True, "refused"),  # decoded whole: the tail differs
+            ([0, 1, 2], [0, 3, 2, 3], False, "refused")):  # the sent part differs: a mismatch
+        key = (("span", state, finished),)
+        plan = gate.plan(key[0], SamplingParams(gen_length=4, block_length=4), True, False, "r")
+        check = Check(None, None, plan.key, plan.request, limit=3, stops=("\n",), started=True)
+        serving.settle_check(Done(reused_ids), check, SimpleNamespace(token_ids=plain_ids, finished=finished))
+        assert gate.state(plan.key) == state, (plain_ids, reused_ids, finished)
+
+
+@pytest.mark.parametrize("field, value", [("ignore_eos", True), ("stop_token_ids", [7])])
+def test_where_decoding_stops_is_part_of_what_a_check_vouches_for(field, value):
+    """A request decoding past EOS (or stopping at other tokens) decodes blocks a check that stopped at EOS never
+    compared."""
+    from acache.server.reuse_gate import policy_key
+
+    base = SamplingParams(gen_length=4, block_length=4)
+    assert policy_key(("s",), base) != policy_key(("s",), SamplingParams(gen_length=4, block_length=4,
+                                                                        **{field: value}))
+    assert policy_key(("s",), SamplingParams(gen_length=4, block_length=4, stop_token_ids=[7, 3])) == policy_key(
+        ("s",), SamplingParams(gen_length=4, block_length=4, stop_token_ids=[3, 7, 7]))
+
+
+def test_a_request_refused_with_a_400_is_no_sighting(llm):
+    """A chat refused for its sampling fields (n, top_p) counted as a sighting of its system prompt, so that the
+    next valid request reused the span at its first real sighting."""
+    system = story(("sofia", "garage"))
+    messages = chat(system, "Where is Daniel?")
+    with served(llm, auto_reuse="on") as client:
+        for bad in ({"n": 2}, {"top_p": 0.5}):
+            resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **bad})
+            assert resp.status_code == 400, resp.text
+        first = ask(client, messages)
+        second = ask(client, messages)
+    assert first["usage"]["affix_reuse"]["decision"] == "none"
+    assert second["usage"]["affix_reuse"]["decision"] == "reused"
 
 
 def test_another_seed_at_temperature_zero_is_the_same_request(llm):

@@ -188,7 +188,16 @@ def test_registered_affix(client, server):
     off = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8,
                                     extra_body={"affix": affix_id, "selector": "off"}).usage.model_extra["affix_reuse"]
     assert (off["decision"], off["reused_tokens"], off["selector"], off["anchor_ratio"]) == ("none", 0, None, None)
-    assert "selector 'off'" in off["reason"]
+    assert "selector or affix_reuse 'off'" in off["reason"]
+    # affix_reuse 'off' turns reuse off on a completion as on a chat (it was accepted and ignored: reused)
+    plain = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8,
+                                      extra_body={"affix": affix_id, "selector": "off"})
+    for mode, decision in (("off", "none"), ("always", "reused"), ("auto", "reused")):
+        got = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8,
+                                        extra_body={"affix": affix_id, "affix_reuse": mode})
+        assert got.usage.model_extra["affix_reuse"]["decision"] == decision, mode
+        if mode == "off":
+            assert got.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
     # a stream cut by a stop string in its first block reports the anchors of its partial output
     fields = {"affix": affix_id, "anchor_ratio": 0.2, "block_length": 2, "ignore_eos": True}
     whole = client.completions.create(model="llada0", prompt="Summarise.", max_tokens=8, extra_body=fields)
