@@ -204,7 +204,11 @@ def admitted_engine(model: DiffusionLM, prompts: list[AffixPrompt], params: Samp
     """A fresh engine (``config``: :class:`EngineConfig`'s fields, 4 GiB of pages unless given) with the shared affix
     cached where ``params`` reuse it and every prompt admitted, not yet stepped: what the probes time or count a
     step of. Each is fresh, so its first refresh writes pages touched for the first time, as every other's does."""
-    engine = LLMEngine(model, EngineConfig(**{"kv_cache_memory": 4 << 30, "max_num_seqs": len(prompts), **config}))
+    # every prompt's whole canvas in one step, as run_mode budgets it: the default budget (16,384 tokens) would leave
+    # part of a batch's first refresh to a later step, and the step timed or counted would not be the batch's
+    canvas = sum(len(p.token_ids) + params.gen_length for p in prompts)
+    engine = LLMEngine(model, EngineConfig(**{"kv_cache_memory": 4 << 30, "max_num_seqs": len(prompts),
+                                              "max_num_batched_tokens": max(16384, canvas), **config}))
     if params.selector is not None:
         cache_affix(engine, prompts[0])
     for p in prompts:

@@ -18,9 +18,11 @@ from acache import LLM
 from acache.affix.context import SelectionContext, request_seed
 from acache.affix.placement import place_affixes
 from acache.affix.selectors import SELECTORS, make_selector
+from acache.cli import _positive_int
 from acache.decoding.canvas import build_canvas
 from acache.policies import LAYOUTS
 from acache_lab.eval.tasks import task_prompts
+from acache_lab.probes.common import open_llm
 from acache_lab.tasks.generators import held_out, parse_tasks
 from acache_lab.tasks.render import answer_length
 
@@ -43,14 +45,14 @@ def main() -> None:
     ap.add_argument("--layout", default="prefix", choices=LAYOUTS)
     ap.add_argument("--selectors", default="attention,attention-deviation,influence,cacheblend,random")
     ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--requests", type=_positive_int, default=100)
     args = ap.parse_args()
     selectors = args.selectors.split(",")
     if bad := [s for s in selectors if s not in SELECTORS]:
         ap.error(f"unknown selector {bad[0]!r}; known: {', '.join(SELECTORS)}")
     if not 0.0 < args.ratio <= 1.0:
         ap.error(f"--ratio must be in (0, 1], got {args.ratio}")
-    llm = LLM(args.model)
+    llm = open_llm(ap, args.model)
     if llm.model.shifted_logits or llm.model.config.block_size is not None:
         ap.error(f"{args.model}: a {llm.model.family} model recomputes affix columns beside the request's own; "
                  "this script builds LLaDA's admission context only")

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from acache.policies import LAYOUTS, SELECTORS
+from acache_lab.probes.common import open_llm
 from acache_lab.tasks.generators import Example, held_out
 
 #: the words of a pickup sentence, in order
@@ -78,10 +79,9 @@ def main() -> None:
     if args.selector not in SELECTORS or args.selector in ("none", "all"):
         parser.error(f"--selector must choose anchors: one of "
                      f"{', '.join(s for s in SELECTORS if s not in ('none', 'all'))}, not {args.selector!r}")
-    from acache.llm import LLM
     from acache_lab.eval.tasks import task_params, task_prompts
 
-    llm = LLM(args.model)
+    llm = open_llm(parser, args.model, attention=True)
     examples = held_out("twohop", args.examples, args.sentences, args.seed)
     params = task_params("twohop", selector=args.selector, anchor_ratio=args.ratio, seed=args.seed)
     for layout in layouts:

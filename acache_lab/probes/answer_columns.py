@@ -90,7 +90,10 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     for model in args.models:
-        p = placement(model, args.task, args.layout, args.gen_length, args.requests, args.seed)
+        try:
+            p = placement(model, args.task, args.layout, args.gen_length, args.requests, args.seed)
+        except (FileNotFoundError, ValueError) as exc:  # not a checkpoint, or a family this probe cannot read
+            parser.error(f"{model}: {exc}")
         where = ", ".join(f"column {c}: {n}" for c, n in sorted(p.word_columns.items()))
         print(f"{model} ({args.task}, {args.layout}, {args.gen_length} columns, {p.requests} requests): words in "
               f"{where or 'no column'}; right up to the first EOS {p.right_to_first_eos}, with every EOS dropped "

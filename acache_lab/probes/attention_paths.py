@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from acache.cli import _positive_int
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
@@ -37,7 +39,7 @@ def by_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=_positive_int, default=16)
     args = ap.parse_args()
     torch.manual_seed(0)
     for tq, tk, what in ((1016, 1016, "a dual-cache refresh"), (456, 1016, "an ACache refresh"),

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from acache.cli import _positive_int
 from acache.models.checkpoint import SPECIAL_TOKENS, random_config
 from acache.models.llada import LLaDAModel
 from acache_lab.tasks.generators import MOVES, NAMES, PLACES
@@ -73,17 +74,17 @@ def batch(rng: random.Random, tok, size: int, people: tuple[int, int], layouts: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=_positive_int, default=3000)
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=_positive_int, default=4)
+    p.add_argument("--hidden", type=_positive_int, default=128)
+    p.add_argument("--heads", type=_positive_int, default=4)
     p.add_argument("--people", default="2,4", help="min,max people per training story")
-    p.add_argument("--eval-people", type=int, default=4)
+    p.add_argument("--eval-people", type=_positive_int, default=4)
     p.add_argument("--layouts", default="prefix,infix,suffix")
     p.add_argument("--reference", action="store_true", help="stock nn.TransformerEncoder instead of acache's")
-    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-every", type=_positive_int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--embed-std", type=float, default=0.02, help="std of the token embedding at init")
     p.add_argument("--linear-std", type=float, default=0.02, help="std of every other weight matrix at init")

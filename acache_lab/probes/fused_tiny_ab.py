@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from acache.cli import _positive_int
 from acache.models.loader import load_model
 from acache_lab.bench.engine import make_task_requests, run_mode
 
@@ -22,8 +23,8 @@ MODEL = "models/acache-tiny"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--batch", type=_positive_int, default=1)
+    ap.add_argument("--rounds", type=_positive_int, default=15)
     args = ap.parse_args()
     separate = load_model(MODEL, dtype="bfloat16")
     separate.fuse_projections = lambda: None  # this copy stays unfused when its engines are built

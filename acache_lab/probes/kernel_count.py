@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from acache.affix import context
+from acache.cli import _positive_int
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.engine import SMOL_SHAPE, Workload, admitted_engine, make_requests, workload_params
 
@@ -56,9 +57,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=["dual", "acache"], default="acache")
     ap.add_argument("--step", choices=["refresh", "in-block"], default="refresh")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=SMOL_SHAPE["layers"], help="the SmolLM2 shape with this depth")
-    ap.add_argument("--top", type=int, default=15, help="source lines listed")
+    ap.add_argument("--batch", type=_positive_int, default=1)
+    ap.add_argument("--layers", type=_positive_int, default=SMOL_SHAPE["layers"],
+                    help="the SmolLM2 shape with this depth")
+    ap.add_argument("--top", type=_positive_int, default=15, help="source lines listed")
     args = ap.parse_args()
     if args.batch < 1 or args.layers < 2 or args.top < 0:
         raise SystemExit("--batch must be at least 1, --layers at least 2, --top not negative")

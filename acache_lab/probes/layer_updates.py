@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from acache.models.base import DiffusionLM
+from acache_lab.probes.common import open_model
 from acache_lab.tasks.generators import TASKS, Example, held_out
 
 
@@ -66,7 +67,6 @@ def main() -> None:
     if args.examples < 1 or args.sentences < 1:
         parser.error("--examples and --sentences must be at least 1")
     from acache.models.checkpoint import SPECIAL_TOKENS
-    from acache.models.loader import load_model
     from acache_lab.tasks.render import build_word_tokenizer
 
     tok = build_word_tokenizer()
@@ -74,7 +74,7 @@ def main() -> None:
     examples = [e for task in TASKS for e in held_out(task, args.examples, args.sentences, args.seed)]
     prompts = task_prompts_in_context(tok, examples, tok.token_to_id(spec["mask"]), tok.token_to_id(spec["eos"]))
     for path in args.model:
-        updates = layer_updates(load_model(path).eval(), prompts)
+        updates = layer_updates(open_model(parser, path, attention=True).eval(), prompts)
         print(f"{path}: " + " ".join(f"{u:.3f}" for u in updates), flush=True)
 
 

@@ -15,6 +15,7 @@ import argparse
 from dataclasses import replace
 
 from acache import LLM
+from acache.cli import _positive_int
 from acache.policies import LAYOUTS
 from acache_lab.eval.tasks import exact_matches, task_params, task_prompts
 from acache_lab.tasks.generators import NAMES, OBJECTS, Example, held_out
@@ -41,7 +42,7 @@ def with_objects(example: Example) -> Example:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/acache-tiny")
-    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--questions", type=_positive_int, default=100)
     parser.add_argument("--layout", default="prefix", choices=LAYOUTS)
     args = parser.parse_args()
     try:

@@ -21,23 +21,26 @@ from dataclasses import replace
 
 import torch
 
+from acache.cli import _positive_int
+from acache.policies import ONE_PASS_SELECTORS
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.engine import SMOL_SHAPE, Workload, admitted_engine, make_requests, timed_steps, workload_params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--selector", default="attention")
+    parser.add_argument("--batch", type=_positive_int, default=16)
+    parser.add_argument("--repeats", type=_positive_int, default=3)
+    parser.add_argument("--selector", default="attention", choices=ONE_PASS_SELECTORS,
+                        help="a selector with both forms (the others choose at admission or in a pass of their own)")
     parser.add_argument("--anchor-depth", type=float, default=None, help="also time one pass at this depth")
     parser.add_argument("--device", default="cpu", help="where the random model runs (cpu, cuda)")
     args = parser.parse_args()
-    if args.batch < 1 or args.repeats < 1:
-        raise SystemExit("--batch and --repeats must be at least 1")
+    if args.anchor_depth is not None and not 0 < args.anchor_depth <= 1:
+        parser.error(f"--anchor-depth must be in (0, 1], got {args.anchor_depth}")
     model = random_model("llada", SMOL_SHAPE, torch.bfloat16, torch.device(args.device), 0)
     model.fuse_projections()
-    w = Workload(selector=args.selector)
+    w = Workload(selector=args.selector, anchor_pass="one")
     prompts = make_requests(model, w, args.batch, 1)
     one, two = workload_params(w, True), workload_params(Workload(selector=args.selector, anchor_pass="two"), True)
     timed_steps(admitted_engine(model, prompts[:1], one), 2)  # warm-up

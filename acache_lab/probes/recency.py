@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from acache import LLM
+from acache.cli import _positive_int
 from acache.policies import LAYOUTS
 from acache_lab.eval.tasks import task_params, task_prompts
 from acache_lab.tasks.generators import NAMES, PLACES, Example, held_out
@@ -32,7 +33,7 @@ def places_of(example: Example) -> tuple[list[str], list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/acache-tiny")
-    ap.add_argument("--questions", type=int, default=200)
+    ap.add_argument("--questions", type=_positive_int, default=200)
     ap.add_argument("--layouts", default="prefix,infix")
     args = ap.parse_args()
     layouts = args.layouts.split(",")

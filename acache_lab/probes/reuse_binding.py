@@ -15,7 +15,9 @@ import argparse
 from collections import Counter
 from collections.abc import Sequence
 
+from acache.cli import _positive_int
 from acache.policies import LAYOUTS
+from acache_lab.probes.common import open_llm
 from acache_lab.tasks.generators import Example, held_out
 
 #: the outcomes, in the order printed
@@ -68,18 +70,17 @@ def outcome(example: Example, answer: Sequence[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="models/acache-tiny-affix")
-    parser.add_argument("--sentences", type=int, default=6)
-    parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--sentences", type=_positive_int, default=6)
+    parser.add_argument("--examples", type=_positive_int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--selector", default="none",
                         help="how the affix is served: none (direct reuse, the default), all (every affix token an "
                              "anchor) or a selector at --ratio")
     parser.add_argument("--ratio", type=float, default=0.2, help="the anchor ratio of a selector")
     args = parser.parse_args()
-    from acache.llm import LLM
     from acache_lab.eval.tasks import task_params, task_prompts
 
-    llm = LLM(args.model)
+    llm = open_llm(parser, args.model, attention=True)
     for task in ("holder", "twohop"):
         examples = held_out(task, args.examples, args.sentences, args.seed)
         for layout in LAYOUTS:

@@ -20,9 +20,10 @@ import random
 
 import torch
 
+from acache.cli import _positive_int
 from acache.models.checkpoint import family_model
-from acache.models.loader import load_model
 from acache.models.r2lm import R2LM
+from acache_lab.probes.common import open_model
 from acache_lab.tasks.generators import EVAL_SEED_BASE, TRAIN_GENERATORS, Example
 from acache_lab.tasks.render import SPECIAL_TOKENS, build_word_tokenizer, render
 from acache_lab.train.trainer import start_from_
@@ -52,14 +53,16 @@ def first_token_accuracy(logits_at, examples: list[Example], encode, mask_id: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/acache-tiny")
-    ap.add_argument("--questions", type=int, default=200)
+    ap.add_argument("--questions", type=_positive_int, default=200)
     args = ap.parse_args()
     tokenizer = build_word_tokenizer()
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
-    source = load_model(args.model)
+    source = open_model(ap, args.model)
+    if not hasattr(source.config, "rope_theta"):
+        ap.error(f"{args.model}: a {source.family} model has no rotary positions to shift")
     spec = SPECIAL_TOKENS["llada"]
     shape = source.config
     model = family_model("fast_dllm_v2", shape.vocab_size, tokenizer.token_to_id(spec["mask"]),

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from acache.cli import _positive_int
 from acache.decoding.sampler import propose
 from acache.engine.page_pool import PagePool
 from acache.engine.step_keys import StackedKV, StepKeyCache
@@ -64,8 +65,8 @@ def report(title: str, medians: dict[str, float]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--batch", type=_positive_int, default=16)
+    ap.add_argument("--repeats", type=_positive_int, default=7)
     args = ap.parse_args()
     torch.manual_seed(0)
     b, cached, block = args.batch, 984, 32  # the bench: 700 affix + 60 question + 256 generated, blocks of 32

@@ -18,6 +18,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from acache.cli import _non_negative_int, _positive_int
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.engine import SHAPES, Workload, admitted_engine, make_requests, timed_steps, workload_params
 
@@ -44,18 +45,19 @@ def host_reads(prof) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=_positive_int, default=16)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--block-steps", type=int, default=3, help="in-block steps timed after the first refresh")
-    ap.add_argument("--repeats", type=int, default=3, help="fresh engines timed per mode (medians)")
-    ap.add_argument("--rows", type=int, default=18, help="operators listed per profile")
+    ap.add_argument("--block-steps", type=_positive_int, default=3, help="in-block steps timed after the first refresh")
+    ap.add_argument("--repeats", type=_positive_int, default=3, help="fresh engines timed per mode (medians)")
+    ap.add_argument("--rows", type=_non_negative_int, default=18, help="operators listed per profile")
     ap.add_argument("--modes", default="dual,acache", help="which engines, in order (dual, acache)")
     ap.add_argument("--reuse-step-keys", choices=["default", "on", "off"], default="default",
                     help="the engine's reuse_step_keys (default: on for CPU only)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    if args.batch < 1 or args.block_steps < 1 or args.repeats < 1 or args.rows < 0:
-        raise SystemExit("--batch, --block-steps and --repeats must be at least 1, --rows not negative")
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not names or any(m not in ("dual", "acache") for m in names):  # before the model is built (8B at llada-8b)
+        raise SystemExit(f"--modes takes dual and/or acache, comma-separated, not {args.modes!r}")
     reuse = {"default": None, "on": True, "off": False}[args.reuse_step_keys]
     model = random_model("llada", SHAPES[args.shape], torch.bfloat16, device, 0)
     config = {"kv_cache_memory": model_pool_bytes(model, args.batch), "reuse_step_keys": reuse}
@@ -63,9 +65,6 @@ def main() -> None:
     w = Workload(selector="attention")
     prompts = make_requests(model, w, args.batch, 1)
     known = {"dual": workload_params(w, False), "acache": workload_params(w, True)}
-    names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not names or any(m not in known for m in names):
-        raise SystemExit(f"--modes takes dual and/or acache, comma-separated, not {args.modes!r}")
     modes = {m: known[m] for m in names}
     for params in modes.values():  # warm-up
         timed_steps(admitted_engine(model, prompts[:1], params, **config), 2)

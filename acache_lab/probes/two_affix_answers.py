@@ -45,7 +45,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for model in args.models:
-        counts = kinds(model, args.requests, args.seed)
+        try:
+            counts = kinds(model, args.requests, args.seed)
+        except (FileNotFoundError, ValueError) as exc:  # not a checkpoint, or a family without shared affixes
+            parser.error(f"{model}: {exc}")
         print(model, ", ".join(f"{k} {v}" for k, v in counts.most_common()))
 
 

@@ -300,3 +300,27 @@ def test_every_mode_is_warmed_at_every_batch_size_and_each_repeat_starts_with_an
     assert warm == [(1, "dual", 1), (1, "acache", 1), (2, "dual", 2), (2, "acache", 2)]
     assert [m for b, m, _ in timed if b == 1] == ["dual", "acache", "acache", "dual", "dual", "acache"]
     assert all(n == 4 for _, _, n in timed)
+
+
+def test_an_admitted_engine_runs_its_whole_batch_in_its_first_step():
+    """The probes time or count the first step of ``admitted_engine`` as the batch's: under the default token
+    budget (16,384) 17 canvases of 1,016 tokens left one request to a later step."""
+    import torch
+
+    from acache_lab.bench.decode import random_model
+    from acache_lab.bench.engine import Workload, admitted_engine, make_requests, workload_params
+
+    shape = {"layers": 2, "hidden_size": 64, "heads": 4, "kv_heads": 2, "intermediate_size": 128,
+             "vocab_size": 1000}
+    model = random_model("llada", shape, torch.float32, torch.device("cpu"), 0)
+    w = Workload(selector="attention")
+    prompts = make_requests(model, w, 17, 1)
+    for reuse in (False, True):
+        engine = admitted_engine(model, prompts, workload_params(w, reuse))
+        seen = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda sched, execute=execute, seen=seen: seen.append(
+            sum(len(f.requests) for f in sched.forwards)) or execute(sched)
+        with torch.inference_mode():
+            engine.step()
+        assert seen == [17], reuse
