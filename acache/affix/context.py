@@ -327,13 +327,24 @@ class SelectionContext:
         keys_at, keys_valid = self.affix_columns
         keys_at = keys_at.clamp_max(t - 1)
         slot = torch.where(keys_valid, self.affix_slot.gather(1, keys_at), -1)
-        mass = AffixMass(cfg, pick_valid, slot)
-        q_rope = self.model.rope(self.kv.positions.gather(1, cols))
+        q_positions = self.kv.positions.gather(1, cols)
+        mass = AffixMass(cfg, pick_valid, slot, visible_keys(cfg, q_positions, self.kv.positions.gather(1, keys_at)))
+        q_rope = self.model.rope(q_positions)
         q_index = pick[:, :, None, None].expand(-1, -1, cfg.num_heads, cfg.head_dim)
         for layer, q in enumerate(queries):
             scores.scatter_add_(1, keys_at, mass(apply_rope(q.gather(1, q_index), *q_rope), self.affix_keys(layer))
                                 * keys_valid)
         return self.model.reduce_heads(scores)
+
+
+def visible_keys(config: ModelConfig, query_positions: torch.Tensor, key_positions: torch.Tensor
+                 ) -> torch.Tensor | None:
+    """``[B, M, K]``: the keys each query attends to where attention is block-causal (a key's block, ``position //
+    block_size``, not after the query's, as the model's mask has it); None where every query sees every key."""
+    block = getattr(config, "block_size", None)
+    if block is None:
+        return None
+    return (key_positions // block)[:, None, :] <= (query_positions // block)[:, :, None]
 
 
 class AffixMass:
@@ -346,11 +357,14 @@ class AffixMass:
     rows' weighted sum is the mass over heads and queries. The steps that change nothing are left out: the mask
     when every key is the affix's, the NaN guard when every row has a member. On CPU the score blocks are taken
     a few at a time, so each is scored while in cache. The sum covers this process's heads (tensor parallel:
-    the caller completes it with ``reduce_heads``).
+    the caller completes it with ``reduce_heads``). Under block-causal attention (``visible``) each query's softmax
+    runs over the keys of the affix it attends to, and a query that sees none of an affix adds nothing to it.
     """
 
-    def __init__(self, config: ModelConfig, weight: torch.Tensor, slot: torch.Tensor) -> None:
-        """``weight [B, M]``: which queries count; ``slot [B, K]``: each key's affix in its row, -1 for padding."""
+    def __init__(self, config: ModelConfig, weight: torch.Tensor, slot: torch.Tensor,
+                 visible: torch.Tensor | None = None) -> None:
+        """``weight [B, M]``: which queries count; ``slot [B, K]``: each key's affix in its row, -1 for padding;
+        ``visible [B, M, K]``: the keys each query attends to (:func:`visible_keys`; None: all)."""
         b, m = weight.shape
         keys = slot.shape[1]
         self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
@@ -359,10 +373,15 @@ class AffixMass:
         self.shape = (b, m, keys)
         self.weight = weight[:, None, None, :].expand(b, self.kv_heads, self.rep, m).reshape(n, 1, self.rep * m).float()
         self.members = []
+        seen = None if visible is None else visible[:, None, None].expand(b, self.kv_heads, self.rep, m, keys).reshape(
+            n, self.rep * m, keys)
         for affix in range(int(slot.max()) + 1 if slot.numel() else 0):
             member = (slot == affix)[:, None, :]
-            self.members.append((member.expand(b, self.kv_heads, keys).reshape(n, 1, keys), bool(member.all()),
-                                 bool(member.any(-1).all())))
+            rows = member.expand(b, self.kv_heads, keys).reshape(n, 1, keys)
+            if seen is None:
+                self.members.append((rows, bool(member.all()), bool(member.any(-1).all())))
+            else:  # per query: rows with no visible member are zeroed after the softmax
+                self.members.append((rows & seen, False, False))
         self.chunk = n if slot.device.type != "cpu" else max(1, _CPU_SCORE_BYTES // (4 * self.rep * m * max(keys, 1)))
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

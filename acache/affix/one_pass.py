@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from acache.affix.context import AffixMass, compact_index, compact_keys, kv_deviation
+from acache.affix.context import AffixMass, compact_index, compact_keys, kv_deviation, visible_keys
 from acache.affix.selectors import SELECTORS, request_anchor_counts
 from acache.affix.selectors.base import (
     OnePass,
@@ -167,7 +167,8 @@ def refresh_selecting(model: DiffusionLM, tokens: torch.Tensor, positions: torch
         q_cols, q_valid = compact_index(weight, fill=t, keys=sort_keys)
         k_cols, k_valid = compact_index(affix, fill=t, keys=sort_keys)
         k_slot = torch.where(k_valid, affix_slot.gather(1, k_cols.clamp_max(t - 1)), -1)
-        mass = AffixMass(cfg, q_valid, k_slot)
+        mass = AffixMass(cfg, q_valid, k_slot, visible_keys(cfg, positions.gather(1, q_cols.clamp_max(t - 1)),
+                                                            positions.gather(1, k_cols.clamp_max(t - 1))))
     mass_sum = torch.zeros(b, t + 1, dtype=torch.float32, device=dev)
     no_deviation = torch.zeros_like(mass_sum)  # a layer with no deviation scored: one zero buffer, never written
 

@@ -150,6 +150,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if generator is None:
             generator = params.generator(self.model.device)
+        elif not isinstance(generator, torch.Generator) or generator.device.type != self.model.device.type:
+            found = generator.device if isinstance(generator, torch.Generator) else type(generator).__name__
+            raise ValueError(f"generator must be a torch.Generator on the model's device ({self.model.device.type}), "
+                             f"got {found}")
         req = self._request(prompt, params, request_id, generator, stream)
         self.scheduler.add(req)
         return request_id

@@ -105,9 +105,11 @@ class ModelRunner:
     @staticmethod
     def _contained(reqs: list[Request], fn: Callable[[list[Request]], dict], errors: dict[str, str]) -> dict:
         """``fn(reqs)``; if it raises for a reason other than an engine fault, each request is run alone
-        and those that still raise are put in ``errors`` with their message."""
+        and those that still raise are put in ``errors`` with their message. Each request alone draws the noise it
+        drew in the batch (its generator rewound): one request's fault does not change another's tokens."""
         if not reqs:
             return {}
+        drawn = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             return fn(reqs)
         except Exception as exc:
@@ -119,6 +121,8 @@ class ModelRunner:
             # said, so that a batch that fails on every step (a bug, not a bad request) does not pass unseen
             logger.warning("a forward of %d requests failed (%s: %s); running each alone", len(reqs),
                            type(exc).__name__, exc)
+        for generator, state in drawn:
+            generator.set_state(state)
         results: dict = {}
         for req in reqs:
             try:

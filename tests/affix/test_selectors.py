@@ -340,6 +340,9 @@ def test_an_exact_affix_takes_no_anchors_short_of_the_whole_affix():
     assert placed_anchor_counts(1.0, "attention", spans, exact) == [10, 5]
     assert placed_anchor_counts(0.0, "all", spans, exact) == [10, 5]
     assert placed_anchor_counts(0.9, "none", spans, exact) == [0, 0]
+    # a ratio under 1 whose count rounds up to the whole affix still takes none there: the count rises with the
+    # ratio, 0 below 1 (it read [10, 5] at 0.95, and 0 again at 0.85)
+    assert [placed_anchor_counts(r, "attention", spans, exact)[0] for r in (0.85, 0.95, 0.999, 1.0)] == [0, 0, 0, 10]
     with pytest.raises(ValueError):
         placed_anchor_counts(0.2, "attention", spans, [True])
     chosen = torch.zeros(20, dtype=torch.bool)
@@ -675,3 +678,34 @@ def test_per_affix_ranks_never_take_a_column_of_no_affix_or_of_an_affix_past_the
     assert ranks_per_affix(slot, scores, cand, 2).tolist() == [[-1, -1, 2, 0, 1, 0, 1, -1, -1]]
     kept = keep_per_affix(slot, scores, cand, [[2, 1]])
     assert kept.tolist() == [[False, False, False, True, True, True, False, False, False]]
+
+
+def test_a_query_that_cannot_see_an_affix_adds_no_attention_mass(blockdiff_dir):
+    """On a block-causal model the question's head, in a block before an infix affix, never attends to it: the mass
+    is each query's softmax over the affix keys it attends to, so adding the head's queries changes nothing (they
+    added a whole unit a head each, and moved query-attention's anchors)."""
+    from acache.affix.context import AffixMass, visible_keys
+    from acache.models.loader import load_model
+
+    model = load_model(blockdiff_dir)
+    gen = torch.Generator().manual_seed(4)
+    head, affix, tail = (torch.randint(0, 200, (n,), generator=gen).tolist() for n in (8, 16, 8))
+    prompt = AffixPrompt.from_spans(head + affix + tail, None, [(8, 24)])
+    with torch.inference_mode():
+        ctx = selection_context(model, prompt, 16)
+        out, fed, fed_valid = ctx.probe()
+        at = fed.clamp_max(ctx.canvas.total - 1)
+        question = (~ctx.gen_mask & ~ctx.affix_mask).gather(1, at) & fed_valid
+        every = ctx.attention_mass(out.queries, at, question)
+        seeing = ctx.attention_mass(out.queries, at, question & (at >= 24))  # the tail's queries, after the affix
+    torch.testing.assert_close(every, seeing, rtol=1e-5, atol=1e-6)
+    assert seeing.sum() > 0
+    # AffixMass itself: a query that sees no key of an affix adds nothing; one that sees part of it, a unit there
+    cfg = SimpleNamespace(num_kv_heads=1, num_heads=1, head_dim=2, block_size=2)
+    q, k = torch.randn(1, 2, 1, 2), torch.randn(1, 4, 1, 2)
+    seen = visible_keys(cfg, torch.tensor([[1, 5]]), torch.tensor([[2, 3, 4, 5]]))
+    assert seen.tolist() == [[[False] * 4, [True] * 4]]
+    mass = AffixMass(cfg, torch.tensor([[True, True]]), torch.zeros(1, 4, dtype=torch.long), seen)(q, k)
+    alone = AffixMass(cfg, torch.tensor([[False, True]]), torch.zeros(1, 4, dtype=torch.long))(q, k)
+    torch.testing.assert_close(mass, alone)
+    assert visible_keys(SimpleNamespace(block_size=None), torch.zeros(1, 1), torch.zeros(1, 1)) is None

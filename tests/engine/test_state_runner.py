@@ -233,3 +233,32 @@ def test_refreshed_tokens_count_the_step_spans_refreshes_fed(model):
     counts = [fed[o.request_id] for o in outs]
     assert [o.recomputed_per_refresh for o in outs] == [round(sum(c) / len(c)) for c in counts]
     assert engine.metrics.refreshed_tokens == sum(map(sum, counts)) < sum(len(p) + 32 for p in prompts)
+
+
+def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone(model, monkeypatch):
+    """A fault in one request's proposal, after the requests before it in the batch drew their noise: each is run
+    alone with its generator rewound, so the sampled requests decode as alone (they drew twice, and decoded
+    otherwise)."""
+    from acache.engine.model_runner import ModelRunner
+
+    prompts = random_prompts([9, 6, 14], vocab=290, seed=5)
+    params = [SamplingParams(gen_length=8, block_length=4, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(gen_length=8, block_length=4),
+              SamplingParams(gen_length=12, block_length=4, temperature=0.7, seed=9, ignore_eos=True)]
+    want = reference(model, [prompts[0], prompts[2]], [params[0], params[2]])
+    real = ModelRunner._propose
+
+    def propose(req, logits):
+        if req.request_id == "bad":
+            raise ValueError("bad proposal")
+        return real(req, logits)
+
+    monkeypatch.setattr(ModelRunner, "_propose", staticmethod(propose))
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    ids = [engine.add_request(p, sp, request_id=rid)
+           for p, sp, rid in zip(prompts, params, ["a", "bad", "c"], strict=True)]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert outs["bad"].status.value == "failed" and "bad proposal" in outs["bad"].error
+    assert [outs[ids[0]].token_ids, outs[ids[2]].token_ids] == want

@@ -33,13 +33,14 @@ def placed_anchor_counts(ratio: float, selector: str | None, spans: Sequence[tup
     """The anchor count of each of a request's affixes at canvas columns ``[c0, c1)``: :func:`anchor_count`, but
     none short of the whole affix where its cached K/V are exact where it is placed (``exact``, from
     ``RequestState.exact_affixes``: a block-causal model's affix at column 0), since anchors there would recompute
-    what the cache holds. The whole affix (``all``, ratio 1) is still recomputed: it is the reference decoding.
+    what the cache holds. The whole affix (``all``, ratio 1) is still recomputed: it is the reference decoding; a
+    ratio under 1 whose count rounds up to the whole affix is not that, and takes none.
     At most ``free[i]`` of affix ``i``: anchors are chosen among the columns a refresh would otherwise read from
     the cache, not those it recomputes anyway (:func:`free_columns`)."""
     counts = []
     for i, ((c0, c1), is_exact) in enumerate(zip(spans, exact, strict=True)):
         k = anchor_count(ratio, c1 - c0, selector)
-        k = 0 if is_exact and k < c1 - c0 else k
+        k = 0 if is_exact and not (selector == "all" or ratio >= 1) else k
         counts.append(k if free is None else min(k, free[i]))
     return counts
 
