@@ -2,8 +2,10 @@
 
 The diagnostic behind docs/accuracy.md's `influence` section. For held-out requests of each task, every
 selector chooses its anchors at one ratio on the request's all-mask canvas (its affix's cached K/V placed, as
-at admission); the score is the share of the `kv-deviation` oracle's anchors among them, averaged over the
-requests (a random pick's share is about the ratio).
+at admission), by its selection of its own (the two-pass form: ``attention``, served in one pass by default,
+filters its candidates inside the first refresh instead, acache/affix/one_pass.py); the score is the share of
+the `kv-deviation` oracle's anchors among them, averaged over the requests (a random pick's share is about the
+ratio).
 
     python -m acache_lab.probes.anchor_overlap --model models/acache-tiny --layout prefix
 """

@@ -155,7 +155,20 @@ def test_a_state_cache_family_is_served(tmp_path, family):
                 "max_tokens": 4}
         resp = c.post("/v1/chat/completions", json=chat)
         assert resp.status_code == 200, resp.text
+        # a registered affix is computed with the prompt, as a chat's system prompt is (it was a 400 naming the
+        # served default selector, which the client never sent)
+        affix = c.post("/v1/affixes", json={"text": "Mary went home."}).json()["id"]
+        resp = c.post("/v1/completions", json={"prompt": " Where?", "affix": affix, "max_tokens": 4,
+                                               "block_length": 4})
+        assert resp.status_code == 200, resp.text
+        whole = c.post("/v1/completions", json={"prompt": llm.inputs.encode_text("Mary went home.")
+                                                + llm.inputs.encode_text(" Where?"), "max_tokens": 4,
+                                                "block_length": 4})
+        assert resp.json()["choices"][0]["token_ids"] == whole.json()["choices"][0]["token_ids"]
+        assert resp.json()["usage"]["affix_reuse"]["decision"] == "none"
         for path, body, why in [("/v1/chat/completions", {**chat, "selector": "attention"}, "does not support"),
+                                ("/v1/completions", {"prompt": "hi", "affix": affix, "max_tokens": 4,
+                                                     "selector": "attention"}, "does not support"),
                                 ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": 1},
                                  f"not supported for the {family} family"),
                                 ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "suffix": " there"},
