@@ -3,7 +3,8 @@
 A step is vLLM's loop: ``Scheduler.schedule()`` picks what runs (anchor selections, refreshes,
 in-block steps), ``ModelRunner.execute()`` runs it and returns tokens, confidences, anchors and
 timings without touching a request, and ``Scheduler.update_from_output()`` applies them. Every
-``SamplingParams`` field is per request; any mix of requests decodes each exactly as it would alone.
+``SamplingParams`` field is per request; any mix of requests decodes each as it would alone, to the rounding of a
+batched forward (docs/guide/engine.md: a near-tie can commit another token in another batch).
 
 The attention families keep their K/V in a page pool (``KVCacheManager`` + ``ModelRunner``); the state-cache families
 (the state-space variant, R2LM) keep a cache of the model's own per request (``StateCacheManager`` +

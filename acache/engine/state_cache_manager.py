@@ -1,10 +1,13 @@
 """The cache manager of the families whose cache is the model's own object (the state-space variant, R2LM).
 
 A request's cache is its model's ``empty_cache()`` at admission, advanced by the runner as blocks finish
-(:class:`BlockCache`). Admission reserves the most the cache will ever hold
-(``cache_bytes_for`` the whole canvas: one fixed-size state for the state-space variant, every position's K/V
-for R2LM) against a byte budget, all or nothing, so a running request never runs out; a request that does
-not fit waits, one that could never fit is refused. These families share no affix K/V: the affix table is
+(:class:`BlockCache`). Admission reserves against a byte budget, all or nothing, the most the cache will ever
+hold (one fixed-size state for the state-space variant; for R2LM the K/V of the columns before its last step's
+span, which is all its cache ever covers, none without a cache) and the copies its steps make beside it
+(``step_bytes``: R2LM's step extends a copy of the K/V through the columns it feeds, the state-space model's batch
+stacks the states and copies them after): those of every running request where a family runs rows together, the
+largest one where it runs them one after another. So a running request never runs out; a request that does not
+fit waits, one that could never fit is refused. These families share no affix K/V: the affix table is
 :class:`NoSharedAffixes`. What such a family cannot do at all is refused by :func:`check_state_request`, which
 the engine and the reference loop (:func:`acache.reference.reference_generate_state_cache`) both ask.
 """
@@ -87,28 +90,43 @@ class StateCacheManager:
         self.budget_bytes = budget_bytes
         self.affixes = NoSharedAffixes(model.family)
         self.caches: dict[str, BlockCache] = {}
-        self.reserved: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}  # the most each request's cache holds
+        self.copies: dict[str, int] = {}  # the most each request's step adds beside it
         self.peak_bytes = 0
 
     @property
     def used_bytes(self) -> int:
-        return sum(self.reserved.values())
+        return self._used(self.reserved.values(), self.copies.values())
+
+    def _used(self, held, copies) -> int:
+        copies = list(copies)
+        return sum(held) + (sum(copies) if self.model.rows_together else max(copies, default=0))
+
+    def held_bytes(self, req: Request) -> int:
+        """The most the request's cache holds: the columns before its last step's span (the runner advances it to
+        each step's first column), none without a cache."""
+        params = req.params
+        size = self.model.config.block_size
+        covered = 0 if params.cache == "none" else (req.length - params.block_length) // size * size
+        return self.model.cache_bytes_for(covered)
 
     def bytes_needed(self, req: Request) -> int:
-        return self.model.cache_bytes_for(req.length)
+        """The request's cache and its step's copies, alone."""
+        return self.held_bytes(req) + self.model.step_bytes(req.length)
 
     def check(self, req: Request) -> None:
         need = self.bytes_needed(req)
         if need > self.budget_bytes:
-            raise ValueError(f"request {req.request_id} needs {need} bytes of {self.model.family} cache, more than "
-                             f"the whole budget of {self.budget_bytes}; raise kv_cache_memory")
+            raise ValueError(f"request {req.request_id} needs {need} bytes of {self.model.family} cache (its cache "
+                             f"and the copy a step makes), more than the whole budget of {self.budget_bytes}; raise "
+                             "kv_cache_memory")
 
     def allocate(self, req: Request) -> bool:
-        need = self.bytes_needed(req)
-        if self.used_bytes + need > self.budget_bytes:
+        held, copy = self.held_bytes(req), self.model.step_bytes(req.length)
+        if self._used([*self.reserved.values(), held], [*self.copies.values(), copy]) > self.budget_bytes:
             return False
         cache = BlockCache(self.model.empty_cache())  # first: if it raises, nothing is reserved
-        self.reserved[req.request_id] = need
+        self.reserved[req.request_id], self.copies[req.request_id] = held, copy
         self.caches[req.request_id] = cache
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return True
@@ -124,6 +142,7 @@ class StateCacheManager:
     def free(self, req: Request) -> None:
         self.caches.pop(req.request_id, None)
         self.reserved.pop(req.request_id, None)
+        self.copies.pop(req.request_id, None)
 
     def memory_usage(self) -> tuple[int, int, int]:
         """``(peak, in use, bytes a unit)`` in the units of the engine's summary: bytes, for this manager."""

@@ -153,6 +153,11 @@ class R2LM(OwnLayout, nn.Module):
         c = self.config
         return 2 * c.num_layers * length * c.num_kv_heads * c.head_dim * self.embed.weight.element_size()
 
+    def step_bytes(self, length: int) -> int:
+        """What a step on a canvas of ``length`` adds beside its cache, at the most: the K/V it extends a copy of,
+        through the last column it feeds (rows run one after another: :attr:`rows_together` is False)."""
+        return self.cache_bytes_for(length)
+
     def extend(self, tokens: torch.Tensor, start: int, cache: list[LayerKV] | None, logits: bool = True
                ) -> tuple[torch.Tensor | None, list[LayerKV]]:
         """Logits ``[T, V]`` of ``tokens [T]`` at positions ``start..`` (whole blocks after the cached ones;

@@ -106,6 +106,8 @@ class OwnLayout:
     block_causal: ClassVar[bool] = True
     #: the engine keeps each request's cache as the model's own object (``empty_cache``/``extend``), not in pages
     state_cache: ClassVar[bool] = True
+    #: whether ``extend_many`` runs its rows in one forward (every row's step copies alive at once) or one by one
+    rows_together: ClassVar[bool] = False
 
     @property
     def device(self) -> torch.device:
@@ -124,6 +126,7 @@ class OwnLayout:
         for tokens, start, past in rows:
             row_logits, row_cache = self.extend(tokens, start, past, logits)
             out.append((row_logits, row_cache if cache else None))
+            del row_cache  # not alive beside the next row's copy
         return out
 
     @classmethod
@@ -353,6 +356,12 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
         return self.empty_state()
 
     cache_bytes = state_bytes
+    rows_together: ClassVar[bool] = True
+
+    def step_bytes(self, length: int) -> int:
+        """What a step adds beside a request's state, at the most: its row of the batch's stacked states, the
+        states after the forward, and the request's own copy of them."""
+        return 3 * self.cache_bytes_for(length)
 
     def cache_bytes_for(self, length: int) -> int:
         """The cache's size for a canvas of ``length`` tokens, whatever the length: a float32 state and the

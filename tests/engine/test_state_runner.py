@@ -10,7 +10,7 @@ import torch
 from acache.affix.prompt import Affix, AffixPrompt, resolve_segments
 from acache.engine import EngineConfig, LLMEngine
 from acache.engine.state_cache_manager import BlockCache
-from acache.engine.state_runner import run_plans
+from acache.engine.state_runner import new_state, run_plans
 from acache.models.r2lm import R2LM, R2LMConfig
 from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
 from acache.reference import reference_generate_state_cache
@@ -137,16 +137,19 @@ def test_a_plan_that_reads_past_its_cache_is_refused(model):
 
 
 def test_the_budget_admits_queues_and_refuses(model):
+    """A request reserves the most its cache holds and the copies its step makes beside it: one fixed state and the
+    three copies a batched step makes of it (state-space), or the K/V before its last block and the copy its step
+    extends through the whole canvas (R2LM)."""
     prompts = random_prompts([6, 30], vocab=290, seed=2)
     params = SamplingParams(gen_length=8, block_length=4)
-    need = [model.cache_bytes_for(len(p) + 8) for p in prompts]
     if isinstance(model, SSMBlockDiffusionLM):  # one state a request, whatever its length
-        assert need[0] == need[1] == model.cache_bytes(model.empty_cache())
-    else:  # every position's K/V
+        state = model.cache_bytes(model.empty_cache())
+        need = [4 * state] * 2
+    else:  # every position's K/V: the cache covers the columns before the last block (blocks of 4)
+        need = [model.cache_bytes_for((len(p) + 4) // 4 * 4) + model.cache_bytes_for(len(p) + 8) for p in prompts]
         assert need[1] > need[0]
-        params = SamplingParams(gen_length=8, block_length=4, stop_token_ids=())
         done = reference_generate_state_cache(model, prompts[1], params)
-        assert done.cache_bytes <= need[1]
+        assert done.cache_bytes <= model.cache_bytes_for((len(prompts[1]) + 4) // 4 * 4)
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=max(need)))  # room for one request at a time
     outs = run_engine(model, prompts, params, engine=engine)
     assert tokens(outs) == reference(model, prompts, [params] * 2)
@@ -262,3 +265,53 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
         outs.update((o.request_id, o) for o in engine.step())
     assert outs["bad"].status.value == "failed" and "bad proposal" in outs["bad"].error
     assert [outs[ids[0]].token_ids, outs[ids[2]].token_ids] == want
+
+
+def test_what_a_step_holds_stays_within_what_its_requests_reserved(model, monkeypatch):
+    """R2LM: at every row's extend, the caches held and the copy just made fit in the bytes reserved (advancing a
+    batch's caches made every row's new K/V beside its old one: 1.75 times the budget in a review's run); the cache
+    reserved is the one its last block reads, so four requests fit where the whole canvas each did not."""
+    if isinstance(model, SSMBlockDiffusionLM):
+        pytest.skip("the state-space model's copies are made inside one batched forward")
+    prompts = random_prompts([20, 18, 22, 19], vocab=290, seed=4)
+    params = [SamplingParams(gen_length=16, block_length=4), SamplingParams(gen_length=12, block_length=4,
+                                                                            threshold=0.2),
+              SamplingParams(gen_length=16, block_length=4, threshold=0.3), SamplingParams(gen_length=8,
+                                                                                          block_length=4)]
+    want = reference(model, prompts, params)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    worst = []
+    real = model.extend
+
+    def extend(tokens, start, cache, logits=True):
+        out = real(tokens, start, cache, logits)
+        held = sum(model.cache_bytes(c.value) for c in engine.kv.caches.values())
+        worst.append(held + model.cache_bytes(out[1]) - engine.kv.used_bytes)
+        return out
+
+    many = model.extend_many
+    advanced = []
+
+    def extend_many(rows, logits=True, cache=True):
+        out = many(rows, logits, cache)
+        advanced.append(len(rows) if cache else 0)
+        held = sum(model.cache_bytes(c.value) for c in engine.kv.caches.values())
+        worst.append(held + sum(model.cache_bytes(value) for _, value in out) - engine.kv.used_bytes)
+        return out
+
+    monkeypatch.setattr(model, "extend", extend)
+    monkeypatch.setattr(model, "extend_many", extend_many)
+    outs = run_engine(model, prompts, params, arrivals=[0, 0, 1, 1], engine=engine)
+    assert tokens(outs) == want
+    assert max(worst) <= 0, max(worst)
+    assert max(advanced) == 1  # one cache advanced at a time, its old K/V let go before the next is made
+    # three requests behind their caches at once: still advanced one by one
+    items = [(torch.tensor(p + [1] * 8), SamplingParams(gen_length=8, block_length=4), None) for p in prompts[:3]]
+    states = [new_state(model, AffixPrompt(tuple(p[:-8].tolist()), len(p) - 8), sp, set()) for p, sp, _ in items]
+    advanced.clear()
+    run_plans(model, [(st.tokens, st.plan(), BlockCache(model.empty_cache())) for st in states])
+    assert advanced == [1, 1, 1, 0]
+    assert max(o.stats.max_batch for o in outs) > 1
+    whole = sum(model.cache_bytes_for(len(p) + sp.gen_length) for p, sp in zip(prompts, params, strict=True))
+    reqs = [engine._request(p, sp, str(i), None, False) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    assert sum(engine.kv.held_bytes(r) for r in reqs) < whole
