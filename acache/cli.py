@@ -379,7 +379,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
 
     try:
         from acache.cluster.frontend import FrontendSettings
-        from acache.cluster.launch import NAMESPACE, ClusterSettings, prepare, start, stop
+        from acache.cluster.launch import NAMESPACE, ClusterSettings, deploy, prepare, stop
         from acache.cluster.replica import ReplicaSettings
     except ImportError as exc:
         raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
@@ -406,7 +406,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     try:
-        start(cluster, replica, frontend)
+        deploy(cluster, replica, frontend)
         print(f"serving {name} on http://{args.host}:{args.port} with {cluster.replicas} replicas on Ray Serve "
               f"({cluster.router} router); /cluster/stats has each replica's affixes and hit rate", flush=True)
         threading.Event().wait()

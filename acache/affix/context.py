@@ -373,15 +373,13 @@ class AffixMass:
         self.shape = (b, m, keys)
         self.weight = weight[:, None, None, :].expand(b, self.kv_heads, self.rep, m).reshape(n, 1, self.rep * m).float()
         self.members = []
-        seen = None if visible is None else visible[:, None, None].expand(b, self.kv_heads, self.rep, m, keys).reshape(
-            n, self.rep * m, keys)
+        self.visible = visible  # expanded over the heads a chunk at a time, never whole
         for affix in range(int(slot.max()) + 1 if slot.numel() else 0):
             member = (slot == affix)[:, None, :]
             rows = member.expand(b, self.kv_heads, keys).reshape(n, 1, keys)
-            if seen is None:
-                self.members.append((rows, bool(member.all()), bool(member.any(-1).all())))
-            else:  # per query: rows with no visible member are zeroed after the softmax
-                self.members.append((rows & seen, False, False))
+            # with visibility a query may see none of an affix: its row is zeroed after the softmax
+            seen_all = visible is None
+            self.members.append((rows, seen_all and bool(member.all()), seen_all and bool(member.any(-1).all())))
         self.chunk = n if slot.device.type != "cpu" else max(1, _CPU_SCORE_BYTES // (4 * self.rep * m * max(keys, 1)))
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -396,9 +394,13 @@ class AffixMass:
         for lo in range(0, n, self.chunk):
             hi = min(n, lo + self.chunk)
             logits = torch.matmul(qr[lo:hi], kr[lo:hi]).div_(math.sqrt(d))
+            seen = None
+            if self.visible is not None:  # rows lo..hi are (request, key head) pairs: each request's [M, K], per head
+                rows = torch.arange(lo, hi, device=keys.device) // self.kv_heads
+                seen = self.visible[rows][:, None].expand(-1, rep, m, k).reshape(hi - lo, rep * m, k)
             for member, every_key, every_row in self.members:
-                probs = torch.softmax(logits if every_key else logits.masked_fill(~member[lo:hi], float("-inf")),
-                                      dim=-1)
+                mask = member[lo:hi] if seen is None else member[lo:hi] & seen
+                probs = torch.softmax(logits if every_key else logits.masked_fill(~mask, float("-inf")), dim=-1)
                 if not every_row:
                     probs = torch.nan_to_num(probs, nan=0.0)
                 mass[lo:hi] += torch.matmul(self.weight[lo:hi], probs).squeeze(1)

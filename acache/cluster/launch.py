@@ -101,6 +101,12 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
     """Deploys the application and returns once every replica is ready (Serve keeps running after); refuses
     first as :func:`prepare` does."""
     prepare(cluster)
+    deploy(cluster, replica, frontend)
+
+
+def deploy(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
+    """:func:`start` after :func:`prepare`: a caller that must tell a refusal from a failed deployment (which it
+    then stops) calls the two apart."""
     # restarted if it dies (empty: the replicas then report in full, as the directory asks them to)
     directory = ray.remote(AffixDirectory).options(name=cluster.directory, namespace=NAMESPACE,
                                                    lifetime="detached", get_if_exists=True, num_cpus=0,

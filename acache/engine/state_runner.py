@@ -34,8 +34,9 @@ from acache.sampling_params import SamplingParams
 def run_plans(model: SSMBlockDiffusionLM | R2LM, items: Sequence[tuple[torch.Tensor, StepPlan, BlockCache]]
               ) -> list[torch.Tensor]:
     """The block logits ``[L, V]`` of each ``(tokens, plan, cache)``. A plan reads columns ``[0, P)`` from the
-    cache and feeds ``[P, ...)``; each cache is first advanced to ``P`` (in place), then every fed segment
-    runs against its cache, all rows through one ``extend_many`` each time."""
+    cache and feeds ``[P, ...)``; each cache is first advanced to ``P`` (in place: all rows through one
+    ``extend_many`` where the family runs rows together, one row at a time otherwise, so that only one row's old and
+    new cache live at once), then every fed segment runs against its cache, all rows through one ``extend_many``."""
     behind = [(tokens, plan, cache) for tokens, plan, cache in items if len(plan.past) > cache.covered]
     # a family that runs rows one by one advances each cache alone, the old one let go before the next is made
     groups = [behind] if model.rows_together else [[row] for row in behind]

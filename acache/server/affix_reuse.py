@@ -259,10 +259,17 @@ class AutoAffixer:
         return chat_segments(messages, self.inputs.render_chat, chosen,
                              split_before=[registered] if registered else [], encode=self._encode)
 
-    def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0) -> AffixPrompt:
-        """The chat's candidates that were seen before (or registered, or held) kept as affixes."""
+    def chat_prompt(self, messages: list[dict], reuse: bool, registered: int = 0,
+                    check: Callable[[AffixPrompt], None] | None = None) -> AffixPrompt:
+        """The chat's candidates that were seen before (or registered, or held) kept as affixes. ``check`` is
+        called first with the prompt that reuses nothing automatic (the same tokens): a request it refuses is no
+        sighting of its spans."""
+        segments = self.chat_candidates(messages, reuse, registered)
+        if check is not None:
+            check(resolve_segments([seg if not isinstance(seg, Affix) or (registered and n == 0) else
+                                    list(seg.token_ids) for n, seg in enumerate(segments)], self._encode))
         kept = []
-        for n, seg in enumerate(self.chat_candidates(messages, reuse, registered)):
+        for n, seg in enumerate(segments):
             if isinstance(seg, Affix):
                 ids = list(seg.token_ids)
                 forced = (registered and n == 0) or self.held(tuple(ids))

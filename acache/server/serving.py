@@ -175,6 +175,8 @@ class OpenAIServing:
                                Decision.REUSE.value if reuse else "none"),
                   "reason": plan.reason if plan is not None else (
                       "a registered affix" if reuse else
+                      f"the {self.llm.model.family} family computes affixes with the request"
+                      if prompt.affixes and self.llm.engine.state_cache else
                       "reuse off (selector or affix_reuse 'off'): the affix computed with the request"
                       if prompt.affixes else "no span of this prompt was seen before"),
                   "reused_tokens": reused, "anchor_tokens": anchors,
@@ -269,8 +271,8 @@ class OpenAIServing:
                 return
             reused = task.result().token_ids
             same = (list(reused) if whole else check.sent(reused, decode)) == want
-            if same and not whole:  # part of an answer matched: no evidence for the rest of it
-                check.abandon(gate)
+            if same and not whole:  # part of an answer matched: no evidence, and this request is not checked again
+                gate.drop(check.key)
             else:
                 gate.record(check.key, same)
                 if not same:

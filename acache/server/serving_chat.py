@@ -50,28 +50,31 @@ class OpenAIServingChat(OpenAIServing):
             messages = registered + messages
             registered_count, registered_key = len(registered), affix_key(registered_ids)
         self.check(body)
-        # every field checked before the chat counts as a sighting of its spans: a refused request is none
-        body.to_sampling_params(reuse=False, default_selector=llm.default_selector)
         reuse = body.selector != "off" and body.affix_reuse != "off"
         if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
             if body.selector not in (None, "off") or body.affix_reuse == "always":
                 raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies "
                                  f"to a reused affix, which the {llm.model.family} family does not support")
             reuse = False
+
+        def admissible(plain: AffixPrompt) -> None:
+            """Every refusal the request can meet without automatic reuse, made before its spans count as seen."""
+            params = self.fit_to_context(len(plain.token_ids), body.to_sampling_params(
+                reuse=bool(plain.affixes), default_selector=llm.default_selector), body)
+            self.refuse_unservable(plain, params, body)
+
         try:
-            candidate = await asyncio.to_thread(ctx.affixer.chat_prompt, messages, reuse, registered_count)
+            candidate = await asyncio.to_thread(ctx.affixer.chat_prompt, messages, reuse, registered_count,
+                                                admissible)
+        except BadRequest:
+            raise
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         reuse_params = body.to_sampling_params(reuse=bool(candidate.affixes), default_selector=llm.default_selector)
         reuse_params = self.fit_to_context(len(candidate.token_ids), reuse_params, body)
         prompt, params, plan, check = self.plan(body, candidate, reuse_params, registered_key)
         try:
-            self.prompt_fits(prompt, params)
-            if body.logprobs:  # refused before decoding, not after it
-                try:
-                    ctx.scorer.check_prompts([prompt.token_ids], False, body.top_logprobs or 0, body.mc_samples)
-                except ScoringRefused as exc:
-                    raise BadRequest(str(exc)) from None
+            self.refuse_unservable(prompt, params, body)
         except BadRequest:
             if check is not None:  # the check planned never runs: the gate must not count it as running
                 check.abandon(ctx.gate)
@@ -104,6 +107,15 @@ class OpenAIServingChat(OpenAIServing):
                              "token_ids": cut.token_ids}],
                 "usage": {"prompt_tokens": len(prompt.token_ids), "completion_tokens": len(cut.token_ids),
                           "total_tokens": len(prompt.token_ids) + len(cut.token_ids), **reuse_report(out)}}
+
+    def refuse_unservable(self, prompt: AffixPrompt, params: SamplingParams, body: ChatCompletionRequest) -> None:
+        """The engine's checks of a request, and the logprobs' where asked (refused before decoding, not after)."""
+        self.prompt_fits(prompt, params)
+        if body.logprobs:
+            try:
+                self.ctx.scorer.check_prompts([prompt.token_ids], False, body.top_logprobs or 0, body.mc_samples)
+            except ScoringRefused as exc:
+                raise BadRequest(str(exc)) from None
 
     def plan(self, body: ChatCompletionRequest, candidate: AffixPrompt, reuse_params: SamplingParams,
              registered_key: str | None) -> tuple[AffixPrompt, SamplingParams, Plan | None, Check | None]:

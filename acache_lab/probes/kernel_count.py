@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from acache.affix import context
-from acache.cli import _positive_int
+from acache.cli import _non_negative_int, _positive_int
 from acache_lab.bench.decode import random_model
 from acache_lab.bench.engine import SMOL_SHAPE, Workload, admitted_engine, make_requests, workload_params
 
@@ -60,10 +60,10 @@ def main() -> None:
     ap.add_argument("--batch", type=_positive_int, default=1)
     ap.add_argument("--layers", type=_positive_int, default=SMOL_SHAPE["layers"],
                     help="the SmolLM2 shape with this depth")
-    ap.add_argument("--top", type=_positive_int, default=15, help="source lines listed")
+    ap.add_argument("--top", type=_non_negative_int, default=15, help="source lines listed")
     args = ap.parse_args()
-    if args.batch < 1 or args.layers < 2 or args.top < 0:
-        raise SystemExit("--batch must be at least 1, --layers at least 2, --top not negative")
+    if args.layers < 2:
+        ap.error(f"--layers must be at least 2 (a selecting refresh filters after layer 1), got {args.layers}")
     model = random_model("llada", {**SMOL_SHAPE, "layers": args.layers}, torch.bfloat16, torch.device("cpu"), 0)
     model.fuse_projections()
     w = Workload(selector="attention")

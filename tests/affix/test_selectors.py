@@ -43,7 +43,8 @@ def _rot(vec, pos, theta):
 
 def naive_attention_scores(model, prompt, gen_length, query_source):
     """I(j) = sum_{l,h,i in masks} softmax_{j in affix}(q.k/sqrt(d)) with explicit loops; ``shallow``: over the
-    first ``shallow_layers`` of the probe only."""
+    first ``shallow_layers`` of the probe only. On a block-causal model each mask's softmax runs over the affix keys
+    it attends to (a key's block not after its own), and a mask that sees none adds nothing."""
     cfg = model.config
     span = prompt.affixes[0]
     ids = list(prompt.token_ids[:prompt.gen_at]) + [cfg.mask_token_id] * gen_length + list(
@@ -73,11 +74,15 @@ def naive_attention_scores(model, prompt, gen_length, query_source):
             rotated_keys = [_rot(keys[n, h // rep].tolist(), affix_cols[n], cfg.rope_theta)
                             for n in range(span.length)]
             for i in gen_cols:
+                seen = [n for n in range(span.length) if not cfg.block_size or
+                        affix_cols[n] // cfg.block_size <= i // cfg.block_size]
+                if not seen:
+                    continue
                 qi = _rot(q[fed.index(i), h].tolist(), i, cfg.rope_theta)
-                logits = [sum(a * b for a, b in zip(qi, k, strict=True)) / math.sqrt(d) for k in rotated_keys]
+                logits = [sum(a * b for a, b in zip(qi, rotated_keys[n], strict=True)) / math.sqrt(d) for n in seen]
                 top = max(logits)
                 exps = [math.exp(v - top) for v in logits]
-                for n, e in enumerate(exps):
+                for n, e in zip(seen, exps, strict=True):
                     scores[affix_cols[n]] += e / sum(exps)
     return scores
 
@@ -97,8 +102,14 @@ def test_attention_score_matches_naive_formula(family_model, query, position):
         assert got[0, col].item() == pytest.approx(value, rel=1e-4, abs=1e-4)
     assert got[0][slot[0] < 0].abs().max() == 0
     depth = shallow_layers(model.config.num_layers) if query == "shallow" else model.config.num_layers
-    total = depth * model.config.num_heads * gen_length  # softmax rows sum to one
-    assert got.sum().item() == pytest.approx(total, rel=1e-4)
+    # softmax rows sum to one, each mask's that sees the affix (on a block-causal model no mask before a suffix one)
+    block = model.config.block_size
+    span = prompt.affixes[0]
+    first = span.start + (gen_length if span.start >= prompt.gen_at else 0)
+    seeing = sum(not block or first // block <= i // block for i in range(prompt.gen_at, prompt.gen_at + gen_length))
+    total = depth * model.config.num_heads * seeing
+    assert got.sum().item() == pytest.approx(total, rel=1e-4, abs=1e-6)
+    assert (seeing == 0) == (block is not None and position == "suffix")
 
 
 def _mass_every_step(ctx, queries, q_cols, q_valid):

@@ -166,6 +166,10 @@ def test_a_state_cache_family_is_served(tmp_path, family):
                                                 "block_length": 4})
         assert resp.json()["choices"][0]["token_ids"] == whole.json()["choices"][0]["token_ids"]
         assert resp.json()["usage"]["affix_reuse"]["decision"] == "none"
+        assert resp.json()["usage"]["affix_reuse"]["reason"] == f"the {family} family computes affixes with the request"
+        # with no affix there is nothing to refuse 'always' for (it was refused once the affix check came in)
+        resp = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "affix_reuse": "always"})
+        assert resp.status_code == 200, resp.text
         for path, body, why in [("/v1/chat/completions", {**chat, "selector": "attention"}, "does not support"),
                                 ("/v1/completions", {"prompt": "hi", "affix": affix, "max_tokens": 4,
                                                      "selector": "attention"}, "does not support"),

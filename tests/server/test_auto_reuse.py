@@ -445,6 +445,9 @@ def test_a_stream_cut_by_a_stop_string_can_only_show_a_mismatch():
         check = Check(None, None, plan.key, plan.request, limit=3, stops=("\n",), started=True)
         serving.settle_check(Done(reused_ids), check, SimpleNamespace(token_ids=plain_ids, finished=finished))
         assert gate.state(plan.key) == state, (plain_ids, reused_ids, finished)
+        if state == "checked 0":  # no evidence, and the same request is not checked again and again
+            again = gate.plan(key[0], SamplingParams(gen_length=4, block_length=4), True, False, "r")
+            assert again.decision is Decision.RECOMPUTE and "checked already" in again.reason
 
 
 @pytest.mark.parametrize("field, value", [("ignore_eos", True), ("stop_token_ids", [7])])
@@ -461,12 +464,12 @@ def test_where_decoding_stops_is_part_of_what_a_check_vouches_for(field, value):
 
 
 def test_a_request_refused_with_a_400_is_no_sighting(llm):
-    """A chat refused for its sampling fields (n, top_p) counted as a sighting of its system prompt, so that the
-    next valid request reused the span at its first real sighting."""
+    """A chat refused for its sampling fields (n, top_p), its length or its logprobs counted as a sighting of its
+    system prompt, so that the next valid request reused the span at its first real sighting."""
     system = story(("sofia", "garage"))
     messages = chat(system, "Where is Daniel?")
     with served(llm, auto_reuse="on") as client:
-        for bad in ({"n": 2}, {"top_p": 0.5}):
+        for bad in ({"n": 2}, {"top_p": 0.5}, {"max_tokens": 256}, {"logprobs": True, "top_logprobs": 99}):
             resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **bad})
             assert resp.status_code == 400, resp.text
         first = ask(client, messages)
