@@ -58,10 +58,12 @@ def test_trust_is_per_policy():
 @pytest.mark.parametrize("change", [{"gen_length": 16}, {"block_length": 4}, {"steps": 4}, {"threshold": 0.5},
                                     {"remasking": "low_confidence"}, {"refresh_interval": 4}, {"probe_step": True},
                                     {"far_mask_window": 1}, {"focus_layers": 1}, {"temperature": 0.7, "seed": 3},
-                                    {"focus_layers": 1, "focus_ratio": 0.5}])
+                                    {"focus_layers": 1, "focus_ratio": 0.5}, {"stop_token_ids": (5,)},
+                                    {"ignore_eos": True}])
 def test_trust_is_per_decoding(change):
-    """A check vouches for the canvas it decoded: the same spans and anchors asked with another length, blocks,
-    step count, commit rule, temperature, refresh interval, probe step, FOCUS or far-mask pruning are checked again."""
+    """A check vouches for the canvas it decoded, as far as it decoded it: the same spans and anchors asked with
+    another length, blocks, step count, commit rule, temperature, refresh interval, probe step, FOCUS, far-mask
+    pruning or tokens that end decoding (a stop token, EOS ignored) are checked again."""
     gate = ReuseGate("verified", checks=1)
     base = {"gen_length": 8, "block_length": 8, "selector": "attention",
             **({"focus_layers": 1} if "focus_ratio" in change else {})}
@@ -69,8 +71,8 @@ def test_trust_is_per_decoding(change):
     assert gate.plan(SPANS, SamplingParams(**base), True, False).decision is Decision.REUSE
     other = SamplingParams(**{**base, **change})
     assert gate.plan(SPANS, other, True, False).decision is Decision.CHECK
-    # what does not change the tokens of a deterministic request keeps the trust: its stop tokens, its seed
-    same = SamplingParams(**base, stop_token_ids=(5,), seed=3)
+    # what does not change the tokens of a deterministic request keeps the trust: its seed
+    same = SamplingParams(**base, seed=3)
     assert gate.plan(SPANS, same, True, False).decision is Decision.REUSE
 
 
