@@ -57,3 +57,17 @@ def block_causal(model) -> bool:
 
 def tokens(outs: Sequence[EngineOutput]) -> list[list[int]]:
     return [o.token_ids for o in outs]
+
+
+def fail_proposals_of(monkeypatch, request_id: str) -> None:
+    """Makes the proposal of request ``request_id`` raise, after the requests before it in its batch drew theirs."""
+    from acache.engine.model_runner import ModelRunner
+
+    real = ModelRunner._propose
+
+    def propose(req, logits):
+        if req.request_id == request_id:
+            raise ValueError("bad proposal")
+        return real(req, logits)
+
+    monkeypatch.setattr(ModelRunner, "_propose", staticmethod(propose))

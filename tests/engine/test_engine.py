@@ -12,7 +12,7 @@ from acache.engine import EngineConfig, LLMEngine, Status
 from acache.reference import reference_generate
 from acache.sampling_params import SamplingParams
 from tests.affix.helpers import layouts
-from tests.helpers import run_engine
+from tests.helpers import fail_proposals_of, run_engine
 
 BASE = dict(gen_length=16, block_length=8, threshold=0.5)
 
@@ -543,22 +543,13 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
     """A fault in one request's proposal after the requests before it in the batch drew their noise: each runs
     alone with its generator rewound and decodes as alone; a generator that is not a torch.Generator on the model's
     device is refused when the request is added."""
-    from acache.engine.model_runner import ModelRunner
-
     prompts = [layouts(seed=s)["infix"] for s in range(3)]
     params = [SamplingParams(**BASE, temperature=1.0, seed=5, selector="attention", ignore_eos=True),
               SamplingParams(**BASE),
               SamplingParams(gen_length=8, block_length=4, temperature=0.7, seed=9, ignore_eos=True)]
     store = AffixStore(family_model)
     want = [reference_generate(family_model, prompts[i], params[i], store).token_ids for i in (0, 2)]
-    real = ModelRunner._propose
-
-    def propose(req, logits):
-        if req.request_id == "bad":
-            raise ValueError("bad proposal")
-        return real(req, logits)
-
-    monkeypatch.setattr(ModelRunner, "_propose", staticmethod(propose))
+    fail_proposals_of(monkeypatch, "bad")
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24), affix_source=store)
     with pytest.raises(ValueError, match="generator must be a torch.Generator"):
         engine.add_request(prompts[0], params[0], generator=object())

@@ -16,7 +16,7 @@ from acache.models.ssm import SSMBlockDiffusionLM, SSMConfig, init_scan_model_
 from acache.reference import reference_generate_state_cache
 from acache.sampling_params import SamplingParams
 from tests.conftest import random_prompts
-from tests.helpers import run_engine, tokens
+from tests.helpers import fail_proposals_of, run_engine, tokens
 
 R2LM_CONFIG = R2LMConfig(vocab_size=300, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=96, sidecar_heads=2, sidecar_head_dim=8, state_size=6, block_size=4,
@@ -242,21 +242,12 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
     """A fault in one request's proposal, after the requests before it in the batch drew their noise: each is run
     alone with its generator rewound, so the sampled requests decode as alone (they drew twice, and decoded
     otherwise)."""
-    from acache.engine.model_runner import ModelRunner
-
     prompts = random_prompts([9, 6, 14], vocab=290, seed=5)
     params = [SamplingParams(gen_length=8, block_length=4, temperature=1.0, seed=5, ignore_eos=True),
               SamplingParams(gen_length=8, block_length=4),
               SamplingParams(gen_length=12, block_length=4, temperature=0.7, seed=9, ignore_eos=True)]
     want = reference(model, [prompts[0], prompts[2]], [params[0], params[2]])
-    real = ModelRunner._propose
-
-    def propose(req, logits):
-        if req.request_id == "bad":
-            raise ValueError("bad proposal")
-        return real(req, logits)
-
-    monkeypatch.setattr(ModelRunner, "_propose", staticmethod(propose))
+    fail_proposals_of(monkeypatch, "bad")
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
     ids = [engine.add_request(p, sp, request_id=rid)
            for p, sp, rid in zip(prompts, params, ["a", "bad", "c"], strict=True)]
