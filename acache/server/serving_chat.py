@@ -66,9 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             candidate = await asyncio.to_thread(ctx.affixer.chat_prompt, messages, reuse, registered_count,
                                                 admissible)
-        except BadRequest:
-            raise
-        except ValueError as exc:
+        except ValueError as exc:  # a BadRequest of admissible's among them, its message kept
             raise BadRequest(str(exc)) from None
         reuse_params = body.to_sampling_params(reuse=bool(candidate.affixes), default_selector=llm.default_selector)
         reuse_params = self.fit_to_context(len(candidate.token_ids), reuse_params, body)
