@@ -4,8 +4,8 @@ read, ends in the probe's usage error naming it, before anything is measured."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
-import runpy
 import sys
 
 import pytest
@@ -51,6 +51,6 @@ def test_a_missing_model_and_a_state_family_are_usage_errors(opener, capsys, tmp
 def test_bad_input_to_a_probe_is_a_usage_error(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exc:
-        runpy.run_module(f"acache_lab.probes.{argv[0]}", run_name="__main__")
+        importlib.import_module(f"acache_lab.probes.{argv[0]}").main()
     assert exc.value.code == 2, capsys.readouterr()
     assert re.search(message, capsys.readouterr().err)
