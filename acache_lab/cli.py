@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from acache.cli import _add_model_args, _checked, _positive_int, parse_size
+from acache.cli import _add_model_args, _checked, _port, _positive_int, parse_size
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, DEFAULT_SELECTOR, SELECTORS
 
 _unit_interval = _checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
@@ -49,8 +49,28 @@ def _cmd_bicache_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the options of ``bench serve`` against a running server, and their defaults
+SERVE_URL_DEFAULTS = {"url": "http://127.0.0.1:8000", "requests": 32, "api_key": None, "max_tokens": 32,
+                      "system_prompt": None, "prompts": "auto"}
+#: the options of ``bench serve --replicas`` (replicas it starts itself), and their defaults
+SERVE_CLUSTER_DEFAULTS = {"model": None, "documents": 6, "questions": 12, "sentences": 6, "max_affix_tokens": None,
+                          "threads": 1, "port": 8000}
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    if getattr(args, "replicas", None) is not None:
+    """A running server's load (``--url``) or replicas started here (``--replicas``): an option of the other mode
+    is refused, not ignored (``--port`` without ``--replicas`` would time whatever answers on ``--url``)."""
+    cluster = args.replicas is not None
+    mine, other = (SERVE_CLUSTER_DEFAULTS, SERVE_URL_DEFAULTS) if cluster else (SERVE_URL_DEFAULTS,
+                                                                                 SERVE_CLUSTER_DEFAULTS)
+    given = [name for name in other if getattr(args, name) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} applies {'to a running server, without' if cluster else 'with'} --replicas")
+    for name, default in mine.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if cluster:
         from acache_lab.bench.cluster import bench_cluster
 
         return bench_cluster(args)
@@ -514,40 +534,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_engine))
     p = bench.add_parser("serve", help="load a running server: throughput, latency, time to first block")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--system-prompt", default=None, help="shared system prompt (default: the workload's)")
-    p.add_argument("--prompts", default="auto", choices=["auto", "english", "tasks"],
-                   help="auto: English unless the server's tokenizer refuses it, then the task suite's words")
-    p.add_argument("--seed", type=int, default=0, help="seed of the task-suite story")
+    p.add_argument("--concurrency", type=_positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="seed of the task-suite story (of the documents, with "
+                   "--replicas)")
     p.add_argument("--json", default=None, help="also write the report and every request's timing here")
+    group = p.add_argument_group("a running server (without --replicas)")
+    group.add_argument("--url", default=None, help=f"server base URL (default {SERVE_URL_DEFAULTS['url']})")
+    group.add_argument("--requests", type=_positive_int, default=None, help="default 32")
+    group.add_argument("--api-key", default=None)
+    group.add_argument("--max-tokens", type=_positive_int, default=None, help="default 32")
+    group.add_argument("--system-prompt", default=None, help="shared system prompt (default: the workload's)")
+    group.add_argument("--prompts", default=None, choices=["auto", "english", "tasks"],
+                       help="auto (default): English unless the server's tokenizer refuses it, then the task suite's "
+                            "words")
     group = p.add_argument_group("cluster: start N replicas here, once per router, on the documents workload")
-    group.add_argument("--replicas", type=int, default=None, help="start this many replicas (instead of --url)")
+    group.add_argument("--replicas", type=_positive_int, default=None, help="start this many replicas (instead of "
+                       "--url)")
     group.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    group.add_argument("--documents", type=int, default=6)
-    group.add_argument("--questions", type=int, default=12, help="requests per document")
-    group.add_argument("--sentences", type=int, default=6, help="sentences a document (six tokens each)")
-    group.add_argument("--max-affix-tokens", type=int, default=None,
+    group.add_argument("--documents", type=_positive_int, default=None, help="default 6")
+    group.add_argument("--questions", type=_positive_int, default=None, help="requests per document (default 12)")
+    group.add_argument("--sentences", type=_positive_int, default=None, help="sentences a document (six tokens "
+                       "each; default 6)")
+    group.add_argument("--max-affix-tokens", type=_positive_int, default=None,
                        help="each replica's affix share (default: its share of the documents, documents/replicas)")
-    group.add_argument("--threads", type=int, default=1, help="torch threads per replica")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--threads", type=_positive_int, default=None, help="torch threads per replica (default 1)")
+    group.add_argument("--port", type=_port, default=None, help="default 8000")
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_serve))
 
     p = bench.add_parser("decode", help="tokens/s with no cache, prefix cache and dual cache")
     p.add_argument("--model", default=None, help="checkpoint directory (default: random ~100M LLaDA shape)")
-    p.add_argument("--family", default="llada", choices=["llada", "dream", "fast_dllm_v2"])
-    p.add_argument("--prompt-length", type=int, default=128, help="random prompt tokens a request")
-    p.add_argument("--gen-length", type=int, default=256, help="tokens generated a request")
-    p.add_argument("--block-length", type=int, default=32, help="block size of the generation region")
-    p.add_argument("--steps", type=int, default=64, help="low-confidence steps in all (fixed, so every cache does "
-                   "the same number of forwards)")
-    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    p.add_argument("--family", default=None, choices=["llada", "dream", "fast_dllm_v2"],
+                   help="the random model's family (default llada; a --model's config says its own)")
+    p.add_argument("--prompt-length", type=_positive_int, default=128, help="random prompt tokens a request")
+    p.add_argument("--gen-length", type=_positive_int, default=256, help="tokens generated a request")
+    p.add_argument("--block-length", type=_positive_int, default=32, help="block size of the generation region")
+    p.add_argument("--steps", type=_positive_int, default=64, help="low-confidence steps in all (fixed, so every "
+                   "cache does the same number of forwards)")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="requests decoded together")
     p.add_argument("--caches", default="none,prefix,dual", help="comma-separated caches to time, side by side")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per cache; the median is reported")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed runs per cache; the median is reported")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--json", default=None, help="also write the results to this file")
     _add_model_args(p)
@@ -557,9 +583,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("scoring", help="lm-eval-shaped echo+logprobs requests/s on acache serve, this tree "
                          "beside a baseline commit (--baseline-ref)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    p.add_argument("--limit", type=int, default=2, help="held-out documents of each multiple-choice task")
+    p.add_argument("--limit", type=_positive_int, default=2, help="held-out documents of each multiple-choice task")
     p.add_argument("--seed", type=int, default=0, help="held-out seed stream")
-    p.add_argument("--samples", type=int, default=32, help="the servers' --loglikelihood-samples")
+    p.add_argument("--samples", type=_positive_int, default=32, help="the servers' --loglikelihood-samples")
     p.add_argument("--baseline-ref", default=None,
                    help="also serve this commit's acache (git archive into a temporary directory) and compare")
     p.add_argument("--per-request", type=_positive_int, default=1,
@@ -568,7 +594,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests in flight (lm-eval's num_concurrent; 1 is its default)")
     p.add_argument("--pause", type=float, default=1.0,
                    help="seconds, untimed, before each round: the other server's threads go quiet first")
-    p.add_argument("--port", type=int, default=8790, help="port of the first server (the second: +1)")
+    p.add_argument("--port", type=_port, default=8790, help="port of the first server (the second: +1)")
     p.add_argument("--json", default=None, help="also write every latency and reading here")
     _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_bench_scoring))

@@ -108,17 +108,22 @@ def markdown_table(rows: list[DecodeBenchRow]) -> str:
 
 
 def main(args) -> int:
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if not caches:
+        raise ValueError("--caches names none: give some of none, prefix, dual, comma-separated")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     torch.manual_seed(args.seed)
     if args.model:
+        if args.family is not None:
+            raise ValueError("--family picks the random model's family; --model's own config says its family")
         model = load_model(args.model, dtype=args.dtype, device=device)
         described = str(args.model)
     else:
         shape = dict(DEFAULT_SHAPE)
-        model = random_model(args.family, shape, dtype, device, args.seed)
-        described = f"random {args.family} " + ", ".join(f"{k}={v}" for k, v in shape.items())
+        family = args.family or "llada"
+        model = random_model(family, shape, dtype, device, args.seed)
+        described = f"random {family} " + ", ".join(f"{k}={v}" for k, v in shape.items())
     n_params = sum(p.numel() for p in model.parameters())
-    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     params = {c: SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                                 remasking="low_confidence", cache=c, ignore_eos=True) for c in caches}
     rows = run_decode_bench(model, args.prompt_length, params, args.repeats, args.batch_size, args.seed)

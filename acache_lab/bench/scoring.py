@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,10 +76,12 @@ def lm_eval_choices(model: str, limit: int, seed: int = 0) -> list[Choice]:
 
 def export_tree(ref: str, repo: Path) -> Path:
     """The ``acache`` and ``acache_lab`` packages of commit ``ref``, in a new temporary directory."""
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref, "acache", "acache_lab"], capture_output=True)
+    if archive.returncode:
+        why = archive.stderr.decode(errors="replace").strip()
+        raise ValueError(f"--baseline-ref {ref!r}: git archive failed: {why}")
     out = Path(tempfile.mkdtemp(prefix="acache-baseline-"))
-    archive = subprocess.run(["git", "-C", str(repo), "archive", ref, "acache", "acache_lab"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
     return out
 
 
@@ -89,8 +92,19 @@ def _post(base: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(resp.read())
 
 
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def start_server(tree: Path, model: str, port: int, samples: int) -> subprocess.Popen:
-    """``acache serve`` run from ``tree`` (its ``acache`` first on the path), once /health answers."""
+    """``acache serve`` run from ``tree`` (its ``acache`` first on the path), once /health answers. A port that
+    answers already is refused: the requests timed would go to that other server."""
+    if _answers(port):
+        raise ValueError(f"a server already answers on port {port}: stop it, or pass another --port")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("ACACHE_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "serve", model, "--port", str(port),
@@ -99,15 +113,14 @@ def start_server(tree: Path, model: str, port: int, samples: int) -> subprocess.
     deadline = time.time() + 180
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server from {tree} exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc
-        except OSError:
+            raise ValueError(f"the server from {tree} exited with code {proc.returncode} (its output says why)")
+        if _answers(port):
+            if proc.poll() is None:  # the answer is this process's, not one that took the port meanwhile
+                return proc
+        else:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the server from {tree} did not answer /health in 180 s")
+    raise ValueError(f"the server from {tree} did not answer /health in 180 s")
 
 
 def imported_from(tree: Path) -> str:
@@ -188,8 +201,9 @@ def main(args) -> int:
     model = str(Path(args.model or default_model()).resolve())
     here = Path(__file__).resolve().parents[2]
     trees = [("this tree", here)]
-    if args.baseline_ref:
-        trees.insert(0, (f"baseline {args.baseline_ref}", export_tree(args.baseline_ref, here)))
+    exported = export_tree(args.baseline_ref, here) if args.baseline_ref else None
+    if exported is not None:
+        trees.insert(0, (f"baseline {args.baseline_ref}", exported))
     choices = lm_eval_choices(model, args.limit, args.seed)
     sides, procs, bases = [], [], []
     try:
@@ -214,6 +228,8 @@ def main(args) -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
+        if exported is not None:
+            shutil.rmtree(exported, ignore_errors=True)
     table = markdown(sides, choices, args.per_request, args.concurrency)
     report = {"model": model, "samples": args.samples, "limit": args.limit, "per_request": args.per_request,
               "concurrency": args.concurrency, "sides": [asdict(s) for s in sides]}

@@ -78,15 +78,18 @@ def one_request(client, model: str, system: str, question: str, max_tokens: int)
         for chunk in stream:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-            if chunk.choices and chunk.choices[0].delta.content and first is None:
+            # the first chunk that carries generated tokens (the server's token_ids), whether or not they spell
+            # text yet: a random model's tokens often decode to nothing
+            if chunk.choices and first is None and (chunk.choices[0].model_extra or {}).get("token_ids"):
                 first = time.perf_counter() - start
         return RequestTiming(True, time.perf_counter() - start, first, tokens)
     except Exception as exc:  # the openai client's errors: report, keep loading
         return RequestTiming(False, time.perf_counter() - start, None, 0, f"{type(exc).__name__}: {exc}")
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else 0.0
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q``th percentile; None (printed n/a) where there is nothing to take it of."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def main(args) -> int:
@@ -94,10 +97,11 @@ def main(args) -> int:
         import openai
     except ImportError:
         raise ValueError("acache bench serve needs the openai client: pip install openai") from None
-    if args.concurrency <= 0 or args.requests <= 0:
-        raise ValueError("--concurrency and --requests must be positive")
     client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key or "none", max_retries=0)
-    model = client.models.list().data[0].id
+    try:
+        model = client.models.list().data[0].id
+    except openai.OpenAIError as exc:
+        raise ValueError(f"no OpenAI server answers at {args.url}: {type(exc).__name__}: {exc}") from None
     system, questions, kind = workload(args.url, args.api_key, args.prompts, args.requests, args.seed)
     if args.system_prompt:
         system = args.system_prompt
@@ -116,12 +120,14 @@ def main(args) -> int:
         "requests_per_s": len(ok) / wall, "output_tokens": sum(t.completion_tokens for t in ok),
         "output_tokens_per_s": sum(t.completion_tokens for t in ok) / wall,
         "first_block_p50_s": pct(ttfb, 50), "first_block_p90_s": pct(ttfb, 90), "first_block_p99_s": pct(ttfb, 99),
+        "first_block_requests": len(ttfb),
         "latency_p50_s": pct(lat, 50), "latency_p90_s": pct(lat, 90), "latency_p99_s": pct(lat, 99),
         "affix_hit_rate": hits / queries if queries else 0.0, "affix_hits": hits, "affix_queries": queries,
         "errors": [t.error for t in timings if not t.ok][:5],
     }
     for key, value in report.items():
-        print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+        print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: "
+              f"{'n/a' if value is None and key.startswith('first_block') else value}")
     if args.json:
         Path(args.json).write_text(json.dumps({"report": report, "timings": [asdict(t) for t in timings]}, indent=2))
     return 0 if not report["failed"] else 1

@@ -38,3 +38,33 @@ def test_a_baseline_commit_beside_this_tree_serves_the_same_estimates(tmp_path, 
     assert len(baseline["scores"]) == len(here["scores"]) == 12 and len(here["latencies"]) == 6
     assert report["agreement"]["max_abs_difference"] < 1e-4 and report["agreement"]["max_abs_z"] < 1e-3
     assert "speed-up" in capsys.readouterr().out
+
+
+def test_a_port_another_server_holds_is_refused_and_a_bad_ref_named(tmp_path):
+    """The bench's own server failed to bind a port another server held, and the other one's answers were timed as
+    this tree's; a ref git cannot archive ended in a CalledProcessError."""
+    import http.server
+    import threading
+    from pathlib import Path
+
+    import pytest
+
+    from acache_lab.bench.scoring import export_tree, start_server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match=f"a server already answers on port {other.server_port}"):
+            start_server(Path.cwd(), str(default_model()), other.server_port, 4)
+    finally:
+        other.shutdown()
+    with pytest.raises(ValueError, match="--baseline-ref 'no-such-ref': git archive failed"):
+        export_tree("no-such-ref", Path(__file__).resolve().parents[3])
