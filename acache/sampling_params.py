@@ -19,6 +19,9 @@ from acache.policies import (
     SELECTOR_CHOICES,
 )
 
+#: the share of a block's masks FOCUS keeps unless ``focus_ratio`` says otherwise
+FOCUS_RATIO = 0.25
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -96,7 +99,7 @@ class SamplingParams:
     probe_step: bool = False
     far_mask_window: int | None = None
     focus_layers: int | None = None
-    focus_ratio: float = 0.25
+    focus_ratio: float = FOCUS_RATIO
     anchor_pass: str | None = None
     anchor_depth: float | None = None
 
@@ -171,9 +174,14 @@ class SamplingParams:
             if self.remasking == "factor":
                 raise ValueError("focus_layers works with remasking 'threshold' or 'low_confidence', not 'factor': "
                                  "its count could reach tokens FOCUS left out")
+            if self.refresh_interval == 1:
+                raise ValueError("focus_layers focuses the in-block steps, and refresh_interval=1 makes every step "
+                                 "a refresh: there would be none to focus")
         if isinstance(self.focus_ratio, bool) or not isinstance(self.focus_ratio, (int, float)) \
                 or not 0.0 < self.focus_ratio <= 1.0:
             raise ValueError(f"focus_ratio must be in (0, 1], got {self.focus_ratio!r}")
+        if self.focus_layers is None and self.focus_ratio != FOCUS_RATIO:
+            raise ValueError(f"focus_ratio ({self.focus_ratio}) applies with focus_layers, which is unset")
         if not isinstance(self.probe_step, bool):
             raise ValueError(f"probe_step must be true or false, got {self.probe_step!r}")
         if self.probe_step and (self.selector is None or self.selector in BICACHE_POLICIES):

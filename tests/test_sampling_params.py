@@ -12,6 +12,8 @@ from acache import SamplingParams
     (dict(gen_length=128, block_length=32, steps=2), r"steps \(2\) must be at least the number of blocks \(4"),
     (dict(gen_length=128, block_length=32, steps=6), r"steps \(6\) must be a multiple of the number of blocks"),
     (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
+    (dict(focus_ratio=0.5), r"focus_ratio \(0.5\) applies with focus_layers, which is unset"),
+    (dict(focus_layers=1, refresh_interval=1), "refresh_interval=1 makes every step a refresh"),
     (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
     (dict(temperature=-0.1), "temperature must be >= 0"),
     (dict(gen_length=0), "gen_length must be a positive integer"),

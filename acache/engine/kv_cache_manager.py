@@ -117,7 +117,10 @@ class KVCacheManager:
                 req.prompt.affixes[i]))]
             if not self._fits_now(req, indices):  # before any affix is computed or another evicted for it
                 return False
-            for index in indices:
+            # the cached ones first: held, no affix of this request's own is evicted to make room for another
+            cached_first = sorted(indices, key=lambda i: self.affixes.lookup(
+                req.prompt.affix_ids(req.prompt.affixes[i])) is None)
+            for index in cached_first:
                 span = req.prompt.affixes[index]
                 ids = req.prompt.affix_ids(span)
                 got = self.affixes.acquire(ids, span.name)
@@ -125,6 +128,7 @@ class KVCacheManager:
                     return False
                 req.shared.append((index, got[0]))
                 looked.append((got[0].key, got[1]))  # counted by allocate, once it admits the request
+            req.shared.sort(key=lambda pair: pair[0])  # in prompt order, as the spans are read
         need = self.pool.pages_for(req.private_tokens([i for i, _ in req.shared]))
         pages = self.pool.allocate(need)
         if pages is None and self.affixes.free_pool_pages(need, {a.key for _, a in req.shared}):

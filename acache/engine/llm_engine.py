@@ -96,10 +96,14 @@ class EngineConfig:
 
     def check_family(self, family: type | DiffusionLM | SSMBlockDiffusionLM | R2LM) -> None:
         """What this configuration asks of a family that it cannot give (a class, before its weights load, or a
-        model): torch.compile of a state-cache family, whose layers are not the attention decoder's."""
+        model): torch.compile of a state-cache family, whose layers are not the attention decoder's, or its step keys,
+        which it has no pages for."""
         if self.compile and getattr(family, "state_cache", False):
             raise ValueError(f"compile applies to the attention families' decoder layers; a {family.family} "
                              "model runs eagerly (a state-cache family)")
+        if self.reuse_step_keys and getattr(family, "state_cache", False):
+            raise ValueError(f"reuse_step_keys keeps rotated copies of paged K/V; a {family.family} model keeps "
+                             "a cache of its own (a state-cache family)")
 
 
 class LLMEngine:

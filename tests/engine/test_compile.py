@@ -40,6 +40,9 @@ def test_compile_is_refused_for_a_state_cache_family():
     model = SSMBlockDiffusionLM(SSM_CONFIG)
     with pytest.raises(ValueError, match="compile applies to the attention families"):
         LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22, compile=True))
+    with pytest.raises(ValueError, match="reuse_step_keys keeps rotated copies of paged K/V"):  # it was ignored
+        LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22, reuse_step_keys=True))
+    assert LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22, reuse_step_keys=False)).kv.budget_bytes > 0
     assert not any(hasattr(getattr(m, "forward", None), "_torchdynamo_orig_callable") for m in model.modules())
 
 

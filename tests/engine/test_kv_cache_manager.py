@@ -144,3 +144,33 @@ def test_a_request_that_cannot_be_admitted_computes_no_affix(llada_model):
         outs |= {o.request_id: o for o in e.step() if o.finished}
     assert (e.affixes.stats.hits, e.affixes.stats.misses) == (0, 2)
     assert outs[rid].stats.affix_hits == 0
+
+
+def test_an_admission_never_evicts_a_cached_affix_of_its_own(llada_model):
+    """Admitting [A][B] with B cached and idle and room for A only once C goes: acquiring A first evicted B (least
+    recently used) and computed it again; the cached ones are held first, so only C goes."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, 200, (16,), generator=gen).tolist() for _ in range(3))
+    question = [5, 6]
+
+    def prompt(*affixes):
+        ids, spans = [], []
+        for affix in affixes:
+            spans.append((len(ids), len(ids) + len(affix)))
+            ids += affix
+        return AffixPrompt.from_spans(ids + question, None, spans)
+
+    eng = engine(llada_model, 10)
+    first = SamplingParams(gen_length=4, block_length=4, selector="none")
+    for p in (prompt(b), prompt(c)):  # B, then C: B is the least recently used
+        run_engine(llada_model, [p], [first], engine=eng)
+    computed = []
+    compute = eng.affixes.compute
+    eng.affixes.compute = lambda ids, name=None: computed.append(tuple(ids)) or compute(ids, name)
+    out = run_engine(llada_model, [prompt(a, b)], [SamplingParams(gen_length=4, block_length=2, selector="none")],
+                     engine=eng)[0]
+    assert computed == [tuple(a)] and out.stats.affix_hits == 1
+    assert eng.affixes.stats.evictions == 1 and eng.affixes.lookup(tuple(b)) is not None
+    alone = run_engine(llada_model, [prompt(a, b)], [SamplingParams(gen_length=4, block_length=2, selector="none")],
+                       kv_cache_memory=1 << 24)[0]
+    assert out.token_ids == alone.token_ids
