@@ -81,7 +81,11 @@ def export_tree(ref: str, repo: Path) -> Path:
         why = archive.stderr.decode(errors="replace").strip()
         raise ValueError(f"--baseline-ref {ref!r}: git archive failed: {why}")
     out = Path(tempfile.mkdtemp(prefix="acache-baseline-"))
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    try:
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return out
 
 
@@ -204,9 +208,9 @@ def main(args) -> int:
     exported = export_tree(args.baseline_ref, here) if args.baseline_ref else None
     if exported is not None:
         trees.insert(0, (f"baseline {args.baseline_ref}", exported))
-    choices = lm_eval_choices(model, args.limit, args.seed)
     sides, procs, bases = [], [], []
     try:
+        choices = lm_eval_choices(model, args.limit, args.seed)
         for k, (name, tree) in enumerate(trees):
             print(f"{name}: acache from {imported_from(tree)}", file=sys.stderr, flush=True)
             procs.append(start_server(tree, model, args.port + k, args.samples))

@@ -78,8 +78,9 @@ def one_request(client, model: str, system: str, question: str, max_tokens: int)
         for chunk in stream:
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
-            # the first chunk that carries generated tokens (the server's token_ids), whether or not they spell
-            # text yet: a random model's tokens often decode to nothing
+            # the first chunk that carries generated tokens (the server's token_ids): the first the client can see of
+            # its answer (the server holds back tokens that spell no text yet, so for a model whose blocks spell
+            # nothing, a random one's, that is the last chunk; the first chunk with text never came, and read 0)
             if chunk.choices and first is None and (chunk.choices[0].model_extra or {}).get("token_ids"):
                 first = time.perf_counter() - start
         return RequestTiming(True, time.perf_counter() - start, first, tokens)
@@ -127,7 +128,7 @@ def main(args) -> int:
     }
     for key, value in report.items():
         print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: "
-              f"{'n/a' if value is None and key.startswith('first_block') else value}")
+              f"{'n/a' if value is None else value}")
     if args.json:
         Path(args.json).write_text(json.dumps({"report": report, "timings": [asdict(t) for t in timings]}, indent=2))
     return 0 if not report["failed"] else 1

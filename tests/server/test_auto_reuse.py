@@ -464,14 +464,14 @@ def test_where_decoding_stops_is_part_of_what_a_check_vouches_for(field, value):
 
 
 def test_a_request_refused_with_a_400_is_no_sighting(llm):
-    """A chat refused for its sampling fields (n, top_p), its length or its logprobs counted as a sighting of its
-    system prompt, so that the next valid request reused the span at its first real sighting."""
+    """A chat refused for its sampling fields (n, top_p) or its length counted as a sighting of its system prompt,
+    so that the next valid request reused the span at its first real sighting."""
     system = story(("sofia", "garage"))
     messages = chat(system, "Where is Daniel?")
     with served(llm, auto_reuse="on") as client:
-        for bad in ({"n": 2}, {"top_p": 0.5}, {"max_tokens": 256}, {"logprobs": True, "top_logprobs": 99}):
+        for bad, why in (({"n": 2}, "n=1"), ({"top_p": 0.5}, "top_p"), ({"max_tokens": 256}, "too long")):
             resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **bad})
-            assert resp.status_code == 400, resp.text
+            assert resp.status_code == 400 and why in resp.json()["error"]["message"], resp.text
         first = ask(client, messages)
         second = ask(client, messages)
     assert first["usage"]["affix_reuse"]["decision"] == "none"
