@@ -109,7 +109,7 @@ def run(url: str, workload: Workload, concurrency: int = 4) -> RunResult:
 def bench_cluster(args) -> int:
     """Starts the cluster once per router on this machine, runs the workload on each, reports side by side."""
     from acache.cluster.frontend import FrontendSettings
-    from acache.cluster.launch import NAMESPACE, ClusterSettings, start, stop
+    from acache.cluster.launch import NAMESPACE, ClusterSettings, deploy, prepare, stop
     from acache.cluster.replica import ReplicaSettings
     from acache.paths import default_model
 
@@ -127,8 +127,9 @@ def bench_cluster(args) -> int:
         cluster = ClusterSettings(replicas=args.replicas, router=router, port=args.port, app_name=f"bench-{router}")
         replica = ReplicaSettings(model, "bench", cluster.directory, NAMESPACE, threads=args.threads,
                                   llm={"kv_cache_memory": 1 << 26, "max_affix_tokens": cap})
-        start(cluster, replica, FrontendSettings(model, cluster.directory, NAMESPACE))
+        prepare(cluster)  # a refusal stops nothing: what runs under that name is another's
         try:
+            deploy(cluster, replica, FrontendSettings(model, cluster.directory, NAMESPACE))
             url = f"http://127.0.0.1:{args.port}"
             result = run(url, workload, args.concurrency)
             stats = call(url, "/cluster/stats")[1]
