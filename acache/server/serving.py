@@ -51,9 +51,11 @@ class Check:
     ``started`` once it runs (a check planned for a stream its client left before it began never does). The two
     answers are compared on the whole region the engine decoded (every token up to the first stop token), not on
     what this client is sent: trust is shared by every request of the same spans and decoding, whatever its
-    ``max_tokens`` or stop strings, so a match on part of an answer does not vouch for the whole. Where the answer
-    without reuse was not decoded whole (a stream a stop string ended), the tokens the client was sent (the first
-    ``limit``, cut at the first of ``stops``) can only show a mismatch: a match there is no evidence."""
+    ``max_tokens`` or stop strings, so a match on part of an answer does not vouch for the whole. A stream a stop
+    string ended decodes on in the background for its check (``OpenAIServing.stream_events``); where an answer
+    without reuse still was not decoded whole (that decoding failed, or the server stopped), the tokens the client
+    was sent (the first ``limit``, cut at the first of ``stops``) can only show a mismatch: a match there is no
+    evidence."""
 
     prompt: AffixPrompt
     params: SamplingParams
@@ -308,13 +310,17 @@ class OpenAIServing:
         stops = stop_list(body.stop)
         decode = self.llm.tokenizer.decode
         shadow = self.start_check(check)
+        outputs = self.ctx.engine.generate(prompt, params, stream=True)
+        handed_off = False
         try:
             if chat:  # inside: a client that leaves at this first event still has its check settled
                 yield event(None, None, first=True)
-            async for out in self.ctx.engine.generate(prompt, params, stream=True):
+            async for out in outputs:
                 cut = self.final_text(out, body)
                 if out.finished or cut.stopped:  # a stop string ends the stream at once
                     final = out  # cut by a stop string or not, what it sent is final
+                    # a check compares whole answers: the request decodes on for it, after the client's answer
+                    handed_off = shadow is not None and not out.finished
                     yield event(cut.text[len(sent):], finish_reason(out, params, cut, body.token_limit),
                                 token_ids=cut.token_ids[sent_ids:])
                     if (body.stream_options or {}).get("include_usage"):
@@ -335,8 +341,27 @@ class OpenAIServing:
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         finally:
-            self.settle_check(shadow, check, final)
+            if handed_off:
+                task = asyncio.ensure_future(self._decode_on_for_check(outputs, shadow, check, final))
+                self.ctx.checks_running.add(task)
+                task.add_done_callback(self.ctx.checks_running.discard)
+            else:
+                await outputs.aclose()  # the engine request, unfinished (a client gone), is aborted now
+                self.settle_check(shadow, check, final)
         yield "data: [DONE]\n\n"
+
+    async def _decode_on_for_check(self, outputs: AsyncIterator, shadow: asyncio.Task, check: Check, cut) -> None:
+        """A stream a stop string ended, decoded on to its end in the background, so that its check compares the
+        whole answer; if it cannot finish (a failure, a shutdown), the check compares what the client was sent."""
+        final = cut
+        try:
+            async for out in outputs:
+                final = out
+        except Exception:  # the answer is sent: its check falls back to what it showed
+            final = cut
+        finally:
+            await outputs.aclose()
+            self.settle_check(shadow, check, final)
 
 
 async def until_disconnect(request: Request, work):

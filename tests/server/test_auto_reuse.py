@@ -198,6 +198,29 @@ def test_a_streamed_check_answers_as_without_reuse_and_is_recorded(llm):
     assert chunks[-1]["usage"]["affix_reuse"]["decision"] == "checking"
 
 
+def test_streams_a_stop_string_cut_earn_trust_on_their_whole_answers(llm):
+    """A stream that a stop string ends decodes on in the background once its answer is sent, so that its check
+    compares the whole answer: two such streams (at ratio 1, where reuse recomputes every affix token and matches)
+    make the span trusted. Compared on what they sent they were no evidence, and the span stayed unchecked."""
+    system = story(("sofia", "office"))
+    fields = {"max_tokens": 4, "block_length": 1, "anchor_ratio": 1.0}
+    with served(llm, reuse_checks=2, reuse_audit_every=0) as client:
+        ask(client, chat(system, "Where is Mary?"), **fields)  # the first sighting
+        texts = []
+        for question in ("Where is John?", "Where is Mary?"):
+            with client.stream("POST", "/v1/chat/completions", json={
+                    "messages": chat(system, question), "stream": True, "stop": ["e"], **fields}) as resp:
+                lines = [line for line in resp.iter_lines() if line.startswith("data: {")]
+            chunks = [json.loads(line[6:]) for line in lines]
+            texts.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]))
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            assert wait_for(lambda: not client.app.state.checks_running)
+        after = ask(client, chat(system, "Where is Sofia?"), **fields)
+    assert texts == ["gard", "kitch"]  # cut inside the first of four one-column blocks
+    assert client.app.state.gate.totals == {"checks": 2, "mismatches": 0}
+    assert after["usage"]["affix_reuse"]["decision"] == "reused"
+
+
 def test_a_check_that_cannot_run_leaves_the_request_answered(llm, monkeypatch):
     """When the request with reuse would be refused (here: made to be), the answer without reuse still comes."""
     messages = chat(story(("daniel", "cellar")), "Where is Mary?")
