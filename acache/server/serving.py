@@ -341,24 +341,39 @@ class OpenAIServing:
             message = str(exc) if isinstance(exc, known) else "internal error while streaming"
             yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
         finally:
-            if handed_off:
-                task = asyncio.ensure_future(self._decode_on_for_check(outputs, shadow, check, final))
-                self.ctx.checks_running.add(task)
-                task.add_done_callback(self.ctx.checks_running.discard)
+            if handed_off and not (shadow.done() and (shadow.cancelled() or shadow.exception() is not None)):
+                self.hand_off(outputs, shadow, check, final)
             else:
                 await outputs.aclose()  # the engine request, unfinished (a client gone), is aborted now
                 self.settle_check(shadow, check, final)
         yield "data: [DONE]\n\n"
 
-    async def _decode_on_for_check(self, outputs: AsyncIterator, shadow: asyncio.Task, check: Check, cut) -> None:
+    def hand_off(self, outputs: AsyncIterator, shadow: asyncio.Task, check: Check, cut) -> asyncio.Task:
+        """Decodes a stream a stop string ended on to its end in a task the server holds
+        (:meth:`_decode_on_for_check`). A task cancelled before its first step (a shutdown out of grace) runs none of
+        its code: its check is then settled on what was sent (its engine request is aborted by the shutdown's
+        ``cancel_all``)."""
+        started: list[bool] = []  # set by the task's first step
+        task = asyncio.ensure_future(self._decode_on_for_check(outputs, shadow, check, cut, started))
+        self.ctx.checks_running.add(task)
+        task.add_done_callback(self.ctx.checks_running.discard)
+        task.add_done_callback(lambda _: started or self.settle_check(shadow, check, cut))
+        return task
+
+    async def _decode_on_for_check(self, outputs: AsyncIterator, shadow: asyncio.Task, check: Check, cut,
+                                   started: list[bool]) -> None:
         """A stream a stop string ended, decoded on to its end in the background, so that its check compares the
         whole answer; if it cannot finish (a failure, a shutdown), the check compares what the client was sent."""
+        started.append(True)
         final = cut
         try:
             async for out in outputs:
                 final = out
         except Exception:  # the answer is sent: its check falls back to what it showed
             final = cut
+        except BaseException:  # cancelled (a shutdown): the same, and the cancellation goes on
+            final = cut
+            raise
         finally:
             await outputs.aclose()
             self.settle_check(shadow, check, final)

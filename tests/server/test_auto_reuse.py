@@ -509,3 +509,45 @@ def test_another_seed_at_temperature_zero_is_the_same_request(llm):
         answers = [ask(client, messages, seed=seed) for seed in (1, 2, 3, 4)]
     decisions = [a["usage"]["affix_reuse"]["decision"] for a in answers]
     assert decisions.count("checking") == 1 and "reused" not in decisions, decisions
+
+
+@pytest.mark.parametrize("when", ["before its first step", "mid-decode"])
+def test_a_handed_off_check_cancelled_by_a_shutdown_is_settled_once(when):
+    """A shutdown out of grace cancels the background decoding of a stream a stop string ended; cancelled before
+    its first step it ran none of its code, and its check was never settled (the gate counted it running for good).
+    Either way it is settled once, on what the client was sent."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from acache.server.serving import OpenAIServing
+
+    settled, closed = [], []
+
+    async def outputs():
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield SimpleNamespace(token_ids=[1, 2, 3], finished=False)
+        finally:
+            closed.append(True)
+
+    async def main():
+        serving = OpenAIServing.__new__(OpenAIServing)
+        serving.ctx = SimpleNamespace(checks_running=set())
+        serving.settle_check = lambda shadow, check, plain: settled.append(plain)
+        gen = outputs()
+        await gen.__anext__()  # parked at its yield, as the stream leaves it
+        cut = SimpleNamespace(token_ids=[1], finished=False)
+        task = serving.hand_off(gen, None, None, cut)
+        if when == "mid-decode":
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+        return serving.ctx.checks_running, list(closed)
+
+    running, closed_in_time = asyncio.run(main())
+    assert len(settled) == 1 and settled[0].token_ids == [1] and not running
+    # a task that ran closes the generator, which aborts the engine request; one that never ran leaves that to the
+    # shutdown's cancel_all
+    assert closed_in_time == ([True] if when == "mid-decode" else [])
