@@ -39,8 +39,8 @@ def run_plans(model: SSMBlockDiffusionLM | R2LM, items: Sequence[tuple[torch.Ten
     new cache live at once), then every fed segment runs against its cache, all rows through one ``extend_many``."""
     behind = [(tokens, plan, cache) for tokens, plan, cache in items if len(plan.past) > cache.covered]
     # a family that runs rows one by one advances each cache alone, the old one let go before the next is made
-    groups = [behind] if model.rows_together else [[row] for row in behind]
-    for group in groups if behind else ():
+    groups = [[row] for row in behind] if not model.rows_together else [behind] if behind else []
+    for group in groups:
         rows = [(tokens[cache.covered:len(plan.past)], cache.covered, cache.value) for tokens, plan, cache in group]
         for (_, plan, cache), (_, value) in zip(group, model.extend_many(rows, logits=False), strict=True):
             cache.value, cache.covered = value, len(plan.past)

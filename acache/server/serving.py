@@ -173,14 +173,19 @@ class OpenAIServing:
         anchors = len(out.anchors) if out is not None else 0
         cached = out.cached_tokens if out is not None else 0
         reuse = params.affix_reuse(bool(prompt.affixes))[0]  # a registered affix with selector 'off' is not reused
+        if plan is not None:
+            reason = plan.reason
+        elif reuse:
+            reason = "a registered affix"
+        elif not prompt.affixes:
+            reason = "no span of this prompt was seen before"
+        elif self.llm.engine.state_cache:
+            reason = f"the {self.llm.model.family} family computes affixes with the request"
+        else:
+            reason = "reuse off (selector or affix_reuse 'off'): the affix computed with the request"
         report = {"decision": (plan.decision.value if plan is not None else
                                Decision.REUSE.value if reuse else "none"),
-                  "reason": plan.reason if plan is not None else (
-                      "a registered affix" if reuse else
-                      f"the {self.llm.model.family} family computes affixes with the request"
-                      if prompt.affixes and self.llm.engine.state_cache else
-                      "reuse off (selector or affix_reuse 'off'): the affix computed with the request"
-                      if prompt.affixes else "no span of this prompt was seen before"),
+                  "reason": reason,
                   "reused_tokens": reused, "anchor_tokens": anchors,
                   "selector": params.selector if reuse else None,
                   "anchor_ratio": params.anchor_ratio if reuse else None,
@@ -198,6 +203,17 @@ class OpenAIServing:
             return self.llm.inputs.encode_text(text)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+
+    def reuse_allowed(self, body: DiffusionFields, reuse: bool, affix_given: bool) -> bool:
+        """``reuse``, or False for a state-cache family, whose cache is built per request (an affix is computed
+        with the prompt); a request that asks for reuse there by name (a selector, or ``affix_reuse`` 'always' where
+        there is an affix to reuse) is refused."""
+        if not self.llm.engine.state_cache:
+            return reuse
+        if body.selector not in (None, "off") or (body.affix_reuse == "always" and affix_given):
+            raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies to a "
+                             f"reused affix, which the {self.llm.model.family} family does not support")
+        return False
 
     def scoring_allowed(self, wanted: bool) -> None:
         """Scoring runs the model outside the engine, which tensor-parallel ranks do not mirror; it masks and

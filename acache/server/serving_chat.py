@@ -50,12 +50,7 @@ class OpenAIServingChat(OpenAIServing):
             messages = registered + messages
             registered_count, registered_key = len(registered), affix_key(registered_ids)
         self.check(body)
-        reuse = body.selector != "off" and body.affix_reuse != "off"
-        if llm.engine.state_cache:  # its cache is built per request: the system prompt is computed like the rest
-            if body.selector not in (None, "off") or body.affix_reuse == "always":
-                raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies "
-                                 f"to a reused affix, which the {llm.model.family} family does not support")
-            reuse = False
+        reuse = self.reuse_allowed(body, body.selector != "off" and body.affix_reuse != "off", True)
 
         def admissible(plain: AffixPrompt) -> None:
             """Every refusal the request can meet without automatic reuse, made before its spans count as seen."""

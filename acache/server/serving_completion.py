@@ -53,12 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         score_only = body.max_tokens == 0
         self.check(body)
         # a registered affix is reused from its first use (auto and always alike) unless the request turns reuse off
-        reuse = affix_ids is not None and body.affix_reuse != "off"
-        if llm.engine.state_cache:  # its cache is built per request: a registered affix is computed with the prompt
-            if body.selector not in (None, "off") or (body.affix_reuse == "always" and affix_ids is not None):
-                raise BadRequest(f"{'selector' if body.selector not in (None, 'off') else 'affix_reuse'} applies "
-                                 f"to a reused affix, which the {llm.model.family} family does not support")
-            reuse = False
+        reuse = self.reuse_allowed(body, affix_ids is not None and body.affix_reuse != "off", affix_ids is not None)
         params = (body.model_copy(update={"max_tokens": None}) if score_only else body).to_sampling_params(
             reuse=reuse, default_selector=llm.default_selector)
         if body.selector not in (None, "off") and affix_ids is None:

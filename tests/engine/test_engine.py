@@ -545,7 +545,7 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
     device is refused when the request is added."""
     prompts = [layouts(seed=s)["infix"] for s in range(3)]
     params = [SamplingParams(**BASE, temperature=1.0, seed=5, selector="attention", ignore_eos=True),
-              SamplingParams(**BASE),
+              SamplingParams(**BASE, selector="attention", anchor_ratio=0.5),
               SamplingParams(gen_length=8, block_length=4, temperature=0.7, seed=9, ignore_eos=True)]
     store = AffixStore(family_model)
     want = [reference_generate(family_model, prompts[i], params[i], store).token_ids for i in (0, 2)]
@@ -553,9 +553,10 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24), affix_source=store)
     with pytest.raises(ValueError, match="generator must be a torch.Generator"):
         engine.add_request(prompts[0], params[0], generator=object())
-    for p, sp, rid in zip(prompts, params, ["a", "bad", "c"], strict=True):
+    for p, sp, rid in zip(prompts[:2], params[:2], ["a", "bad"], strict=True):
         engine.add_request(p, sp, request_id=rid)
-    outs = {}
+    outs = {o.request_id: o for o in engine.step()}  # "a" and "bad" batched: "bad" fails after "a" drew
+    engine.add_request(prompts[2], params[2], request_id="c")  # arriving a step later
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step())
     assert outs["bad"].status is Status.FAILED and "bad proposal" in outs["bad"].error

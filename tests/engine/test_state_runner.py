@@ -250,8 +250,9 @@ def test_a_request_failing_after_its_batch_sampled_leaves_the_others_draws_alone
     fail_proposals_of(monkeypatch, "bad")
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
     ids = [engine.add_request(p, sp, request_id=rid)
-           for p, sp, rid in zip(prompts, params, ["a", "bad", "c"], strict=True)]
-    outs = {}
+           for p, sp, rid in zip(prompts[:2], params[:2], ["a", "bad"], strict=True)]
+    outs = {o.request_id: o for o in engine.step()}  # "a" and "bad" batched: "bad" fails after "a" drew
+    ids.append(engine.add_request(prompts[2], params[2], request_id="c"))  # arriving a step later
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step())
     assert outs["bad"].status.value == "failed" and "bad proposal" in outs["bad"].error
