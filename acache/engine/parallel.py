@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,9 @@ TIMEOUT = datetime.timedelta(minutes=10)  # a rank that stops answering fails th
 #: the control channel waits between calls for as long as the server idles: a worker reading it must never time out
 #: (a rank that dies closes its connection, which ends the wait at once)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+#: the key a spawned rank sets in the group's store (suffixed with its rank) as it begins to join
+_JOINING = "acache/joining/"
+_POLL_S = 0.1  # how often rank 0 looks at the store and its ranks while they start
 
 
 class Channel:
@@ -170,12 +174,25 @@ def _free_port() -> int:
 
 
 def join(rank: int, world_size: int, init_method: str, backend: str) -> tuple[TensorParallel, Channel]:
-    """Joins the group (``backend`` for the model's collectives, gloo for the control channel)."""
+    """Joins the group (``backend`` for the model's collectives, gloo for the control channel). A rank past 0
+    first says it has come (:func:`start` watches for it)."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    host, port = _address(init_method)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=TIMEOUT)
+    store.set(f"{_JOINING}{rank}", "1")
+    return _joined(store, rank, world_size, backend)
+
+
+def _joined(store, rank: int, world_size: int, backend: str) -> tuple[TensorParallel, Channel]:
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, world_size), Channel(control)
+
+
+def _address(init_method: str) -> tuple[str, int]:
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
 
 
 def leave() -> None:
@@ -187,10 +204,14 @@ def leave() -> None:
 def start(world_size: int, device: torch.device, worker: Callable, worker_args: tuple
           ) -> tuple[TensorParallel, Channel, list]:
     """Spawns ranks 1..world_size-1 running ``worker(rank, world_size, init_method, backend, *worker_args)``
-    and joins the group as rank 0."""
+    and joins the group as rank 0, once every rank has come. A rank that ends before it comes (a script that
+    builds an LLM outside ``if __name__ == "__main__":`` is one: the spawned rank imports it and fails) is an
+    error at once, not a wait of :data:`TIMEOUT` for a rank that will never join."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world_size):
@@ -198,5 +219,29 @@ def start(world_size: int, device: torch.device, worker: Callable, worker_args: 
                         name=f"acache-tp-{rank}")
         p.start()
         procs.append(p)
-    tp, channel = join(0, world_size, init_method, backend)
+    try:
+        _wait_for_ranks(store, procs)
+        tp, channel = _joined(store, 0, world_size, backend)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+            p.join(timeout=30)
+        raise
     return tp, channel, procs
+
+
+def _wait_for_ranks(store, procs: list) -> None:
+    """Returns once every spawned rank has said it is joining; raises at once for one that ended first, and after
+    :data:`TIMEOUT` for one that neither came nor ended."""
+    keys = [f"{_JOINING}{rank}" for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for rank, p in enumerate(procs, start=1):
+            if p.exitcode is not None and not store.check([f"{_JOINING}{rank}"]):
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} ended (exit code {p.exitcode}) before it joined the group; its "
+                    "error is printed above (a script that builds an LLM with tensor_parallel_size > 1 outside "
+                    '`if __name__ == "__main__":` ends so: each rank is a process that imports the script)')
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not join the group in {TIMEOUT}")
+        time.sleep(_POLL_S)

@@ -256,3 +256,22 @@ def test_more_ranks_than_gpus_are_refused_before_any_is_spawned(llada_dir, monke
     with pytest.raises(ValueError, match="tensor_parallel_size 2 runs one rank a GPU, and this machine has 1 CUDA"):
         LLM(llada_dir, device="cuda", tensor_parallel_size=2)
 
+
+
+def test_a_rank_that_ends_before_joining_is_an_error_at_once(llada_dir, tmp_path):
+    """A script that builds a tensor-parallel LLM outside ``if __name__ == "__main__":``: the spawned rank imports
+    it, fails to spawn ranks of its own, and ends. Rank 0 waited out the group's 10-minute timeout for it; now it
+    says which rank ended, and why that happens, as soon as the rank is gone."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("from acache import LLM\n"
+                      f"LLM({str(llada_dir)!r}, kv_cache_memory=1 << 24, tensor_parallel_size=2)\n")
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode != 0
+    assert "tensor-parallel rank 1 ended (exit code 1) before it joined the group" in done.stderr
+    assert 'outside `if __name__ == "__main__":`' in done.stderr
+    assert time.monotonic() - began < 240  # not the group's 10 minutes
