@@ -134,30 +134,43 @@ class AffixDirectory:
                 old.unlink(missing_ok=True)
 
     def _saved_entries(self, root: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
-        """The entries already saved at ``root`` whose checksums hold, with their tensors (none if the
-        directory holds no readable cache of this model); a sound store of another model or precision is
-        moved aside first (called under the lock)."""
-        try:
-            manifest = json.loads((root / MANIFEST).read_text())
-            if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-                return []
-            foreign = self._foreign(manifest)
-            if foreign is not None:
-                files = [root / MANIFEST, *sorted(root.glob("affixes-*.safetensors"))]
-                moved = quarantine(root, "store", f"{foreign}; set aside by a save of this model", files)
-                log.warning("affix cache %s: %s; moved to %s before saving this model's", root, foreign, moved)
-                return []
-            tensors = load_file(root / manifest["tensors"], device="cpu")
-        except Exception:  # nothing trustworthy there to keep: it is replaced
-            return []
+        """The entries already saved at ``root`` whose checksums hold, with their tensors (called under the lock).
+        What the save cannot keep is set aside into ``quarantine/`` and logged, as :meth:`recover` sets it aside,
+        never replaced unseen: a store of another model, precision or format (another version sharing the
+        directory), a manifest that cannot be read, tensor files no manifest names, a damaged tensor file (a copy:
+        the entries it still holds whole are kept) and entries whose checksums fail."""
+        report = LoadReport()
         kept = []
-        for item in manifest.get("entries", []):
-            try:
-                theirs = {n: t for n, t in tensors.items() if n.startswith(f"{item['key']}.")}
-                if theirs and _checksum(theirs) == item["sha256"] and isinstance(item["token_ids"], list):
-                    kept.append((item, theirs))
-            except (TypeError, KeyError):
+        tensor_files = sorted(root.glob("affixes-*.safetensors"))
+        if not (root / MANIFEST).exists():
+            if tensor_files:
+                self._set_aside(root, report, "store", f"no {MANIFEST} names them (it was deleted?)", tensor_files,
+                                True)
+            self._log_aside(report, "by a save")
+            return kept
+        try:
+            manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
+        except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be kept
+            self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], True)
+            self._log_aside(report, "by a save")
+            return kept
+        if damage is not None:
+            self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept", [], True,
+                            {tensor_file.name: tensor_file.read_bytes()})
+        for i, item in enumerate(manifest["entries"]):
+            key = item.get("key") if isinstance(item, dict) else None
+            theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
+            if theirs and isinstance(item.get("token_ids"), list) and _checksum(theirs) == item.get("sha256"):
+                kept.append((item, theirs))
                 continue
+            written = {"entry.json": json.dumps(item).encode()}
+            if theirs:
+                written["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
+            label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
+            reason = "its tensors do not match their checksum (corrupt or altered)" if theirs else \
+                "malformed, or its tensors are missing (past a cut?)"
+            self._set_aside(root, report, f"entry-{label or i}", f"{tensor_file}: {reason}", [], True, written)
+        self._log_aside(report, "by a save")
         return kept
 
     def _foreign(self, manifest: dict) -> str | None:
@@ -180,11 +193,14 @@ class AffixDirectory:
         model's device from the most recently saved back while ``claim(num_tokens)`` grants them room (the
         rest stay on disk); they come back oldest first."""
         root = self.root
-        if not (root / MANIFEST).is_file():
-            raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
-        with store_lock(root, exclusive=False):
-            _remove_stale(root)
-            manifest, tensors, tensor_file, _ = self._read_store(root, salvage=False)
+        try:
+            if not (root / MANIFEST).is_file():
+                raise AffixStoreError(f"no affix cache at {root}: {MANIFEST} is missing")
+            with store_lock(root, exclusive=False):
+                _remove_stale(root)
+                manifest, tensors, tensor_file, _ = self._read_store(root, salvage=False)
+        except OSError as exc:  # a directory or file this process may not read
+            raise AffixStoreError(f"{root}: cannot read the affix cache there ({exc.strerror or exc})") from None
         checked = [self._checked_entry(item, tensors, tensor_file) for item in manifest["entries"]]
         return self._placed(checked, claim, skip)
 
@@ -199,9 +215,19 @@ class AffixDirectory:
         tensor file (the server starts cold); tensor files no manifest names are moved there too, and those
         a sound manifest does not name (a save that died before its manifest, or before removing the old
         file) are deleted. Each is logged by name and reason. A directory this process cannot write, or
-        whose lock file it cannot open, is only read: the faults are skipped and reported, not moved. Running
+        whose lock file it cannot open, is only read: the faults are skipped and reported, not moved; files it
+        may not read at all (a permission, a failing disk) are no evidence of damage: the store is reported
+        unread and left as it is, and the server starts without it. Running
         out of memory while placing entries stops the loading, and what is on disk stays as it is. Never
         raises for what it finds on disk."""
+        try:
+            return self._recover(claim, skip)
+        except OSError as exc:  # a directory or file this process may not read: it starts without them
+            report = LoadReport()
+            report.quarantined.append(Quarantined("the whole store", f"cannot be read ({exc})", None))
+            return report, []
+
+    def _recover(self, claim: Callable[[int], bool], skip: Collection[str]) -> tuple[LoadReport, list[AffixEntry]]:
         root = self.root
         report = LoadReport()
         if not root.is_dir():
@@ -218,6 +244,8 @@ class AffixDirectory:
                 return report, checked
             try:
                 manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
+            except OSError:  # the files could not be read (a permission, the disk): nothing is moved for that
+                raise
             except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
                 self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
                 return report, checked
@@ -290,12 +318,16 @@ class AffixDirectory:
     def log(self, report: LoadReport) -> None:
         """Each part set aside, by name and reason, and the count loaded (once the cache has admitted them)."""
         root = self.root
-        for q in report.quarantined:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
-            log.warning("affix cache %s: %s set aside, %s: %s", root, q.what, where, q.reason)
+        self._log_aside(report)
         if report.quarantined:
             log.warning("affix cache %s: loaded %d entries; %d set aside, recomputed when a request next uses "
                         "them", root, report.loaded, len(report.quarantined))
+
+    def _log_aside(self, report: LoadReport, by: str = "") -> None:
+        for q in report.quarantined:
+            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
+            log.warning("affix cache %s: %s set aside%s, %s: %s", self.root, q.what, f" {by}" if by else "", where,
+                        q.reason)
 
     def _read_store(self, root: Path, salvage: bool) -> tuple[dict, dict[str, torch.Tensor], Path, str | None]:
         """The manifest, the tensors (on the CPU) and the tensor file of the store at ``root`` (called under its
@@ -318,11 +350,15 @@ class AffixDirectory:
         try:
             tensors = load_file(tensor_file, device="cpu") if tensor_file.stat().st_size else {}
             return manifest, tensors, tensor_file, None
+        except OSError:  # not read at all: no evidence of damage
+            raise
         except Exception as exc:  # safetensors raises its own error types on corrupt files
             damage = f"{tensor_file}: not a safetensors file ({exc})"
         if salvage:
             try:
                 return manifest, _salvage(tensor_file), tensor_file, damage
+            except OSError:
+                raise
             except Exception:  # its header is gone too
                 pass
         raise AffixStoreError(damage)

@@ -91,7 +91,9 @@ class AffixRegistry:
     def save(self, root: Path, fingerprint: str) -> int:
         """Writes the registrations to ``root/registry.json`` (atomically, under the store's lock), with the
         sound ones already there that this registry does not hold while the byte budget allows (another
-        server's on a shared directory, or ones this one let go); returns how many it wrote."""
+        server's on a shared directory, or ones this one let go); returns how many it wrote. A registry file it
+        cannot keep (another model's, unreadable) and malformed registrations are moved into ``quarantine/`` and
+        logged, as :meth:`load` moves them, not overwritten unseen."""
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         mine = self.snapshot()
@@ -100,20 +102,27 @@ class AffixRegistry:
         with store_lock(root, exclusive=True):
             theirs = []
             try:
-                for item in reversed(_read_registry(root, fingerprint)):
-                    if _fault(item, None) is not None or item["id"] in held:
-                        continue
-                    size = _size(item["tokens"], item["messages"], item["name"])
-                    if size <= room:
-                        theirs.append(item)
-                        room -= size
-            except ForeignRegistry as exc:  # another model's: kept aside, never overwritten
-                moved = quarantine(root, "registry", f"{root / REGISTRY}: {exc}; set aside by a save of this model",
+                found = _read_registry(root, fingerprint) if (root / REGISTRY).exists() else []
+            except Exception as exc:  # another model's, or unreadable: kept aside and logged, never overwritten unseen
+                moved = quarantine(root, "registry", f"{root / REGISTRY}: {exc}; set aside by a save",
                                    [root / REGISTRY])
-                log.warning("affix registry %s: %s; moved to %s before saving this model's", root, exc, moved)
-                theirs = []
-            except Exception:  # nothing sound there to keep: it is replaced
-                theirs = []
+                log.warning("affix registry %s: %s; set aside by a save, moved to %s", root, exc, moved)
+                found = []
+            for n, item in reversed(list(enumerate(found))):
+                fault = _fault(item, None)
+                if fault is not None:
+                    label = re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40]
+                    moved = quarantine(root, f"registration-{label or n}", f"{fault}; set aside by a save", [],
+                                       {"registration.json": json.dumps(item).encode()})
+                    log.warning("affix registry %s: registration %s set aside by a save, moved to %s: %s", root,
+                                label or n, moved, fault)
+                    continue
+                if item["id"] in held:
+                    continue
+                size = _size(item["tokens"], item["messages"], item["name"])
+                if size <= room:
+                    theirs.append(item)
+                    room -= size
             items = theirs[::-1] + mine
             body = {"format": REGISTRY_FORMAT, "model_fingerprint": fingerprint, "affixes": items}
             write_atomic(root / REGISTRY, (json.dumps(body) + "\n").encode())

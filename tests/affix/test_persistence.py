@@ -604,3 +604,60 @@ def test_a_server_save_copies_the_affixes_under_the_lock_and_writes_them_outside
     monkeypatch.setattr(AffixDirectory, "save", watched_save)
     llm.save_affix_cache(tmp_path, lock=lock)
     assert seen == {"snapshot": True, "save": False} and len(saved_keys(tmp_path)) == 1
+
+
+def test_a_save_over_a_damaged_tensor_file_keeps_a_copy_and_the_entries_it_holds_whole(model, tmp_path, caplog):
+    """A save read the damaged store as nothing and deleted it, with no copy and no log line."""
+    manifest = saved_store(model, tmp_path, A, B)
+    path = tmp_path / manifest["tensors"]
+    cut = min(tensor_span(path, f"{e['key']}.v.1")[1] for e in manifest["entries"])
+    last = next(e["key"] for e in manifest["entries"] if tensor_span(path, f"{e['key']}.v.1")[1] > cut)
+    path.write_bytes(path.read_bytes()[:cut + 4])
+    saved_store(model, tmp_path, C)
+    assert saved_keys(tmp_path) == [e["key"] for e in manifest["entries"] if e["key"] != last] + [key_of(C)]
+    reasons = [text for _, text in quarantined_reasons(tmp_path)]
+    assert any("not a safetensors file" in r for r in reasons) and any("tensors are missing" in r for r in reasons)
+    assert "set aside by a save" in caplog.text and last[:12] in caplog.text
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda root, m: (root / "manifest.json").write_text(json.dumps({**m, "format": 99})), "format 99"),
+    (lambda root, m: (root / "manifest.json").write_text("{"), "not a manifest"),
+    (lambda root, m: (root / "manifest.json").unlink(), "no manifest.json names them"),
+], ids=["other-format", "cut-manifest", "no-manifest"])
+def test_a_save_sets_a_store_it_cannot_read_aside(model, tmp_path, caplog, damage, reason):
+    """A store of another format (another version sharing the directory) or one that cannot be read was replaced
+    unseen by a save."""
+    manifest = saved_store(model, tmp_path, A, B)
+    damage(tmp_path, manifest)
+    saved_store(model, tmp_path, C)
+    assert saved_keys(tmp_path) == [key_of(C)]
+    [(_, text)] = quarantined_reasons(tmp_path)
+    assert reason in text and "set aside by a save" in caplog.text and reason in caplog.text
+    [folder] = (tmp_path / "quarantine").iterdir()
+    assert manifest["tensors"] in {f.name for f in folder.iterdir()}  # the tensors kept beside the reason
+
+
+def test_a_directory_that_cannot_be_read_is_a_clear_error_or_a_cold_start(model, tmp_path, monkeypatch, caplog):
+    """``recover`` said it never raises for what it finds, yet a directory this process may not read raised a
+    PermissionError (and the CLI printed a traceback)."""
+    from pathlib import Path
+
+    saved_store(model, tmp_path, A)
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "manifest.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(AffixStoreError, match=f"{tmp_path}: cannot read the affix cache there .Permission denied"):
+        AffixStore(model).load(tmp_path)
+    store = AffixStore(model)
+    report = store.recover(tmp_path)
+    assert report.loaded == 0 and len(store) == 0
+    assert [(q.what, q.moved_to) for q in report.quarantined] == [("the whole store", None)]
+    assert "Permission denied" in report.quarantined[0].reason and "Permission denied" in caplog.text
+    monkeypatch.setattr(Path, "read_text", real)
+    assert AffixStore(model).load(tmp_path) == 1  # nothing on disk was touched

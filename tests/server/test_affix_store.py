@@ -296,3 +296,45 @@ def test_two_saves_at_once_write_in_turn_snapshot_to_write(llada_dir, tmp_path, 
         assert events == ["snapshot", "write", "snapshot", "write"]
         monkeypatch.setattr(AffixDirectory, "save", save)
         assert client.post("/v1/affixes/save").json()["saved"] == 1
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda text: text[:len(text) // 2], "not a registry"),
+    (lambda text: json.dumps({**json.loads(text), "format": 7}), "format 7"),
+], ids=["truncated", "other-format"])
+def test_a_save_sets_a_registry_it_cannot_read_aside(tmp_path, caplog, damage, reason):
+    """Another server's registry that a save could not read was replaced unseen: its clients' ids were gone after
+    a restart with nothing logged."""
+    from acache.server.affix_reuse import AffixRegistry
+
+    theirs, mine = AffixRegistry(), AffixRegistry()
+    theirs.register([1, 2, 3], None, "a")
+    theirs.save(tmp_path, "fp")
+    path = tmp_path / "registry.json"
+    text = path.read_text()
+    path.write_text(damage(text))
+    mine.register([4, 5], None, None)
+    with caplog.at_level(logging.WARNING, logger="acache.server"):
+        assert mine.save(tmp_path, "fp") == 1
+    assert reason in caplog.text and "set aside by a save" in caplog.text
+    [folder] = (tmp_path / "quarantine").iterdir()
+    assert (folder / "registry.json").read_text() == damage(text)
+
+
+def test_a_save_sets_a_malformed_registration_aside(tmp_path, caplog):
+    from acache.server.affix_reuse import AffixRegistry
+
+    theirs, mine = AffixRegistry(), AffixRegistry()
+    bad, good = theirs.register([1, 2, 3], None, "a"), theirs.register([6, 7], None, "b")
+    theirs.save(tmp_path, "fp")
+    path = tmp_path / "registry.json"
+    body = json.loads(path.read_text())
+    body["affixes"][0]["tokens"][0] = 9  # no longer hashes to its id
+    path.write_text(json.dumps(body))
+    mine.register([4, 5], None, None)
+    with caplog.at_level(logging.WARNING, logger="acache.server"):
+        assert mine.save(tmp_path, "fp") == 2
+    assert [a["id"] for a in json.loads(path.read_text())["affixes"]][0] == good
+    [folder] = (tmp_path / "quarantine").iterdir()
+    assert json.loads((folder / "registration.json").read_text())["id"] == bad
+    assert "does not hash to its id" in caplog.text and bad in caplog.text
