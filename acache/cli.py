@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points, version
+from pathlib import Path
 
 from acache.models.config import ConfigError
 from acache.models.loader import CheckpointError
@@ -25,7 +26,8 @@ from acache.scoring import DEFAULT_SAMPLES
 from acache.server.logprobs import DEFAULT_SCORING_TOKENS
 from acache.server.reuse_gate import AUTO_REUSE_MODES
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ConfigError, CheckpointError, TypeError)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConfigError, CheckpointError,
+               TypeError)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -134,7 +136,6 @@ def parse_size(text: str) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from acache import LLM, Affix, SamplingParams
     from acache.affix.prompt import layout_segments
@@ -167,13 +168,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if cache_dir is not None and args.tensor_parallel_size > 1:
         raise ValueError("--affix-cache is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
+    # loaded as a server loads it: what cannot be trusted is set aside and logged, and the prompts are answered
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-              affix_cache_dir=cache_dir if cache_dir and (cache_dir / "manifest.json").exists() else None,
-              bicache_profile=args.bicache_profile, tensor_parallel_size=args.tensor_parallel_size)
+              affix_cache_dir=cache_dir if cache_dir is not None and cache_dir.is_dir() else None,
+              affix_cache_quarantine=True, bicache_profile=args.bicache_profile,
+              tensor_parallel_size=args.tensor_parallel_size)
     if cache_dir is not None and llm.affix_store is None:  # refused before any work, not after it
         llm.close()
         raise ValueError(f"--affix-cache: the {llm.model.family} family shares no affix K/V, so there is no affix "
                          "cache to save")
+    loaded = _loaded_affixes(llm.affix_cache_report, cache_dir)
+    if loaded:  # on stderr: stdout holds the answers (JSON lines with --json)
+        print(f"acache generate: {loaded}", file=sys.stderr)
     prompts = args.prompt
     chat = args.chat
     if affix_text is not None and chat:  # the affix is the chat's system prompt, reused as the server reuses it
@@ -216,12 +222,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                      f"{len(affix.anchors)}/{affix.affix_tokens} anchors, "
                      f"{affix.recomputed_per_refresh} tokens a refresh")
         print(line + "]\n")
+    saved = True
     if cache_dir is not None:  # after the answers: a save that fails loses none of them
-        llm.save_affix_cache(cache_dir)
+        try:
+            llm.save_affix_cache(cache_dir)
+        except OSError as exc:  # a full disk, a directory it may not write
+            print(f"acache generate: error: could not save the affix cache to {cache_dir}: {exc}", file=sys.stderr)
+            saved = False
     failed = sum(out.error is not None for out in outputs)
     if failed:
         print(f"acache generate: error: {failed} of {len(outputs)} prompts failed", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or not saved else 0
 
 
 def _why_empty(out, tokenizer) -> str:
@@ -253,7 +264,6 @@ def _cmd_make_random_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
     import os
-    from pathlib import Path
 
     from acache import LLM
     from acache.server.app import create_app
@@ -277,11 +287,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     warm = cache_dir is not None and cache_dir.is_dir()
     llm = LLM(args.model, affix_cache_dir=cache_dir if warm else None, affix_cache_quarantine=True,
               tensor_parallel_size=args.tensor_parallel_size, **_serve_llm_kwargs(args))
-    report = llm.affix_cache_report
-    if report is not None and (report.loaded or report.quarantined):
-        aside = f"; {len(report.quarantined)} set aside into {cache_dir / 'quarantine'} (the warnings above say " \
-                "why; each is recomputed when a request next uses it)" if report.quarantined else ""
-        print(f"loaded {report.loaded} shared affixes from {cache_dir}{aside}", flush=True)
+    loaded = _loaded_affixes(llm.affix_cache_report, cache_dir)
+    if loaded:
+        print(loaded, flush=True)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
     app = create_app(llm, name, affix_cache_dir=cache_dir, **_serve_app_kwargs(args, api_key))
@@ -292,6 +300,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         app.state.close()  # done already unless a forced quit (a second Ctrl-C) made uvicorn skip the app's end
     return 0
+
+
+def _loaded_affixes(report, cache_dir: Path | None) -> str | None:
+    """The line that says what an affix cache directory gave (None: it held nothing)."""
+    if report is None or not (report.loaded or report.quarantined):
+        return None
+    aside = f"; {len(report.quarantined)} set aside into {cache_dir / 'quarantine'} (the warnings above say " \
+            "why; each is recomputed when a request next uses it)" if report.quarantined else ""
+    return f"loaded {report.loaded} shared affixes from {cache_dir}{aside}"
 
 
 def _port_free(host: str, port: int) -> None:
@@ -375,7 +392,6 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     import os
     import signal
     import threading
-    from pathlib import Path
 
     try:
         from acache.cluster.frontend import FrontendSettings

@@ -105,6 +105,38 @@ def test_generate_with_an_affix_and_a_persistent_cache(tmp_path, capsys, llada_d
     assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
 
 
+def test_generate_answers_beside_a_damaged_cache_and_says_when_its_save_fails(tmp_path, capsys, llada_dir,
+                                                                              monkeypatch):
+    """One bad entry made every later run refuse every prompt (the strict load); a save that failed on a full disk
+    ended in a traceback after the answers."""
+    cache = tmp_path / "affixes"
+    args = ["generate", "--model", str(llada_dir), "--prompt", "Where is Mary?", "--affix",
+            "Mary moved to the kitchen.", "--selector", "attention", "--gen-length", "8", "--block-length", "8",
+            "--affix-cache", str(cache), "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    manifest = json.loads((cache / "manifest.json").read_text())
+    tensors = cache / manifest["tensors"]
+    blob = bytearray(tensors.read_bytes())
+    blob[-5] ^= 0x10  # a bit flipped in the last tensor's bytes
+    tensors.write_bytes(bytes(blob))
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    again = json.loads(captured.out.strip().splitlines()[-1])
+    assert again["token_ids"] == first["token_ids"] and again["affix"]["misses"] == 1  # set aside, computed again
+    assert "set aside" in captured.err and list((cache / "quarantine").iterdir())
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("acache.affix.persistence.write_atomic", full)
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["token_ids"] == first["token_ids"]  # answered first
+    assert f"acache generate: error: could not save the affix cache to {cache}: [Errno 28] No space left" in \
+        captured.err and "Traceback" not in captured.err
+
+
 def test_generate_reuses_an_affix_with_the_default_selector(capsys, llada_dir):
     """With --affix and no --selector the command reuses it with the server's default selector, chosen inside
     the refresh; --anchor-pass two chooses by a pass of its own, and a pass a selector lacks is refused by name."""

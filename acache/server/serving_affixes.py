@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import threading
 from pathlib import Path
 
-from acache.affix.persistence import MANIFEST, model_fingerprint
+from acache.affix.persistence import MANIFEST, AffixStoreError, model_fingerprint
 from acache.inputs import InputProcessor
 from acache.server.protocol import AffixRegistration, BadRequest
-from acache.server.serving import OpenAIServing, ServerContext
+from acache.server.serving import OpenAIServing, RequestError, ServerContext
+
+log = logging.getLogger("acache.server")
 
 
 class OpenAIServingAffixes(OpenAIServing):
@@ -24,9 +28,20 @@ class OpenAIServingAffixes(OpenAIServing):
         self._saving = threading.Lock()  # one save at a time, from its snapshot to its write: never an older last
 
     def load(self) -> None:
-        """The ids given out before a restart stay valid; a file that does not fit this model is set aside."""
-        if self.cache_dir is not None:
-            self.ctx.registry.load(self.cache_dir, self.fingerprint, self.llm.config.vocab_size)
+        """The ids given out before a restart stay valid; a file that does not fit this model is set aside. A
+        directory this server cannot write is said now, not found at shutdown with the session's affixes lost."""
+        if self.cache_dir is None:
+            return
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            writable = os.access(self.cache_dir, os.W_OK)
+            why = "no write permission"
+        except OSError as exc:
+            writable, why = False, exc.strerror or str(exc)
+        if not writable:
+            log.warning("--affix-cache-dir %s cannot be written (%s): what it holds is read, and nothing will be "
+                        "saved there (at shutdown or by POST /v1/affixes/save)", self.cache_dir, why)
+        self.ctx.registry.load(self.cache_dir, self.fingerprint, self.llm.config.vocab_size)
 
     def save(self) -> int:
         """Writes the engine's shared affixes and the registry; returns how many affixes were saved."""
@@ -39,7 +54,11 @@ class OpenAIServingAffixes(OpenAIServing):
     async def save_route(self) -> dict:
         if self.cache_dir is None:
             raise BadRequest("this server has no --affix-cache-dir to save to")
-        saved = await asyncio.to_thread(self.save)
+        try:
+            saved = await asyncio.to_thread(self.save)
+        except (OSError, AffixStoreError) as exc:  # a full disk, a directory made unwritable: said to the client
+            log.error("could not save the shared affixes to %s: %s", self.cache_dir, exc)
+            raise RequestError(f"could not save the shared affixes to {self.cache_dir}: {exc}") from None
         return {"object": "affix_cache", "saved": saved, "path": str(self.cache_dir)}
 
     async def register(self, body: AffixRegistration) -> dict:

@@ -338,3 +338,31 @@ def test_a_save_sets_a_malformed_registration_aside(tmp_path, caplog):
     [folder] = (tmp_path / "quarantine").iterdir()
     assert json.loads((folder / "registration.json").read_text())["id"] == bad
     assert "does not hash to its id" in caplog.text and bad in caplog.text
+
+
+def test_a_save_that_fails_says_why_to_the_client(llada_dir, tmp_path, monkeypatch, caplog):
+    """A full disk on POST /v1/affixes/save was an opaque 500 ("internal error; the server log has the details")."""
+    cache = tmp_path / "cache"
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with server(llada_dir, cache) as client:
+        register(client, text=STORY)
+        monkeypatch.setattr("acache.affix.persistence.write_atomic", full)
+        resp = client.post("/v1/affixes/save")
+        assert resp.status_code == 500, resp.text
+        message = resp.json()["error"]["message"]
+        assert message.startswith(f"could not save the shared affixes to {cache}: ") and "No space left" in message
+        monkeypatch.undo()
+        assert client.post("/v1/affixes/save").status_code == 200  # the directory is usable again at once
+
+
+def test_a_cache_dir_the_server_cannot_write_is_said_at_start(llada_dir, tmp_path, monkeypatch, caplog):
+    """It was found only at shutdown, when the save failed and the session's affixes were lost."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setattr("acache.server.serving_affixes.os.access", lambda path, mode: False)
+    with caplog.at_level(logging.WARNING, logger="acache.server"), server(llada_dir, cache) as client:
+        assert client.get("/health").status_code == 200
+        assert f"--affix-cache-dir {cache} cannot be written (no write permission)" in caplog.text
