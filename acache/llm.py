@@ -251,6 +251,11 @@ class LLM:
             raise RuntimeError("this LLM's engine is being served (acache.server steps it on its own thread), so "
                                "generate() cannot run beside it: send the request to the server, or build a second "
                                "LLM for offline use")
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):  # the whole batch, before any is queued
+            try:
+                engine.check_request(p, sp)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
         ids = []
         try:
             for p, sp in zip(prompts, params, strict=True):

@@ -120,3 +120,19 @@ def test_seed_none_draws_a_fresh_seed(llada_dir):
     outs = [LLM(llada_dir, seed=None).generate("x", params, use_tqdm=False)[0].token_ids for _ in range(2)]
     seeded = [LLM(llada_dir, seed=3).generate("x", params, use_tqdm=False)[0].token_ids for _ in range(2)]
     assert outs[0] != outs[1] and seeded[0] == seeded[1]
+
+
+def test_a_batch_the_pool_cannot_hold_is_refused_whole_before_any_request_is_queued(llada_dir):
+    """The requests were added one by one: the third was refused by its internal id (req-3), after the first two
+    had been queued and then aborted, and counted so."""
+    small = LLM(llada_dir, page_size=8, kv_cache_memory=3 * 8 * 2 * 2 * 2 * 32 * 4)  # a few pages of this model
+    pages = small.engine.pool.num_pages
+    params = SamplingParams(gen_length=8, block_length=8)
+    small.generate([[5] * 4], params, use_tqdm=False)
+    before = small.engine.summary()
+    with pytest.raises(ValueError, match=rf"^prompt 2: the request needs \d+ KV pages of 8 tokens, more than the "
+                                         rf"whole pool of {pages}"):
+        small.generate([[5] * 4, [6] * 4, [7] * (8 * pages)], params, use_tqdm=False)
+    counts = ("requests_finished", "requests_aborted", "requests_failed")
+    assert [small.engine.summary()[k] for k in counts] == [before[k] for k in counts] == [1, 0, 0]
+    assert not small.engine.has_unfinished()

@@ -63,7 +63,7 @@ class KVCacheManager:
         """Raises a ValueError when the request needs more pages than the whole pool."""
         need, pool = self.pages_needed_alone(req), self.pool
         if need > pool.num_pages:
-            raise ValueError(f"request {req.request_id} needs {need} KV pages of {pool.page_size} tokens, "
+            raise ValueError(f"{req.label} needs {need} KV pages of {pool.page_size} tokens, "
                              f"more than the whole pool of {pool.num_pages}; raise kv_cache_memory")
 
     @staticmethod
@@ -90,17 +90,19 @@ class KVCacheManager:
         stats = self.affixes.stats
         hits, misses = stats.hits, stats.misses
         looked: list[tuple[str, bool]] = []
+        error = None
         try:
             admitted = self._allocate(req, looked)
-        except BaseException:
-            self.free(req)
-            raise
+        except BaseException as exc:
+            admitted, error = False, exc
         # each lookup counts once, at the try that admits the request (not as acquire counted it); a hit on an
-        # affix an earlier try of it computed (kept, and found now) is this request's miss
+        # affix an earlier try of it computed (kept, and found now) is this request's miss, a failed try's too
         stats.hits, stats.misses = hits, misses
         if not admitted:
             self.free(req)
             req.computed |= {key for key, hit in looked if not hit}
+            if error is not None:
+                raise error
             return False
         found = sum(hit and key not in req.computed for key, hit in looked)
         stats.hits, stats.misses = hits + found, misses + len(looked) - found

@@ -150,7 +150,10 @@ class LLMEngine:
         :meth:`step` also returns a partial output each time one of its blocks is complete."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id is None:  # the next id no request in the engine holds (a caller may have named one so)
+            request_id = f"req-{next(self._ids)}"
+            while self._find(request_id) is not None:
+                request_id = f"req-{next(self._ids)}"
         if self._find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if generator is None:
@@ -166,7 +169,7 @@ class LLMEngine:
     def check_request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams) -> None:
         """Every check :meth:`add_request` makes, without queuing anything (a server answers 400 with it
         before it starts a stream)."""
-        self.scheduler.check(self._request(prompt, params, "check", None, False))
+        self.scheduler.check(self._request(prompt, params, "", None, False))
 
     def _request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams, request_id: str,
                  generator: torch.Generator | None, stream: bool) -> Request:
@@ -217,13 +220,16 @@ class LLMEngine:
         step made before it are kept for :meth:`take_undelivered`."""
         sched = self.scheduler.schedule()
         if not sched:
-            return []
-        result = self.runner.execute(sched)
+            return sched.failed  # requests whose admission failed alone, if any
         try:
-            return self.scheduler.update_from_output(sched, result)
+            result = self.runner.execute(sched)
+            return sched.failed + self.scheduler.update_from_output(sched, result)
         except StepFailed as failed:  # the caller fails what the engine holds; these it no longer does
-            self.undelivered = list(failed.outputs)  # a caller that never takes them keeps only the last step's
+            self.undelivered = sched.failed + list(failed.outputs)  # a caller that never takes them keeps the last
             raise failed.cause from None
+        except BaseException:
+            self.undelivered = list(sched.failed)
+            raise
 
     def take_undelivered(self) -> list[EngineOutput]:
         """The outputs of requests a failed step had finished before the fault (see :class:`StepFailed`): a

@@ -36,6 +36,7 @@ class ForwardBatch:
 class SchedulerOutput:
     select: list[Request] = field(default_factory=list)  # anchors to choose (BiCache: affix K/V to place)
     forwards: list[ForwardBatch] = field(default_factory=list)
+    failed: list[EngineOutput] = field(default_factory=list)  # requests whose admission failed, alone
 
     def __bool__(self) -> bool:
         return bool(self.select or self.forwards)

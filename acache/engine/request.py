@@ -72,6 +72,12 @@ class Request:
         self.stats = RequestMetrics()
         self.error: str | None = None
 
+
+    @property
+    def label(self) -> str:
+        """How errors name it: by its id, or "the request" for one only checked (no id yet)."""
+        return f"request {self.request_id}" if self.request_id else "the request"
+
     @property
     def length(self) -> int:
         return self.state.length

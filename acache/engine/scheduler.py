@@ -131,36 +131,64 @@ class Scheduler:
         req.stats.finished = time.perf_counter()
 
     # -- schedule -------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> list[EngineOutput]:
+        """Admits what fits, in arrival order; returns the outputs of requests whose admission failed. An error of
+        one request's own (computing its affix, choosing its anchors at admission) fails that request alone, as
+        the runner's do: the others are admitted and step on; only a fault of the machine is raised."""
+        failed = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.kv.allocate(req):
-                break
+            try:
+                if not self.kv.allocate(req):  # all or nothing: what an error took is freed already
+                    break
+            except Exception as exc:
+                if is_engine_fault(exc):
+                    raise
+                self.waiting.popleft()
+                failed.append(self._fail_admission(req, exc, running=False))
+                continue
             self.waiting.popleft()
             self.running.append(req)
             req.status = Status.RUNNING
-            if not req.reuse:  # nothing to select: every column is the request's own
+            try:
+                self._set_up(req)
+            except Exception as exc:
+                if is_engine_fault(exc):
+                    raise
+                failed.append(self._fail_admission(req, exc, running=True))
+        return failed
+
+    def _fail_admission(self, req: Request, exc: Exception, running: bool) -> EngineOutput:
+        logger.exception("admitting request %s failed; that request fails, the others go on", req.request_id)
+        error = f"the engine failed this request: {type(exc).__name__}: {exc}"
+        if running:
+            return self._fail(req, error)
+        req.status, req.error = Status.FAILED, error
+        self.metrics.requests_failed += 1
+        return self._output(req, Status.FAILED, error=error)
+
+    def _set_up(self, req: Request) -> None:
+        """An admitted request's columns: its own, and its anchors where they are known before any forward."""
+        if not req.reuse:  # nothing to select: every column is the request's own
+            req.state.admit()
+        elif req.shared and not req.bicache and (anchors := req.admission_anchors()) is not None:
+            # no shared affix takes anchors (direct reuse, ratio 0, exact affixes), or a selector that needs
+            # no forward chose them: no selection step
+            req.state.admit(req.shared_columns, anchors)
+            self.kv.map_slots(req)
+            self._count_anchors(req)
+        elif req.params.resolved_anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
+            if req.shared:
+                req.state.admit(req.shared_columns, select=True)
+            else:  # every affix computed with the request: nothing to choose
                 req.state.admit()
-            elif req.shared and not req.bicache and (anchors := req.admission_anchors()) is not None:
-                # no shared affix takes anchors (direct reuse, ratio 0, exact affixes), or a selector that needs
-                # no forward chose them: no selection step. Outside the runner's containment, as the counts are: a
-                # few host-side operations on the request's own columns, with no model and no pool read
-                req.state.admit(req.shared_columns, anchors)
                 self.kv.map_slots(req)
-                self._count_anchors(req)
-            elif req.params.resolved_anchor_pass == "one" and not req.bicache:  # chosen inside the first refresh
-                if req.shared:
-                    req.state.admit(req.shared_columns, select=True)
-                else:  # every affix computed with the request: nothing to choose
-                    req.state.admit()
-                    self.kv.map_slots(req)
 
     def schedule(self) -> SchedulerOutput:
         """Admits what fits, then groups the running requests; each group is cut to the token budget
         (always at least one request), in arrival order."""
-        self._admit()
+        out = SchedulerOutput(failed=self._admit())
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput()
         groups: dict[tuple, ForwardBatch] = {}
         used: dict[object, int] = {}
         for req in self.running:

@@ -117,7 +117,7 @@ class StateCacheManager:
     def check(self, req: Request) -> None:
         need = self.bytes_needed(req)
         if need > self.budget_bytes:
-            raise ValueError(f"request {req.request_id} needs {need} bytes of {self.model.family} cache (its cache "
+            raise ValueError(f"{req.label} needs {need} bytes of {self.model.family} cache (its cache "
                              f"and the copy a step makes), more than the whole budget of {self.budget_bytes}; raise "
                              "kv_cache_memory")
 

@@ -167,6 +167,20 @@ def test_bad_requests(llada_dir):
     assert [o.request_id for o in out] == ["x"] and out[0].status is Status.FINISHED
 
 
+def test_an_id_the_engine_gives_never_clashes_with_one_a_caller_gave(llada_dir):
+    """A caller named a request "req-0"; the next request without an id was refused as "already in the engine"."""
+    from acache.models.loader import load_model
+
+    engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
+    taken = engine.add_request([3, 4], SamplingParams(**BASE), request_id="req-0")
+    given = engine.add_request([5], SamplingParams(gen_length=8, block_length=8, threshold=0.5))
+    assert given != taken and given.startswith("req-")
+    out = []
+    while engine.has_unfinished():
+        out += engine.step()
+    assert sorted(o.request_id for o in out if o.finished) == sorted([taken, given])
+
+
 POISON = 300  # in the vocabulary, outside the random prompts' 0..255
 
 
@@ -294,6 +308,81 @@ def test_a_fault_while_computing_an_affix_at_admission_leaks_nothing(llada_dir, 
     assert all(e.refcount == 0 for e in engine.kv.store.entries.values())
     assert engine.abort(rid) and not engine.has_unfinished()
     assert engine.pool.num_used == engine.affixes.pages_in_use
+
+
+def test_an_affix_a_failed_admission_computed_counts_as_the_requests_miss(llada_dir, monkeypatch):
+    """The second affix's computation fails once and the request is admitted at the next step: the first affix,
+    which its own failed try computed, was counted a hit (two queries, one hit), and the failed try's lookups
+    counted again (four queries)."""
+    from acache.affix import cache
+    from acache.models.loader import load_model
+
+    engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
+    real, calls = cache.compute_affix, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory while computing an affix")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "compute_affix", flaky)
+    engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, selector="attention"))
+    with pytest.raises(MemoryError):
+        engine.step()
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    [out] = done
+    assert out.status == Status.FINISHED and out.stats.affix_hits == 0
+    summary = engine.summary()
+    assert (summary["affix_queries"], summary["affix_hits"]) == (2, 0)
+
+
+@pytest.mark.parametrize("where", ["affix", "anchors"])
+def test_an_error_admitting_one_request_fails_it_alone(llada_dir, monkeypatch, where):
+    """Computing one request's affix, or choosing its anchors at admission, raises an error of its own (not of the
+    machine): every step raised it, the request stayed at the head of the queue and nothing else ever stepped
+    again. Now that request fails alone, and the others, running before it and arriving after it with other
+    parameters, decode as each does alone."""
+    from acache.affix import cache
+    from acache.engine.request import Request
+    from acache.models.loader import load_model
+
+    model = load_model(llada_dir)
+    prompts = [layouts(seed=1)["prefix"].token_ids, layouts(seed=2)["infix"], layouts(seed=3)["suffix"]]
+    params = [SamplingParams(gen_length=16, block_length=8, threshold=0.5),
+              SamplingParams(**BASE, selector="attention" if where == "affix" else "random", anchor_ratio=0.3),
+              SamplingParams(gen_length=8, block_length=8, steps=8, selector="cacheblend", anchor_ratio=0.5,
+                             temperature=1.0, seed=5)]
+    alone = [run_engine(model, [p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    bad = tuple(prompts[1].affix_ids(prompts[1].affixes[0]))
+    if where == "affix":
+        real = cache.compute_affix
+
+        def failing(model, token_ids, *args, **kwargs):
+            if tuple(token_ids) == bad:
+                raise ValueError("a fault of this affix alone")
+            return real(model, token_ids, *args, **kwargs)
+
+        monkeypatch.setattr(cache, "compute_affix", failing)
+    else:
+        real = Request.admission_anchors
+
+        def failing(self):
+            if self.params.selector == "random":
+                raise ValueError("a fault of this request alone")
+            return real(self)
+
+        monkeypatch.setattr(Request, "admission_anchors", failing)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24))
+    out = run_engine(model, prompts, params, arrivals=[0, 1, 3], engine=engine)
+    assert out[1].status == Status.FAILED and "ValueError: a fault of this" in out[1].error
+    assert out[1].token_ids == []
+    assert [out[0].token_ids, out[2].token_ids] == [alone[0], alone[2]]
+    assert engine.metrics.requests_failed == 1 and engine.metrics.requests_finished == 2
+    assert not engine.has_unfinished() and engine.pool.num_used == engine.affixes.pages_in_use
+    assert all(e.refcount == 0 for e in engine.affixes.entries.values())
 
 
 def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_model, monkeypatch):
