@@ -51,7 +51,12 @@ DEFAULT_SAMPLES = 32
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Per-token values for ``token_ids[start:]`` (``values[i]`` belongs to ``token_ids[start + i]``) and the
-    ``top`` most likely tokens at each of those positions with the tokens after it masked."""
+    ``top`` most likely tokens at each of those positions with the tokens after it masked. Where the position's own
+    token is the most likely there (the token greedy decoding of that row gives), its entry in ``top`` is its value,
+    as a token's own entry is its logprob in OpenAI's lists: a client that reads greediness as "the token's value is
+    the highest of its top tokens" (lm-eval's ``is_greedy``, which asks for one top token) then reads it right,
+    which a row's log-probability beside a telescoped value never did. With more top tokens it can read a greedy
+    token as not greedy (another token's log-probability above the token's value), never the reverse."""
 
     token_ids: list[int]
     start: int
@@ -428,6 +433,9 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
             estimates = (draws.sum(1) / job.samples).tolist() + [0.0]
             values += [estimates[i] - estimates[i + 1] for i in range(len(estimates) - 1)]
             tops += block_tops
+        if job.top_k:
+            tops = [{**top, token: value} if top and max(top, key=top.__getitem__) == token else top
+                    for token, value, top in zip(job.token_ids[job.start:], values, tops, strict=True)]
         out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else
                                  [{} for _ in values]))
     return out

@@ -317,6 +317,34 @@ def test_a_block_causal_model_is_scored_block_by_block_with_the_blocks_before_cl
     assert abs(exact_bound(model, ids, 5) - bound) > 8 * stderr  # the whole-sequence bound is another number
 
 
+def is_greedy(values, tops):
+    """lm-eval's reading of a continuation's logprobs: every token's value the highest of its top tokens."""
+    return all(value == max(top.values()) for value, top in zip(values, tops, strict=True))
+
+
+def test_greedy_tokens_read_as_greedy_and_others_do_not(family_model):
+    """lm-eval's ``is_greedy`` (lambada's accuracy, multiple choice's exact match) compares each token's value with
+    its top tokens: a telescoped value against a row's log-probability never matched, so every continuation of
+    more than one token read as not greedy, even the model's own greedy decoding of it."""
+    ids = unmasked(family_model, 10, seed=3)
+    mask = family_model.config.mask_token_id
+    for c in range(6, 10):  # the greedy token at each position, its row masking it and all after it
+        [top] = token_logprobs(family_model, ids, c, 1, torch.Generator(), top_k=1).top[:1]
+        best = next(iter(top))
+        assert best != mask
+        ids[c] = best
+    scored = token_logprobs(family_model, ids, 6, 4, torch.Generator().manual_seed(1), top_k=1)  # lm-eval's ask
+    assert scored.top == [{t: v} for t, v in zip(ids[6:], scored.values, strict=True)]
+    assert is_greedy(scored.values, scored.top)
+    three = token_logprobs(family_model, ids, 6, 4, torch.Generator().manual_seed(1), top_k=3)
+    assert all(len(top) == 3 and top[t] == v for t, v, top in zip(ids[6:], three.values, three.top, strict=True))
+    ids[8] = next(t for t in range(1, 50) if t not in (ids[8], mask))  # one token that is not its row's first
+    for k in (1, 3):
+        scored = token_logprobs(family_model, ids, 6, 4, torch.Generator().manual_seed(1), top_k=k)
+        assert not is_greedy(scored.values, scored.top) and len(scored.top[2]) == k
+        assert scored.values[2] not in scored.top[2].values()
+
+
 def test_a_block_causal_split_gets_the_draws_it_gets_scored_alone(blocks_of_four):
     model = blocks_of_four
     ids = unmasked(model, 11, seed=4)

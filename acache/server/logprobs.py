@@ -145,12 +145,16 @@ class Scorer:
         self._refuse(jobs)
         return self.shared(jobs, cancel)
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], echo: bool, top_k: int, samples: int | None) -> None:
+    def check_prompts(self, prompts: Sequence[Sequence[int]], echo: bool, top_k: int, samples: int | None,
+                      gen_length: int = 0) -> None:
         """What a request's scoring would be refused for that its prompts alone show, checked before it decodes
         (it decoded first, then heard the 400): a token scoring cannot read (the mask token, one outside the
-        vocabulary), and echoed prompts whose own scoring is past ``max_tokens``."""
+        vocabulary), and scoring past ``max_tokens``: the echoed prompts', and the answers' at their longest
+        (``gen_length`` tokens after each prompt)."""
         checked = [self.job(ids, 1, top_k, None, samples) for ids in prompts if len(ids) > 1]
-        self._refuse(checked, work=[j for j in checked if echo])
+        answers = [self.job([*ids, *[ids[-1]] * gen_length], len(ids), top_k, None, samples)
+                   for ids in prompts if ids and gen_length > 0]
+        self._refuse(checked, work=[j for j in checked if echo] + answers)
 
     def _refuse(self, jobs: Sequence[ScoreJob], work: Sequence[ScoreJob] | None = None) -> None:
         """Raises :class:`ScoringRefused` for a job that cannot be scored, or for too much work in ``work`` (all
@@ -167,7 +171,7 @@ class Scorer:
             raise ScoringRefused(
                 f"scoring this request forwards about {total:,} token positions ({longest} tokens, "
                 f"{max(job.samples for job in work)} draws a split), more than this server's --max-scoring-tokens of "
-                f"{self.max_tokens:,}: lower mc_samples or score a shorter prompt")
+                f"{self.max_tokens:,}: lower mc_samples, max_tokens or the prompt's length")
 
     def piece(self, token_id: int) -> str:
         """A token's own text, special tokens included (an EOS is reported as itself, not as nothing); a byte-level

@@ -194,8 +194,9 @@ class OpenAIServing:
         if plan is not None:
             report["state"] = self.ctx.gate.state(plan.key)
         if logprobs:
+            reused_here = plan.decision is Decision.REUSE if plan is not None else reuse
             report["logprobs"] = ("estimated over the full context without reuse" + (
-                "; the tokens were decoded with reuse" if prompt.affixes else ", as the tokens were decoded"))
+                "; the tokens were decoded with reuse" if reused_here else ", as the tokens were decoded"))
         return {"prompt_tokens_details": {"cached_tokens": cached}, "affix_reuse": report}
 
     def encode_text(self, text: str) -> list[int]:

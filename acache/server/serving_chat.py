@@ -106,7 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         self.prompt_fits(prompt, params)
         if body.logprobs:
             try:
-                self.ctx.scorer.check_prompts([prompt.token_ids], False, body.top_logprobs or 0, body.mc_samples)
+                self.ctx.scorer.check_prompts([prompt.token_ids], False, body.top_logprobs or 0, body.mc_samples,
+                                              params.gen_length)
             except ScoringRefused as exc:
                 raise BadRequest(str(exc)) from None
 

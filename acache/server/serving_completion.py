@@ -95,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.logprobs is not None and not score_only:  # refused before decoding, not after it
             try:
                 ctx.scorer.check_prompts([p.token_ids for p in prompts], bool(body.echo), body.logprobs,
-                                         body.mc_samples)
+                                         body.mc_samples, params.gen_length)
             except ScoringRefused as exc:
                 raise BadRequest(str(exc)) from None
         ctx.counters["requests_total"] += len(prompts)

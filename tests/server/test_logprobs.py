@@ -552,3 +552,44 @@ def test_a_caller_another_took_into_its_pass_that_gives_up_is_cancelled_not_a_50
         t.join(5)
     assert isinstance(outcome["c"], ScoringCancelled), outcome
     assert passes == [["a"], ["b", "c"]] and outcome["a"] == ["a"] and outcome["b"] == ["b"], (passes, runner)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_scoring_an_answer_past_the_budget_is_refused_before_it_decodes(setup, monkeypatch, path):
+    """Only echoed prompts were counted before decoding: the answer's own scoring, sized by max_tokens, was
+    refused after the whole answer decoded (a chat's always), and the message said to score a shorter prompt."""
+    _, llm = setup
+    ids = llm.tokenizer.encode("where is mary ?")
+    with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=20_000)) as c:
+        engine = c.app.state.engine
+        real, calls = engine.generate, []
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "generate", counting)
+        if path == "/v1/completions":
+            body = {"prompt": ids, "max_tokens": 16, "logprobs": 1, "mc_samples": 1024, "ignore_eos": True}
+        else:
+            body = {"messages": [{"role": "user", "content": "where is mary ?"}], "max_tokens": 16,
+                    "logprobs": True, "mc_samples": 1024, "ignore_eos": True}
+        status, out = post(c, path, body)
+        assert status == 400 and "lower mc_samples, max_tokens or the prompt's length" in out["error"]["message"]
+        assert calls == []
+        status, out = post(c, path, {**body, "mc_samples": 4, "max_tokens": 4})
+        assert status == 200 and calls == [1], out  # within the budget: decoded and scored
+
+
+def test_logprobs_say_the_tokens_were_decoded_without_reuse_when_reuse_was_off(setup):
+    client, _ = setup
+    affix = post(client, "/v1/affixes", {"text": "story : mary moved to the kitchen ."})[1]["id"]
+    body = {"prompt": " question : where is mary ? answer :", "affix": affix, "max_tokens": 2, "logprobs": 1}
+    said = {}
+    for reuse in ("off", "always"):
+        status, out = post(client, "/v1/completions", {**body, "affix_reuse": reuse})
+        assert status == 200, out
+        said[reuse] = (out["usage"]["affix_reuse"]["decision"], out["usage"]["affix_reuse"]["logprobs"])
+    assert said["off"] == ("none", "estimated over the full context without reuse, as the tokens were decoded")
+    assert said["always"] == ("reused", "estimated over the full context without reuse; the tokens were decoded "
+                                       "with reuse")
