@@ -31,6 +31,9 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+lint: install
+	$(VENV)/bin/ruff check .
+
 # the property-based engine test at 3,000 drawn batches a model family instead of 150, and the server's
 # body fuzz at 3,000 examples instead of 300 (about 20 minutes)
 test-long: install
