@@ -218,7 +218,11 @@ class LLMEngine:
         """One round: schedule, execute, update. Returns what finished or failed (and, for streaming
         requests, partial outputs of blocks just completed). A fault of the machine is raised; the outputs the
         step made before it are kept for :meth:`take_undelivered`."""
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except StepFailed as failed:  # a fault of the machine while admitting: what failed alone before it goes out
+            self.undelivered = list(failed.outputs)
+            raise failed.cause from None
         if not sched:
             return sched.failed  # requests whose admission failed alone, if any
         try:

@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 class StepFailed(Exception):
-    """A fault of the machine while a step's results were applied: ``cause``, and the ``outputs`` the step had made
-    before it (finished, failed alone, or a streaming block): a finished or failed request is out of the engine, so
-    failing what it still holds would miss it."""
+    """A fault of the machine while a step admitted requests or applied its results: ``cause``, and the ``outputs``
+    the step had made before it (finished, failed alone, or a streaming block): a finished or failed request is out
+    of the engine, so failing what it still holds would miss it."""
 
     def __init__(self, cause: BaseException, outputs: list[EngineOutput]) -> None:
         super().__init__(str(cause))
@@ -142,8 +142,8 @@ class Scheduler:
                 if not self.kv.allocate(req):  # all or nothing: what an error took is freed already
                     break
             except Exception as exc:
-                if is_engine_fault(exc):
-                    raise
+                if is_engine_fault(exc):  # the requests failed before it are out of the engine: they go with it
+                    raise StepFailed(exc, failed) from exc
                 self.waiting.popleft()
                 failed.append(self._fail_admission(req, exc, running=False))
                 continue
@@ -154,7 +154,7 @@ class Scheduler:
                 self._set_up(req)
             except Exception as exc:
                 if is_engine_fault(exc):
-                    raise
+                    raise StepFailed(exc, failed) from exc
                 failed.append(self._fail_admission(req, exc, running=True))
         return failed
 

@@ -385,6 +385,36 @@ def test_an_error_admitting_one_request_fails_it_alone(llada_dir, monkeypatch, w
     assert all(e.refcount == 0 for e in engine.affixes.entries.values())
 
 
+def test_a_request_failed_alone_before_a_fault_of_the_machine_in_the_same_admission_is_delivered(llada_dir,
+                                                                                                  monkeypatch):
+    """One request's affix fails alone, the next one's runs out of memory in the same admission: the first is out of
+    the engine already, so a caller that fails what the engine holds would miss it; its output is kept for
+    take_undelivered, as a failed step's are."""
+    from acache.affix import cache
+    from acache.models.loader import load_model
+
+    engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 24))
+    prompts = [layouts(seed=1)["prefix"], layouts(seed=2)["infix"]]
+    faults = {tuple(p.affix_ids(p.affixes[0])): fault for p, fault in
+              zip(prompts, (ValueError("a fault of this affix alone"), MemoryError("out of memory")), strict=True)}
+    real = cache.compute_affix
+
+    def failing(model, token_ids, *args, **kwargs):
+        if tuple(token_ids) in faults:
+            raise faults[tuple(token_ids)]
+        return real(model, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "compute_affix", failing)
+    first = engine.add_request(prompts[0], SamplingParams(**BASE, selector="attention"))
+    second = engine.add_request(prompts[1], SamplingParams(**BASE, selector="cacheblend", anchor_ratio=0.5))
+    with pytest.raises(MemoryError):
+        engine.step()
+    [out] = engine.take_undelivered()
+    assert out.request_id == first and out.status is Status.FAILED and "a fault of this affix alone" in out.error
+    assert engine.abort(second) and not engine.has_unfinished()
+    assert engine.pool.num_used == engine.affixes.pages_in_use
+
+
 def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_model, monkeypatch):
     """Requests arriving together share one selection batch per selector; ``anchor_query`` splits it only for
     the selectors that read it (ACache's), and each request still decodes as alone."""
