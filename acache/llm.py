@@ -322,10 +322,13 @@ def _tp_worker(rank: int, world_size: int, init_method: str, backend: str, model
 
 
 def check_mask_token(family: str, mask_token_id: int, tokenizer: Tokenizer) -> None:
-    """The config's mask id is the tokenizer's mask token where the tokenizer has the family's one (a Fast-dLLM v2
-    config without the field takes upstream's Qwen2.5 id): a mismatch would decode from the wrong token, silently."""
-    name = SPECIAL_TOKENS.get(family, {}).get("mask")
+    """The config's mask id is the tokenizer's mask token: the one tokenizer_config.json names (``mask_token``), else
+    the family's one where the vocabulary has it (a Fast-dLLM v2 config without the field takes upstream's Qwen2.5
+    id): a mismatch would decode from the wrong token, silently."""
+    name = tokenizer.mask_token or SPECIAL_TOKENS.get(family, {}).get("mask")
     found = tokenizer.token_to_id(name) if name else None
+    if tokenizer.mask_token is not None and found is None:
+        raise ValueError(f"tokenizer_config.json's mask_token {name!r} is not in the tokenizer's vocabulary")
     if found is not None and found != mask_token_id:
         raise ValueError(f"config.json's mask_token_id {mask_token_id} is not the tokenizer's mask token {name!r} "
                          f"(id {found}): set mask_token_id to {found} in config.json")

@@ -118,6 +118,17 @@ def number(raw: dict[str, Any], key: str, family: str, default: float) -> float:
     return float(value)
 
 
+def boolean(raw: dict[str, Any], key: str, family: str, default: bool) -> bool:
+    """A true/false field with a default (null reads as absent), naming the field when its value is not a JSON
+    boolean: ``"false"`` is refused, never read as true."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{family} config.json: '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def affix_training(config: object) -> dict | None:
     """The record affix-aware training left in a model's config.json (its affixes were trained to be reused as
     computed alone), or None; for any family's config (the state-cache families' have a ``raw`` of their own)."""

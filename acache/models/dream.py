@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from acache.models.base import DiffusionLM
-from acache.models.config import ConfigError, ModelConfig, integer, number
+from acache.models.config import ConfigError, ModelConfig, boolean, integer, number
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -37,7 +37,7 @@ class DreamModel(DiffusionLM):
     def config_from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         if raw.get("rope_scaling"):
             raise ConfigError(f"{cls.label} config: rope_scaling={raw['rope_scaling']!r} is not supported")
-        if raw.get("use_sliding_window"):
+        if boolean(raw, "use_sliding_window", cls.label, False):
             raise ConfigError(f"{cls.label} config: sliding-window attention is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{cls.label} config: hidden_act={raw['hidden_act']!r} is not supported "
@@ -59,7 +59,7 @@ class DreamModel(DiffusionLM):
             eos_token_id=eos,
             pad_token_id=integer(raw, "pad_token_id", cls.label, eos),
             qkv_bias=True,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=boolean(raw, "tie_word_embeddings", cls.label, False),
             raw=dict(raw),
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from acache.models.base import DiffusionLM
-from acache.models.config import ConfigError, ModelConfig, integer, number
+from acache.models.config import ConfigError, ModelConfig, boolean, integer, number
 
 _FAMILY = "LLaDA"
 
@@ -30,18 +30,21 @@ class LLaDAModel(DiffusionLM):
 
     @classmethod
     def config_from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        if raw.get("include_bias"):
+        if boolean(raw, "include_bias", _FAMILY, False):
             raise ConfigError("LLaDA config: include_bias=true (biases on every linear layer) is not supported")
-        if raw.get("alibi"):
+        if boolean(raw, "alibi", _FAMILY, False):
             raise ConfigError("LLaDA config: alibi positional bias is not supported, only RoPE")
-        if raw.get("rope") is False:
+        if not boolean(raw, "rope", _FAMILY, True):
             raise ConfigError("LLaDA config: rope=false is not supported")
-        for key, what in (("clip_qkv", "clipping of the query, key and value projections"),
-                          ("scale_logits", "scaling of the output logits"),
+        if raw.get("clip_qkv"):  # a number, or null: OLMo's option LLaDA leaves off
+            raise ConfigError(f"LLaDA config: clip_qkv={raw['clip_qkv']!r} (clipping of the query, key and value "
+                              "projections) is not supported")
+        # OLMo options LLaDA leaves off: a model that sets one would decode wrongly
+        for key, what in (("scale_logits", "scaling of the output logits"),
                           ("attention_layer_norm", "layer norms on the queries and keys"),
                           ("input_emb_norm", "scaling of the input embeddings")):
-            if raw.get(key):  # OLMo options LLaDA leaves off: a model that sets one would decode wrongly
-                raise ConfigError(f"LLaDA config: {key}={raw[key]!r} ({what}) is not supported")
+            if boolean(raw, key, _FAMILY, False):
+                raise ConfigError(f"LLaDA config: {key}=true ({what}) is not supported")
         for key, expected in (("block_type", "llama"), ("activation_type", "silu"), ("layer_norm_type", "rms")):
             if key in raw and raw[key] != expected:
                 raise ConfigError(f"LLaDA config: {key}={raw[key]!r} is not supported (expected {expected!r})")
@@ -56,7 +59,8 @@ class LLaDAModel(DiffusionLM):
             hidden_size=d_model,
             num_layers=integer(raw, "n_layers", _FAMILY),
             num_heads=n_heads,
-            num_kv_heads=integer(raw, "n_kv_heads", _FAMILY, 1 if raw.get("multi_query_attention") else n_heads),
+            num_kv_heads=integer(raw, "n_kv_heads", _FAMILY,
+                                 1 if boolean(raw, "multi_query_attention", _FAMILY, False) else n_heads),
             intermediate_size=mlp,
             rope_theta=number(raw, "rope_theta", _FAMILY, 10000.0),
             rms_norm_eps=number(raw, "rms_norm_eps", _FAMILY, 1e-5),
@@ -64,8 +68,8 @@ class LLaDAModel(DiffusionLM):
             mask_token_id=integer(raw, "mask_token_id", _FAMILY),
             eos_token_id=eos,
             pad_token_id=integer(raw, "pad_token_id", _FAMILY, eos),
-            qkv_bias=bool(raw.get("include_qkv_bias", False)),
-            tie_word_embeddings=bool(raw.get("weight_tying", False)),
+            qkv_bias=boolean(raw, "include_qkv_bias", _FAMILY, False),
+            tie_word_embeddings=boolean(raw, "weight_tying", _FAMILY, False),
             raw=dict(raw),
         )
 

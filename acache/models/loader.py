@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +35,7 @@ class CheckpointError(ValueError):
 
 
 def parse_dtype(dtype: str | torch.dtype, checkpoint: str | None = None) -> torch.dtype:
-    """A dtype by name; ``auto`` is the checkpoint's own ``torch_dtype`` (float32 when it names none)."""
+    """A dtype by name; ``auto`` is the checkpoint's own, ``checkpoint`` (float32 when it names none)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype {dtype} is not one this engine runs; choose one of "
@@ -43,7 +44,7 @@ def parse_dtype(dtype: str | torch.dtype, checkpoint: str | None = None) -> torc
     if isinstance(dtype, str) and dtype.lower() == "auto":
         named = str(checkpoint or "float32").lower()
         if named not in DTYPES:
-            raise ValueError(f"the checkpoint's torch_dtype {checkpoint!r} is not one this engine runs; pass a dtype: "
+            raise ValueError(f"the checkpoint's dtype {checkpoint!r} is not one this engine runs; pass a dtype: "
                              f"one of {', '.join(sorted(DTYPES))}")
         return DTYPES[named]
     try:
@@ -119,6 +120,25 @@ def tensor_files(root: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no weights in {root}: expected {WEIGHTS_FILE} or {INDEX_FILE}")
 
 
+#: a numbered layer's tensor: the stack that holds it (``model.layers``), then its index
+_LAYER = re.compile(r"^(.*?)\.(\d+)\.")
+#: tensors some checkpoints carry that no layer computes with (older transformers saved RoPE's frequencies)
+_HARMLESS = ("rotary_emb.inv_freq",)
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _stored_dtype(files: dict[str, Path], names: dict[str, str]) -> str | None:
+    """The dtype the checkpoint's first weight is stored in, read from its file's header (None: unreadable, or not
+    one this engine runs)."""
+    name = next((n for n in names if n in files), None)
+    if name is None:
+        return None
+    with _opened(files[name]) as f:
+        if name not in set(f.keys()):
+            return None
+        return _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+
+
 @contextmanager
 def _opened(file: Path) -> Iterator:
     """A safetensors file opened for reading, or a :class:`CheckpointError` naming it where it cannot be (cut
@@ -139,47 +159,63 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     """Builds the model of a checkpoint directory and fills it with its weights."""
     root = checkpoint_dir(path)
     cls, config = read_config(root)
-    dtype, device = parse_dtype(dtype, config.raw.get("torch_dtype")), parse_device(device)
+    names = cls.hf_tensor_names(config)
+    files = tensor_files(root)
+    # auto: config.json's torch_dtype (transformers' newer ``dtype``), else the stored tensors' (LLaDA-8B-Instruct's
+    # config names none: its bfloat16 weights were loaded as float32, twice the memory)
+    stored = config.raw.get("torch_dtype") or config.raw.get("dtype") or _stored_dtype(files, names)
+    dtype, device = parse_dtype(dtype, stored), parse_device(device)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{device} does not run bfloat16; pass --dtype float16 or float32")
     with torch.device("meta"):
         model = cls(config).to(dtype)
-    model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    names = cls.hf_tensor_names(config)
-    files = tensor_files(root)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     missing = [n for n in names if n not in files]
     if missing:
         raise CheckpointError(f"checkpoint {root} lacks tensor {missing[0]}"
                               + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     unexpected = sorted(set(files) - set(names))
     modules = {n.rsplit(".", 1)[0] for n in names}
-    clashing = [n for n in unexpected if n.rsplit(".", 1)[0] in modules]
-    if clashing:  # a layer the config builds without it: ignoring it would run another model than was saved
+    stacks = {m.group(1) for n in names if (m := _LAYER.match(n))}  # where the numbered layers live
+    clashing = [n for n in unexpected if not n.endswith(_HARMLESS) and (
+        n.rsplit(".", 1)[0] in modules or ((m := _LAYER.match(n)) is not None and m.group(1) in stacks))]
+    if clashing:  # ignoring it would run another model than was saved
         raise CheckpointError(f"checkpoint {root} holds {clashing[0]}"
                               + (f" and {len(clashing) - 1} more" if len(clashing) > 1 else "")
-                              + ", a tensor of a layer the config builds without it: config.json does not describe "
-                              "these weights (a bias the config leaves out, say)")
+                              + ", a tensor of a layer the config builds without it or of a layer it does not "
+                              "build: config.json does not describe these weights (a bias or a norm the config "
+                              "leaves out, or more layers than it names)")
     if unexpected:
         logger.warning("ignoring %d tensors the %s model does not use, e.g. %s", len(unexpected),
                        cls.family, unexpected[0])
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
+    for file, file_names in by_file.items():  # every name and shape from the headers, before any memory is taken
+        with _opened(file) as f:
+            held = set(f.keys())
+            for name in file_names:
+                if name not in held:
+                    raise CheckpointError(f"tensor {name} is listed for {file.name} but is not in it")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != shapes[names[name]]:
+                    raise CheckpointError(f"tensor {name} in {file.name} has shape {shape}, the config implies "
+                                          f"{shapes[names[name]]}")
+    try:
+        model.to_empty(device=device)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc):
+            raise
+        size = sum(p.numel() * p.element_size() for p in model.parameters())  # still on meta: no memory read
+        raise ValueError(f"{root}'s weights need {size / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} on "
+                         f"{device}, more than it has free ({type(exc).__name__}); pass a smaller --dtype "
+                         "(bfloat16), another device, or a smaller model") from None
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for file, file_names in by_file.items():
             with _opened(file) as f:
-                stored = set(f.keys())
                 for name in file_names:
-                    if name not in stored:
-                        raise CheckpointError(f"tensor {name} is listed for {file.name} but is not in it")
-                    tensor = f.get_tensor(name)
-                    target = params[names[name]]
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise CheckpointError(
-                            f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(target.shape)}")
-                    target.copy_(tensor)
+                    params[names[name]].copy_(f.get_tensor(name))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -37,11 +37,22 @@ class Tokenizer:
         self._tok = tokenizer
         self.config = config or {}
         template = self.config.get("chat_template")
-        if isinstance(template, list):
+        if isinstance(template, list):  # transformers' named templates: [{"name": ..., "template": ...}, ...]
+            if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+                raise ValueError("tokenizer_config.json: chat_template must be a string or a list of "
+                                 '{"name": ..., "template": "..."} objects')
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {type(template).__name__}")
         self.chat_template: str | None = template
+        for key in ("bos_token", "eos_token", "mask_token"):
+            value = token_text(self.config.get(key))
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"tokenizer_config.json: {key} must be a token's text (a string, or an object with "
+                                 f"its content), got {value!r}")
         self.bos_token = token_text(self.config.get("bos_token"))
         self.eos_token = token_text(self.config.get("eos_token"))
+        self.mask_token = token_text(self.config.get("mask_token"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

@@ -293,7 +293,7 @@ def test_devices_and_dtypes_the_engine_cannot_run_are_refused(tmp_path, llada_di
         with pytest.raises(ValueError, match=f"device '{device}': this engine runs on cpu or cuda"):
             load_model(llada_dir, device=device)
     root = _with_config(tmp_path, llada_dir, torch_dtype="float64")
-    with pytest.raises(ValueError, match="torch_dtype 'float64' is not one this engine runs; pass a dtype"):
+    with pytest.raises(ValueError, match="the checkpoint.s dtype .float64. is not one this engine runs; pass a dtype"):
         load_model(root, dtype="auto")
     assert load_model(root, dtype="float32").dtype == torch.float32
 
@@ -312,9 +312,9 @@ def test_a_bad_tokenizer_config_is_named_before_the_weights_load(tmp_path, llada
 
 @pytest.mark.parametrize("change, message", [
     ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
-    ({"scale_logits": True}, "scale_logits=True"),
-    ({"attention_layer_norm": True}, "attention_layer_norm=True"),
-    ({"input_emb_norm": True}, "input_emb_norm=True"),
+    ({"scale_logits": True}, "scale_logits=true"),
+    ({"attention_layer_norm": True}, "attention_layer_norm=true"),
+    ({"input_emb_norm": True}, "input_emb_norm=true"),
 ])
 def test_an_olmo_option_llada_leaves_off_is_refused(tmp_path, llada_dir, change, message):
     """Such a checkpoint ran without the option and decoded wrongly, with no error."""
@@ -333,3 +333,100 @@ def test_llada_as_shipped_sets_those_options_off(tmp_path, llada_dir):
     assert dataclasses.replace(written, raw={}) == dataclasses.replace(read_config(llada_dir)[1], raw={})
     config = read_config(_with_config(tmp_path / "b", llada_dir, multi_query_attention=True, n_kv_heads=None))[1]
     assert config.num_kv_heads == 1
+
+
+@pytest.mark.parametrize("extra", ["layer", "qk-norm"])
+def test_tensors_of_layers_the_config_does_not_build_are_refused(tmp_path, llada_dir, dream_dir, extra):
+    """A checkpoint with more layers than config.json names, or with a part its layers lack (a Qwen3-style QK
+    norm), loaded with a warning and ran a cut-down or different model."""
+    if extra == "layer":  # two layers saved, one named
+        root = shutil.copytree(llada_dir, tmp_path / "m")
+        config = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps({**config, "n_layers": 1}))
+        want = r"holds model\.transformer\.blocks\.1\.\S+ and \d+ more"
+    else:
+        root = shutil.copytree(dream_dir, tmp_path / "m")
+        tensors = load_file(root / "model.safetensors")
+        norms = {f"model.layers.{i}.self_attn.{w}_norm.weight": torch.ones(16) for i in range(2) for w in "qk"}
+        save_file({**tensors, **norms}, root / "model.safetensors")
+        want = r"holds model\.layers\.0\.self_attn\.k_norm\.weight and 3 more"
+    with pytest.raises(CheckpointError, match=want + r", a tensor of a layer the config builds without it or of a "
+                                                     "layer it does not build"):
+        load_model(root)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype", None])
+def test_auto_takes_the_checkpoints_dtype_where_config_names_it_or_not(tmp_path, llada_dir, key):
+    """LLaDA-8B-Instruct's config.json names no dtype, and newer transformers write ``dtype``: its bfloat16 weights
+    loaded as float32 under auto."""
+    root = save_checkpoint(load_model(llada_dir), tmp_path / "m", dtype="bfloat16")
+    config = json.loads((root / "config.json").read_text())
+    config.pop("torch_dtype")
+    if key is not None:
+        config[key] = "bfloat16"
+    (root / "config.json").write_text(json.dumps(config))
+    assert load_model(root, dtype="auto").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family, field", [("llada", "weight_tying"), ("llada", "include_qkv_bias"),
+                                           ("dream", "tie_word_embeddings"), ("llada", "alibi")])
+def test_a_true_false_field_that_is_not_a_boolean_is_refused(tmp_path, llada_dir, dream_dir, family, field):
+    """``"false"`` read as true: weight_tying "false" ran with tied embeddings, the checkpoint's output layer
+    ignored; alibi "false" was refused as alibi."""
+    root = shutil.copytree(llada_dir if family == "llada" else dream_dir, tmp_path / "m")
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, field: "false"}))
+    with pytest.raises(ConfigError, match=f"'{field}' must be true or false, got 'false'"):
+        load_model(root)
+
+
+def test_weights_that_do_not_fit_are_a_clear_error_and_shapes_are_read_before_any_memory(tmp_path, llada_dir,
+                                                                                        monkeypatch):
+    """Running out of memory while the model was allocated was a traceback from the allocator; and a config whose
+    sizes the weights do not have was allocated at its sizes first (out of memory, not the shape's message)."""
+    def full(self, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", full)
+    with pytest.raises(ValueError, match=r"weights need 0\.0 GiB in float32 on cpu, more than it has free "
+                                         r"\(OutOfMemoryError\); pass a smaller --dtype"):
+        load_model(llada_dir)
+    root = _with_config(tmp_path, llada_dir, d_model=1 << 20)
+    with pytest.raises(CheckpointError, match="has shape .* the config implies"):
+        load_model(root)  # named from the headers: to_empty, which would fail, is never reached
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"chat_template": ["x"]}, r"chat_template must be a string or a list of"),
+    ({"chat_template": 5}, r"chat_template must be a string, got int"),
+    ({"eos_token": 5}, r"eos_token must be a token's text .*, got 5"),
+    ({"mask_token": "<|no such token|>"}, r"mask_token '<\|no such token\|>' is not in the tokenizer's vocabulary"),
+], ids=["template-list", "template-int", "eos-int", "mask-unknown"])
+def test_a_malformed_tokenizer_config_field_is_named(tmp_path, llada_dir, change, message):
+    """A list template of strings was a traceback (AttributeError) at the first chat; an integer eos_token a
+    failure at the first generate that named no field."""
+    from acache import LLM
+
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    path = root / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ValueError, match=message):
+        LLM(root)
+
+
+def test_the_mask_token_tokenizer_config_names_must_be_the_configs(tmp_path, llada_dir):
+    """The tokenizer's declared mask token was never read: config.json's mask_token_id pointing at another token
+    loaded and decoded from an ordinary token."""
+    from acache import LLM
+    from acache.models import Tokenizer
+
+    root = shutil.copytree(llada_dir, tmp_path / "m")
+    tokenizer = Tokenizer.from_dir(root)
+    config = json.loads((root / "config.json").read_text())
+    mask = config["mask_token_id"]
+    name = next(t for t in (tokenizer.decode([i], skip_special_tokens=False) for i in range(3, 50))
+                if tokenizer.token_to_id(t) not in (None, mask))
+    path = root / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "mask_token": name}))
+    with pytest.raises(ValueError, match=rf"mask_token_id {mask} is not the tokenizer's mask token"):
+        LLM(root)
