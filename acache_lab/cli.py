@@ -83,7 +83,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, finished_as, refuse_own_out, train
+    from acache_lab.train.trainer import RESUME_FILE, TrainConfig, finished_as, refuse_own_out, train, writable_out
 
     # every config is read before the first trains, so a typo in the last one costs seconds, not an hour
     configs = [TrainConfig.from_file(path) for path in args.config]
@@ -101,6 +101,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"{args.config[i]}: {option} {path} is no checkpoint (no config.json) and no "
                                         "earlier config writes it")
         refuse_own_out(config)
+        writable_out(config.out)  # the last config's out too, before the first trains
+        if not args.resume and not args.overwrite and (Path(config.out) / RESUME_FILE).is_file():
+            raise ValueError(f"{config.out} holds a stopped run ({RESUME_FILE}): continue it with --resume, or pass "
+                             "--overwrite to train it again from the start (what it trained is lost)")
     from acache_lab.tracked import refuse_tracked
 
     refuse_tracked([c.out for c in configs], args.overwrite)
@@ -357,7 +361,8 @@ def writable(path: Path, kind: str, flag: str) -> None:
 
 def _add_overwrite(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
-                   help="allow the outputs to replace files tracked by git (the published figures and model)")
+                   help="allow the outputs to replace files tracked by git (the published figures and model), "
+                        "and acache train to start over a stopped run instead of resuming it")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -51,6 +51,7 @@ from acache_lab.train.isolation import (
     with_fresh_columns,
     with_one_pass_anchors,
 )
+from acache_lab.train.json_fields import check_fields
 from acache_lab.train.neighbours import (
     NeighbourHeads,
     is_weight,
@@ -232,18 +233,30 @@ class TrainConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a {type(raw).__name__}, not an object of training options")
         known = set(cls.__dataclass_fields__)
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{path}: unknown training options {sorted(unknown)}")
+        check_fields(path, cls, raw)
         if "model" in raw:
+            if not isinstance(raw["model"], dict):
+                raise ValueError(f"{path}: 'model' must be an object of the model's shape, got {raw['model']!r}")
+            unknown = set(raw["model"]) - set(ModelShape.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"{path}: unknown model options {sorted(unknown)}; known: "
+                                 f"{', '.join(ModelShape.__dataclass_fields__)}")
+            check_fields(path, ModelShape, raw["model"], "model.")
             raw["model"] = ModelShape(**raw["model"])
         if "tasks" in raw:
             raw["tasks"] = tuple(raw["tasks"])
         if "stages" in raw:
             try:
+                for i, st in enumerate(raw["stages"]):
+                    check_fields(path, Stage, st, f"stages[{i}].")
                 raw["stages"] = tuple(Stage(**{**st, "tasks": tuple(st["tasks"])}) for st in raw["stages"])
-            except (TypeError, KeyError) as exc:
+            except (TypeError, KeyError, AttributeError) as exc:
                 raise ValueError(f"{path}: a stage needs steps, tasks, min_sentences and max_sentences, and "
                                  f"may set answer_masking ({exc})") from None
         return cls(**raw)
@@ -262,6 +275,8 @@ class TrainConfig:
                              f"not to steps={self.steps}")
         if self.steps <= 0 or self.batch_size <= 0:
             raise ValueError("steps and batch_size must be positive")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be 0 or more steps, not {self.warmup}")
         if isinstance(self.init_from, list | tuple):
             self.init_from = tuple(self.init_from)
             if len(self.init_from) < 2 or not all(isinstance(p, str) and p for p in self.init_from):
@@ -1124,7 +1139,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             state = torch.load(state_file, weights_only=False)
         except Exception as exc:  # cut short by a kill: the run cannot be resumed, and says so
             raise ValueError(f"{state_file} cannot be read ({type(exc).__name__}: {exc}); start the run again "
-                             "without --resume") from None
+                             "without --resume (with --overwrite)") from None
         if _resumable(state["config"]) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes and save_every may change)")

@@ -1599,3 +1599,41 @@ def test_count_masking_weighs_every_answer_column_alike():
     assert torch.allclose(count[2:6], torch.ones(4), atol=0.08) and count[[0, 1, 6, 7]].sum() == 0
     rate = totals["rate_t"] / (b * rounds)
     assert rate[2] > 3 * rate[3:6].max()
+
+
+def test_a_stopped_run_is_never_started_over_without_saying_so(tmp_path, monkeypatch, capsys):
+    """The same command without --resume deleted a stopped run's snapshots and trained over it from step 0, saying
+    nothing; now it is refused, naming --resume and --overwrite; and every config's output is checked for writing
+    before the first trains."""
+    import acache_lab.train.trainer as trainer
+    from acache.cli import main
+
+    def config(name, out):
+        path = tmp_path / name
+        path.write_text(json.dumps({"out": str(out), "steps": 6, "batch_size": 4, "log_every": 2,
+                                    "model": {"layers": 1, "hidden_size": 32, "heads": 2, "intermediate_size": 64},
+                                    "tasks": ["qa1"], "min_sentences": 2, "max_sentences": 2, "bf16": False,
+                                    "time_limit_minutes": 1.0}))
+        return str(path)
+
+    run = config("run.json", tmp_path / "run")
+    clock, passed, real = trainer.time.perf_counter, {"s": 0.0}, Batcher.batch
+
+    def batch(self, step):
+        passed["s"] += 45.0  # the one-minute limit stops the run after its second step
+        return real(self, step)
+
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: clock() + passed["s"])
+    monkeypatch.setattr(Batcher, "batch", batch)
+    assert main(["train", "--config", run]) == 1
+    state = (tmp_path / "run" / "resume_state.pt").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--config", run]) == 2
+    assert "holds a stopped run (resume_state.pt): continue it with --resume, or pass --overwrite" in \
+        capsys.readouterr().err
+    assert (tmp_path / "run" / "resume_state.pt").read_bytes() == state  # untouched
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(Batcher, "batch", lambda self, step: pytest.fail("a step ran"))
+    assert main(["train", "--config", run, "--config", config("late.json", tmp_path / "a-file" / "x"),
+                 "--resume"]) == 2
+    assert "cannot write the run's output to" in capsys.readouterr().err
