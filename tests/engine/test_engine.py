@@ -282,24 +282,33 @@ def test_an_engine_fault_is_raised(llada_dir, monkeypatch):
             engine.step()
 
 
+def failing_affix_computation(monkeypatch, fault) -> None:
+    """Computing an affix raises ``fault(call, token_ids)`` where that returns an exception (``call`` counts the
+    computations from 1)."""
+    from acache.affix import cache
+
+    real, calls = cache.compute_affix, []
+
+    def compute(model, token_ids, *args, **kwargs):
+        calls.append(1)
+        exc = fault(len(calls), tuple(token_ids))
+        if exc is not None:
+            raise exc
+        return real(model, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "compute_affix", compute)
+
+
 @pytest.mark.parametrize("policy", ["attention", "bicache-matched"])
 def test_a_fault_while_computing_an_affix_at_admission_leaks_nothing(llada_dir, monkeypatch, policy):
     """Computing the second affix raises: the first is released and no page stays taken, and an abort of
     the waiting request is safe."""
-    from acache.affix import cache
     from acache.models.loader import load_model
 
     model = load_model(llada_dir)
     engine = LLMEngine(model, EngineConfig(kv_cache_memory=1 << 22))
-    real, calls = cache.compute_affix, []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("out of memory while computing an affix")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cache, "compute_affix", flaky)
+    failing_affix_computation(monkeypatch, lambda call, ids: MemoryError("out of memory while computing an affix")
+                              if call == 2 else None)
     rid = engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, selector=policy))
     with pytest.raises(MemoryError):
         engine.step()
@@ -314,19 +323,11 @@ def test_an_affix_a_failed_admission_computed_counts_as_the_requests_miss(llada_
     """The second affix's computation fails once and the request is admitted at the next step: the first affix,
     which its own failed try computed, was counted a hit (two queries, one hit), and the failed try's lookups
     counted again (four queries)."""
-    from acache.affix import cache
     from acache.models.loader import load_model
 
     engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 22))
-    real, calls = cache.compute_affix, []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise MemoryError("out of memory while computing an affix")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cache, "compute_affix", flaky)
+    failing_affix_computation(monkeypatch, lambda call, ids: MemoryError("out of memory while computing an affix")
+                              if call == 2 else None)
     engine.add_request(layouts()["two-affix"], SamplingParams(**BASE, selector="attention"))
     with pytest.raises(MemoryError):
         engine.step()
@@ -345,7 +346,6 @@ def test_an_error_admitting_one_request_fails_it_alone(llada_dir, monkeypatch, w
     machine): every step raised it, the request stayed at the head of the queue and nothing else ever stepped
     again. Now that request fails alone, and the others, running before it and arriving after it with other
     parameters, decode as each does alone."""
-    from acache.affix import cache
     from acache.engine.request import Request
     from acache.models.loader import load_model
 
@@ -358,14 +358,8 @@ def test_an_error_admitting_one_request_fails_it_alone(llada_dir, monkeypatch, w
     alone = [run_engine(model, [p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     bad = tuple(prompts[1].affix_ids(prompts[1].affixes[0]))
     if where == "affix":
-        real = cache.compute_affix
-
-        def failing(model, token_ids, *args, **kwargs):
-            if tuple(token_ids) == bad:
-                raise ValueError("a fault of this affix alone")
-            return real(model, token_ids, *args, **kwargs)
-
-        monkeypatch.setattr(cache, "compute_affix", failing)
+        failing_affix_computation(monkeypatch, lambda call, ids: ValueError("a fault of this affix alone")
+                                  if ids == bad else None)
     else:
         real = Request.admission_anchors
 
@@ -390,21 +384,13 @@ def test_a_request_failed_alone_before_a_fault_of_the_machine_in_the_same_admiss
     """One request's affix fails alone, the next one's runs out of memory in the same admission: the first is out of
     the engine already, so a caller that fails what the engine holds would miss it; its output is kept for
     take_undelivered, as a failed step's are."""
-    from acache.affix import cache
     from acache.models.loader import load_model
 
     engine = LLMEngine(load_model(llada_dir), EngineConfig(kv_cache_memory=1 << 24))
     prompts = [layouts(seed=1)["prefix"], layouts(seed=2)["infix"]]
     faults = {tuple(p.affix_ids(p.affixes[0])): fault for p, fault in
               zip(prompts, (ValueError("a fault of this affix alone"), MemoryError("out of memory")), strict=True)}
-    real = cache.compute_affix
-
-    def failing(model, token_ids, *args, **kwargs):
-        if tuple(token_ids) in faults:
-            raise faults[tuple(token_ids)]
-        return real(model, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(cache, "compute_affix", failing)
+    failing_affix_computation(monkeypatch, lambda call, ids: faults.get(ids))
     first = engine.add_request(prompts[0], SamplingParams(**BASE, selector="attention"))
     second = engine.add_request(prompts[1], SamplingParams(**BASE, selector="cacheblend", anchor_ratio=0.5))
     with pytest.raises(MemoryError):

@@ -470,12 +470,8 @@ def test_a_caller_queued_behind_a_pass_that_gives_up_is_freed_at_once():
     assert shared._waiting == []
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, monkeypatch, path):
-    """A prompt holding the mask token, or an echoed prompt whose scoring alone is past the budget, was decoded to
-    the end before the 400."""
-    client, llm = setup
-    engine = client.app.state.engine
+def counted_generate(monkeypatch, engine) -> list:
+    """The engine's decodes from now on, one entry each (the list fills as they start)."""
     real, calls = engine.generate, []
 
     def counting(*args, **kwargs):
@@ -483,6 +479,15 @@ def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine, "generate", counting)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, monkeypatch, path):
+    """A prompt holding the mask token, or an echoed prompt whose scoring alone is past the budget, was decoded to
+    the end before the 400."""
+    client, llm = setup
+    calls = counted_generate(monkeypatch, client.app.state.engine)
     mask = llm.tokenizer.decode([llm.config.mask_token_id], skip_special_tokens=False)
     if path == "/v1/completions":
         body = {"prompt": f"where is mary {mask} ?", "max_tokens": 8, "logprobs": 0}
@@ -494,9 +499,7 @@ def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, 
     if path == "/v1/completions":
         ids = llm.tokenizer.encode(STORY)
         with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=30 * 16 * 8)) as c:
-            engine = c.app.state.engine
-            real = engine.generate
-            monkeypatch.setattr(engine, "generate", counting)
+            calls = counted_generate(monkeypatch, c.app.state.engine)
             status, out = post(c, path, {"prompt": ids, "max_tokens": 4, "echo": True, "logprobs": 0,
                                          "mc_samples": 64})
             assert status == 400 and "--max-scoring-tokens" in out["error"]["message"] and calls == []
@@ -561,14 +564,7 @@ def test_scoring_an_answer_past_the_budget_is_refused_before_it_decodes(setup, m
     _, llm = setup
     ids = llm.tokenizer.encode("where is mary ?")
     with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=20_000)) as c:
-        engine = c.app.state.engine
-        real, calls = engine.generate, []
-
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(engine, "generate", counting)
+        calls = counted_generate(monkeypatch, c.app.state.engine)
         if path == "/v1/completions":
             body = {"prompt": ids, "max_tokens": 16, "logprobs": 1, "mc_samples": 1024, "ignore_eos": True}
         else:
