@@ -359,10 +359,9 @@ def writable(path: Path, kind: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: a file lies on its way") from None
 
 
-def _add_overwrite(p: argparse.ArgumentParser) -> None:
+def _add_overwrite(p: argparse.ArgumentParser, also: str = "") -> None:
     p.add_argument("--overwrite", action="store_true",
-                   help="allow the outputs to replace files tracked by git (the published figures and model), "
-                        "and acache train to start over a stopped run instead of resuming it")
+                   help="allow the outputs to replace files tracked by git (the published figures and model)" + also)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -381,7 +380,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue a run stopped by Ctrl-C or its time limit: configs already finished are skipped, "
                         "the stopped one continues from its output directory")
-    _add_overwrite(p)
+    _add_overwrite(p, ", and start a stopped run over instead of resuming it (what it trained is lost)")
     p.set_defaults(func=_guarded(_cmd_train, out=None))  # the trainer checks its own
 
     p = sub.add_parser("finetune-affix", help="LoRA fine-tuning of a checkpoint (LLaDA, Dream) with the affix "
