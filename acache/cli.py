@@ -138,6 +138,7 @@ def parse_size(text: str) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
 
     from acache import LLM, Affix, SamplingParams
+    from acache.affix.persistence import AffixStoreError
     from acache.affix.prompt import layout_segments
 
     policy = args.selector
@@ -168,15 +169,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if cache_dir is not None and args.tensor_parallel_size > 1:
         raise ValueError("--affix-cache is not supported with --tensor-parallel-size > 1 (each rank holds a "
                          "slice of every affix)")
+    if cache_dir is not None:  # refused before any work, not after it
+        from acache.models.loader import read_config
+
+        family, _ = read_config(args.model)
+        if getattr(family, "state_cache", False):
+            raise ValueError(f"--affix-cache: the {family.family} family shares no affix K/V, so there is no affix "
+                             "cache to save")
     # loaded as a server loads it: what cannot be trusted is set aside and logged, and the prompts are answered
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
               affix_cache_dir=cache_dir if cache_dir is not None and cache_dir.is_dir() else None,
               affix_cache_quarantine=True, bicache_profile=args.bicache_profile,
               tensor_parallel_size=args.tensor_parallel_size)
-    if cache_dir is not None and llm.affix_store is None:  # refused before any work, not after it
-        llm.close()
-        raise ValueError(f"--affix-cache: the {llm.model.family} family shares no affix K/V, so there is no affix "
-                         "cache to save")
     loaded = _loaded_affixes(llm.affix_cache_report, cache_dir)
     if loaded:  # on stderr: stdout holds the answers (JSON lines with --json)
         print(f"acache generate: {loaded}", file=sys.stderr)
@@ -226,7 +230,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if cache_dir is not None:  # after the answers: a save that fails loses none of them
         try:
             llm.save_affix_cache(cache_dir)
-        except OSError as exc:  # a full disk, a directory it may not write
+        except (OSError, AffixStoreError) as exc:  # a full disk, a directory it may not write
             print(f"acache generate: error: could not save the affix cache to {cache_dir}: {exc}", file=sys.stderr)
             saved = False
     failed = sum(out.error is not None for out in outputs)
@@ -306,9 +310,12 @@ def _loaded_affixes(report, cache_dir: Path | None) -> str | None:
     """The line that says what an affix cache directory gave (None: it held nothing)."""
     if report is None or not (report.loaded or report.quarantined):
         return None
-    aside = f"; {len(report.quarantined)} set aside into {cache_dir / 'quarantine'} (the warnings above say " \
-            "why; each is recomputed when a request next uses it)" if report.quarantined else ""
-    return f"loaded {report.loaded} shared affixes from {cache_dir}{aside}"
+    moved = sum(q.moved_to is not None for q in report.quarantined)
+    left = len(report.quarantined) - moved
+    aside = (f"; {moved} set aside into {cache_dir / 'quarantine'}" if moved else "") + \
+            (f"; {left} skipped where {'they are' if left > 1 else 'it is'}" if left else "")
+    why = " (the warnings above say why; each is recomputed when a request next uses it)" if aside else ""
+    return f"loaded {report.loaded} shared affixes from {cache_dir}{aside}{why}"
 
 
 def _port_free(host: str, port: int) -> None:

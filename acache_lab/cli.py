@@ -102,9 +102,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                         "earlier config writes it")
         refuse_own_out(config)
         writable_out(config.out)  # the last config's out too, before the first trains
-        if not args.resume and not args.overwrite and (Path(config.out) / RESUME_FILE).is_file():
+        if args.resume and args.restart:
+            raise ValueError("--resume and --restart contradict each other: continue a stopped run, or start it over")
+        if not args.resume and not args.restart and (Path(config.out) / RESUME_FILE).is_file():
             raise ValueError(f"{config.out} holds a stopped run ({RESUME_FILE}): continue it with --resume, or pass "
-                             "--overwrite to train it again from the start (what it trained is lost)")
+                             "--restart to train it again from the start (what it trained is lost)")
     from acache_lab.tracked import refuse_tracked
 
     refuse_tracked([c.out for c in configs], args.overwrite)
@@ -359,9 +361,9 @@ def writable(path: Path, kind: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: a file lies on its way") from None
 
 
-def _add_overwrite(p: argparse.ArgumentParser, also: str = "") -> None:
+def _add_overwrite(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
-                   help="allow the outputs to replace files tracked by git (the published figures and model)" + also)
+                   help="allow the outputs to replace files tracked by git (the published figures and model)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -380,7 +382,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue a run stopped by Ctrl-C or its time limit: configs already finished are skipped, "
                         "the stopped one continues from its output directory")
-    _add_overwrite(p, ", and start a stopped run over instead of resuming it (what it trained is lost)")
+    p.add_argument("--restart", action="store_true",
+                   help="train a stopped run again from the start instead of resuming it (what it trained is lost)")
+    _add_overwrite(p)
     p.set_defaults(func=_guarded(_cmd_train, out=None))  # the trainer checks its own
 
     p = sub.add_parser("finetune-affix", help="LoRA fine-tuning of a checkpoint (LLaDA, Dream) with the affix "

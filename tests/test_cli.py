@@ -80,6 +80,10 @@ def test_an_affix_cache_for_a_family_that_shares_none_is_refused_before_any_work
     captured = capsys.readouterr()
     assert "error: --affix-cache: the blockdiff_ssm family shares no affix K/V" in captured.err
     assert "Traceback" not in captured.err and not (tmp_path / "c").exists()
+    (tmp_path / "c").mkdir()  # an existing directory: the same words, not LLM's affix_cache_dir
+    assert main(["generate", "--model", str(ssm), "--prompt", "question : where is mary ? answer :",
+                 "--affix-cache", str(tmp_path / "c"), "--gen-length", "4", "--block-length", "4"]) == 2
+    assert "error: --affix-cache: the blockdiff_ssm family shares no affix K/V" in capsys.readouterr().err
     llm = LLM(ssm)
     with pytest.raises(ValueError, match="shares no affix K/V"):
         llm.save_affix_cache(tmp_path / "d")

@@ -49,6 +49,11 @@ class Quarantined:
     what: str
     reason: str
     moved_to: Path | None
+    not_moved: str = "the directory is read-only"  # why, where ``moved_to`` is None
+
+    @property
+    def where(self) -> str:
+        return f"moved to {self.moved_to}" if self.moved_to else f"skipped (not moved: {self.not_moved})"
 
 
 @dataclass
@@ -150,6 +155,8 @@ class AffixDirectory:
             return kept
         try:
             manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
+        except OSError:  # not read at all (a permission, the disk): no evidence of damage, so the save fails instead
+            raise
         except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be kept
             self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], True)
             self._log_aside(report, "by a save")
@@ -224,7 +231,8 @@ class AffixDirectory:
             return self._recover(claim, skip)
         except OSError as exc:  # a directory or file this process may not read: it starts without them
             report = LoadReport()
-            report.quarantined.append(Quarantined("the whole store", f"cannot be read ({exc})", None))
+            report.quarantined.append(Quarantined("the whole store", f"cannot be read ({exc})", None,
+                                                  "it could not be read"))
             return report, []
 
     def _recover(self, claim: Callable[[int], bool], skip: Collection[str]) -> tuple[LoadReport, list[AffixEntry]]:
@@ -325,8 +333,7 @@ class AffixDirectory:
 
     def _log_aside(self, report: LoadReport, by: str = "") -> None:
         for q in report.quarantined:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
-            log.warning("affix cache %s: %s set aside%s, %s: %s", self.root, q.what, f" {by}" if by else "", where,
+            log.warning("affix cache %s: %s set aside%s, %s: %s", self.root, q.what, f" {by}" if by else "", q.where,
                         q.reason)
 
     def _read_store(self, root: Path, salvage: bool) -> tuple[dict, dict[str, torch.Tensor], Path, str | None]:

@@ -204,7 +204,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     try:
         model.to_empty(device=device)
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
-        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "memory" not in str(exc):
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and not any(
+                s in str(exc) for s in ("out of memory", "can't allocate memory")):  # not a device's other faults
             raise
         size = sum(p.numel() * p.element_size() for p in model.parameters())  # still on meta: no memory read
         raise ValueError(f"{root}'s weights need {size / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} on "

@@ -103,6 +103,8 @@ class AffixRegistry:
             theirs = []
             try:
                 found = _read_registry(root, fingerprint) if (root / REGISTRY).exists() else []
+            except OSError:  # not read at all (a permission, the disk): no evidence of damage, so the save fails
+                raise
             except Exception as exc:  # another model's, or unreadable: kept aside and logged, never overwritten unseen
                 moved = quarantine(root, "registry", f"{root / REGISTRY}: {exc}; set aside by a save",
                                    [root / REGISTRY])
@@ -149,6 +151,10 @@ class AffixRegistry:
 
             try:
                 items = _read_registry(root, fingerprint)
+            except OSError as exc:  # not read at all: no evidence of damage, left where it is
+                aside.append(Quarantined(f"the registry ({REGISTRY})", f"cannot be read ({exc})", None,
+                                         "it could not be read"))
+                items = []
             except Exception as exc:
                 set_aside(f"the registry ({REGISTRY})", "registry", f"{root / REGISTRY}: {exc}", [root / REGISTRY],
                           None)
@@ -174,8 +180,7 @@ class AffixRegistry:
             except ValueError as exc:  # larger than this server's --affix-registry-bytes: it stays on disk
                 log.warning("affix registry %s: %s not loaded: %s", root, item["id"], exc)
         for q in aside:
-            where = f"moved to {q.moved_to}" if q.moved_to else "skipped (not moved: the directory is read-only)"
-            log.warning("affix registry %s: %s set aside, %s: %s", root, q.what, where, q.reason)
+            log.warning("affix registry %s: %s set aside, %s: %s", root, q.what, q.where, q.reason)
         if aside:
             log.warning("affix registry %s: kept %d registrations; %d set aside (their ids are unknown now: "
                         "register them again)", root, len(good), len(aside))

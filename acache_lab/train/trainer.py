@@ -1139,7 +1139,7 @@ def train(config: TrainConfig, progress: bool = True, resume: bool = False) -> d
             state = torch.load(state_file, weights_only=False)
         except Exception as exc:  # cut short by a kill: the run cannot be resumed, and says so
             raise ValueError(f"{state_file} cannot be read ({type(exc).__name__}: {exc}); start the run again "
-                             "without --resume (with --overwrite)") from None
+                             "with --restart") from None
         if _resumable(state["config"]) != _resumable(asdict(config)):
             raise ValueError(f"{state_file} was written by another config; resume with the one that started it "
                              "(only time_limit_minutes and save_every may change)")

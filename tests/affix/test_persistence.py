@@ -659,5 +659,10 @@ def test_a_directory_that_cannot_be_read_is_a_clear_error_or_a_cold_start(model,
     assert report.loaded == 0 and len(store) == 0
     assert [(q.what, q.moved_to) for q in report.quarantined] == [("the whole store", None)]
     assert "Permission denied" in report.quarantined[0].reason and "Permission denied" in caplog.text
+    assert "skipped (not moved: it could not be read)" in caplog.text
+    store.acquire(B)
+    with pytest.raises(PermissionError):  # a save fails rather than move aside a store it could not read
+        store.save(tmp_path)
+    assert not (tmp_path / "quarantine").exists()
     monkeypatch.setattr(Path, "read_text", real)
     assert AffixStore(model).load(tmp_path) == 1  # nothing on disk was touched

@@ -366,3 +366,33 @@ def test_a_cache_dir_the_server_cannot_write_is_said_at_start(llada_dir, tmp_pat
     with caplog.at_level(logging.WARNING, logger="acache.server"), server(llada_dir, cache) as client:
         assert client.get("/health").status_code == 200
         assert f"--affix-cache-dir {cache} cannot be written (no write permission)" in caplog.text
+
+
+def test_a_registry_that_cannot_be_read_is_left_where_it_is(llada_dir, tmp_path, monkeypatch, caplog):
+    """A registry this server may not read (a permission, the disk) is no evidence of damage: it was moved aside
+    at start, and a save then replaced it with this server's registrations alone."""
+    from pathlib import Path
+
+    from acache.server.affix_reuse import AffixRegistry
+
+    theirs = AffixRegistry()
+    theirs.register([1, 2, 3], None, "a")
+    theirs.save(tmp_path, "fp")
+    before = (tmp_path / "registry.json").read_text()
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "registry.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    mine = AffixRegistry()
+    with caplog.at_level(logging.WARNING, logger="acache.server"):
+        [aside] = mine.load(tmp_path, "fp", 100)
+    assert aside.moved_to is None and "skipped (not moved: it could not be read)" in caplog.text
+    mine.register([4, 5], None, None)
+    with pytest.raises(PermissionError):
+        mine.save(tmp_path, "fp")
+    monkeypatch.setattr(Path, "read_text", real)
+    assert (tmp_path / "registry.json").read_text() == before and not (tmp_path / "quarantine").exists()

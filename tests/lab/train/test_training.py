@@ -1524,7 +1524,7 @@ def test_a_save_cut_short_never_leaves_an_older_resume_state_beside_newer_weight
         train(small_run(tmp_path / "run"), progress=False, resume=True)
     assert not (tmp_path / "run" / "resume_state.pt").exists()
     (tmp_path / "run" / "resume_state.pt").write_bytes(b"cut")
-    with pytest.raises(ValueError, match="resume_state.pt cannot be read .* start the run again without --resume"):
+    with pytest.raises(ValueError, match="resume_state.pt cannot be read .* start the run again with --restart"):
         train(small_run(tmp_path / "run"), progress=False, resume=True)
 
 
@@ -1629,9 +1629,14 @@ def test_a_stopped_run_is_never_started_over_without_saying_so(tmp_path, monkeyp
     state = (tmp_path / "run" / "resume_state.pt").read_bytes()
     capsys.readouterr()
     assert main(["train", "--config", run]) == 2
-    assert "holds a stopped run (resume_state.pt): continue it with --resume, or pass --overwrite" in \
+    assert "holds a stopped run (resume_state.pt): continue it with --resume, or pass --restart" in \
         capsys.readouterr().err
+    assert main(["train", "--config", run, "--overwrite"]) == 2  # for tracked files (make's targets pass it), not this
     assert (tmp_path / "run" / "resume_state.pt").read_bytes() == state  # untouched
+    assert main(["train", "--config", run, "--restart", "--resume"]) == 2
+    assert "--resume and --restart contradict each other" in capsys.readouterr().err
+    assert main(["train", "--config", run, "--restart"]) == 1  # from step 0: the limit stops it after 2 steps again
+    assert "stopped by the time limit of 1.0 min after 2 steps" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("")
     monkeypatch.setattr(Batcher, "batch", lambda self, step: pytest.fail("a step ran"))
     assert main(["train", "--config", run, "--config", config("late.json", tmp_path / "a-file" / "x"),
