@@ -266,7 +266,7 @@ def parse_ratios(text: str | None) -> tuple[float, ...]:
 
 def main(args) -> int:
     tasks = parse_tasks(args.tasks)
-    layouts = tuple(dict.fromkeys(args.layouts.split(","))) if args.layouts else LAYOUTS
+    layouts = tuple(dict.fromkeys(x.strip() for x in args.layouts.split(","))) if args.layouts else LAYOUTS
     bad = [x for x in layouts if x not in (*LAYOUTS, TWO_AFFIXES)]
     if bad:
         raise ValueError(f"unknown layout {bad[0]!r}; known: {', '.join((*LAYOUTS, TWO_AFFIXES))}")

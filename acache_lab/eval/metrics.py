@@ -117,6 +117,13 @@ def summary_table(cells: list[Cell], focus_ratio: float = 0.2, ours: str = "atte
     return "\n".join(lines)
 
 
+def _share_text(share: float, target: float) -> str:
+    """A share in whole percent, but with a decimal where rounding would read as the target reached (89.7% is not
+    90%, and the row says the target is not met)."""
+    whole = f"{100 * share:.0f}%"
+    return f"{100 * share:.1f}%" if share < target <= float(whole[:-1]) / 100 else whole
+
+
 def target_table(cells: list[Cell], ours: str = "attention-deviation", ratio: float = 0.2,
                  target: float = 0.9) -> str:
     """Markdown, one row per task and layout: our selector at ``ratio`` against the issue's target, its
@@ -143,7 +150,7 @@ def target_table(cells: list[Cell], ours: str = "attention-deviation", ratio: fl
         ahead = best is None or own.interval[0] > best.interval[1]
         met = "n/a" if share is None else "yes" if share >= target and ahead else "no"
         lines.append(f"| {task} | {layout} | {_pct(direct)} | {_pct(full)} | {_pct(own)} | "
-                     + (f"{100 * share:.0f}%" if share is not None else "no gap beyond the intervals") + " | "
+                     + (_share_text(share, target) if share is not None else "no gap beyond the intervals") + " | "
                      + (f"{best.selector}: {_pct(best)}" if best else "–") + f" | {'yes' if ahead else 'no'} | "
                      + f"{met} |")
     return "\n".join(lines)

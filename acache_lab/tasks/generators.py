@@ -224,7 +224,7 @@ TRAIN_GENERATORS = GENERATORS | WARMUPS
 
 def parse_tasks(text: str | None) -> tuple[str, ...]:
     """A command line's comma-separated ``--tasks`` (None: the shipped model's three), each checked."""
-    tasks = tuple(text.split(",")) if text else TASKS
+    tasks = tuple(dict.fromkeys(t.strip() for t in text.split(","))) if text else TASKS
     bad = [t for t in tasks if t not in EVAL_TASKS]
     if bad:
         raise ValueError(f"unknown task {bad[0]!r}; known: {', '.join(EVAL_TASKS)}")

@@ -93,6 +93,15 @@ def test_a_gap_inside_the_intervals_has_no_share_and_a_share_is_at_most_all_of_i
     assert "| 100% |" in target_table(cells)  # 300 right beyond full's 280: all of the gap, not 111%
 
 
+def test_a_share_just_under_the_target_does_not_read_as_the_target():
+    """269 of 300 against 0 and 300 is 89.7% of the gap: it printed "90%" beside "target met: no"."""
+    cells = [Cell("qa1", "prefix", "none", 0.0, 0, 300), Cell("qa1", "prefix", "full", 0.0, 300, 300),
+             Cell("qa1", "prefix", "attention-deviation", 0.2, 269, 300)]
+    assert target_table(cells).splitlines()[2].endswith("| 89.7% | – | yes | no |")
+    cells[2] = Cell("qa1", "prefix", "attention-deviation", 0.2, 280, 300)
+    assert target_table(cells).splitlines()[2].endswith("| 93% | – | yes | yes |")
+
+
 def test_our_selectors_own_forms_are_not_the_others_it_must_beat():
     """Its two-pass form and its depth variants are the same selector: a tie with itself cannot clear the
     intervals, so they are not 'best other'."""

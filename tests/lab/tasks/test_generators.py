@@ -235,5 +235,6 @@ def test_parse_tasks_checks_every_name_against_the_evaluable_tasks():
 
     assert parse_tasks(None) == TASKS
     assert parse_tasks("codes,qa1") == ("codes", "qa1")
+    assert parse_tasks("qa1, qa1,arith") == ("qa1", "arith")  # each cell once (a repeat ran and printed twice)
     with pytest.raises(ValueError, match="unknown task 'bind'; known: qa1, arith, twohop, codes"):
         parse_tasks("qa1,bind")  # a training warm-up is not evaluated
