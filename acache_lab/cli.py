@@ -117,13 +117,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume = args.resume and (out / RESUME_FILE).is_file()
         fresh = [p for p in (*config.init_paths(), config.affix_teacher) if p and under(p, trained)]
         if args.resume and not resume and (out / "training_log.json").is_file():
-            done = json.loads((out / "training_log.json").read_text())
-            if finished_as(done.get("config", {}), config) and not done.get("interrupted") and not fresh:
+            try:
+                done = json.loads((out / "training_log.json").read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):  # cut by a kill: nothing to trust, trained again
+                done = {"config": None}
+            same = isinstance(done.get("config"), dict) and finished_as(done["config"], config)
+            # a kill between the log and the weights of a later save leaves a log with no weights beside it
+            whole = any((out / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+            if same and whole and not done.get("interrupted") and not fresh:
                 print(f"{config.out}: finished before, skipped")
                 total_s += done["train_time_s"]
                 continue
             if fresh:
                 print(f"{config.out}: finished before, but {fresh[0]} was trained again: training it again")
+            elif not same:
+                print(f"{config.out}: finished before with another config (or its log cannot be read): training it "
+                      "again", file=sys.stderr)
+            elif not whole:
+                print(f"{config.out}: finished before, but its weights are gone (a kill cut a later save): training "
+                      "it again", file=sys.stderr)
             elif done.get("interrupted"):  # stopped, but killed before its resume state was whole
                 print(f"{config.out}: stopped before without a resume state (a kill cut its save): training it from "
                       "the start", file=sys.stderr)

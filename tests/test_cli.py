@@ -275,10 +275,18 @@ def test_train_resume_skips_finished_configs_and_refuses_a_missing_teacher_first
     first.write_text(json.dumps({**common, "out": str(tmp_path / "a"), "steps": 3}))
     before = (tmp_path / "b" / "model.safetensors").read_bytes()
     assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
-    out = capsys.readouterr().out
-    assert f"{tmp_path / 'a'}: finished before" not in out
-    assert f"{tmp_path / 'b'}: finished before, but {tmp_path / 'a'} was trained again: training it again" in out
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'a'}: finished before" not in captured.out
+    assert f"{tmp_path / 'a'}: finished before with another config" in captured.err  # said, not silent
+    assert f"{tmp_path / 'b'}: finished before, but {tmp_path / 'a'} was trained again: training it again" in \
+        captured.out
     assert (tmp_path / "b" / "model.safetensors").read_bytes() != before
+    # a kill between a later save's log and its weights: a log that says finished, and no weights beside it
+    (tmp_path / "b" / "model.safetensors").unlink()
+    assert main(["train", "--config", str(first), "--config", str(second), "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'b'}: finished before, but its weights are gone" in captured.err
+    assert (tmp_path / "b" / "model.safetensors").is_file()
 
 
 def test_train_resume_says_when_a_stopped_run_has_no_state_to_resume(tmp_path, capsys):
