@@ -136,7 +136,6 @@ def parse_size(text: str) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-
     from acache import LLM, Affix, SamplingParams
     from acache.affix.persistence import AffixStoreError
     from acache.affix.prompt import layout_segments
