@@ -436,8 +436,9 @@ def score_jobs(model: DiffusionLM, jobs: Sequence[ScoreJob], batch_size: int = 6
         if job.top_k:
             tops = [{**top, token: value} if top and max(top, key=top.__getitem__) == token else top
                     for token, value, top in zip(job.token_ids[job.start:], values, tops, strict=True)]
-        out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops if job.top_k else
-                                 [{} for _ in values]))
+        else:
+            tops = [{} for _ in values]
+        out.append(TokenLogprobs(list(job.token_ids), job.start, values, tops))
     return out
 
 

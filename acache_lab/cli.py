@@ -92,6 +92,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     def under(path: str, outs: set[Path]) -> bool:  # an out, or a folder in one (a save_every step)
         return any(Path(path).resolve().is_relative_to(w) for w in outs)
 
+    if args.resume and args.restart:
+        raise ValueError("--resume and --restart contradict each other: continue a stopped run, or start it over")
     for i, config in enumerate(configs):  # what a stage reads must exist when it starts: here or written before it
         written = {Path(c.out).resolve() for c in configs[:i]}
         resumes = args.resume and (Path(config.out) / RESUME_FILE).is_file()  # reads its own weights, not init_from
@@ -102,8 +104,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                         "earlier config writes it")
         refuse_own_out(config)
         writable_out(config.out)  # the last config's out too, before the first trains
-        if args.resume and args.restart:
-            raise ValueError("--resume and --restart contradict each other: continue a stopped run, or start it over")
         if not args.resume and not args.restart and (Path(config.out) / RESUME_FILE).is_file():
             raise ValueError(f"{config.out} holds a stopped run ({RESUME_FILE}): continue it with --resume, or pass "
                              "--restart to train it again from the start (what it trained is lost)")

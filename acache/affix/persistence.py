@@ -146,39 +146,55 @@ class AffixDirectory:
         the entries it still holds whole are kept) and entries whose checksums fail."""
         report = LoadReport()
         kept = []
+        store = self._readable_store(root, report, writable=True)  # an OSError: the save fails, nothing is moved
+        if store is not None:
+            manifest, tensors, tensor_file, _ = store
+            for i, item in enumerate(manifest["entries"]):
+                theirs = _entry_tensors(item, tensors)
+                if theirs and isinstance(item.get("token_ids"), list) and _checksum(theirs) == item.get("sha256"):
+                    kept.append((item, theirs))
+                    continue
+                reason = "its tensors do not match their checksum (corrupt or altered)" if theirs else \
+                    "malformed, or its tensors are missing (past a cut?)"
+                self._set_entry_aside(root, report, i, item, theirs, f"{tensor_file}: {reason}", True)
+        self._log_aside(report, "by a save")
+        return kept
+
+    def _readable_store(self, root: Path, report: LoadReport, writable: bool,
+                        ) -> tuple[dict, dict[str, torch.Tensor], Path, list[Path]] | None:
+        """The store at ``root`` as far as it can be trusted (its manifest, tensors and tensor file, and every
+        tensor file there), or None where nothing of it can be (called under the lock). What cannot be trusted as a
+        whole goes into ``report``, set aside: tensor files no manifest names, a store that cannot be read or is
+        another model's, precision's or format's, and a copy of a damaged tensor file (the entries it holds whole
+        are read). Files not read at all (an OSError: a permission, a failing disk) are no evidence of damage: it
+        is raised, and nothing is moved."""
         tensor_files = sorted(root.glob("affixes-*.safetensors"))
         if not (root / MANIFEST).exists():
             if tensor_files:
                 self._set_aside(root, report, "store", f"no {MANIFEST} names them (it was deleted?)", tensor_files,
-                                True)
-            self._log_aside(report, "by a save")
-            return kept
+                                writable)
+            return None
         try:
             manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
-        except OSError:  # not read at all (a permission, the disk): no evidence of damage, so the save fails instead
+        except OSError:
             raise
-        except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be kept
-            self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], True)
-            self._log_aside(report, "by a save")
-            return kept
+        except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
+            self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
+            return None
         if damage is not None:
-            self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept", [], True,
+            self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept", [], writable,
                             {tensor_file.name: tensor_file.read_bytes()})
-        for i, item in enumerate(manifest["entries"]):
-            key = item.get("key") if isinstance(item, dict) else None
-            theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
-            if theirs and isinstance(item.get("token_ids"), list) and _checksum(theirs) == item.get("sha256"):
-                kept.append((item, theirs))
-                continue
-            written = {"entry.json": json.dumps(item).encode()}
-            if theirs:
-                written["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
-            label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
-            reason = "its tensors do not match their checksum (corrupt or altered)" if theirs else \
-                "malformed, or its tensors are missing (past a cut?)"
-            self._set_aside(root, report, f"entry-{label or i}", f"{tensor_file}: {reason}", [], True, written)
-        self._log_aside(report, "by a save")
-        return kept
+        return manifest, tensors, tensor_file, tensor_files
+
+    def _set_entry_aside(self, root: Path, report: LoadReport, index: int, item: object,
+                         theirs: dict[str, torch.Tensor], reason: str, writable: bool) -> None:
+        """One manifest entry, with the tensors it names, set aside under its key (or its index)."""
+        key = item.get("key") if isinstance(item, dict) else None
+        label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
+        written = {"entry.json": json.dumps(item).encode()}
+        if theirs:
+            written["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
+        self._set_aside(root, report, f"entry-{label or index}", reason, [], writable, written)
 
     def _foreign(self, manifest: dict) -> str | None:
         """Why a readable manifest is not this model's at this precision (None: it is)."""
@@ -244,30 +260,17 @@ class AffixDirectory:
         with writing_if_allowed(root) as writable:
             if writable:
                 _remove_stale(root)
-            tensor_files = sorted(root.glob("affixes-*.safetensors"))
-            if not (root / MANIFEST).exists():
-                if tensor_files:
-                    self._set_aside(root, report, "store", f"no {MANIFEST} names them (it was deleted?)",
-                                    tensor_files, writable)
+            store = self._readable_store(root, report, writable)  # an OSError: recover starts cold, moves nothing
+            if store is None:
                 return report, checked
-            try:
-                manifest, tensors, tensor_file, damage = self._read_store(root, salvage=True)
-            except OSError:  # the files could not be read (a permission, the disk): nothing is moved for that
-                raise
-            except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: nothing here can be trusted
-                self._set_aside(root, report, "store", _reason(exc), [root / MANIFEST, *tensor_files], writable)
-                return report, checked
+            manifest, tensors, tensor_file, tensor_files = store
             if writable:
                 for orphan in tensor_files:
                     if orphan != tensor_file:
                         orphan.unlink(missing_ok=True)
-            if damage is not None:  # a copy of the damaged file aside; the entries it still holds whole stay
-                self._set_aside(root, report, "tensors", f"{damage}; the entries it holds whole were kept",
-                                [], writable, {tensor_file.name: tensor_file.read_bytes()})
             kept_items, kept_tensors = [], {}
             for i, item in enumerate(manifest["entries"]):
-                key = item.get("key") if isinstance(item, dict) else None
-                theirs = {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
+                theirs = _entry_tensors(item, tensors)
                 try:
                     checked.append(self._checked_entry(item, tensors, tensor_file))
                 except (torch.OutOfMemoryError, MemoryError) as exc:  # the device, not the entry: stop, keep the store
@@ -275,11 +278,7 @@ class AffixDirectory:
                                 "stay on disk", root, exc, len(checked))
                     return report, self._placed(checked, claim, skip)
                 except Exception as exc:  # AffixStoreError, or a fault nobody foresaw: this entry is set aside
-                    label = re.sub(r"[^0-9a-zA-Z]", "", str(key))[:12] if key else ""
-                    kept = {"entry.json": json.dumps(item).encode()}
-                    if theirs:
-                        kept["tensors.safetensors"] = save_bytes({n: t.contiguous() for n, t in theirs.items()})
-                    self._set_aside(root, report, f"entry-{label or i}", _reason(exc), [], writable, kept)
+                    self._set_entry_aside(root, report, i, item, theirs, _reason(exc), writable)
                     continue
                 kept_items.append(item)
                 kept_tensors |= theirs
@@ -413,6 +412,12 @@ class AffixDirectory:
 
 class AffixStoreError(ValueError):
     """An affix cache on disk that cannot be trusted: the message names the file and the problem."""
+
+
+def _entry_tensors(item: object, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a manifest entry names by its key (none for an entry with no key)."""
+    key = item.get("key") if isinstance(item, dict) else None
+    return {n: t for n, t in tensors.items() if isinstance(key, str) and n.startswith(f"{key}.")}
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

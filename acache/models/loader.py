@@ -163,7 +163,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32",
     files = tensor_files(root)
     # auto: config.json's torch_dtype (transformers' newer ``dtype``), else the stored tensors' (LLaDA-8B-Instruct's
     # config names none: its bfloat16 weights were loaded as float32, twice the memory)
-    stored = config.raw.get("torch_dtype") or config.raw.get("dtype") or _stored_dtype(files, names)
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    stored = config.raw.get("torch_dtype") or config.raw.get("dtype") or _stored_dtype(files, names) if auto else None
     dtype, device = parse_dtype(dtype, stored), parse_device(device)
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"{device} does not run bfloat16; pass --dtype float16 or float32")

@@ -113,11 +113,11 @@ class AffixRegistry:
             for n, item in reversed(list(enumerate(found))):
                 fault = _fault(item, None)
                 if fault is not None:
-                    label = re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40]
-                    moved = quarantine(root, f"registration-{label or n}", f"{fault}; set aside by a save", [],
+                    label = _label(item, n)
+                    moved = quarantine(root, f"registration-{label}", f"{fault}; set aside by a save", [],
                                        {"registration.json": json.dumps(item).encode()})
                     log.warning("affix registry %s: registration %s set aside by a save, moved to %s: %s", root,
-                                label or n, moved, fault)
+                                label, moved, fault)
                     continue
                 if item["id"] in held:
                     continue
@@ -165,8 +165,8 @@ class AffixRegistry:
                 if fault is None:
                     good.append(item)
                     continue
-                label = re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40]
-                set_aside(f"registration {label or n}", f"registration-{label or n}", fault, [],
+                label = _label(item, n)
+                set_aside(f"registration {label}", f"registration-{label}", fault, [],
                           {"registration.json": json.dumps(item).encode()})
             if writable and aside and items:
                 body = {"format": REGISTRY_FORMAT, "model_fingerprint": fingerprint, "affixes": good}
@@ -185,6 +185,11 @@ class AffixRegistry:
             log.warning("affix registry %s: kept %d registrations; %d set aside (their ids are unknown now: "
                         "register them again)", root, len(good), len(aside))
         return aside
+
+
+def _label(item: object, index: int) -> str:
+    """How a registration set aside is named: its id, made safe for a folder name, or its place in the file."""
+    return re.sub(r"[^0-9a-zA-Z-]", "", str(item.get("id") if isinstance(item, dict) else ""))[:40] or str(index)
 
 
 def _size(token_ids: list[int] | tuple[int, ...], messages: list[dict] | None, name: str | None) -> int:

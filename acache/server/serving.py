@@ -183,8 +183,8 @@ class OpenAIServing:
             reason = f"the {self.llm.model.family} family computes affixes with the request"
         else:
             reason = "reuse off (selector or affix_reuse 'off'): the affix computed with the request"
-        report = {"decision": (plan.decision.value if plan is not None else
-                               Decision.REUSE.value if reuse else "none"),
+        decision = plan.decision.value if plan is not None else Decision.REUSE.value if reuse else "none"
+        report = {"decision": decision,
                   "reason": reason,
                   "reused_tokens": reused, "anchor_tokens": anchors,
                   "selector": params.selector if reuse else None,
@@ -194,9 +194,9 @@ class OpenAIServing:
         if plan is not None:
             report["state"] = self.ctx.gate.state(plan.key)
         if logprobs:
-            reused_here = plan.decision is Decision.REUSE if plan is not None else reuse
             report["logprobs"] = ("estimated over the full context without reuse" + (
-                "; the tokens were decoded with reuse" if reused_here else ", as the tokens were decoded"))
+                "; the tokens were decoded with reuse" if decision == Decision.REUSE.value else
+                ", as the tokens were decoded"))
         return {"prompt_tokens_details": {"cached_tokens": cached}, "affix_reuse": report}
 
     def encode_text(self, text: str) -> list[int]:
