@@ -401,7 +401,7 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
 
     try:
         from acache.cluster.frontend import FrontendSettings
-        from acache.cluster.launch import NAMESPACE, ClusterSettings, deploy, prepare, stop
+        from acache.cluster.launch import NAMESPACE, ClusterSettings, ClusterStartError, deploy, prepare, stop
         from acache.cluster.replica import ReplicaSettings
     except ImportError as exc:
         raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
@@ -409,7 +409,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
                               host=args.host, port=args.port, app_name=args.app_name, balance_absolute=args.balance_abs,
                               balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
-                              gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0)
+                              gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0,
+                              shutdown_grace=args.shutdown_grace)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
     llm = _serve_llm_kwargs(args)
@@ -421,22 +422,57 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     frontend = FrontendSettings(model, cluster.directory, NAMESPACE, args.max_model_len, args.min_document_tokens,
                                 args.affix_registry_bytes, args.max_request_bytes, api_key,
                                 replicas=cluster.replicas, app_name=cluster.app_name)
-    prepare(cluster)  # a refusal here stops nothing: the application of that name, if any, is another's
+    try:
+        prepare(cluster)  # a refusal here stops nothing: the application of that name, if any, is another's
+    except ClusterStartError as exc:
+        print(f"acache serve: error: {exc}", file=sys.stderr)
+        return 1
 
     def terminate(*_) -> None:  # after ray.init, which sets a handler of its own
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
+    failed = None
     try:
         deploy(cluster, replica, frontend)
         print(f"serving {name} on http://{args.host}:{args.port} with {cluster.replicas} replicas on Ray Serve "
               f"({cluster.router} router); /cluster/stats has each replica's affixes and hit rate", flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
-        print("stopping the cluster", flush=True)
+        pass
+    except ClusterStartError as exc:
+        failed = exc
     finally:
-        stop(cluster)
-    return 0
+        stopped = _stop_cluster(cluster, stop)  # a second signal meanwhile ends its wait
+        signal.signal(signal.SIGTERM, previous)
+    if failed is not None:
+        print(f"acache serve: error: {failed}", file=sys.stderr)
+        return 1
+    return 0 if stopped else 1
+
+
+def _stop_cluster(cluster, stop) -> bool:
+    """Stops the application within its bound, then Ray (the processes this command started; a cluster it joined
+    stays up). A signal while waiting stops the wait. False when the application outlived its bound."""
+    import time
+
+    import ray
+
+    print(f"stopping the cluster (at most {cluster.stop_bound_s:.0f} s: each replica has {cluster.replica_stop_s:g} s "
+          "for its requests in flight and its save)", flush=True)
+    started = time.monotonic()
+    try:
+        stopped = stop(cluster)
+    except KeyboardInterrupt:
+        stopped = False
+    if stopped:
+        print(f"the cluster stopped in {time.monotonic() - started:.1f} s", flush=True)
+    else:
+        where = ("the deletion goes on in the Ray cluster at --ray-address" if cluster.ray_address else
+                 "its Ray processes are stopped under it (affixes a replica had not saved are lost)")
+        print(f"the cluster did not stop within {time.monotonic() - started:.1f} s: {where}", flush=True)
+    ray.shutdown()
+    return stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -526,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every Nth request a trusted span answers is checked again (0: never)")
     p.add_argument("--shutdown-grace", type=_non_negative_float, default=30.0,
                    help="seconds in-flight requests (scoring included) may run after SIGTERM or Ctrl-C; then they "
-                        "are cancelled with a 503 and the server exits")
+                        "are cancelled with a 503 and the server exits (with --replicas: a stopping replica has this "
+                        "plus 20 s for its requests and its affix save together, then Ray Serve stops it)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug",
                                                               "trace"],
                    help="uvicorn's and acache's log level (warning: shutdown, saves and reuse mismatches)")

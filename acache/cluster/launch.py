@@ -4,7 +4,10 @@ engine replicas behind the chosen router, and the frontend on Serve's HTTP proxy
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
+import time
 from dataclasses import dataclass
 
 import ray
@@ -21,12 +24,25 @@ NAMESPACE = "acache"
 ROUTERS = ("span", "default")
 #: the route the front door answers under: the OpenAI paths from the root, as the single server answers them
 ROUTE_PREFIX = "/"
+#: what a stopping replica has on top of its requests' grace, for its reuse checks (CHECKS_GRACE_S), the engine
+#: thread's stop and the affix save: Serve's bound covers requests and save together, and kills a replica past it
+SAVE_ALLOWANCE_S = 20.0
+#: how long past the replicas' own bound a stop waits for Serve's controller to see them gone
+STOP_MARGIN_S = 15.0
+
+
+class ClusterStartError(RuntimeError):
+    """Ray Serve could not start the application: the message is the cause, a replica's own error where Serve
+    reported one (a checkpoint that does not load), not Serve's "failed to update the deployments"."""
 
 
 @dataclass(frozen=True)
 class ClusterSettings:
     """``router``: 'span' (ours) or 'default' (Serve's power of two choices, which knows no affixes).
-    ``cpus_per_replica``: CPUs Ray reserves for each replica (0 lets replicas share a small machine)."""
+    ``cpus_per_replica``: CPUs Ray reserves for each replica (0 lets replicas share a small machine).
+    ``shutdown_grace``: the single server's ``--shutdown-grace``. A stopping replica has it plus
+    :data:`SAVE_ALLOWANCE_S` for its requests in flight and its save together (Serve's graceful shutdown waits for
+    the requests, then saves): Serve kills a replica past that."""
 
     replicas: int = 2
     router: str = "span"
@@ -40,6 +56,7 @@ class ClusterSettings:
     gpus_per_replica: float = 0.0
     max_ongoing_requests: int = 256
     health_check_period_s: float = 2.0
+    shutdown_grace: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
@@ -49,10 +66,23 @@ class ClusterSettings:
         Balance(self.balance_absolute, self.balance_relative)  # refused here, not inside the router
         if not isinstance(self.app_name, str) or not self.app_name.strip():
             raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
+        if (isinstance(self.shutdown_grace, bool) or not isinstance(self.shutdown_grace, (int, float))
+                or not math.isfinite(self.shutdown_grace) or self.shutdown_grace < 0):
+            raise ValueError(f"shutdown_grace must be a non-negative number of seconds, got {self.shutdown_grace!r}")
 
     @property
     def directory(self) -> str:
         return f"acache-affix-directory-{self.app_name}"
+
+    @property
+    def replica_stop_s(self) -> float:
+        """The longest a replica takes to stop before Serve kills it: the requests' grace, then the save."""
+        return self.shutdown_grace + SAVE_ALLOWANCE_S
+
+    @property
+    def stop_bound_s(self) -> float:
+        """The longest :func:`stop` waits for the application to be gone."""
+        return self.replica_stop_s + STOP_MARGIN_S
 
 
 @serve.ingress()
@@ -80,7 +110,11 @@ def prepare(cluster: ClusterSettings) -> None:
     from ray.serve.context import _get_global_client  # the running proxy's options: no public API reads them
 
     connect(cluster)
-    serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    try:
+        serve.start(http_options={"host": cluster.host, "port": cluster.port})
+    except ray.exceptions.RayError as exc:  # e.g. its HTTP proxy failed Serve's readiness checks on a loaded machine
+        raise ClusterStartError(f"Ray Serve's HTTP proxy did not start: {str(exc).splitlines()[0]} (Ray's logs say "
+                                "why; ACACHE_RAY_LOGS=1 prints them here)") from None
     client = _get_global_client()
     config = client.http_config
     if (config.host, config.port) != (cluster.host, cluster.port):
@@ -122,16 +156,52 @@ def deploy(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Fronten
     engine = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=cluster.replicas,
                               max_ongoing_requests=cluster.max_ongoing_requests,
                               health_check_period_s=cluster.health_check_period_s,
+                              graceful_shutdown_timeout_s=cluster.replica_stop_s,
                               ray_actor_options={"num_cpus": cluster.cpus_per_replica,
                                                  "num_gpus": cluster.gpus_per_replica},
                               request_router_config=router)
     front = serve.deployment(Frontend, name="Frontend", num_replicas=1, max_ongoing_requests=4096,
-                             ray_actor_options={"num_cpus": 0})
-    serve.run(front.bind(frontend, engine.bind(replica)), name=cluster.app_name, route_prefix=ROUTE_PREFIX)
+                             graceful_shutdown_timeout_s=cluster.replica_stop_s, ray_actor_options={"num_cpus": 0})
+    try:
+        serve.run(front.bind(frontend, engine.bind(replica)), name=cluster.app_name, route_prefix=ROUTE_PREFIX)
+    except RuntimeError as exc:  # Serve's DEPLOY_FAILED: the cause is in a deployment's status, not in the exception
+        raise ClusterStartError(_failed_deployment(cluster.app_name) or str(exc)) from None
 
 
-def stop(cluster: ClusterSettings) -> None:
-    """Removes the application and its directory (the Ray instance stays)."""
-    serve.delete(cluster.app_name)
+#: the line a Python traceback ends on, naming the exception: where a replica's own error starts
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt): ")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_DEPLOYMENTS = {"EngineReplica": "an engine replica", "Frontend": "the front door"}
+
+
+def _failed_deployment(app_name: str) -> str | None:
+    """The first failed deployment of ``app_name`` and its replica's exception (the end of the traceback Serve
+    keeps in the deployment's status), or None when Serve names none."""
+    app = serve.status().applications.get(app_name)
+    for name, deployment in (app.deployments.items() if app else ()):
+        if deployment.status != "DEPLOY_FAILED" or not deployment.message:
+            continue
+        who = _DEPLOYMENTS.get(name, name)
+        lines = _ANSI.sub("", deployment.message).splitlines()
+        starts = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+        if not starts:
+            return f"{who} could not start: {lines[0]}"
+        kind, text = "\n".join(lines[starts[-1]:]).split(": ", 1)
+        return f"{who} could not start: {kind.rsplit('.', 1)[-1]}: {text}"  # CheckpointError, not its module path
+    return None
+
+
+def stop(cluster: ClusterSettings, within: float | None = None) -> bool:
+    """Removes the application and its directory (the Ray instance stays), waiting at most ``within`` seconds
+    (default: :attr:`ClusterSettings.stop_bound_s`) for the application to be gone. False when it was not: the
+    deletion goes on in Serve, and the caller decides whether to stop Ray under it."""
+    within = cluster.stop_bound_s if within is None else within
+    deadline = time.monotonic() + within
+    serve.delete(cluster.app_name, _blocking=False)  # Serve's own wait is a fixed 60 s: this one is the caller's
+    while cluster.app_name in serve.status().applications:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.25)
     with contextlib.suppress(ValueError):  # already gone
         ray.kill(ray.get_actor(cluster.directory, namespace=NAMESPACE))
+    return True

@@ -5,6 +5,7 @@ a dead replica's requests are retried or fail clearly, and a replica starts warm
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
@@ -15,7 +16,7 @@ from fastapi.testclient import TestClient
 from acache import LLM
 from acache.cluster.directory import AffixDirectory
 from acache.cluster.frontend import FrontendSettings
-from acache.cluster.launch import NAMESPACE, ClusterSettings, prepare, start, stop
+from acache.cluster.launch import NAMESPACE, SAVE_ALLOWANCE_S, ClusterSettings, ClusterStartError, prepare, start, stop
 from acache.cluster.replica import ReplicaSettings
 from acache.paths import default_model
 from acache.server.app import create_app
@@ -53,8 +54,8 @@ def single_answers(workload):
     return [o["choices"][0]["token_ids"] for o in outs]
 
 
-def cluster(port: int, router: str, app_name: str, **llm) -> tuple[ClusterSettings, str]:
-    settings = ClusterSettings(replicas=2, router=router, port=port, app_name=app_name)
+def cluster(port: int, router: str, app_name: str, shutdown_grace: float = 30.0, **llm) -> tuple[ClusterSettings, str]:
+    settings = ClusterSettings(replicas=2, router=router, port=port, app_name=app_name, shutdown_grace=shutdown_grace)
     model = str(default_model())
     replica = ReplicaSettings(model, "tiny", settings.directory, NAMESPACE, threads=1,
                               llm={"kv_cache_memory": 1 << 24, "max_affix_tokens": CAP, **llm.pop("llm", {})},
@@ -65,13 +66,16 @@ def cluster(port: int, router: str, app_name: str, **llm) -> tuple[ClusterSettin
 
 def test_span_aware_routing_keeps_documents_on_one_replica(local_ray, workload, single_answers):
     rates = {}
-    for router in ("span", "default"):
-        settings, url = cluster(local_ray, router, f"test-{router}")
+    for router, grace in (("span", 30.0), ("default", 3.5)):
+        settings, url = cluster(local_ray, router, f"test-{router}", shutdown_grace=grace)
         try:
             result = run(url, workload, concurrency=4)
             stats = call(url, "/cluster/stats")[1]
+            # a stopping replica's bound, and the front door's, follow --shutdown-grace
+            assert shutdown_bounds(settings.app_name) == {"EngineReplica": grace + SAVE_ALLOWANCE_S,
+                                                          "Frontend": grace + SAVE_ALLOWANCE_S}
         finally:
-            stop(settings)
+            assert stop(settings)
         assert result.statuses == [200] * len(workload.requests), result.errors
         assert result.answers == single_answers, router
         assert stats["affix_queries"] == len(workload.requests)
@@ -79,6 +83,13 @@ def test_span_aware_routing_keeps_documents_on_one_replica(local_ray, workload, 
         rates[router] = stats["affix_hit_rate"]
     assert rates["span"] >= 0.9, rates
     assert rates["default"] <= 0.75 and rates["span"] - rates["default"] >= 0.2, rates
+
+
+def shutdown_bounds(app_name: str) -> dict[str, float]:
+    from ray.serve.context import _get_global_client  # no public API reads a deployment's config
+
+    deployments = _get_global_client().get_serve_details()["applications"][app_name]["deployments"]
+    return {name: d["deployment_config"]["graceful_shutdown_timeout_s"] for name, d in deployments.items()}
 
 
 def replica_actors(app_name: str) -> list[str]:
@@ -204,3 +215,52 @@ def test_a_running_serve_is_neither_moved_nor_replaced(local_ray):
 def test_an_application_name_is_a_non_empty_string(name):
     with pytest.raises(ValueError, match="app_name must be a non-empty string"):
         ClusterSettings(app_name=name)
+
+
+def test_a_stop_waits_no_longer_than_its_bound(local_ray):
+    """A replica that takes longer to stop than the caller's bound (here its destructor sleeps): ``stop`` returns
+    False at the bound, the deletion going on in Serve, and True once the application is gone."""
+    from ray import serve
+
+    @serve.deployment(num_replicas=1, graceful_shutdown_timeout_s=60, ray_actor_options={"num_cpus": 0})
+    class Slow:
+        def __call__(self, request) -> str:
+            return "slow"
+
+        def __del__(self) -> None:
+            time.sleep(20)
+
+    settings = ClusterSettings(port=local_ray, app_name="test-slow-stop")
+    serve.run(Slow.bind(), name=settings.app_name, route_prefix="/")
+    started = time.monotonic()
+    try:
+        assert not stop(settings, within=2.0)
+        assert 2.0 <= time.monotonic() - started < 10.0
+        assert settings.app_name in serve.status().applications
+    finally:
+        assert stop(settings, within=120.0)
+    assert settings.app_name not in serve.status().applications
+
+
+@pytest.mark.parametrize("grace", [-1, float("nan"), float("inf"), "5", True, None])
+def test_the_shutdown_grace_is_a_non_negative_number_of_seconds(grace):
+    with pytest.raises(ValueError, match="shutdown_grace must be a non-negative number of seconds"):
+        ClusterSettings(shutdown_grace=grace)
+
+
+def test_a_replica_that_cannot_start_is_named_with_its_own_error(local_ray, tmp_path):
+    """Serve reports a replica whose constructor raised as "failed to update the deployments": the start names the
+    replica's own error instead (here a truncated checkpoint), as the single server does."""
+    broken = tmp_path / "broken"
+    shutil.copytree(default_model(), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    settings = ClusterSettings(replicas=1, port=local_ray, app_name="test-broken")
+    replica = ReplicaSettings(str(broken), "broken", settings.directory, NAMESPACE, threads=1)
+    try:
+        with pytest.raises(ClusterStartError, match=f"an engine replica could not start: CheckpointError: "
+                                                    f"{weights} is not a readable safetensors file"):
+            start(settings, replica, FrontendSettings(str(broken), settings.directory, NAMESPACE, replicas=1,
+                                                      app_name=settings.app_name))
+    finally:
+        assert stop(settings)

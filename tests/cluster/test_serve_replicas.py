@@ -8,12 +8,14 @@ import json
 import signal
 import urllib.request
 
+import pytest
 from fastapi.testclient import TestClient
 
 from acache import LLM
+from acache.cli import main
 from acache.paths import default_model
 from acache.server.app import create_app
-from tests.server.helpers import start_server, wait_until
+from tests.server.helpers import start_server, stop_server, wait_until
 
 SYSTEM = "story : mary moved to the kitchen . john went to the garden . sandra went to the office ."
 QUESTIONS = ["where is mary ?", "where is john ?", "where is sandra ?"]
@@ -46,7 +48,7 @@ def test_serve_with_replicas_streams_the_single_servers_answers():
     with TestClient(create_app(llm, "tiny")) as client:
         want = [client.post("/v1/chat/completions", json=chat(q, False, 2 + 2 * (i % 2))).json()
                 ["choices"][0]["message"]["content"] for i, q in enumerate(QUESTIONS * 2)]
-    proc, port = start_server(["--replicas", "2", "--kv-cache-memory", "16MiB"])
+    proc, port = start_server(["--replicas", "2", "--kv-cache-memory", "16MiB", "--shutdown-grace", "1"])
     failure = None
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -63,8 +65,64 @@ def test_serve_with_replicas_streams_the_single_servers_answers():
     except AssertionError as exc:
         failure = exc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-        log = proc.stdout.read().decode(errors="replace")
+        # bounded: a replica has 1 + 20 s to stop, Serve 15 s more to see it gone; then Ray's own processes stop
+        code, log = stop_server(proc, seconds=120)
     assert failure is None, f"{failure}\n--- the server's output ---\n{log[-4000:]}"
     assert code == 0, log[-4000:]
+    assert "stopping the cluster (at most 36 s" in log and "the cluster stopped in" in log, log[-4000:]
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """``acache serve --replicas`` with Ray Serve's start, deployment and stop replaced: what each outcome prints
+    and returns, in this process. Yields the calls made."""
+    from acache.cluster import launch
+
+    calls = []
+    handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(launch, "prepare", lambda cluster: calls.append("prepare"))
+    monkeypatch.setattr(launch, "deploy", lambda *a: calls.append("deploy"))
+    monkeypatch.setattr(launch, "stop", lambda cluster: calls.append("stop") or True)
+    yield calls
+    assert signal.getsignal(signal.SIGTERM) == handler  # the command's handler does not outlive it
+
+
+def test_a_serve_that_cannot_start_says_why_and_starts_nothing(no_ray, monkeypatch, capsys):
+    from acache.cluster import launch
+
+    def proxy_died(cluster):
+        raise launch.ClusterStartError("Ray Serve's HTTP proxy did not start: The actor died unexpectedly")
+
+    monkeypatch.setattr(launch, "prepare", proxy_died)
+    assert main(["serve", "--replicas", "2"]) == 1
+    assert "acache serve: error: Ray Serve's HTTP proxy did not start: The actor died" in capsys.readouterr().err
+    assert no_ray == []
+
+
+def test_a_replica_that_cannot_start_stops_the_cluster_and_says_why(no_ray, monkeypatch, capsys):
+    from acache.cluster import launch
+
+    def replica_failed(*_):
+        no_ray.append("deploy")
+        raise launch.ClusterStartError("an engine replica could not start: CheckpointError: bad weights")
+
+    monkeypatch.setattr(launch, "deploy", replica_failed)
+    assert main(["serve", "--replicas", "2"]) == 1
+    out = capsys.readouterr()
+    assert no_ray == ["prepare", "deploy", "stop"]
+    assert "the cluster stopped in" in out.out
+    assert "acache serve: error: an engine replica could not start: CheckpointError: bad weights" in out.err
+
+
+def test_a_cluster_that_outlives_its_bound_says_so_and_exits_1(no_ray, monkeypatch, capsys):
+    from acache.cluster import launch
+
+    def signalled(*_):  # SIGTERM while serving: its handler raises KeyboardInterrupt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "deploy", signalled)
+    monkeypatch.setattr(launch, "stop", lambda cluster: False)
+    assert main(["serve", "--replicas", "2", "--shutdown-grace", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "stopping the cluster (at most 39 s: each replica has 24 s for its requests in flight and its save)" in out
+    assert "the cluster did not stop within" in out and "its Ray processes are stopped under it" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,8 +35,20 @@ def start_server(args: list[str], env: dict[str, str] | None = None) -> tuple[su
             time.sleep(0.3)
         if proc.poll() is not None:
             raise RuntimeError(proc.stdout.read().decode())
-    proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"server did not start in 120 s; its output:\n{stop_server(proc)[1][-4000:]}")
+
+
+def stop_server(proc: subprocess.Popen, seconds: float = 120) -> tuple[int | None, str]:
+    """SIGTERM, as a user stops a server, and its exit code and output; a server still up ``seconds`` later is
+    killed (None), so a test fails with the output rather than hangs."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    return code, proc.stdout.read().decode(errors="replace")
 
 
 def wait_until(condition: Callable[[], bool], seconds: float, poll: float = 0.1) -> bool:
