@@ -17,6 +17,10 @@ from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT
 from acache.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+#: stop strings a request may give, and their length: each block of a stream looks for every one in the text, on
+#: the event loop every other request waits on (OpenAI takes 4 stops; lm-eval's ``until`` lists a few)
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 MAX_MC_SAMPLES = 1024
 DEFAULTS = SamplingParams()
 #: the sampling fields a body passes to SamplingParams as they are, when given
@@ -96,6 +100,12 @@ class DiffusionFields(BaseModel):
         model's ``default_selector``. Raises BadRequest naming the request's own fields."""
         if self.n not in (None, 1):
             raise BadRequest("only n=1 is supported")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOPS:
+            raise BadRequest(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise BadRequest(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
+                             f"{max(len(stop) for stop in stops)}")
         for name, (neutral, why) in NEUTRAL.items():
             value = getattr(self, name, None)
             if not any(value == ok and type(value) is type(ok) or value is ok for ok in neutral):

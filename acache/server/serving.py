@@ -354,9 +354,11 @@ class OpenAIServing:
                     yield event(safe[len(sent):], None, token_ids=cut.token_ids[sent_ids:spelt])
                     sent, sent_ids = safe, spelt
         except Exception as exc:  # after the first event the status is sent: report in the stream
-            known = (RequestFailed, EngineFailed, ValueError, ShuttingDown)
-            message = str(exc) if isinstance(exc, known) else "internal error while streaming"
-            yield "data: " + json.dumps(error_body(message, "server_error")) + "\n\n"
+            if not isinstance(exc, (RequestFailed, EngineFailed, ValueError, ShuttingDown)):
+                log.exception("internal error while streaming %s", rid)
+                exc = RuntimeError("internal error while streaming")
+            code = "shutting_down" if isinstance(exc, ShuttingDown) else None  # as a 503 before the stream names it
+            yield "data: " + json.dumps(error_body(str(exc), "server_error", code=code)) + "\n\n"
         finally:
             if handed_off and not (shadow.done() and (shadow.cancelled() or shadow.exception() is not None)):
                 self.hand_off(outputs, shadow, check, final)

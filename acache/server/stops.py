@@ -25,15 +25,14 @@ def find_stop(text: str, stops: list[str]) -> int | None:
 def held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters a stream must not send yet: the longest suffix that is a proper prefix
     of a stop string, or an incomplete character (U+FFFD at the end) that the next token may complete."""
+    whole = text.rstrip("\ufffd")  # a stop string's start before an incomplete character is held back with it
     hold = 0
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
+        for k in range(min(len(s) - 1, len(whole)), 0, -1):
+            if whole.endswith(s[:k]):
                 hold = max(hold, k)
                 break
-    while hold < len(text) and text[len(text) - hold - 1:].startswith("\ufffd"):
-        hold += 1
-    return hold
+    return hold + len(text) - len(whole)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 import pytest
 
-from acache.server.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from acache.server.protocol import MAX_STOP_CHARS, MAX_STOPS, BadRequest, ChatCompletionRequest, CompletionRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -38,6 +38,10 @@ def test_the_selector_applies_only_to_a_reused_affix():
     ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options takes include_usage"),
     ({"anchor_ratio": 1.5}, "anchor_ratio"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]}, f"stop takes at most {MAX_STOPS} strings, got 17"),
+    ({"stop": "x" * (MAX_STOP_CHARS + 1)}, f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
+                                           "257"),
+    ({"stop": ["ok", "y" * 300]}, "at most 256 characters, got one of 300"),
 ])
 def test_each_bad_field_is_named(fields, message):
     body = CompletionRequest(prompt="x", **fields)

@@ -2,7 +2,7 @@
 
 import random
 
-from acache.server.stops import cut_at_stop, spelled
+from acache.server.stops import cut_at_stop, held_back, spelled
 
 VOCAB = {0: "The answer", 1: " is", 2: " 5", 3: ".\n", 4: "Next", 5: "\n", 6: " line", 7: "é"}
 
@@ -106,4 +106,14 @@ def test_a_stream_sends_the_tokens_its_text_has_spelled():
 
     assert spelled([0, 1], quiet, "Hi") == 1 and cut_at_stop([0, 1, 2], quiet, ["\n"]).token_ids == [0]
     assert spelled([0, 1, 0], quiet, "HiHi") == 3  # inside the text it is sent with the tokens around it
+
+
+
+def test_a_stop_strings_start_before_an_incomplete_character_is_held_back_with_it():
+    """A block that ends inside a character decodes to U+FFFD at the end: the stop string's start before it was
+    sent, then the character completed the stop string, which the whole answer leaves out."""
+    assert held_back("Answer\ufffd", ["Answer："]) == 7
+    assert held_back("x\ufffd\ufffd", ["xé"]) == 3
+    assert held_back("done\ufffd", ["\n"]) == 1  # the character alone, as before
+    assert held_back("Answer", ["Answer："]) == 6
 
