@@ -145,7 +145,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from acache.models.config import affix_training
         from acache.models.loader import read_config
 
-        policy = "none" if affix_training(read_config(args.model)[1]) is not None else DEFAULT_SELECTOR
+        cls, config = read_config(args.model)
+        if getattr(cls, "state_cache", False):  # its cache is built per request: the affix is read with it
+            policy = None
+        else:
+            policy = "none" if affix_training(config) is not None else DEFAULT_SELECTOR
     params = SamplingParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                             remasking=args.remasking, threshold=args.threshold, factor=args.factor,
                             temperature=args.temperature, cache=args.cache,

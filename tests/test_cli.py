@@ -560,3 +560,21 @@ def test_serve_on_a_port_in_use_is_named_before_the_model_loads(llada_dir, capsy
         assert main(["serve", "--model", str(llada_dir), "--host", "127.0.0.1", "--port", str(port)]) == 2
     captured = capsys.readouterr()
     assert f"cannot serve on 127.0.0.1:{port}" in captured.err and "serving" not in captured.out
+
+
+def test_generate_with_an_affix_on_a_state_space_model_reads_it_with_the_request(capsys):
+    """Its cache is built per request, so no selector applies: the CLI's default selector refused every --affix on
+    such a model; now the affix is read with the prompt, as the server reads it, and the answer is the one the
+    affix's text written before the prompt gives."""
+    from acache.paths import SHIPPED_MODEL
+
+    ssm = str(SHIPPED_MODEL.parent / "acache-tiny-ssm")
+    common = ["--model", ssm, "--gen-length", "2", "--block-length", "2", "--json"]
+    assert main(["generate", *common, "--affix", "john went to the garden .", "--prompt", " where is john ?"]) == 0
+    with_affix = json.loads(capsys.readouterr().out)
+    assert main(["generate", *common, "--prompt", "john went to the garden . where is john ?"]) == 0
+    assert with_affix["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    assert with_affix["text"].startswith("garden")
+    named = ["--affix", "mary went .", "--prompt", " where is mary ?", "--selector", "attention"]
+    assert main(["generate", *common, *named]) == 2
+    assert "affix reuse (selector='attention') is not supported for the blockdiff_ssm family" in capsys.readouterr().err

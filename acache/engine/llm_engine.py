@@ -29,7 +29,7 @@ from acache.engine.outputs import EngineOutput
 from acache.engine.page_pool import PagePool
 from acache.engine.request import Request
 from acache.engine.scheduler import Scheduler, SchedulerConfig, StepFailed
-from acache.engine.state_cache_manager import StateCacheManager, check_state_request
+from acache.engine.state_cache_manager import StateCacheManager, check_nothing_after_answer, check_state_request
 from acache.engine.state_runner import StateRunner
 from acache.models.base import DiffusionLM
 from acache.models.r2lm import R2LM
@@ -182,6 +182,8 @@ class LLMEngine:
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
             check_state_request(self.model.family, prompt, params)
+        elif getattr(self.model, "block_causal", False):
+            check_nothing_after_answer(self.model.family, prompt)
         if params.affix_reuse(bool(prompt.affixes))[1]:  # BiCache: refused now, not at admission inside a step
             self.kv.store.check_hidden_room()
         if params.focus_layers is not None and params.focus_layers >= len(self.model.layers):

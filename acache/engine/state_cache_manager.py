@@ -44,6 +44,12 @@ def check_state_request(family: str, prompt: AffixPrompt, params: SamplingParams
     for name in ("focus_layers", "far_mask_window"):
         if getattr(params, name) is not None:
             raise ValueError(f"{name} is not supported for the {family} family")
+    check_nothing_after_answer(family, prompt)
+
+
+def check_nothing_after_answer(family: str, prompt: AffixPrompt) -> None:
+    """A block-causal model (state-space, R2LM, Fast-dLLM v2) reads no later block: text after the answer would be
+    computed and never read, so it is refused rather than ignored."""
     if prompt.gen_at != len(prompt.token_ids):
         raise ValueError(f"the prompt has {len(prompt.token_ids) - prompt.gen_at} tokens after its generation "
                          f"region, which a {family} model cannot read (it sees no later block): "

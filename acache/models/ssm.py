@@ -85,7 +85,10 @@ def check_sizes(config: object, label: str, names: tuple[str, ...], reals: tuple
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{label}: {name} must be a positive number, got {value!r}")
     for name in ("mask_token_id", "eos_token_id"):
-        if not 0 <= getattr(config, name) < config.vocab_size:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):  # true would be token 1, 259.0 a float id
+            raise ValueError(f"{label}: {name} must be an integer token id, got {value!r}")
+        if not 0 <= value < config.vocab_size:
             raise ValueError(f"{label}: {name}={getattr(config, name)} is outside the vocabulary of "
                              f"{config.vocab_size}")
 
@@ -326,8 +329,9 @@ class SSMBlockDiffusionLM(OwnLayout, nn.Module):
                       conv_kernel: int | None = None, n_groups: int | None = None, kv_heads: int | None = None,
                       max_seq_len: int | None = None) -> SSMConfig:
         """A config at a width: the scan at twice it (Mamba's expansion) in heads of 16 channels, state 16, a
-        convolution of 4 taps and one group unless given (``heads`` and ``rope_theta`` are attention's, which
-        this family has not: an attention shape it is asked for is refused, not ignored)."""
+        convolution of 4 taps and one group unless given. ``heads`` and ``rope_theta`` are attention's, which this
+        family has not: the scan's heads follow the width, and both are ignored (every family's writer passes
+        them); ``kv_heads``, which only a caller sets, is refused."""
         if kv_heads is not None:
             raise ValueError(f"kv_heads shapes attention, which the {cls.family} family has not")
         positions = 65536 if max_seq_len is None else max_seq_len

@@ -7,7 +7,10 @@ import torch
 from acache.affix.prompt import AffixPrompt
 
 
-def layouts(affix_len: int = 20, question_len: int = 6, seed: int = 0) -> dict[str, AffixPrompt]:
+def layouts(affix_len: int = 20, question_len: int = 6, seed: int = 0, block_causal: bool = False
+            ) -> dict[str, AffixPrompt]:
+    """One prompt of each layout. A ``block_causal`` model reads nothing after its answer: its "suffix" is the affix
+    last before the answer."""
     g = torch.Generator().manual_seed(seed)
     aff = torch.randint(0, 256, (affix_len,), generator=g).tolist()
     sys_aff = torch.randint(0, 256, (8,), generator=g).tolist()
@@ -17,7 +20,8 @@ def layouts(affix_len: int = 20, question_len: int = 6, seed: int = 0) -> dict[s
     return {
         "prefix": AffixPrompt.from_spans(aff + q, None, [(0, n)]),
         "infix": AffixPrompt.from_spans(q[:h] + aff + q[h:], None, [(h, h + n)]),
-        "suffix": AffixPrompt.from_spans(q + aff, question_len, [(question_len, question_len + n)]),
+        "suffix": AffixPrompt.from_spans(q + aff, None if block_causal else question_len,
+                                         [(question_len, question_len + n)]),
         "two-affix": AffixPrompt.from_spans(sys_aff + q[:h] + aff + q[h:], None,
                                             [(0, 8, "system"), (8 + h, 8 + h + n, "doc")]),
     }

@@ -192,3 +192,19 @@ def test_engine_matches_reference_with_mixed_requests(model):
         ref = reference_generate(model, prompt, sp, store)
         assert out.token_ids == ref.token_ids and out.anchors == ref.anchors, sp
         assert (out.nfe, out.refreshes) == (ref.nfe, ref.refreshes), sp
+
+
+def test_text_after_the_answer_is_refused_not_ignored(model):
+    """A block-causal model reads no later block: a suffix (an affix or plain text after the answer) was computed at
+    every refresh and never read, the answer the same whatever it said. The engine and the reference path refuse it
+    by name, as the state-cache families do."""
+    suffix = layouts(affix_len=8)["suffix"]
+    plain_suffix = AffixPrompt.from_spans(random_prompts([12], seed=3)[0], 5)
+    for prompt, params in ((suffix, SamplingParams(gen_length=4, block_length=4, selector="attention")),
+                           (plain_suffix, SamplingParams(gen_length=4, block_length=4))):
+        after = len(prompt.token_ids) - prompt.gen_at
+        with pytest.raises(ValueError, match=f"the prompt has {after} tokens after its generation region, which a "
+                                             "fast_dllm_v2 model cannot read"):
+            reference_generate(model, prompt, params)
+        with pytest.raises(ValueError, match=f"the prompt has {after} tokens after its generation region"):
+            LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24)).add_request(prompt, params)

@@ -203,6 +203,9 @@ def test_config_is_validated():
         SSMConfig(**{**CONFIG, "n_groups": 2})
     with pytest.raises(ValueError, match="mask_token_id=300 is outside the vocabulary"):
         SSMConfig(**{**CONFIG, "mask_token_id": 300})
+    for name, value in (("eos_token_id", True), ("mask_token_id", 259.0), ("eos_token_id", "2")):
+        with pytest.raises(ValueError, match=f"{name} must be an integer token id, got {value!r}"):
+            SSMConfig(**{**CONFIG, name: value})
     for eps in (0, -1.0, float("nan"), "1e-6", True):  # a bad epsilon made every logit NaN, or failed in RMSNorm
         with pytest.raises(ValueError, match="rms_norm_eps must be a positive number"):
             SSMConfig(**{**CONFIG, "rms_norm_eps": eps})

@@ -17,8 +17,10 @@ from tests.affix.helpers import layouts
 from tests.models import tp_faults
 
 
-def mixed():
-    prompts = [layouts(seed=s)[k] for s in range(2) for k in ["prefix", "infix", "suffix", "two-affix"]]
+def mixed(block_causal: bool = False):
+    """Eight requests, every layout (as a ``block_causal`` model reads them: see :func:`layouts`) and selector."""
+    prompts = [layouts(seed=s, block_causal=block_causal)[k] for s in range(2)
+               for k in ["prefix", "infix", "suffix", "two-affix"]]
     params = [SamplingParams(gen_length=(8, 16)[i % 2], block_length=8, threshold=0.5,
                              selector=(None, "attention", "cacheblend", "kv-deviation", "influence",
                                            "query-attention")[i % 6],
@@ -28,7 +30,9 @@ def mixed():
 
 
 def test_two_ranks_give_the_tokens_of_one(family_dir):
-    prompts, params = mixed()
+    from acache.models.loader import read_config
+
+    prompts, params = mixed(block_causal=read_config(family_dir)[0].block_causal)
     one = LLM(family_dir, kv_cache_memory=1 << 24, max_batch_size=3)
     first = one.generate(prompts, params, use_tqdm=False)
     want = [o.token_ids for o in first]
