@@ -95,7 +95,13 @@ class AsyncEngine:
         self.dead: BaseException | None = None  # what stopped the engine thread (or its ranks), if not a shutdown
 
     def start(self) -> None:
+        """Starts the engine thread. Refused while another app's thread steps the same engine: the two would step it
+        at once under two locks (a request committed twice), and each would drop the other's outputs."""
         if self._thread is None:
+            if self.engine.served:
+                raise RuntimeError("this LLM is already being served by another app (its engine thread steps the "
+                                   "engine, which is not thread-safe): serve one app per LLM, or stop the other "
+                                   "first")
             self.engine.served = True  # LLM.generate refuses to step it beside the loop
             self._thread = threading.Thread(target=self._loop, name="acache-engine", daemon=True)
             self._thread.start()
@@ -103,9 +109,9 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stop = True
         self.wake.set()
-        if self._thread is not None:
+        if self._thread is not None:  # one refused at its start leaves the other app's engine served
             self._thread.join(timeout=10)
-        self.engine.served = False
+            self.engine.served = False
 
     @property
     def stopped(self) -> bool:

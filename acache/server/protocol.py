@@ -19,7 +19,7 @@ from acache.sampling_params import SamplingParams
 MAX_LOGPROBS = 20
 #: stop strings a request may give, and their length: each block of a stream looks for every one in the text, on
 #: the event loop every other request waits on (OpenAI takes 4 stops; lm-eval's ``until`` lists a few)
-MAX_STOPS = 16
+MAX_STOPS = 64
 MAX_STOP_CHARS = 256
 MAX_MC_SAMPLES = 1024
 DEFAULTS = SamplingParams()

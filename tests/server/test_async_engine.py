@@ -283,3 +283,25 @@ def test_a_request_waiting_to_be_added_during_a_failing_step_is_served_after_it(
     monkeypatch.setattr(LLMEngine, "step", real)
     alone = llm.generate(second, params, use_tqdm=False)[0]
     assert served.token_ids == alone.token_ids and not llm.engine.has_unfinished() and engine._added == set()
+
+
+def test_a_second_app_on_a_served_llm_is_refused_and_leaves_the_first_serving():
+    """Two apps over one LLM each ran an engine thread under its own lock: the first's, polling, stepped the second's
+    requests beside it (a request committed twice failed with a shape error in CI) and dropped their outputs."""
+    from fastapi.testclient import TestClient
+
+    from acache import LLM
+    from acache.paths import default_model
+    from acache.server.app import create_app
+
+    llm = LLM(default_model(), kv_cache_memory=1 << 24)
+    body = {"prompt": "where is mary ?", "max_tokens": 2}
+    with TestClient(create_app(llm, "tiny")) as first:
+        second = TestClient(create_app(llm, "tiny"))
+        with pytest.raises(RuntimeError, match="this LLM is already being served by another app"):
+            second.__enter__()
+        assert llm.engine.served  # the refused app's shutdown did not unmark the first's engine
+        assert first.post("/v1/completions", json=body).status_code == 200
+    assert not llm.engine.served
+    with TestClient(create_app(llm, "tiny")) as second:  # once the first has stopped, another may serve it
+        assert second.post("/v1/completions", json=body).status_code == 200

@@ -28,6 +28,14 @@ def setup():
         yield client, llm
 
 
+@pytest.fixture(scope="module")
+def own_llm():
+    """An LLM no app serves yet, for a test that builds an app of its own: an LLM is served by one app at a time."""
+    from acache.paths import default_model
+
+    return LLM(default_model(), kv_cache_memory=1 << 24)
+
+
 def post(client, path, body):
     resp = client.post(path, json=body)
     return resp.status_code, resp.json()
@@ -302,8 +310,8 @@ def test_a_prompt_holding_the_mask_token_is_not_scored(setup):
         out["error"]["message"]
 
 
-def test_scoring_past_the_budget_is_refused_and_the_rest_is_scored(setup):
-    _, llm = setup
+def test_scoring_past_the_budget_is_refused_and_the_rest_is_scored(own_llm):
+    llm = own_llm
     small = 30 * 16 * 8  # a 30-token prompt with 8 draws a split takes about 4,000 token positions
     with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=small)) as client:
         ids = llm.tokenizer.encode(STORY)
@@ -483,7 +491,7 @@ def counted_generate(monkeypatch, engine) -> list:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, monkeypatch, path):
+def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, own_llm, monkeypatch, path):
     """A prompt holding the mask token, or an echoed prompt whose scoring alone is past the budget, was decoded to
     the end before the 400."""
     client, llm = setup
@@ -498,7 +506,8 @@ def test_a_request_whose_scoring_is_refused_is_refused_before_it_decodes(setup, 
     assert status == 400 and "is the model's mask token" in out["error"]["message"] and calls == []
     if path == "/v1/completions":
         ids = llm.tokenizer.encode(STORY)
-        with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=30 * 16 * 8)) as c:
+        with TestClient(create_app(own_llm, "tiny", loglikelihood_samples=SAMPLES,
+                                   max_scoring_tokens=30 * 16 * 8)) as c:
             calls = counted_generate(monkeypatch, c.app.state.engine)
             status, out = post(c, path, {"prompt": ids, "max_tokens": 4, "echo": True, "logprobs": 0,
                                          "mc_samples": 64})
@@ -558,10 +567,10 @@ def test_a_caller_another_took_into_its_pass_that_gives_up_is_cancelled_not_a_50
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_scoring_an_answer_past_the_budget_is_refused_before_it_decodes(setup, monkeypatch, path):
+def test_scoring_an_answer_past_the_budget_is_refused_before_it_decodes(own_llm, monkeypatch, path):
     """Only echoed prompts were counted before decoding: the answer's own scoring, sized by max_tokens, was
     refused after the whole answer decoded (a chat's always), and the message said to score a shorter prompt."""
-    _, llm = setup
+    llm = own_llm
     ids = llm.tokenizer.encode("where is mary ?")
     with TestClient(create_app(llm, "tiny", loglikelihood_samples=SAMPLES, max_scoring_tokens=20_000)) as c:
         calls = counted_generate(monkeypatch, c.app.state.engine)

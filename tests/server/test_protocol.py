@@ -38,7 +38,8 @@ def test_the_selector_applies_only_to_a_reused_affix():
     ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options takes include_usage"),
     ({"anchor_ratio": 1.5}, "anchor_ratio"),
-    ({"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]}, f"stop takes at most {MAX_STOPS} strings, got 17"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOPS + 1)]},
+     f"stop takes at most {MAX_STOPS} strings, got {MAX_STOPS + 1}"),
     ({"stop": "x" * (MAX_STOP_CHARS + 1)}, f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
                                            "257"),
     ({"stop": ["ok", "y" * 300]}, "at most 256 characters, got one of 300"),
