@@ -24,7 +24,7 @@ from acache.affix.selectors import admission_anchors, drop_uncounted, make_selec
 from acache.affix.store import AffixStore
 from acache.decoding.request_state import RequestState
 from acache.decoding.sampler import propose
-from acache.engine.state_cache_manager import BlockCache, check_nothing_after_answer, check_state_request
+from acache.engine.state_cache_manager import BlockCache, check_state_request
 from acache.engine.state_runner import new_state, run_plans
 from acache.models.base import DiffusionLM
 from acache.models.kv import KVCache
@@ -53,8 +53,6 @@ def reference_generate(model: DiffusionLM, prompt: AffixPrompt | Sequence[int], 
     if not isinstance(prompt, AffixPrompt):
         prompt = AffixPrompt(tuple(prompt), len(prompt))  # its ids taken as integers, or named
     prompt.check_fits(cfg.vocab_size, cfg.max_position_embeddings, params.gen_length)
-    if model.block_causal:
-        check_nothing_after_answer(model.family, prompt)
     if params.focus_layers is not None:
         raise ValueError("focus_layers is not run by the reference path (FOCUS prunes the engine's batched "
                          "steps); compare a focused engine run with the engine's own unfocused one")

@@ -168,8 +168,13 @@ class LLMEngine:
 
     def check_request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams) -> None:
         """Every check :meth:`add_request` makes, without queuing anything (a server answers 400 with it
-        before it starts a stream)."""
-        self.scheduler.check(self._request(prompt, params, "", None, False))
+        before it starts a stream; ``LLM.generate`` asks it for the whole batch first). It also refuses on the
+        user's behalf text after the answer on a block-causal model, which the engine would decode beside, never
+        reading it; :meth:`add_request` itself takes such a prompt (its equivalence tests draw every layout)."""
+        request = self._request(prompt, params, "", None, False)
+        if getattr(self.model, "block_causal", False):
+            check_nothing_after_answer(self.model.family, request.prompt)
+        self.scheduler.check(request)
 
     def _request(self, prompt: AffixPrompt | Seq[int], params: SamplingParams, request_id: str,
                  generator: torch.Generator | None, stream: bool) -> Request:
@@ -182,8 +187,6 @@ class LLMEngine:
         prompt.check_fits(cfg.vocab_size, self.max_model_len, params.gen_length)
         if self.state_cache:
             check_state_request(self.model.family, prompt, params)
-        elif getattr(self.model, "block_causal", False):
-            check_nothing_after_answer(self.model.family, prompt)
         if params.affix_reuse(bool(prompt.affixes))[1]:  # BiCache: refused now, not at admission inside a step
             self.kv.store.check_hidden_room()
         if params.focus_layers is not None and params.focus_layers >= len(self.model.layers):

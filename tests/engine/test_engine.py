@@ -23,11 +23,9 @@ def run_all(engine, requests):
     return run_engine(engine.model, list(prompts), list(params), engine=engine, generators=gens)
 
 
-def mixed_requests(n, params, seed=0, model=None):
-    """``n`` requests of every layout (as ``model`` reads them: see :func:`layouts`)."""
-    causal = getattr(model, "block_causal", False)
+def mixed_requests(n, params, seed=0):
     kinds = ["prefix", "infix", "suffix", "two-affix"]
-    pool = [layouts(seed=s, block_causal=causal)[k] for s in (seed, seed + 1) for k in kinds]
+    pool = [layouts(seed=seed)[k] for k in kinds] + [layouts(seed=seed + 1)[k] for k in kinds]
     return [(pool[i % len(pool)], params, None) for i in range(n)]
 
 
@@ -40,8 +38,7 @@ def test_engine_matches_single_request_path(family_model, selector, batch):
               dict(gen_length=32, block_length=16)]
     params = [SamplingParams(**shapes[i % 3], threshold=(0.5, 0.7)[i % 2], selector=selector,
                              anchor_ratio=(0.3, 0.5, 0.1)[i % 3], ignore_eos=True) for i in range(16)]
-    prompts = [prompt for prompt, _, _ in mixed_requests(16, params[0], model=family_model)]
-    requests = [(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
+    requests = [(prompt, p, None) for (prompt, _, _), p in zip(mixed_requests(16, params[0]), params, strict=True)]
     engine = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24, max_num_seqs=batch))
     outs = run_engine(family_model, [r[0] for r in requests], params, arrivals=[i // 3 for i in range(16)],
                       engine=engine)
@@ -62,7 +59,7 @@ def test_engine_matches_single_request_path(family_model, selector, batch):
 
 def test_engine_without_reuse_is_the_dual_cache(family_model):
     params = SamplingParams(**BASE)
-    requests = mixed_requests(6, params, model=family_model)
+    requests = mixed_requests(6, params)
     outs = run_all(LLMEngine(family_model, EngineConfig(page_size=8, kv_cache_memory=1 << 24)), requests)
     for (prompt, _, _), out in zip(requests, outs, strict=True):
         assert out.token_ids == reference_generate(family_model, prompt, params).token_ids
@@ -102,7 +99,7 @@ def test_memory_grows_by_private_tokens_not_by_the_affix(llada_dir):
 
 def test_too_few_pages_still_completes_every_request(family_model):
     params = SamplingParams(**BASE, selector="attention", anchor_ratio=0.3)
-    requests = mixed_requests(10, params, model=family_model)
+    requests = mixed_requests(10, params)
     roomy = run_all(LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 24)), requests)
     page_bytes = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=1 << 20)).pool.page_bytes
     tight = LLMEngine(family_model, EngineConfig(page_size=4, kv_cache_memory=40 * page_bytes))
@@ -413,7 +410,7 @@ def test_anchor_query_splits_selection_only_where_a_selector_reads_it(family_mod
     real = model_runner.make_selector
     monkeypatch.setattr(model_runner, "make_selector", lambda name, query: asked.append((name, query)) or
                         real(name, query))
-    prompts = list(layouts(block_causal=family_model.block_causal).values())
+    prompts = list(layouts().values())
     params = [SamplingParams(**BASE, selector=s, anchor_query=q, anchor_ratio=r, anchor_pass="two")
               for s, q, r in (("cacheblend", "probe", 0.3), ("cacheblend", "full", 0.2),
                               ("attention", "probe", 0.3), ("attention", "shallow", 0.3))]
@@ -436,7 +433,7 @@ def test_a_selector_that_needs_no_forward_chooses_at_admission(family_model, mon
     selected, real = [], ModelRunner._select
     monkeypatch.setattr(ModelRunner, "_select", lambda self, reqs: selected.extend(r.request_id for r in reqs) or
                         real(self, reqs))
-    kinds = layouts(block_causal=family_model.block_causal)
+    kinds = layouts()
     cases = [(kinds["prefix"], dict(BASE, selector="random", anchor_ratio=0.3, seed=1)),
              (kinds["infix"], dict(gen_length=8, block_length=4, selector="first-k", anchor_ratio=0.5)),
              (kinds["suffix"], dict(BASE, selector="all")),
@@ -581,8 +578,7 @@ def test_ignore_eos_decodes_the_whole_region_through_the_models_stops(family_mod
     """``ignore_eos`` (vLLM's field, what throughput benchmarks set) decodes past the model's stop tokens, the
     request's own ``stop_token_ids`` still ending it; beside requests that stop, at other block lengths and
     selectors, arriving staggered, each as it decodes alone."""
-    causal = family_model.block_causal
-    prompts = [layouts(seed=3, block_causal=causal)[k] for k in ("prefix", "infix", "suffix", "prefix")]
+    prompts = [layouts(seed=3)[k] for k in ("prefix", "infix", "suffix", "prefix")]
     probe = SamplingParams(gen_length=16, block_length=4, selector="attention")
     stop = reference_generate(family_model, prompts[0], probe).token_ids[1]  # in the first block: ends it early
     params = [SamplingParams(gen_length=16, block_length=4, selector="attention", ignore_eos=True),

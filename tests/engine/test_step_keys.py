@@ -72,8 +72,7 @@ def test_reused_step_keys_change_no_token(family_model):
     from tests.affix.helpers import layouts
     from tests.helpers import run_engine
 
-    prompts = [layouts(seed=s, block_causal=family_model.block_causal)[k] for s in range(2)
-               for k in ("prefix", "infix", "suffix")]
+    prompts = [layouts(seed=s)[k] for s in range(2) for k in ("prefix", "infix", "suffix")]
     params = [SamplingParams(gen_length=(16, 32)[i % 2], block_length=8, threshold=(0.5, 0.9)[i % 2],
                              refresh_interval=(None, 2, None)[i % 3], cache=("dual", "dual", "prefix")[i % 3],
                              selector="attention" if i % 3 != 2 else None, far_mask_window=(None, 1)[i % 2])

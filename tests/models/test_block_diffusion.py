@@ -194,17 +194,21 @@ def test_engine_matches_reference_with_mixed_requests(model):
         assert (out.nfe, out.refreshes) == (ref.nfe, ref.refreshes), sp
 
 
-def test_text_after_the_answer_is_refused_not_ignored(model):
+def test_text_after_the_answer_is_refused_not_ignored(model, blockdiff_dir):
     """A block-causal model reads no later block: a suffix (an affix or plain text after the answer) was computed at
-    every refresh and never read, the answer the same whatever it said. The engine and the reference path refuse it
-    by name, as the state-cache families do."""
+    every refresh and never read, the answer the same whatever it said. What users call (LLM.generate, the server's
+    check before a request, so the CLI too) refuses it by name, as for the state-cache families."""
+    from acache import LLM
+
     suffix = layouts(affix_len=8)["suffix"]
     plain_suffix = AffixPrompt.from_spans(random_prompts([12], seed=3)[0], 5)
+    llm = LLM(blockdiff_dir, kv_cache_memory=1 << 24)
     for prompt, params in ((suffix, SamplingParams(gen_length=4, block_length=4, selector="attention")),
                            (plain_suffix, SamplingParams(gen_length=4, block_length=4))):
         after = len(prompt.token_ids) - prompt.gen_at
         with pytest.raises(ValueError, match=f"the prompt has {after} tokens after its generation region, which a "
                                              "fast_dllm_v2 model cannot read"):
-            reference_generate(model, prompt, params)
-        with pytest.raises(ValueError, match=f"the prompt has {after} tokens after its generation region"):
-            LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24)).add_request(prompt, params)
+            LLMEngine(model, EngineConfig(kv_cache_memory=1 << 24)).check_request(prompt, params)
+        with pytest.raises(ValueError, match=f"prompt 1: the prompt has {after} tokens after its generation region"):
+            llm.generate([layouts(affix_len=8)["prefix"], prompt], params, use_tqdm=False)
+    assert llm.engine.request_ids() == []  # the batch is checked whole before any of it is queued
