@@ -116,6 +116,7 @@ _positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda v: v >= 0, "a non-negative integer")
 _port = _checked(int, lambda v: 1 <= v <= 65535, "a port number (1-65535)")
 _non_negative_float = _checked(float, lambda v: 0 <= v < float("inf"), "a non-negative number of seconds")
+_non_negative_number = _checked(float, lambda v: 0 <= v < float("inf"), "a non-negative number")
 
 
 def parse_size(text: str) -> int:
@@ -404,6 +405,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     import threading
 
     try:
+        import ray
+
         from acache.cluster.frontend import FrontendSettings
         from acache.cluster.launch import NAMESPACE, ClusterSettings, ClusterStartError, deploy, prepare, stop
         from acache.cluster.replica import ReplicaSettings
@@ -413,7 +416,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
                               host=args.host, port=args.port, app_name=args.app_name, balance_absolute=args.balance_abs,
                               balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
-                              gpus_per_replica=1.0 if _wants_cuda(args.device) else 0.0,
+                              gpus_per_replica=args.gpus_per_replica if args.gpus_per_replica is not None else
+                              1.0 if _wants_cuda(args.device) else 0.0,
                               shutdown_grace=args.shutdown_grace)
     name = args.served_model_name or Path(args.model).resolve().name
     api_key = args.api_key or os.environ.get("ACACHE_API_KEY") or None
@@ -448,7 +452,13 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
         failed = exc
     finally:
         stopped = _stop_cluster(cluster, stop)  # a second signal meanwhile ends its wait
-        signal.signal(signal.SIGTERM, previous)
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ray's own processes stop now: not cut short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            ray.shutdown()  # the processes this command started; a cluster it joined stays up
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, interrupt)
     if failed is not None:
         print(f"acache serve: error: {failed}", file=sys.stderr)
         return 1
@@ -456,11 +466,9 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
 
 
 def _stop_cluster(cluster, stop) -> bool:
-    """Stops the application within its bound, then Ray (the processes this command started; a cluster it joined
-    stays up). A signal while waiting stops the wait. False when the application outlived its bound."""
+    """Stops the application within its bound; a signal while waiting stops the wait. False when the application
+    outlived its bound."""
     import time
-
-    import ray
 
     print(f"stopping the cluster (at most {cluster.stop_bound_s:.0f} s: each replica has {cluster.replica_stop_s:g} s "
           "for its requests in flight and its save)", flush=True)
@@ -475,7 +483,6 @@ def _stop_cluster(cluster, stop) -> bool:
         where = ("the deletion goes on in the Ray cluster at --ray-address" if cluster.ray_address else
                  "its Ray processes are stopped under it (affixes a replica had not saved are lost)")
         print(f"the cluster did not stop within {time.monotonic() - started:.1f} s: {where}", flush=True)
-    ray.shutdown()
     return stopped
 
 
@@ -587,8 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--balance-rel", type=float, default=1.5, help="... and this many times as long")
     cluster.add_argument("--threads-per-replica", type=_positive_int, default=None,
                          help="torch threads of each replica (default: this machine's cores / replicas)")
-    cluster.add_argument("--cpus-per-replica", type=float, default=0.0,
+    cluster.add_argument("--cpus-per-replica", type=_non_negative_number, default=0.0,
                          help="CPUs Ray reserves for each replica (0: replicas share the machine freely)")
+    cluster.add_argument("--gpus-per-replica", type=_non_negative_number, default=None,
+                         help="GPUs Ray gives each replica, fractions included (default: 1 when --device is CUDA "
+                              "here, else 0; a cluster whose GPUs are on other machines than this one names it)")
     _add_model_args(p)
     _add_tp_arg(p)
     p.set_defaults(func=_cmd_serve)

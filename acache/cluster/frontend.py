@@ -9,12 +9,15 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray.serve.exceptions import RayServeException
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from acache.affix.prompt import Affix, affix_key
 from acache.cluster.forwarding import ForwardedRequest, ResponseStart
@@ -29,6 +32,7 @@ from acache.server.serving_affixes import leading_affix_ids
 
 log = logging.getLogger("acache.cluster")
 STATS_WAIT_S = 5.0  # how long /cluster/stats waits for the affix directory
+READY_TTL_S = 1.0  # how long a count of the running replicas is trusted before Serve is asked again
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
@@ -71,7 +75,8 @@ class SpanExtractor:
             except ValueError:
                 return (), None
         if path == "/v1/completions":
-            ids = registered[0] if registered and body.get("selector") != "off" and self.shares_affixes else None
+            reuse = body.get("selector") != "off" and body.get("affix_reuse") != "off" and self.shares_affixes
+            ids = registered[0] if registered and reuse else None
             return (((affix_key(ids), len(ids)),) if ids else ()), registered
         if path == "/v1/chat/completions":
             request = ChatCompletionRequest.model_validate(body)
@@ -125,12 +130,45 @@ def running_replicas(app_name: str, deployment: str = "EngineReplica") -> int:
     return int(states.get("RUNNING", 0))
 
 
+class RunningCount:
+    """``ready()``, asked off the event loop at most once every :data:`READY_TTL_S`: a request with no replica running
+    is answered 503 at once, where Serve would hold it until one runs (for ever, if replacements keep failing)."""
+
+    def __init__(self, ready: Callable[[], int]) -> None:
+        self.ready = ready
+        self.value: int | None = None
+        self.at = float("-inf")
+
+    async def get(self) -> int | None:
+        """The count, or None when Serve cannot be asked (the request then goes on, and Serve decides)."""
+        if time.monotonic() - self.at >= READY_TTL_S:
+            try:
+                self.value = await asyncio.to_thread(self.ready)
+            except Exception:
+                self.value = None
+            self.at = time.monotonic()
+        return self.value
+
+
 def build_frontend(settings: FrontendSettings, engine, directory, ready: Callable[[], int] | None = None) -> FastAPI:
     """The FastAPI app that forwards to ``engine`` (a Serve handle to the replicas); ``ready`` counts the
     replicas running (Serve's own status by default)."""
     extractor = SpanExtractor(settings)
     app = FastAPI(title="acache cluster", description="OpenAI-compatible front door of acache replicas")
     ready = ready or functools.partial(running_replicas, settings.app_name)
+    running = RunningCount(ready)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):  # a 405, as the single server words it
+        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
+                     "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        if isinstance(exc, RayServeException):  # the application is being deployed or deleted
+            return error(503, f"the engine replicas cannot be reached ({type(exc).__name__}); try again")
+        log.exception("internal error on %s", request.url.path, exc_info=exc)
+        return error(500, "internal error; the front door's log has the details")
 
     @app.get("/health")
     async def health():
@@ -144,6 +182,9 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
         return JSONResponse(body, status_code=200 if running >= settings.replicas else 503)
 
     async def forward(forwarded: ForwardedRequest) -> Response:
+        if await running.get() == 0:
+            return error(503, "no engine replica is running (the cluster is starting, or replacing one that failed); "
+                              "try again")
         tries = settings.retries + 1
         for n in range(tries):
             stream = engine.options(stream=True).handle.remote(forwarded)

@@ -4,6 +4,7 @@ engine replicas behind the chosen router, and the frontend on Serve's HTTP proxy
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from acache.cluster.frontend import FrontendSettings, build_frontend
 from acache.cluster.replica import EngineReplica, ReplicaSettings
 from acache.cluster.router import SpanAwareRouter
 
+log = logging.getLogger("acache.cluster")
 NAMESPACE = "acache"
 ROUTERS = ("span", "default")
 #: the route the front door answers under: the OpenAI paths from the root, as the single server answers them
@@ -66,9 +68,12 @@ class ClusterSettings:
         Balance(self.balance_absolute, self.balance_relative)  # refused here, not inside the router
         if not isinstance(self.app_name, str) or not self.app_name.strip():
             raise ValueError(f"app_name must be a non-empty string, got {self.app_name!r}")
-        if (isinstance(self.shutdown_grace, bool) or not isinstance(self.shutdown_grace, (int, float))
-                or not math.isfinite(self.shutdown_grace) or self.shutdown_grace < 0):
-            raise ValueError(f"shutdown_grace must be a non-negative number of seconds, got {self.shutdown_grace!r}")
+        for name in ("shutdown_grace", "cpus_per_replica", "gpus_per_replica"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0):
+                what = "number of seconds" if name == "shutdown_grace" else "number"
+                raise ValueError(f"{name} must be a non-negative {what}, got {value!r}")
 
     @property
     def directory(self) -> str:
@@ -138,9 +143,26 @@ def start(cluster: ClusterSettings, replica: ReplicaSettings, frontend: Frontend
     deploy(cluster, replica, frontend)
 
 
+def check_resources(cluster: ClusterSettings) -> None:
+    """Refuses replicas that ask for more GPUs or CPUs than the Ray cluster has: Serve would wait for them for ever,
+    saying so only in its own log. Only logged on a cluster joined by address, whose autoscaler may add nodes."""
+    have = ray.cluster_resources()
+    short = [f"{cluster.replicas} replicas need {each * cluster.replicas:g} {name}s ({each:g} each) and the Ray "
+             f"cluster has {have.get(name, 0):g}" for name, each in (("GPU", cluster.gpus_per_replica),
+                                                                      ("CPU", cluster.cpus_per_replica))
+             if each * cluster.replicas > have.get(name, 0)]
+    if not short:
+        return
+    message = "; ".join(short) + " (--gpus-per-replica, --cpus-per-replica and --replicas set what they ask for)"
+    if cluster.ray_address is None:
+        raise ClusterStartError(message)
+    log.warning("%s: Serve waits until the cluster has them", message)
+
+
 def deploy(cluster: ClusterSettings, replica: ReplicaSettings, frontend: FrontendSettings) -> None:
     """:func:`start` after :func:`prepare`: a caller that must tell a refusal from a failed deployment (which it
     then stops) calls the two apart."""
+    check_resources(cluster)
     # restarted if it dies (empty: the replicas then report in full, as the directory asks them to)
     directory = ray.remote(AffixDirectory).options(name=cluster.directory, namespace=NAMESPACE,
                                                    lifetime="detached", get_if_exists=True, num_cpus=0,

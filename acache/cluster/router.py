@@ -70,6 +70,8 @@ class SpanAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not by_id:
             return []
+        if pending_request is not None:  # every replica is offered: a pass they all refuse waits before the next
+            pending_request.routing_context.should_backoff = True
         try:
             order = await self._rank(by_id, request_spans(pending_request))
         except Exception as exc:  # a routing fault must not strand the request: any replica will do

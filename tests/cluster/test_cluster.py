@@ -16,7 +16,16 @@ from fastapi.testclient import TestClient
 from acache import LLM
 from acache.cluster.directory import AffixDirectory
 from acache.cluster.frontend import FrontendSettings
-from acache.cluster.launch import NAMESPACE, SAVE_ALLOWANCE_S, ClusterSettings, ClusterStartError, prepare, start, stop
+from acache.cluster.launch import (
+    NAMESPACE,
+    SAVE_ALLOWANCE_S,
+    ClusterSettings,
+    ClusterStartError,
+    check_resources,
+    prepare,
+    start,
+    stop,
+)
 from acache.cluster.replica import ReplicaSettings
 from acache.paths import default_model
 from acache.server.app import create_app
@@ -246,6 +255,28 @@ def test_a_stop_waits_no_longer_than_its_bound(local_ray):
 def test_the_shutdown_grace_is_a_non_negative_number_of_seconds(grace):
     with pytest.raises(ValueError, match="shutdown_grace must be a non-negative number of seconds"):
         ClusterSettings(shutdown_grace=grace)
+
+
+@pytest.mark.parametrize("name", ["cpus_per_replica", "gpus_per_replica"])
+@pytest.mark.parametrize("value", [-0.5, float("inf"), "1", True])
+def test_a_replicas_resources_are_non_negative_numbers(name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a non-negative number, got"):
+        ClusterSettings(**{name: value})
+
+
+def test_replicas_asking_for_more_than_the_cluster_has_are_refused_before_deploying(local_ray):
+    """Serve waited for ever, silently, for a GPU this Ray instance does not have (two replicas on a one-GPU machine
+    did). A cluster joined by address may grow (an autoscaler): there it is only logged."""
+    from ray import serve
+
+    short = ClusterSettings(replicas=2, port=local_ray, app_name="test-no-gpu", gpus_per_replica=0.5)
+    model = str(default_model())
+    with pytest.raises(ClusterStartError, match=r"2 replicas need 1 GPUs \(0.5 each\) and the Ray cluster has 0"):
+        start(short, ReplicaSettings(model, "tiny", short.directory, NAMESPACE),
+              FrontendSettings(model, short.directory, NAMESPACE, app_name=short.app_name))
+    assert short.app_name not in serve.status().applications
+    with pytest.raises(ClusterStartError, match="need 1000 CPUs"):
+        check_resources(ClusterSettings(replicas=2, cpus_per_replica=500))
 
 
 def test_a_replica_that_cannot_start_is_named_with_its_own_error(local_ray, tmp_path):

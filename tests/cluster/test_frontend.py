@@ -14,9 +14,9 @@ from acache.cluster.frontend import FrontendSettings, build_frontend  # noqa: E4
 from acache.paths import default_model  # noqa: E402
 
 
-def front(running, replicas: int = 3) -> TestClient:
+def front(running, replicas: int = 3, engine=None) -> TestClient:
     settings = FrontendSettings(str(default_model()), "dir", "ns", replicas=replicas)
-    return TestClient(build_frontend(settings, engine=None, directory=None, ready=running))
+    return TestClient(build_frontend(settings, engine=engine, directory=None, ready=running))
 
 
 @pytest.mark.parametrize("running, status, state", [(0, 503, "starting"), (2, 503, "starting"), (3, 200, "ok"),
@@ -71,5 +71,53 @@ def test_the_spans_sent_to_the_router_are_those_the_replica_reuses():
         assert extractor.spans("/v1/chat/completions", {"messages": messages, **off}) == ((), None)
     affix = extractor.registry.register(extractor.inputs.encode_text("Sandra went to the office."), None, None)
     assert extractor.spans("/v1/completions", {"prompt": "x", "affix": affix})[0]
-    assert extractor.spans("/v1/completions", {"prompt": "x", "affix": affix, "selector": "off"})[0] == ()
+    for off in ({"affix_reuse": "off"}, {"selector": "off"}):
+        assert extractor.spans("/v1/completions", {"prompt": "x", "affix": affix, **off})[0] == ()
+
+
+class Engine:
+    """A handle whose every call counts, and raises ``fail`` (Serve's answer while the application goes away)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.calls, self.fail = 0, fail
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle(self):
+        return self
+
+    def remote(self, forwarded):
+        self.calls += 1
+        raise self.fail
+
+
+def test_a_request_with_no_replica_running_is_answered_503_at_once():
+    """Serve holds a request until a replica runs, for ever if replacements keep failing: with none running the front
+    door says so. Serve is asked at most once a second, not per request."""
+    asked = []
+    engine = Engine(RuntimeError("Serve would hold this request until a replica runs"))
+    client = front(lambda: asked.append(1) or 0, engine=engine)
+    for _ in range(3):
+        resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 503 and "no engine replica is running" in resp.json()["error"]["message"]
+    assert engine.calls == 0 and len(asked) == 1
+
+
+def test_the_front_doors_own_failures_are_openai_errors():
+    """A method it does not route (405) and Serve's refusal while the application is deleted were plain text or
+    FastAPI's {"detail"} shape."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    settings = FrontendSettings(str(default_model()), "dir", "ns")
+    engine = Engine(DeploymentUnavailableError("acache#EngineReplica is being deleted"))
+    client = TestClient(build_frontend(settings, engine=engine, directory=None, ready=lambda: 1),
+                        raise_server_exceptions=False)
+    resp = client.patch("/v1/completions", json={})
+    assert resp.status_code == 405 and resp.json()["error"]["type"] == "invalid_request_error"
+    resp = client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status_code == 503 and engine.calls == 1
+    assert resp.json()["error"]["message"].startswith("the engine replicas cannot be reached "
+                                                      "(DeploymentUnavailableError)")
 

@@ -152,3 +152,20 @@ def test_an_answer_waits_for_a_slow_directory_no_longer_than_the_bound(monkeypat
     assert got == [b"the answer"] and ended < 0.8
     assert arrived == [[("stored", "x", 3)]] and not r._late_flushes
 
+
+
+def test_a_routing_pass_every_replica_refused_backs_off_before_the_next():
+    """The span router offers every replica in its order; Serve sleeps between passes only when the router says so,
+    and without it a cluster whose replicas were all full re-ranked (and asked the directory) in a tight loop."""
+    r = router()
+
+    async def rank(by_id, spans):
+        return list(by_id)
+
+    r._rank = rank
+    request = pending("req-3")
+    request.routing_context = SimpleNamespace(should_backoff=False)
+    replicas = [SimpleNamespace(replica_id=replica(name)) for name in ("a", "b")]
+    order = asyncio.run(r.choose_replicas(replicas, request))
+    assert [[x.replica_id.unique_id for x in group] for group in order] == [["a"], ["b"]]
+    assert request.routing_context.should_backoff is True
