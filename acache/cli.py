@@ -413,7 +413,8 @@ def _serve_cluster(args: argparse.Namespace, cache_dir) -> int:
     except ImportError as exc:
         raise ValueError(f"--replicas runs on Ray Serve, which is not installed ({exc.name}): "
                          "pip install -e '.[cluster]'") from None
-    cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=args.ray_address,
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or None  # Ray's own variable joins as the flag does
+    cluster = ClusterSettings(replicas=args.replicas or 1, router=args.router, ray_address=address,
                               host=args.host, port=args.port, app_name=args.app_name, balance_absolute=args.balance_abs,
                               balance_relative=args.balance_rel, cpus_per_replica=args.cpus_per_replica,
                               gpus_per_replica=args.gpus_per_replica if args.gpus_per_replica is not None else
@@ -582,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--replicas", type=_positive_int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint")
     cluster.add_argument("--ray-address", default=None,
-                         help="join this Ray cluster (e.g. 'auto' or ray://HEAD:10001) instead of starting one")
+                         help="join this Ray cluster (e.g. 'auto' or ray://HEAD:10001; default: RAY_ADDRESS if set) "
+                              "instead of starting a local one")
     cluster.add_argument("--app-name", default="acache",
                          help="the Ray Serve application's name, which its affix directory's actor is named after")
     cluster.add_argument("--router", default="span", choices=["span", "default"],

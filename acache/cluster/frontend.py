@@ -27,6 +27,7 @@ from acache.models.loader import read_config
 from acache.models.tokenizer import Tokenizer
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.guard import authorized, protected
+from acache.server.http import http_error
 from acache.server.protocol import AffixRegistration, ChatCompletionRequest, error_body
 from acache.server.serving_affixes import leading_affix_ids
 
@@ -75,7 +76,7 @@ class SpanExtractor:
             except ValueError:
                 return (), None
         if path == "/v1/completions":
-            reuse = body.get("selector") != "off" and body.get("affix_reuse") != "off" and self.shares_affixes
+            reuse = self.reuses(body.get("selector"), body.get("affix_reuse"))
             ids = registered[0] if registered and reuse else None
             return (((affix_key(ids), len(ids)),) if ids else ()), registered
         if path == "/v1/chat/completions":
@@ -84,11 +85,15 @@ class SpanExtractor:
             count = 0
             if registered is not None and registered[1] is not None:
                 messages, count = list(registered[1]) + messages, len(registered[1])
-            reuse = request.selector != "off" and request.affix_reuse != "off" and self.shares_affixes
+            reuse = self.reuses(request.selector, request.affix_reuse)
             segments = self.affixer.chat_candidates(messages, reuse, count)
             found = tuple((affix_key(s.token_ids), len(s.token_ids)) for s in segments if isinstance(s, Affix))
             return found, registered
         return (), registered
+
+    def reuses(self, selector: object, affix_reuse: object) -> bool:
+        """Whether the replica reuses the request's spans (a span it computes whole is not pinned to its holder)."""
+        return selector != "off" and affix_reuse != "off" and self.shares_affixes
 
     def register(self, body: dict) -> None:
         """Mirrors a registration a replica accepted (the id is the content's hash: the same everywhere)."""
@@ -102,6 +107,11 @@ class SpanExtractor:
 
 def error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
     return JSONResponse(error_body(message, kind), status_code=status)
+
+
+def unreachable(exc: Exception) -> JSONResponse:
+    """Serve's refusal while the application is deployed or deleted (DeploymentUnavailableError, back-pressure)."""
+    return error(503, f"the engine replicas cannot be reached ({type(exc).__name__}); try again")
 
 
 def unkeyed() -> JSONResponse:
@@ -131,23 +141,36 @@ def running_replicas(app_name: str, deployment: str = "EngineReplica") -> int:
 
 
 class RunningCount:
-    """``ready()``, asked off the event loop at most once every :data:`READY_TTL_S`: a request with no replica running
-    is answered 503 at once, where Serve would hold it until one runs (for ever, if replacements keep failing)."""
+    """``ready()``, asked off the event loop by one call at a time, whatever the number of requests waiting on it: a
+    request with no replica running is answered 503 at once, where Serve would hold it until one runs (for ever, if
+    replacements keep failing). A count of running replicas is trusted for :data:`READY_TTL_S`; none running is asked
+    again at the next request, so a cluster that has just started serves as soon as Serve says so."""
 
     def __init__(self, ready: Callable[[], int]) -> None:
         self.ready = ready
         self.value: int | None = None
         self.at = float("-inf")
+        self._asking: asyncio.Future | None = None
+
+    def set(self, value: int | None) -> None:
+        self.value, self.at = value, time.monotonic()
 
     async def get(self) -> int | None:
         """The count, or None when Serve cannot be asked (the request then goes on, and Serve decides)."""
-        if time.monotonic() - self.at >= READY_TTL_S:
-            try:
-                self.value = await asyncio.to_thread(self.ready)
-            except Exception:
-                self.value = None
-            self.at = time.monotonic()
+        fresh = time.monotonic() - self.at < READY_TTL_S and bool(self.value)
+        if not fresh:
+            if self._asking is None:
+                self._asking = asyncio.ensure_future(self._ask())
+            await asyncio.shield(self._asking)  # a caller that leaves does not cancel the others' answer
         return self.value
+
+    async def _ask(self) -> None:
+        try:
+            self.set(await asyncio.to_thread(self.ready))
+        except Exception:
+            self.set(None)
+        finally:
+            self._asking = None
 
 
 def build_frontend(settings: FrontendSettings, engine, directory, ready: Callable[[], int] | None = None) -> FastAPI:
@@ -156,17 +179,12 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
     extractor = SpanExtractor(settings)
     app = FastAPI(title="acache cluster", description="OpenAI-compatible front door of acache replicas")
     ready = ready or functools.partial(running_replicas, settings.app_name)
-    running = RunningCount(ready)
+    count = RunningCount(ready)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):  # a 405, as the single server words it
-        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                     "invalid_request_error")
+    app.add_exception_handler(StarletteHTTPException, http_error)  # a 405, as the single server words it
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        if isinstance(exc, RayServeException):  # the application is being deployed or deleted
-            return error(503, f"the engine replicas cannot be reached ({type(exc).__name__}); try again")
         log.exception("internal error on %s", request.url.path, exc_info=exc)
         return error(500, "internal error; the front door's log has the details")
 
@@ -177,17 +195,21 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
             running = await asyncio.to_thread(ready)
         except Exception as exc:  # Serve's controller cannot be asked: not ready, and say why
             return JSONResponse({"status": "unknown", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        count.set(running)  # a request right after a 200 here finds the replicas running
         body = {"status": "ok" if running >= settings.replicas else "starting", "replicas_ready": running,
                 "replicas": settings.replicas}
         return JSONResponse(body, status_code=200 if running >= settings.replicas else 503)
 
     async def forward(forwarded: ForwardedRequest) -> Response:
-        if await running.get() == 0:
+        if await count.get() == 0:
             return error(503, "no engine replica is running (the cluster is starting, or replacing one that failed); "
                               "try again")
         tries = settings.retries + 1
         for n in range(tries):
-            stream = engine.options(stream=True).handle.remote(forwarded)
+            try:
+                stream = engine.options(stream=True).handle.remote(forwarded)
+            except RayServeException as exc:  # Serve's own handler for these answers plain text: answered here
+                return unreachable(exc)
             relayed = False
             try:
                 start = await stream.__anext__()
@@ -204,6 +226,8 @@ def build_frontend(settings: FrontendSettings, engine, directory, ready: Callabl
             except REPLICA_GONE as exc:
                 log.warning("replica gone while serving %s (try %d of %d): %s", forwarded.path, n + 1, tries, exc)
                 last = exc
+            except RayServeException as exc:
+                return unreachable(exc)
             finally:
                 if not relayed:  # a client that went away (or a failed try) cancels the replica's work
                     stream.cancel()

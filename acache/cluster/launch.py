@@ -26,8 +26,9 @@ NAMESPACE = "acache"
 ROUTERS = ("span", "default")
 #: the route the front door answers under: the OpenAI paths from the root, as the single server answers them
 ROUTE_PREFIX = "/"
-#: what a stopping replica has on top of its requests' grace, for its reuse checks (CHECKS_GRACE_S), the engine
-#: thread's stop and the affix save: Serve's bound covers requests and save together, and kills a replica past it
+#: what a stopping replica has beyond --shutdown-grace for its reuse checks (CHECKS_GRACE_S), the engine thread's
+#: stop and the affix save. Serve's bound covers requests and save together (it waits for the requests, then saves),
+#: so a request that runs past the grace takes from the save's time; Serve kills a replica past the bound
 SAVE_ALLOWANCE_S = 20.0
 #: how long past the replicas' own bound a stop waits for Serve's controller to see them gone
 STOP_MARGIN_S = 15.0
@@ -74,6 +75,9 @@ class ClusterSettings:
                     or value < 0):
                 what = "number of seconds" if name == "shutdown_grace" else "number"
                 raise ValueError(f"{name} must be a non-negative {what}, got {value!r}")
+        if self.gpus_per_replica > 1 and self.gpus_per_replica != int(self.gpus_per_replica):
+            raise ValueError(f"gpus_per_replica above 1 must be a whole number (Ray shares a GPU, not several), "
+                             f"got {self.gpus_per_replica!r}")
 
     @property
     def directory(self) -> str:
@@ -103,8 +107,8 @@ class Frontend:
 
 def connect(cluster: ClusterSettings) -> None:
     """Starts a local Ray instance, or joins ``ray_address``'s (a no-op when Ray is up in this process)."""
-    if not ray.is_initialized():
-        ray.init(address=cluster.ray_address, namespace=NAMESPACE, include_dashboard=False,
+    if not ray.is_initialized():  # "local": never a cluster found by itself (RAY_ADDRESS is the caller's to pass)
+        ray.init(address=cluster.ray_address or "local", namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=bool(os.environ.get("ACACHE_RAY_LOGS")))
 
 
@@ -147,10 +151,14 @@ def check_resources(cluster: ClusterSettings) -> None:
     """Refuses replicas that ask for more GPUs or CPUs than the Ray cluster has: Serve would wait for them for ever,
     saying so only in its own log. Only logged on a cluster joined by address, whose autoscaler may add nodes."""
     have = ray.cluster_resources()
-    short = [f"{cluster.replicas} replicas need {each * cluster.replicas:g} {name}s ({each:g} each) and the Ray "
-             f"cluster has {have.get(name, 0):g}" for name, each in (("GPU", cluster.gpus_per_replica),
-                                                                      ("CPU", cluster.cpus_per_replica))
-             if each * cluster.replicas > have.get(name, 0)]
+    gpus, each = int(have.get("GPU", 0)), cluster.gpus_per_replica
+    # a share of a GPU must fit on one GPU: three replicas of 0.6 do not fit on two
+    placeable = math.inf if each == 0 else gpus * math.floor(1 / each + 1e-9) if each < 1 else gpus // int(each)
+    short = [f"{cluster.replicas} replicas need {each * cluster.replicas:g} GPUs ({each:g} each), and the Ray "
+             f"cluster's {gpus} place {placeable}"] if cluster.replicas > placeable else []
+    if cluster.cpus_per_replica * cluster.replicas > have.get("CPU", 0):
+        short.append(f"{cluster.replicas} replicas need {cluster.cpus_per_replica * cluster.replicas:g} CPUs "
+                     f"({cluster.cpus_per_replica:g} each) and the Ray cluster has {have.get('CPU', 0):g}")
     if not short:
         return
     message = "; ".join(short) + " (--gpus-per-replica, --cpus-per-replica and --replicas set what they ask for)"
@@ -219,11 +227,13 @@ def stop(cluster: ClusterSettings, within: float | None = None) -> bool:
     deletion goes on in Serve, and the caller decides whether to stop Ray under it."""
     within = cluster.stop_bound_s if within is None else within
     deadline = time.monotonic() + within
-    serve.delete(cluster.app_name, _blocking=False)  # Serve's own wait is a fixed 60 s: this one is the caller's
-    while cluster.app_name in serve.status().applications:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.25)
-    with contextlib.suppress(ValueError):  # already gone
-        ray.kill(ray.get_actor(cluster.directory, namespace=NAMESPACE))
-    return True
+    try:
+        serve.delete(cluster.app_name, _blocking=False)  # Serve's own wait is a fixed 60 s: this one is the caller's
+        while cluster.app_name in serve.status().applications:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.25)
+        return True
+    finally:  # detached: left, it would outlive the command on a joined cluster
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(cluster.directory, namespace=NAMESPACE))

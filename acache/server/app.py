@@ -20,6 +20,7 @@ from acache.scoring import DEFAULT_SAMPLES
 from acache.server.affix_reuse import AffixRegistry, AutoAffixer
 from acache.server.async_engine import AsyncEngine
 from acache.server.guard import Guard
+from acache.server.http import http_error
 from acache.server.logprobs import DEFAULT_SCORING_TOKENS, Scorer
 from acache.server.metrics import metrics_registry, render_metrics
 from acache.server.protocol import (
@@ -95,6 +96,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         closed.append(True)
         ctx.drain.expire()  # whatever the grace period left running stops now
         ctx.score_pool.shutdown(wait=False, cancel_futures=True)
+        if not engine.started:  # refused at its start (another app serves the LLM): the engine is not this app's
+            return
         engine.shutdown()
         if affix_cache_dir is not None:
             try:
@@ -142,10 +145,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
             message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid body")
         return error(400, message)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else
-                     "invalid_request_error")
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest):

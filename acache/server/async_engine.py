@@ -111,7 +111,13 @@ class AsyncEngine:
         self.wake.set()
         if self._thread is not None:  # one refused at its start leaves the other app's engine served
             self._thread.join(timeout=10)
-            self.engine.served = False
+            if not self._thread.is_alive():  # a thread still stepping keeps the engine its own
+                self.engine.served = False
+
+    @property
+    def started(self) -> bool:
+        """This engine's thread was started (false for one whose start was refused)."""
+        return self._thread is not None
 
     @property
     def stopped(self) -> bool:

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import json
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
 from acache.server.protocol import error_body
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """An error FastAPI raises itself (404 no route, 405 method) in the API's shape, as every other 4xx."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
 
 def json_error_protocol() -> type:

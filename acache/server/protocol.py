@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from acache.affix.chat import template_messages
 from acache.policies import ANCHOR_PASSES, ANCHOR_QUERIES, COMMIT_RULES, DEFAULT_SELECTOR, SELECTOR_CHOICES
 from acache.sampling_params import SamplingParams
+from acache.server.stops import stop_list
 
 MAX_LOGPROBS = 20
 #: stop strings a request may give, and their length: each block of a stream looks for every one in the text, on
@@ -100,7 +101,7 @@ class DiffusionFields(BaseModel):
         model's ``default_selector``. Raises BadRequest naming the request's own fields."""
         if self.n not in (None, 1):
             raise BadRequest("only n=1 is supported")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        stops = stop_list(self.stop)  # an empty string is no stop, and counts as none
         if len(stops) > MAX_STOPS:
             raise BadRequest(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):

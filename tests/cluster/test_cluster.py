@@ -271,12 +271,32 @@ def test_replicas_asking_for_more_than_the_cluster_has_are_refused_before_deploy
 
     short = ClusterSettings(replicas=2, port=local_ray, app_name="test-no-gpu", gpus_per_replica=0.5)
     model = str(default_model())
-    with pytest.raises(ClusterStartError, match=r"2 replicas need 1 GPUs \(0.5 each\) and the Ray cluster has 0"):
+    with pytest.raises(ClusterStartError, match=r"2 replicas need 1 GPUs \(0.5 each\), and the Ray cluster's 0 "
+                                                r"place 0"):
         start(short, ReplicaSettings(model, "tiny", short.directory, NAMESPACE),
               FrontendSettings(model, short.directory, NAMESPACE, app_name=short.app_name))
     assert short.app_name not in serve.status().applications
     with pytest.raises(ClusterStartError, match="need 1000 CPUs"):
         check_resources(ClusterSettings(replicas=2, cpus_per_replica=500))
+
+
+@pytest.mark.parametrize(("gpus", "each", "replicas", "fits"), [(2, 0.6, 3, False), (2, 0.6, 2, True),
+                                                                  (2, 0.5, 4, True), (4, 2, 2, True), (3, 2, 2, False),
+                                                                  (0, 0, 5, True)])
+def test_a_share_of_a_gpu_must_fit_on_one_gpu(monkeypatch, gpus, each, replicas, fits):
+    """Three replicas of 0.6 GPU on two GPUs passed a check of totals (1.8 <= 2), and the third waited for ever."""
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": float(gpus), "CPU": 2.0})
+    settings = ClusterSettings(replicas=replicas, gpus_per_replica=each)
+    if fits:
+        check_resources(settings)
+    else:
+        with pytest.raises(ClusterStartError, match=f"{replicas} replicas need"):
+            check_resources(settings)
+
+
+def test_more_than_one_gpu_a_replica_is_a_whole_number():
+    with pytest.raises(ValueError, match="gpus_per_replica above 1 must be a whole number"):
+        ClusterSettings(gpus_per_replica=1.5)
 
 
 def test_a_replica_that_cannot_start_is_named_with_its_own_error(local_ray, tmp_path):

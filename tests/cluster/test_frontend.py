@@ -95,25 +95,28 @@ class Engine:
 
 def test_a_request_with_no_replica_running_is_answered_503_at_once():
     """Serve holds a request until a replica runs, for ever if replacements keep failing: with none running the front
-    door says so. Serve is asked at most once a second, not per request."""
+    door says so (asking Serve again at each request, so that the first replica to run serves at once)."""
     asked = []
     engine = Engine(RuntimeError("Serve would hold this request until a replica runs"))
     client = front(lambda: asked.append(1) or 0, engine=engine)
     for _ in range(3):
         resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert resp.status_code == 503 and "no engine replica is running" in resp.json()["error"]["message"]
-    assert engine.calls == 0 and len(asked) == 1
+    assert engine.calls == 0 and len(asked) == 3
 
 
 def test_the_front_doors_own_failures_are_openai_errors():
     """A method it does not route (405) and Serve's refusal while the application is deleted were plain text or
     FastAPI's {"detail"} shape."""
+    from fastapi.responses import PlainTextResponse
     from ray.serve.exceptions import DeploymentUnavailableError
 
     settings = FrontendSettings(str(default_model()), "dir", "ns")
     engine = Engine(DeploymentUnavailableError("acache#EngineReplica is being deleted"))
-    client = TestClient(build_frontend(settings, engine=engine, directory=None, ready=lambda: 1),
-                        raise_server_exceptions=False)
+    app = build_frontend(settings, engine=engine, directory=None, ready=lambda: 1)
+    # as Serve does once the front door runs under it: its own plain-text handler for its own refusals
+    app.add_exception_handler(DeploymentUnavailableError, lambda request, exc: PlainTextResponse(str(exc), 503))
+    client = TestClient(app, raise_server_exceptions=False)
     resp = client.patch("/v1/completions", json={})
     assert resp.status_code == 405 and resp.json()["error"]["type"] == "invalid_request_error"
     resp = client.post("/v1/completions", json={"prompt": "x"})
@@ -121,3 +124,41 @@ def test_the_front_doors_own_failures_are_openai_errors():
     assert resp.json()["error"]["message"].startswith("the engine replicas cannot be reached "
                                                       "(DeploymentUnavailableError)")
 
+
+
+def test_a_cluster_that_has_just_started_serves_once_health_says_so():
+    """A count of none running was kept for a second: a client that saw /health answer 200 got 503s."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    running = [0]
+    engine = Engine(DeploymentUnavailableError("reached the replicas"))
+    client = front(lambda: running[0], replicas=2, engine=engine)
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503 and engine.calls == 0
+    running[0] = 2
+    assert client.get("/health").status_code == 200
+    resp = client.post("/v1/completions", json={"prompt": "x"})
+    assert engine.calls == 1 and "cannot be reached" in resp.json()["error"]["message"]
+
+
+def test_requests_waiting_on_the_count_share_one_question_to_serve():
+    """Each request arriving while the count was stale asked Serve on a thread of its own (50 at once: 50 calls)."""
+    import threading
+
+    from acache.cluster.frontend import RunningCount
+
+    asked, gate = [], threading.Event()
+
+    def ready() -> int:
+        asked.append(1)
+        gate.wait(5)
+        return 2
+
+    count = RunningCount(ready)
+
+    async def many():
+        waiting = [asyncio.ensure_future(count.get()) for _ in range(50)]
+        await asyncio.sleep(0.1)
+        gate.set()
+        return await asyncio.gather(*waiting)
+
+    assert asyncio.run(many()) == [2] * 50 and len(asked) == 1

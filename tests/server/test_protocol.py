@@ -50,3 +50,8 @@ def test_each_bad_field_is_named(fields, message):
     with pytest.raises(BadRequest, match=message):
         body.to_sampling_params(reuse=True)
     assert body.model_dump() == before
+
+
+def test_empty_stop_strings_are_no_stops_and_count_toward_no_limit():
+    body = CompletionRequest(prompt="x", max_tokens=4, stop=[""] * (MAX_STOPS + 1) + ["\n"])
+    assert body.to_sampling_params(reuse=False).gen_length == 4
