@@ -96,7 +96,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_reques
         closed.append(True)
         ctx.drain.expire()  # whatever the grace period left running stops now
         ctx.score_pool.shutdown(wait=False, cancel_futures=True)
-        if not engine.started:  # refused at its start (another app serves the LLM): the engine is not this app's
+        if not engine.started and llm.engine.served:  # refused at its start: another app serves the LLM
             return
         engine.shutdown()
         if affix_cache_dir is not None:
