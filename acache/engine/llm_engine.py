@@ -172,7 +172,7 @@ class LLMEngine:
         user's behalf text after the answer on a block-causal model, which the engine would decode beside, never
         reading it; :meth:`add_request` itself takes such a prompt (its equivalence tests draw every layout)."""
         request = self._request(prompt, params, "", None, False)
-        if getattr(self.model, "block_causal", False):
+        if getattr(self.model, "block_causal", False) and not self.state_cache:  # those refuse it in _request
             check_nothing_after_answer(self.model.family, request.prompt)
         self.scheduler.check(request)
 

@@ -89,7 +89,7 @@ def check_sizes(config: object, label: str, names: tuple[str, ...], reals: tuple
         if isinstance(value, bool) or not isinstance(value, int):  # true would be token 1, 259.0 a float id
             raise ValueError(f"{label}: {name} must be an integer token id, got {value!r}")
         if not 0 <= value < config.vocab_size:
-            raise ValueError(f"{label}: {name}={getattr(config, name)} is outside the vocabulary of "
+            raise ValueError(f"{label}: {name}={value} is outside the vocabulary of "
                              f"{config.vocab_size}")
 
 
